@@ -1,0 +1,72 @@
+"""Catalog of public decoder architectures: ``data/architectures/*.json``, one file per model.
+
+Each file holds ``name`` (lower-case, dash separated), ``aliases`` (e.g. the HF repo id),
+``hf_config`` (the published ``config.json`` fields that shape memory), ``published_params``
+(the parameter count the authors state or the checkpoint holds) and ``source`` (where both came from).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from memfit.schema import ModelSpec
+
+ARCH_DIR = Path(__file__).parent / "architectures"
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+@lru_cache(maxsize=1)
+def load_catalog() -> dict[str, dict[str, Any]]:
+    """All catalog entries by normalised name and alias."""
+    entries: dict[str, dict[str, Any]] = {}
+    for path in sorted(ARCH_DIR.glob("*.json")):
+        entry = json.loads(path.read_text())
+        for key in [entry["name"], *entry.get("aliases", [])]:
+            k = _norm(key)
+            if k in entries and entries[k]["name"] != entry["name"]:
+                raise ValueError(f"catalog name clash on {key!r} in {path.name}")
+            entries[k] = entry
+    return entries
+
+
+def names() -> list[str]:
+    """Canonical catalog names, sorted."""
+    return sorted({e["name"] for e in load_catalog().values()})
+
+
+def get(name: str) -> dict[str, Any]:
+    """Catalog entry for a name or alias (case-insensitive).
+
+    Raises:
+        KeyError: unknown name; the message lists close matches.
+    """
+    cat = load_catalog()
+    k = _norm(name)
+    if k not in cat:
+        import difflib
+
+        close = difflib.get_close_matches(k, list(cat), n=5)
+        raise KeyError(f"unknown model {name!r}; close matches: {close or 'none'}; see data/architectures/")
+    return cat[k]
+
+
+def spec(name_or_config: str | dict[str, Any]) -> ModelSpec:
+    """:class:`ModelSpec` for a catalog name or a HF ``config.json`` dict.
+
+    Catalog entries use the published parameter count; a raw config is counted by building the
+    model on the ``meta`` device (needs torch + transformers).
+    """
+    from memfit.hf import model_spec, spec_fields_from_hf_config
+
+    if isinstance(name_or_config, str):
+        entry = get(name_or_config)
+        fields = spec_fields_from_hf_config(entry["hf_config"])
+        n = int(entry["published_params"])
+        return ModelSpec(**fields, model_name=entry["name"], total_params=n, trainable_params=n)
+    return model_spec(name_or_config)

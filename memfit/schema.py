@@ -1,0 +1,328 @@
+"""The one telemetry schema shared by the collector, the store, the service and the client.
+
+A :class:`TelemetryRecord` is one measured training step: the model (:class:`ModelSpec`), the
+training configuration (:class:`TrainingConfig`), the cluster (:class:`ClusterSpec`) and what was
+measured (:class:`Measurement`). Every size is in bytes; names carry their unit.
+
+Field names are unique across the four parts, so a record flattens to one row
+(:meth:`TelemetryRecord.to_row`) for SQL, Parquet and CSV, and back (:meth:`TelemetryRecord.from_row`).
+
+Bytes per parameter of each :class:`Precision` mode (weights + gradients; optimizer states are
+counted by :class:`Optimizer`):
+
+============================  =======  =====  ========================================
+mode                          weights  grads  notes
+============================  =======  =====  ========================================
+``fp32``                      4        4      everything fp32
+``amp_fp16`` / ``amp_bf16``   4        4      ``torch.autocast``: fp32 parameters, half
+                                              precision activations, transient half
+                                              copies of weights in forward
+``bf16``                      2        2      pure bf16; optimizer states in bf16 too
+``bf16_fp32_master``          2 (+4)   2 (+4) DeepSpeed/Megatron style: bf16 weights and
+                                              grads plus an fp32 master copy of weights
+                                              (4) and transient fp32 grads (4)
+============================  =======  =====  ========================================
+
+Optimizer state bytes per trainable parameter, in the dtype of the parameters the optimizer owns
+(fp32 unless ``bf16``): AdamW 2 states (8 B fp32), SGD with momentum 1 (4 B), Adafactor factored
+second moment (~0 per parameter for matrices). With mixed-precision Adam this gives the ZeRO paper's
+2 + 2 + 12 = 16 bytes per parameter (Rajbhandari et al. 2020, arXiv 1910.02054, Sec. 3.1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from datetime import datetime, timezone
+from enum import StrEnum
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GIB = 1 << 30
+
+# Upper limits that reject absurd input while admitting every real model and cluster.
+MAX_LAYERS = 1024
+MAX_HIDDEN = 1 << 17
+MAX_VOCAB = 1 << 22
+MAX_PARAMS = 10**13
+MAX_SEQ_LEN = 1 << 22
+MAX_MICRO_BATCH = 1 << 14
+MAX_WORLD = 1 << 17
+MAX_DEVICE_MEMORY_BYTES = 1 << 44  # 16 TiB
+
+
+class Precision(StrEnum):
+    """Training numerics; see the module docstring for bytes per parameter."""
+
+    FP32 = "fp32"
+    AMP_FP16 = "amp_fp16"
+    AMP_BF16 = "amp_bf16"
+    BF16 = "bf16"
+    BF16_FP32_MASTER = "bf16_fp32_master"
+
+
+class Optimizer(StrEnum):
+    """Optimizer and its kernel flavour (``torch.optim`` names)."""
+
+    ADAMW_FOREACH = "adamw_foreach"
+    ADAMW_FUSED = "adamw_fused"
+    SGD_MOMENTUM = "sgd_momentum"
+    ADAFACTOR = "adafactor"
+
+
+class Sharding(StrEnum):
+    """Data-parallel sharding of model states.
+
+    ``zero1`` shards optimizer states, ``zero2`` also gradients, ``zero3`` also parameters
+    (arXiv 1910.02054). ``fsdp_full_shard`` re-shards parameters after forward (ZeRO-3-like);
+    ``fsdp_shard_grad_op`` keeps them gathered between forward and backward (ZeRO-2-like).
+    """
+
+    NONE = "none"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+    FSDP_FULL_SHARD = "fsdp_full_shard"
+    FSDP_SHARD_GRAD_OP = "fsdp_shard_grad_op"
+
+
+class Attention(StrEnum):
+    """Attention kernel: ``sdpa``/``flash`` never materialise the s×s score matrix, ``eager`` does."""
+
+    SDPA = "sdpa"
+    FLASH = "flash"
+    EAGER = "eager"
+
+
+class FineTune(StrEnum):
+    """What is trained: all weights, LoRA adapters only, or all but the first frozen layers."""
+
+    FULL = "full"
+    LORA = "lora"
+    FROZEN = "frozen"
+
+
+class CheckpointImpl(StrEnum):
+    """``torch.utils.checkpoint`` flavour."""
+
+    NON_REENTRANT = "non_reentrant"
+    REENTRANT = "reentrant"
+
+
+class Method(StrEnum):
+    """How the peak was measured."""
+
+    FAKE_TRACKER = "fake_tracker"  # live-storage tracker under FakeTensorMode (no allocation)
+    CPU_TRACKER = "cpu_tracker"  # live-storage tracker over real CPU tensors
+    CUDA = "cuda"  # torch.cuda.max_memory_allocated / max_memory_reserved
+
+
+class Source(StrEnum):
+    COLLECTOR = "collector"
+    USER_JOB = "user_job"
+
+
+class Phase(StrEnum):
+    INIT = "init"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class ModelSpec(_Part):
+    """Architecture of a decoder-only transformer (HF ``config.json`` terms in brackets)."""
+
+    architecture: str = Field(min_length=1, max_length=64, description="family, HF model_type (llama, gpt2, ...)")
+    model_name: str | None = Field(None, max_length=128, description="catalog name when known")
+    num_layers: int = Field(ge=1, le=MAX_LAYERS, description="decoder layers [num_hidden_layers]")
+    hidden_size: int = Field(ge=1, le=MAX_HIDDEN)
+    num_attention_heads: int = Field(ge=1, le=4096)
+    num_key_value_heads: int = Field(ge=1, le=4096, description="KV heads; < heads means GQA/MQA")
+    head_dim: int | None = Field(None, ge=1, le=4096, description="set when != hidden/heads (Gemma)")
+    intermediate_size: int = Field(ge=1, le=MAX_HIDDEN * 8, description="FFN width")
+    vocab_size: int = Field(ge=1, le=MAX_VOCAB)
+    tie_word_embeddings: bool = False
+    num_experts: int | None = Field(None, ge=1, le=4096, description="MoE experts per layer")
+    num_experts_per_token: int | None = Field(None, ge=1, le=4096, description="MoE top-k")
+    total_params: int = Field(ge=1, le=MAX_PARAMS, description="parameters, tied weights counted once")
+    trainable_params: int = Field(ge=0, le=MAX_PARAMS)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.trainable_params > self.total_params:
+            raise ValueError(
+                f"trainable_params={self.trainable_params} must be in [0, total_params={self.total_params}]"
+            )
+        if (self.num_experts is None) != (self.num_experts_per_token is None):
+            raise ValueError("num_experts and num_experts_per_token must be given together")
+        if self.num_experts is not None and self.num_experts_per_token > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_token={self.num_experts_per_token} must be in [1, num_experts={self.num_experts}]"
+            )
+        return self
+
+
+class TrainingConfig(_Part):
+    """One training step's configuration, per data-parallel rank."""
+
+    micro_batch_size: int = Field(ge=1, le=MAX_MICRO_BATCH, description="sequences per rank per step")
+    seq_len: int = Field(ge=1, le=MAX_SEQ_LEN, description="tokens per sequence")
+    precision: Precision = Precision.AMP_BF16
+    optimizer: Optimizer = Optimizer.ADAMW_FOREACH
+    sharding: Sharding = Sharding.NONE
+    data_parallel_size: int = Field(1, ge=1, le=MAX_WORLD)
+    tensor_parallel_size: int = Field(1, ge=1, le=1024)
+    pipeline_parallel_size: int = Field(1, ge=1, le=1024)
+    attention: Attention = Attention.SDPA
+    finetune: FineTune = FineTune.FULL
+    lora_rank: int | None = Field(None, ge=1, le=4096)
+    lora_target_modules: list[str] | None = None
+    frozen_layers: int = Field(0, ge=0, le=MAX_LAYERS, description="leading layers (and embeddings) frozen")
+    checkpoint_layers: list[int] = Field(default_factory=list, description="indices of checkpointed layers")
+    checkpoint_impl: CheckpointImpl = CheckpointImpl.NON_REENTRANT
+
+    @property
+    def num_checkpointed_layers(self) -> int:
+        """k, the number of activation-checkpointed decoder layers."""
+        return len(self.checkpoint_layers)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
+            raise ValueError("checkpoint_layers must not repeat an index")
+        if any(i < 0 for i in self.checkpoint_layers):
+            raise ValueError("checkpoint_layers indices must be >= 0")
+        if self.finetune is FineTune.LORA and self.lora_rank is None:
+            raise ValueError("lora_rank is required when finetune='lora' (allowed: 1..4096)")
+        if self.finetune is not FineTune.LORA and self.lora_rank is not None:
+            raise ValueError("lora_rank is only allowed with finetune='lora'")
+        if self.finetune is FineTune.FROZEN and self.frozen_layers == 0:
+            raise ValueError("frozen_layers must be >= 1 when finetune='frozen'")
+        if self.sharding is not Sharding.NONE and self.data_parallel_size < 2:
+            raise ValueError(f"sharding={self.sharding.value} needs data_parallel_size >= 2")
+        return self
+
+
+class ClusterSpec(_Part):
+    """Device and software the step ran on (or is planned for)."""
+
+    device_name: str = Field(min_length=1, max_length=128, description="e.g. 'NVIDIA H100 80GB HBM3', 'cpu'")
+    device_memory_bytes: int = Field(ge=1, le=MAX_DEVICE_MEMORY_BYTES)
+    gpu_count: int = Field(1, ge=1, le=MAX_WORLD, description="devices in the job")
+    torch_version: str | None = None
+    transformers_version: str | None = None
+    deepspeed_version: str | None = None
+
+
+class Measurement(_Part):
+    """What one training step used, per device. The peak is the max over the first two steps."""
+
+    peak_allocated_bytes: int = Field(ge=0, le=1 << 50, description="max tensor bytes allocated")
+    peak_reserved_bytes: int | None = Field(None, ge=0, le=1 << 50, description="CUDA caching allocator only")
+    memory_after_init_bytes: int | None = Field(None, ge=0, le=1 << 50)
+    memory_after_forward_bytes: int | None = Field(None, ge=0, le=1 << 50)
+    peak_phase: Phase | None = None
+    oom: bool = False
+    step_time_s: float | None = Field(None, ge=0, description="wall time of a really executed step")
+    method: Method
+    source: Source = Source.COLLECTOR
+    active_peak_bytes: int | None = Field(None, ge=0, le=1 << 50, description="CUDA active_bytes.all.peak")
+    num_alloc_retries: int | None = Field(None, ge=0)
+    outside_torch_bytes: int | None = Field(
+        None, ge=0, le=1 << 50, description="device memory used outside PyTorch (context, cuBLAS, NCCL)"
+    )
+    recomputed_layers: int | None = Field(None, ge=0, description="layers seen recomputing in backward")
+
+
+def _row_fields() -> dict[str, tuple[str, Any]]:
+    """Flat column name -> (part attribute, pydantic FieldInfo)."""
+    out: dict[str, tuple[str, Any]] = {}
+    for part, cls in (("model", ModelSpec), ("training", TrainingConfig), ("cluster", ClusterSpec),
+                      ("measurement", Measurement)):
+        for name, info in cls.model_fields.items():
+            assert name not in out, f"duplicate flat field {name}"
+            out[name] = (part, info)
+    return out
+
+
+class TelemetryRecord(_Part):
+    """One measured training step. ``record_id`` makes ingestion idempotent."""
+
+    record_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=8, max_length=64,
+                           pattern=r"^[A-Za-z0-9_.:-]+$")
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    model: ModelSpec
+    training: TrainingConfig
+    cluster: ClusterSpec
+    measurement: Measurement
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        L = self.model.num_layers
+        t = self.training
+        if t.num_checkpointed_layers > L:
+            raise ValueError(f"checkpointed layers k={t.num_checkpointed_layers} must be in [0, num_layers={L}]")
+        if any(i >= L for i in t.checkpoint_layers):
+            raise ValueError(f"checkpoint_layers indices must be in [0, {L - 1}]")
+        if t.frozen_layers > L:
+            raise ValueError(f"frozen_layers={t.frozen_layers} must be in [0, num_layers={L}]")
+        world = t.data_parallel_size * t.tensor_parallel_size * t.pipeline_parallel_size
+        if world > self.cluster.gpu_count:
+            raise ValueError(f"data*tensor*pipeline parallel size={world} exceeds gpu_count={self.cluster.gpu_count}")
+        if self.measurement.method is not Method.CUDA and self.measurement.peak_reserved_bytes is not None:
+            raise ValueError("peak_reserved_bytes is only allowed with method='cuda'")
+        return self
+
+    def to_row(self) -> dict[str, Any]:
+        """Flatten to one dict of scalars (enums as strings, lists as JSON text)."""
+        row: dict[str, Any] = {"record_id": self.record_id, "created_at": self.created_at}
+        for part in ("model", "training", "cluster", "measurement"):
+            for k, v in getattr(self, part).model_dump(mode="json").items():
+                row[k] = json.dumps(v) if isinstance(v, list) else v
+        row["num_checkpointed_layers"] = self.training.num_checkpointed_layers
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "TelemetryRecord":
+        """Inverse of :meth:`to_row`; raises ``pydantic.ValidationError`` naming the bad field."""
+        parts: dict[str, dict[str, Any]] = {"model": {}, "training": {}, "cluster": {}, "measurement": {}}
+        for name, (part, _info) in ROW_FIELDS.items():
+            if name not in row:
+                continue
+            v = row[name]
+            if isinstance(v, float) and v != v:  # NaN from pandas means missing
+                v = None
+            if name in ("checkpoint_layers", "lora_target_modules") and isinstance(v, str):
+                v = json.loads(v)
+            if v is not None:
+                parts[part][name] = v
+        data: dict[str, Any] = {**parts}
+        if row.get("record_id") is not None:
+            data["record_id"] = row["record_id"]
+        if row.get("created_at") is not None:
+            data["created_at"] = row["created_at"]
+        return cls.model_validate(data)
+
+    def content_hash(self) -> str:
+        """SHA-256 of everything but ``record_id`` and ``created_at``: tells a true duplicate from a conflict."""
+        body = self.model_dump(mode="json", exclude={"record_id", "created_at"})
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+#: flat column name -> (part, FieldInfo), for the store and Parquet/CSV
+ROW_FIELDS: dict[str, tuple[str, Any]] = _row_fields()

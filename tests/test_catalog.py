@@ -1,0 +1,115 @@
+"""Catalog of public architectures (``data/architectures/*.json``).
+
+Every entry is built from its ``hf_config`` with transformers on the ``meta`` device and its
+parameter count must match the independently published count within 1%.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from data import catalog
+from data.catalog import ARCH_DIR
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from memfit.hf import count_params_from_config, quiet_transformers  # noqa: E402
+
+ENTRIES = {e["name"]: e for e in (json.loads(p.read_text()) for p in sorted(ARCH_DIR.glob("*.json")))}
+REL_TOL = 0.01
+
+
+
+def built_params(cfg: dict) -> int:
+    """Parameters of the model built from ``cfg`` on the meta device (tied weights once)."""
+    with quiet_transformers():
+        return count_params_from_config(cfg)
+
+
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_built_params_match_published(name):
+    entry = ENTRIES[name]
+    built = built_params(entry["hf_config"])
+    published = entry["published_params"]
+    rel = abs(built - published) / published
+    assert rel < REL_TOL, f"{name}: built {built:,} vs published {published:,} ({rel:.2%})"
+
+
+@pytest.mark.parametrize(
+    "model_type", sorted({e["hf_config"]["model_type"] for e in ENTRIES.values()})
+)
+def test_count_params_from_config_builds_family(model_type):
+    """One catalog model of every family builds (SDPA-less families fall back to eager attention)."""
+    cfg = min(
+        (e for e in ENTRIES.values() if e["hf_config"]["model_type"] == model_type),
+        key=lambda e: e["published_params"],
+    )["hf_config"]
+    with quiet_transformers():
+        assert count_params_from_config(cfg) > 0
+
+
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_spec_for_every_entry(name):
+    spec = catalog.spec(name)
+    assert spec.model_name == name
+    assert spec.total_params == ENTRIES[name]["published_params"]
+
+
+def test_get_is_case_insensitive_and_resolves_aliases():
+    assert catalog.get("LLAMA-3-8B")["name"] == "llama-3-8b"
+    assert catalog.get("  Llama_3_8B ")["name"] == "llama-3-8b"
+    assert catalog.get("meta-llama/Meta-Llama-3-8B")["name"] == "llama-3-8b"
+    assert catalog.get("meta-llama/meta-llama-3-8b")["name"] == "llama-3-8b"
+    assert catalog.get("Qwen/Qwen2.5-7B-Instruct")["name"] == "qwen2.5-7b"
+    assert catalog.get("openai-community/gpt2")["name"] == "gpt2"
+    assert catalog.get("TIIUAE/FALCON-7B")["name"] == "falcon-7b"
+    for name, entry in ENTRIES.items():
+        assert catalog.get(name) is catalog.get(name.upper())
+        for alias in entry["aliases"]:
+            assert catalog.get(alias)["name"] == name
+
+
+def test_unknown_name_raises_with_close_matches():
+    with pytest.raises(KeyError) as info:
+        catalog.get("llama-3-9b")
+    msg = str(info.value)
+    assert "close matches" in msg
+    assert "llama-3-8b" in msg
+
+
+def test_unknown_name_without_close_match():
+    with pytest.raises(KeyError, match="none"):
+        catalog.get("zzzz-no-such-model-qqqq")
+
+
+@pytest.mark.parametrize(
+    "name, layers, hidden, kv_heads, head_dim, tied",
+    [
+        ("llama-3-8b", 32, 4096, 8, None, False),
+        ("llama-2-70b", 80, 8192, 8, None, False),
+        ("gpt2-xl", 48, 1600, 25, None, True),
+        ("gemma-7b", 28, 3072, 16, 256, True),
+        ("falcon-7b", 32, 4544, 1, None, True),
+        ("opt-13b", 40, 5120, 40, None, True),
+    ],
+)
+def test_spec_fields(name, layers, hidden, kv_heads, head_dim, tied):
+    spec = catalog.spec(name)
+    entry = catalog.get(name)
+    assert spec.model_name == name
+    assert spec.architecture == entry["hf_config"]["model_type"]
+    assert spec.num_layers == layers
+    assert spec.hidden_size == hidden
+    assert spec.num_key_value_heads == kv_heads
+    assert spec.head_dim == head_dim
+    assert spec.tie_word_embeddings is tied
+    assert spec.total_params == spec.trainable_params == entry["published_params"]
+
+
+def test_spec_moe_fields():
+    spec = catalog.spec("mixtral-8x7b")
+    assert (spec.num_experts, spec.num_experts_per_token) == (8, 2)
+    assert spec.num_layers == 32

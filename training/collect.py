@@ -1,0 +1,360 @@
+"""Measure one training step's peak memory by running it — the collector's core.
+
+:func:`measure` builds a model from a HF config dict with random weights, applies fine-tuning mode,
+activation checkpointing (through :func:`memfit.checkpointing.apply_activation_checkpointing`, the
+function the client uses), sharding and the optimizer, then runs two real steps (forward, loss,
+backward, optimizer step) and returns a validated :class:`memfit.schema.TelemetryRecord`.
+
+Devices:
+
+* ``fake``: ``FakeTensorMode`` on device cpu + :class:`training.tracker.LiveStorageTracker`
+  (nothing is allocated; method ``fake_tracker``);
+* ``cpu``: real CPU tensors + the same tracker (method ``cpu_tracker``; gives a real step time);
+* ``cuda``: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` after a reset (method ``cuda``).
+
+Sharding is measured by running FSDP2 ``fully_shard`` over a fake process group of world size
+``data_parallel_size`` (rank 0 is measured):
+
+* ``zero3`` and ``fsdp_full_shard`` -> ``fully_shard(reshard_after_forward=True)``: parameters,
+  gradients and optimizer states sharded; each layer's parameters are all-gathered just in time.
+* ``zero2`` and ``fsdp_shard_grad_op`` -> ``fully_shard(reshard_after_forward=False)``: parameters stay
+  gathered from forward to backward. DeepSpeed ZeRO-2 keeps the full parameters all the time; at the
+  backward peak both hold every layer's parameters, so the peak matches, while FSDP2's resting
+  state between steps is lower.
+* ``zero1`` -> ``torch.distributed.optim.ZeroRedundancyOptimizer`` (optimizer states sharded only).
+
+Mixed precision with sharding uses FSDP2's ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=fp32)``
+instead of autocast, which is how FSDP2 users train. Tensor and pipeline parallelism are not
+simulated: the collector requires both sizes to be 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any
+
+import torch
+
+from memfit.checkpointing import apply_activation_checkpointing
+from memfit.hf import build_causal_lm, decoder_layers, model_spec, quiet_transformers
+from memfit.schema import (
+    Attention, CheckpointImpl, ClusterSpec, FineTune, Measurement, Method, Optimizer, Phase, Precision, Sharding,
+    TelemetryRecord, TrainingConfig,
+)
+from training.tracker import LiveStorageTracker
+
+_HALF = {Precision.AMP_FP16: torch.float16, Precision.AMP_BF16: torch.bfloat16}
+_FSDP_RESHARD = {
+    Sharding.ZERO3: True, Sharding.FSDP_FULL_SHARD: True,
+    Sharding.ZERO2: False, Sharding.FSDP_SHARD_GRAD_OP: False,
+}
+
+
+def param_dtype(precision: Precision) -> torch.dtype:
+    """dtype the model's parameters are stored in."""
+    return torch.bfloat16 if precision in (Precision.BF16, Precision.BF16_FP32_MASTER) else torch.float32
+
+
+class MasterWeightsOptimizer:
+    """bf16 parameters with an fp32 master copy (DeepSpeed/Megatron ``bf16`` optimizer style).
+
+    Holds fp32 copies of the trainable parameters; ``step`` casts each bf16 gradient to fp32 on
+    the master, steps the inner optimizer on the masters and copies them back into the bf16 weights.
+    """
+
+    def __init__(self, params, make_inner) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [p.detach().float().requires_grad_(True) for p in self.params]
+        self.inner = make_inner(self.masters)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            if p.grad is not None:
+                m.grad = p.grad.float()
+                p.grad = None
+        self.inner.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+            m.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def make_optimizer(kind: Optimizer, params, *, lr: float = 1e-4, process_group=None):
+    """A ``torch.optim`` optimizer of the given kind (wrapped in ZeroRedundancyOptimizer for ZeRO-1)."""
+    table: dict[Optimizer, tuple[type, dict[str, Any]]] = {
+        Optimizer.ADAMW_FOREACH: (torch.optim.AdamW, {"lr": lr, "foreach": True}),
+        Optimizer.ADAMW_FUSED: (torch.optim.AdamW, {"lr": lr, "fused": True}),
+        Optimizer.SGD_MOMENTUM: (torch.optim.SGD, {"lr": lr, "momentum": 0.9, "foreach": True}),
+        Optimizer.ADAFACTOR: (torch.optim.Adafactor, {"lr": lr, "foreach": True}),
+    }
+    cls, kwargs = table[kind]
+    params = [p for p in params if p.requires_grad]
+    if process_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=process_group, **kwargs)
+    return cls(params, **kwargs)
+
+
+def _fake_process_group(world_size: int):
+    """Initialise (or re-initialise) the default process group as a fake one of ``world_size``."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_world_size() == world_size:
+            return dist.group.WORLD
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    return dist.group.WORLD
+
+
+def _apply_finetune(model, training: TrainingConfig, layers) -> Any:
+    if training.finetune is FineTune.LORA:
+        from peft import LoraConfig, get_peft_model
+
+        cfg = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0,
+                         target_modules=training.lora_target_modules, task_type="CAUSAL_LM")
+        with _module_to_via_set_data():
+            return get_peft_model(model, cfg)
+    if training.finetune is FineTune.FROZEN:
+        model.get_input_embeddings().requires_grad_(False)
+        for layer in list(layers)[: training.frozen_layers]:
+            layer.requires_grad_(False)
+    return model
+
+
+@contextlib.contextmanager
+def _module_to_via_set_data():
+    """Make ``nn.Module.to`` convert parameters through ``.data`` assignment.
+
+    ``Module._apply`` swaps fake parameters with ``torch.utils.swap_tensors``, which refuses tensors
+    that have weak references (the fake mode keeps some), so PEFT's ``module.to(device, dtype)`` of new
+    adapters fails under ``FakeTensorMode``. Assigning ``.data`` keeps the same Parameter objects and
+    allocates what the real conversion would.
+    """
+    orig = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
+        with torch.no_grad():
+            for t in [*self.parameters(), *self.buffers()]:
+                want = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else t.dtype
+                if (device is not None and t.device != device) or want != t.dtype:
+                    t.data = t.data.to(device or t.device, want)
+        return self
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = orig
+
+
+def _check_supported(training: TrainingConfig) -> None:
+    if training.tensor_parallel_size != 1 or training.pipeline_parallel_size != 1:
+        raise ValueError("the collector simulates tensor_parallel_size=1 and pipeline_parallel_size=1 only")
+
+
+def _device_context(device: str):
+    if device == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        return FakeTensorMode(allow_non_fake_inputs=False), Method.FAKE_TRACKER
+    if device == "cpu":
+        return contextlib.nullcontext(), Method.CPU_TRACKER
+    if device == "cuda":
+        return torch.device("cuda"), Method.CUDA
+    raise ValueError(f"device must be one of fake, cpu, cuda; got {device!r}")
+
+
+def _cluster(device: str, training: TrainingConfig) -> ClusterSpec:
+    import transformers
+
+    world = training.data_parallel_size * training.tensor_parallel_size * training.pipeline_parallel_size
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        name, mem = props.name, props.total_memory
+    else:
+        name = "fake-cpu" if device == "fake" else "cpu"
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        import deepspeed  # noqa: F401
+
+        ds_version = deepspeed.__version__
+    except ImportError:
+        ds_version = None
+    return ClusterSpec(device_name=name, device_memory_bytes=mem, gpu_count=world, torch_version=torch.__version__,
+                       transformers_version=transformers.__version__, deepspeed_version=ds_version)
+
+
+def measure(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    *,
+    model_name: str | None = None,
+    device: str = "fake",
+    steps: int = 2,
+    seed: int = 0,
+) -> TelemetryRecord:
+    """Run ``steps`` training steps and return the measured record (peak = max over the steps).
+
+    Args:
+        hf_config: HF ``config.json`` dict of the model.
+        training: configuration; ``checkpoint_layers`` says which decoder layers recompute.
+        model_name: catalog name stored with the record.
+        device: ``fake`` | ``cpu`` | ``cuda`` (see module docstring).
+        steps: training steps (>= 2 so that the optimizer states created in step 1 are present in step 2).
+
+    Raises:
+        ValueError: unsupported configuration (tensor/pipeline parallel > 1) or bad arguments.
+        pydantic.ValidationError: the resulting record is invalid (e.g. k > layers).
+    """
+    plans = [training.checkpoint_layers]
+    return next(iter(measure_family(hf_config, training, plans, model_name=model_name, device=device,
+                                    steps=steps, seed=seed)))
+
+
+def measure_family(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    checkpoint_plans: list[list[int]],
+    *,
+    model_name: str | None = None,
+    device: str = "fake",
+    steps: int = 2,
+    seed: int = 0,
+    prime: bool = False,
+):
+    """Measure one configuration family at several checkpoint plans, building the model once.
+
+    For each plan the checkpointing is re-applied, a fresh optimizer is made and ``steps`` steps run;
+    ``training.checkpoint_layers`` is replaced by the plan. Yields one :class:`TelemetryRecord` per plan.
+
+    ``prime=True`` (the sweep's setting) creates the optimizer states first with one optimizer step on
+    zero gradients, outside the peak window, and then measures ``steps`` steps. Step 1 of an unprimed
+    run holds a subset of what step 2 holds (no optimizer states until its optimizer phase, which
+    allocates the same states and temporaries as step 2's), so the max over two unprimed steps equals
+    one primed step's peak; ``tests/test_collect.py`` checks this equality to the byte. It halves the
+    sweep's time.
+    On CUDA an out-of-memory step yields a record with ``oom=True`` and the device capacity as peak.
+    """
+    _check_supported(training)
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    torch.manual_seed(seed)
+    ctx, method = _device_context(device)
+    world = training.data_parallel_size
+    group = _fake_process_group(world) if training.sharding is not Sharding.NONE else None
+    mesh = None
+    if training.sharding in _FSDP_RESHARD:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda" if device == "cuda" else "cpu", (world,))  # outside the fake mode
+    tracker = LiveStorageTracker() if method is not Method.CUDA else None
+    amp_dtype = _HALF.get(training.precision)
+    use_autocast = amp_dtype is not None and mesh is None
+    on = "cuda" if device == "cuda" else "cpu"
+    cluster = _cluster(device, training)
+
+    def live() -> int:
+        return tracker.live_bytes if tracker else torch.cuda.memory_allocated()
+
+    with quiet_transformers(), ctx, (tracker or contextlib.nullcontext()):
+        model = build_causal_lm(hf_config, dtype=param_dtype(training.precision), attention=training.attention.value)
+        if model.config._attn_implementation == "eager" and training.attention is not Attention.EAGER:
+            training = training.model_copy(update={"attention": Attention.EAGER})  # family lacks SDPA
+        layers = decoder_layers(model)
+        model = _apply_finetune(model, training, layers)
+        spec = model_spec(hf_config, model, name=model_name)  # counts include LoRA adapters
+        reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
+        apply_activation_checkpointing(model, [], layers=layers, use_reentrant=reentrant)
+        if mesh is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": _FSDP_RESHARD[training.sharding]}
+            if amp_dtype is not None:
+                kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
+            for layer in layers:
+                fully_shard(layer, **kw)
+            fully_shard(model, **kw)
+        ids = torch.randint(0, spec.vocab_size, (training.micro_batch_size, training.seq_len), device=on)
+        zero1_group = group if training.sharding is Sharding.ZERO1 else None
+
+        for plan_layers in checkpoint_plans:
+            plan = apply_activation_checkpointing(model, plan_layers, layers=layers, use_reentrant=reentrant)
+            if training.precision is Precision.BF16_FP32_MASTER:
+                opt = MasterWeightsOptimizer(
+                    model.parameters(), lambda ps: make_optimizer(training.optimizer, ps, process_group=zero1_group))
+            else:
+                opt = make_optimizer(training.optimizer, model.parameters(), process_group=zero1_group)
+            if prime:
+                _prime_optimizer(model, opt)
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            after_init = live()
+            if tracker:
+                tracker.reset_peak()
+            after_forward, oom, step_times = None, False, []
+            try:
+                for step in range(steps):
+                    t0 = time.perf_counter()
+                    _set_phase(tracker, Phase.FORWARD)
+                    with torch.autocast(on, dtype=amp_dtype) if use_autocast else contextlib.nullcontext():
+                        loss = model(input_ids=ids, labels=ids).loss
+                    if step == 0:
+                        after_forward = live()
+                    _set_phase(tracker, Phase.BACKWARD)
+                    loss.backward()
+                    del loss
+                    _set_phase(tracker, Phase.OPTIMIZER)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    step_times.append(time.perf_counter() - t0)
+            except torch.OutOfMemoryError:
+                oom = True
+                loss = None
+                model.zero_grad(set_to_none=True)
+            del opt
+            if tracker:
+                peak, phase = tracker.peak_bytes, tracker.peak_phase
+            else:
+                peak = cluster.device_memory_bytes if oom else torch.cuda.max_memory_allocated()
+                phase = None
+            measurement = Measurement(
+                peak_allocated_bytes=peak,
+                peak_reserved_bytes=torch.cuda.max_memory_reserved() if device == "cuda" else None,
+                memory_after_init_bytes=after_init,
+                memory_after_forward_bytes=after_forward,
+                peak_phase=phase,
+                oom=oom,
+                step_time_s=None if device == "fake" or oom else min(step_times),
+                method=method,
+                recomputed_layers=len(plan.recomputed),
+            )
+            yield TelemetryRecord(model=spec, training=training.model_copy(update={"checkpoint_layers": plan_layers}),
+                                  cluster=cluster, measurement=measurement)
+
+
+def _prime_optimizer(model, opt) -> None:
+    """Create optimizer states with one step on zero gradients (values are irrelevant to memory)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _set_phase(tracker: LiveStorageTracker | None, phase: Phase) -> None:
+    if tracker is not None:
+        tracker.phase = phase
