@@ -160,6 +160,11 @@ def _module_to_via_set_data():
 def _check_supported(training: TrainingConfig) -> None:
     if training.tensor_parallel_size != 1 or training.pipeline_parallel_size != 1:
         raise ValueError("the collector simulates tensor_parallel_size=1 and pipeline_parallel_size=1 only")
+    if training.optimizer is Optimizer.ADAFACTOR and training.sharding in _FSDP_RESHARD:
+        # torch.optim.Adafactor squares its row/column means in place; on FSDP2's DTensor parameters those
+        # are _NormPartial placements, and DTensor refuses in-place ops that change placement (torch 2.13).
+        raise ValueError(f"optimizer=adafactor cannot run with sharding={training.sharding.value} "
+                         "(FSDP2 DTensor parameters); use zero1 or an AdamW/SGD optimizer")
 
 
 def _device_context(device: str):

@@ -21,7 +21,7 @@ import multiprocessing as mp
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator
 
 from memfit.schema import Attention, FineTune, Optimizer, Precision, Sharding, TrainingConfig
@@ -71,7 +71,9 @@ class SweepGrid:
         precisions, optimizers, attentions: drawn with the given weights (first value most often).
         shardings: (sharding, data-parallel sizes) options; ``none`` uses dp=1.
         lora_ranks: ranks drawn for LoRA families; ``finetune_weights`` = (full, lora, frozen).
-        families_per_model: families sampled per model (big models get fewer; see ``big_model_layers``).
+        families_per_model: families sampled per model with at most ``small_model_layers`` layers; models
+            up to ``big_model_layers`` get ``mid_families_per_model``, bigger ones ``big_families_per_model``
+            (a record's tracing time grows with the layer count).
         k_points: max k values per family (k = 0..L evenly spaced).
         seed: sampling seed (the grid is deterministic).
         fixed: families always included (acceptance checks rely on them).
@@ -92,8 +94,11 @@ class SweepGrid:
     attention_weights: list[float] = field(default_factory=lambda: [4, 1])
     lora_ranks: list[int] = field(default_factory=lambda: [8, 16, 64])
     finetune_weights: list[float] = field(default_factory=lambda: [7, 2, 1])
-    families_per_model: int = 14
+    families_per_model: int = 24
+    small_model_layers: int = 24
+    mid_families_per_model: int = 10
     big_model_layers: int = 40
+    big_families_per_model: int = 3
     k_points: int = 13
     seed: int = 0
     fixed: list[Family] = field(default_factory=list)
@@ -105,7 +110,8 @@ class SweepGrid:
         out: list[Family] = list(self.fixed)
         for name in self.models:
             layers = catalog.spec(name).num_layers
-            n = self.families_per_model if layers <= self.big_model_layers else max(2, self.families_per_model // 3)
+            n = (self.families_per_model if layers <= self.small_model_layers
+                 else self.mid_families_per_model if layers <= self.big_model_layers else self.big_families_per_model)
             for _ in range(n):
                 sharding, dps = rng.choices(self.shardings, self.sharding_weights)[0]
                 finetune = rng.choices(["full", "lora", "frozen"], self.finetune_weights)[0]
@@ -120,6 +126,9 @@ class SweepGrid:
                     lora_rank=rng.choice(self.lora_ranks) if finetune == "lora" else None,
                     frozen_layers=max(1, layers // 4) if finetune == "frozen" else 0,
                 ))
+                if out[-1].optimizer == "adafactor" and sharding not in ("none", "zero1"):
+                    # torch's Adafactor cannot step FSDP2 DTensors (see training/collect.py)
+                    out[-1] = replace(out[-1], optimizer="adamw_foreach")
         seen: set[Family] = set()
         unique = [f for f in out if not (f in seen or seen.add(f))]
         rng.shuffle(unique)  # a sweep stopped early is still a spread sample
@@ -193,6 +202,7 @@ def run_sweep(families: list[Family], *, store, device: str = "fake", workers: i
         for fam, recs, err, _secs in results:
             if err:
                 summary["failed"].append({"family": asdict(fam), "error": err})
+                bar.write(f"failed: {fam} -> {err[:300]}")
             else:
                 rep = store.add(recs)
                 summary["stored"] += len(rep.stored)

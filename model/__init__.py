@@ -1,0 +1,1 @@
+"""memfit's predictor: analytic memory terms, features and the LightGBM model (see issue: predictor)."""

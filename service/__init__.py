@@ -1,0 +1,1 @@
+"""memfit's HTTP service (FastAPI)."""

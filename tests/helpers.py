@@ -1,0 +1,35 @@
+"""Shared test builders (not fixtures, so tests read top to bottom)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.schema import ClusterSpec, Measurement, ModelSpec, TelemetryRecord, TrainingConfig
+
+TINY_LLAMA: dict[str, Any] = {
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+
+def record(**over: Any) -> TelemetryRecord:
+    """A valid record; keyword overrides go to the part that owns the field."""
+    parts: dict[str, dict[str, Any]] = {
+        "model": dict(architecture="llama", model_name="tiny", num_layers=4, hidden_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=256, total_params=100_000,
+                      trainable_params=100_000),
+        "training": dict(micro_batch_size=2, seq_len=128, checkpoint_layers=[0, 1]),
+        "cluster": dict(device_name="fake-cpu", device_memory_bytes=1 << 34, gpu_count=1),
+        "measurement": dict(peak_allocated_bytes=123_456_512, method="fake_tracker"),
+    }
+    top: dict[str, Any] = {}
+    owners = {"model": ModelSpec, "training": TrainingConfig, "cluster": ClusterSpec, "measurement": Measurement}
+    for k, v in over.items():
+        for part, cls in owners.items():
+            if k in cls.model_fields:
+                parts[part][k] = v
+                break
+        else:
+            top[k] = v
+    return TelemetryRecord(**{p: owners[p](**d) for p, d in parts.items()}, **top)

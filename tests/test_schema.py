@@ -1,0 +1,57 @@
+import pytest
+from pydantic import ValidationError
+
+from memfit.schema import ModelSpec, TelemetryRecord, TrainingConfig
+from tests.helpers import record
+
+
+def test_roundtrip_through_flat_row():
+    rec = record(checkpoint_layers=[0, 3], finetune="lora", lora_rank=8, lora_target_modules=["q_proj", "v_proj"])
+    row = rec.to_row()
+    assert row["checkpoint_layers"] == "[0, 3]" and row["num_checkpointed_layers"] == 2
+    assert TelemetryRecord.from_row(row) == rec
+
+
+@pytest.mark.parametrize(
+    "over, field_word",
+    [
+        (dict(hidden_size=65), "hidden_size"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(checkpoint_layers=[0, 1, 2, 3, 4]), "num_layers=4"),
+        (dict(checkpoint_layers=[7]), "[0, 3]"),
+        (dict(checkpoint_layers=[1, 1]), "repeat"),
+        (dict(micro_batch_size=0), "micro_batch_size"),
+        (dict(seq_len=-5), "seq_len"),
+        (dict(trainable_params=200_000), "trainable_params"),
+        (dict(total_params=10**15, trainable_params=10), "total_params"),
+        (dict(sharding="zero3"), "data_parallel_size"),
+        (dict(finetune="lora"), "lora_rank"),
+        (dict(peak_reserved_bytes=10), "peak_reserved_bytes"),
+        (dict(data_parallel_size=8, sharding="zero1"), "gpu_count"),
+        (dict(precision="fp8"), "precision"),
+    ],
+)
+def test_invalid_records_name_the_field(over, field_word):
+    with pytest.raises(ValidationError) as err:
+        record(**over)
+    assert field_word in str(err.value)
+
+
+def test_k_property_and_defaults():
+    t = TrainingConfig(micro_batch_size=1, seq_len=16, checkpoint_layers=[2, 0])
+    assert t.num_checkpointed_layers == 2
+    assert t.precision.value == "amp_bf16" and t.checkpoint_impl.value == "non_reentrant"
+
+
+def test_content_hash_ignores_id_and_time_only():
+    a = record()
+    b = a.model_copy(update={"record_id": "other-id-123"})
+    assert a.content_hash() == b.content_hash()
+    c = record(peak_allocated_bytes=1024)
+    assert c.content_hash() != a.content_hash()
+
+
+def test_model_spec_rejects_moe_half_given():
+    with pytest.raises(ValidationError, match="num_experts"):
+        ModelSpec(architecture="mixtral", num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=64, vocab_size=10, total_params=10, trainable_params=10, num_experts=8)

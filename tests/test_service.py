@@ -1,0 +1,49 @@
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.settings import Settings
+from tests.helpers import record
+
+
+@pytest.fixture
+def client(tmp_path):
+    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 's.db'}", token="s3cret", max_body_bytes=64 * 1024))
+    return TestClient(app)
+
+
+AUTH = {"Authorization": "Bearer s3cret"}
+
+
+def test_health(client):
+    assert client.get("/v2/health/live").json() == {"status": "live"}
+    assert client.get("/v2/health/ready").json()["telemetry_records"] == 0
+
+
+def test_telemetry_ingest_idempotent_with_reasons(client):
+    good = record(record_id="job-00000001").model_dump(mode="json")
+    bad = record(record_id="job-00000002").model_dump(mode="json")
+    bad["training"]["micro_batch_size"] = 0
+    r = client.post("/telemetry", json=[good, bad], headers=AUTH)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["stored"] == ["job-00000001"]
+    assert body["rejected"][0]["index"] == 1 and "micro_batch_size" in body["rejected"][0]["reason"]
+    r = client.post("/telemetry", json=[good], headers=AUTH)
+    assert r.json()["duplicates"] == ["job-00000001"]
+    assert client.get("/v2/health/ready").json()["telemetry_records"] == 1
+
+
+def test_token_required(client):
+    r = client.post("/telemetry", json=[], headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.headers["content-type"].startswith("application/problem+json")
+
+
+def test_malformed_and_oversized_bodies_are_problems(client):
+    r = client.post("/telemetry", content=b"{not json", headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
+    r = client.post("/telemetry", json={"not": "a list"}, headers=AUTH)
+    assert r.status_code == 422
+    big = b"[" + b" " * (70 * 1024) + b"]"
+    r = client.post("/telemetry", content=big, headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["status"] == 413
