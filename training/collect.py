@@ -157,6 +157,56 @@ def _module_to_via_set_data():
         torch.nn.Module.to = orig
 
 
+@contextlib.contextmanager
+def _cuda_sdpa_kernels():
+    """Make masked SDPA under fake tensors take the memory-efficient kernel, as CUDA does.
+
+    On CPU, ``F.scaled_dot_product_attention`` with an explicit ``attn_mask`` (GPT-2 and Falcon pass
+    one) falls back to the math path, which saves the ``b·a·s²`` probabilities; on CUDA the same call
+    runs the memory-efficient kernel (``aten._scaled_dot_product_efficient_attention``), which saves
+    only the output and an fp32 log-sum-exp. Calls without a mask already take the flash kernel on
+    both. A boolean mask is turned into an additive bias of the query's dtype, as PyTorch does.
+    """
+    import torch.nn.functional as F
+
+    orig = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is None:
+            return orig(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+        if enable_gqa and key.shape[-3] != query.shape[-3]:
+            rep = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+        bias = attn_mask
+        if bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill_(~bias, float("-inf"))
+        elif bias.dtype != query.dtype:
+            bias = bias.to(query.dtype)
+        bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, need_lse, dropout_p, is_causal, scale=scale)[0]
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = orig
+
+
+# Families with learned absolute position embeddings: sequences longer than the table do not exist.
+LEARNED_POSITIONS = {"gpt2": "n_positions", "opt": "max_position_embeddings", "gpt_neo": "max_position_embeddings"}
+
+
+def max_seq_len(hf_config: dict[str, Any]) -> int | None:
+    """Longest sequence the model can embed, for families with learned position embeddings; else None."""
+    key = LEARNED_POSITIONS.get(hf_config.get("model_type", ""))
+    if key is None:
+        return None
+    return int(hf_config.get(key) or hf_config.get("max_position_embeddings") or 1024)
+
+
 def _check_supported(training: TrainingConfig) -> None:
     if training.tensor_parallel_size != 1 or training.pipeline_parallel_size != 1:
         raise ValueError("the collector simulates tensor_parallel_size=1 and pipeline_parallel_size=1 only")
@@ -236,6 +286,7 @@ def measure_family(
     steps: int = 2,
     seed: int = 0,
     prime: bool = False,
+    warmup: int = 0,
 ):
     """Measure one configuration family at several checkpoint plans, building the model once.
 
@@ -247,12 +298,16 @@ def measure_family(
     run holds a subset of what step 2 holds (no optimizer states until its optimizer phase, which
     allocates the same states and temporaries as step 2's), so the max over two unprimed steps equals
     one primed step's peak; ``tests/test_collect.py`` checks this equality to the byte. It halves the
-    sweep's time.
+    sweep's time. ``warmup`` full steps run before the peak window opens (the GPU validation uses 1).
     On CUDA an out-of-memory step yields a record with ``oom=True`` and the device capacity as peak.
     """
     _check_supported(training)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    limit = max_seq_len(hf_config)
+    if limit is not None and training.seq_len > limit:
+        raise ValueError(f"seq_len={training.seq_len} exceeds this model's learned position embeddings: "
+                         f"allowed 1..{limit}")
     torch.manual_seed(seed)
     ctx, method = _device_context(device)
     world = training.data_parallel_size
@@ -271,7 +326,8 @@ def measure_family(
     def live() -> int:
         return tracker.live_bytes if tracker else torch.cuda.memory_allocated()
 
-    with quiet_transformers(), ctx, (tracker or contextlib.nullcontext()):
+    sdpa_ctx = _cuda_sdpa_kernels() if device == "fake" else contextlib.nullcontext()
+    with quiet_transformers(), sdpa_ctx, ctx, (tracker or contextlib.nullcontext()):
         model = build_causal_lm(hf_config, dtype=param_dtype(training.precision), attention=training.attention.value)
         if model.config._attn_implementation == "eager" and training.attention is not Attention.EAGER:
             training = training.model_copy(update={"attention": Attention.EAGER})  # family lacks SDPA
@@ -301,43 +357,31 @@ def measure_family(
                 opt = make_optimizer(training.optimizer, model.parameters(), process_group=zero1_group)
             if prime:
                 _prime_optimizer(model, opt)
-            if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            after_init = live()
-            if tracker:
-                tracker.reset_peak()
-            after_forward, oom, step_times = None, False, []
+            oom = False
             try:
-                for step in range(steps):
-                    t0 = time.perf_counter()
-                    _set_phase(tracker, Phase.FORWARD)
-                    with torch.autocast(on, dtype=amp_dtype) if use_autocast else contextlib.nullcontext():
-                        loss = model(input_ids=ids, labels=ids).loss
-                    if step == 0:
-                        after_forward = live()
-                    _set_phase(tracker, Phase.BACKWARD)
-                    loss.backward()
-                    del loss
-                    _set_phase(tracker, Phase.OPTIMIZER)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    step_times.append(time.perf_counter() - t0)
+                # warm-up steps run outside the peak window (CUDA: allocator segments, cuBLAS workspace)
+                _run_steps(model, opt, ids, warmup, tracker, use_autocast, on, amp_dtype, live)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                after_init = live()
+                if tracker:
+                    tracker.reset_peak()
+                after_forward, step_times = _run_steps(model, opt, ids, steps, tracker, use_autocast, on, amp_dtype,
+                                                       live)
             except torch.OutOfMemoryError:
-                oom = True
-                loss = None
+                oom, after_init, after_forward, step_times = True, None, None, []
                 model.zero_grad(set_to_none=True)
             del opt
+            extra: dict[str, Any] = {}
             if tracker:
                 peak, phase = tracker.peak_bytes, tracker.peak_phase
             else:
                 peak = cluster.device_memory_bytes if oom else torch.cuda.max_memory_allocated()
                 phase = None
+                extra = _cuda_extras()
             measurement = Measurement(
                 peak_allocated_bytes=peak,
-                peak_reserved_bytes=torch.cuda.max_memory_reserved() if device == "cuda" else None,
                 memory_after_init_bytes=after_init,
                 memory_after_forward_bytes=after_forward,
                 peak_phase=phase,
@@ -345,9 +389,45 @@ def measure_family(
                 step_time_s=None if device == "fake" or oom else min(step_times),
                 method=method,
                 recomputed_layers=len(plan.recomputed),
+                **extra,
             )
             yield TelemetryRecord(model=spec, training=training.model_copy(update={"checkpoint_layers": plan_layers}),
                                   cluster=cluster, measurement=measurement)
+
+
+def _run_steps(model, opt, ids, n, tracker, use_autocast, on, amp_dtype, live):
+    """Run ``n`` training steps; returns (live bytes after the first forward, step times in s)."""
+    after_forward, times = None, []
+    for step in range(n):
+        t0 = time.perf_counter()
+        _set_phase(tracker, Phase.FORWARD)
+        with torch.autocast(on, dtype=amp_dtype) if use_autocast else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        if step == 0:
+            after_forward = live()
+        _set_phase(tracker, Phase.BACKWARD)
+        loss.backward()
+        del loss
+        _set_phase(tracker, Phase.OPTIMIZER)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if on == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return after_forward, times
+
+
+def _cuda_extras() -> dict[str, Any]:
+    """CUDA allocator figures of the peak window, plus device memory used outside PyTorch."""
+    stats = torch.cuda.memory_stats()
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "active_peak_bytes": stats.get("active_bytes.all.peak"),
+        "num_alloc_retries": stats.get("num_alloc_retries"),
+        # used on the device minus what PyTorch's caching allocator holds: CUDA context, cuBLAS workspace, NCCL
+        "outside_torch_bytes": max(0, total - free - torch.cuda.memory_reserved()),
+    }
 
 
 def _prime_optimizer(model, opt) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 from memfit.schema import Attention, FineTune, Optimizer, Precision, Sharding, TrainingConfig
 
-SCHEMA_TAG = "v1"
+SCHEMA_TAG = "v2"
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,7 @@ class SweepGrid:
 
     def families(self) -> list[Family]:
         from data import catalog
+        from training.collect import max_seq_len
 
         rng = random.Random(self.seed)
         out: list[Family] = list(self.fixed)
@@ -116,6 +117,9 @@ class SweepGrid:
                 sharding, dps = rng.choices(self.shardings, self.sharding_weights)[0]
                 finetune = rng.choices(["full", "lora", "frozen"], self.finetune_weights)[0]
                 seq = rng.choice(self.seq_lens)
+                limit = max_seq_len(catalog.get(name)["hf_config"])
+                if limit is not None and seq > limit:  # learned position embeddings end there
+                    seq = max([x for x in self.seq_lens if x <= limit], default=limit)
                 # eager attention materialises b*a*s^2 scores: keep it to the sequence lengths people use it at
                 attention = rng.choices(self.attentions, self.attention_weights)[0] if seq <= 4096 else "sdpa"
                 out.append(Family(

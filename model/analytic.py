@@ -1,0 +1,176 @@
+"""Analytic memory terms (bytes per device). Used as predictor features and as our own baseline.
+
+Model states follow Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", arXiv 1910.02054, Sec. 3.1 and 5 (Fig. 1): mixed-precision Adam holds
+2Ψ (fp16/bf16 weights) + 2Ψ (gradients) + KΨ optimizer states with K = 12 (fp32 master weights,
+momentum, variance); ZeRO stage 1 divides the optimizer states by the data-parallel degree N_d,
+stage 2 also the gradients, stage 3 also the weights. FSDP full-shard is stage 3; shard-grad-op
+shards like stage 3 at rest, and is counted like it here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.schema import ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
+
+_WEIGHT_BYTES = {Precision.FP32: 4, Precision.AMP_FP16: 4, Precision.AMP_BF16: 4, Precision.BF16: 2,
+                 Precision.BF16_FP32_MASTER: 2}
+# fp32 master copy held by the optimizer in bf16_fp32_master mode (the "4" of ZeRO's K = 12)
+_MASTER_BYTES = {Precision.BF16_FP32_MASTER: 4}
+# optimizer state tensors per trainable parameter (Adafactor's factored moments are O(rows + cols): 0 here)
+_STATES = {Optimizer.ADAMW_FOREACH: 2, Optimizer.ADAMW_FUSED: 2, Optimizer.SGD_MOMENTUM: 1, Optimizer.ADAFACTOR: 0}
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Per-device bytes of weights, gradients and optimizer states (master weights included)."""
+
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
+
+
+def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower_bound: bool = False) -> ModelStates:
+    """Weights, gradients and optimizer states held by one data-parallel rank.
+
+    Args:
+        model: total and trainable parameter counts are used (LoRA/frozen: states only for trainable).
+        training: precision, optimizer, sharding and data-parallel size.
+        zero1_lower_bound: ZeRO-1 as run by ``torch.distributed.optim.ZeroRedundancyOptimizer``
+            partitions whole parameters greedily, so rank 0's share of the optimizer states is not
+            exactly 1/N; with True, ZeRO-1 optimizer states count as 0, a guaranteed lower bound.
+
+    Returns:
+        :class:`ModelStates` in bytes. Gradients and optimizer states exist for trainable parameters
+        only; gradients have the weights' dtype, optimizer states are fp32 except in pure ``bf16``.
+    """
+    total, trainable = model.total_params, model.trainable_params
+    w = _WEIGHT_BYTES[training.precision]
+    state_dtype = 2 if training.precision is Precision.BF16 else 4
+    states_per_param = _STATES[training.optimizer] * state_dtype + _MASTER_BYTES.get(training.precision, 0)
+    weights = total * w
+    grads = trainable * w
+    opt = trainable * states_per_param
+    n = training.data_parallel_size
+    s = training.sharding
+    if s in (Sharding.ZERO3, Sharding.FSDP_FULL_SHARD, Sharding.FSDP_SHARD_GRAD_OP):
+        weights, grads, opt = weights // n, grads // n, opt // n
+    elif s is Sharding.ZERO2:
+        grads, opt = grads // n, opt // n
+    elif s is Sharding.ZERO1:
+        opt = 0 if zero1_lower_bound else opt // n
+    return ModelStates(weights, grads, opt)
+
+
+# -- activations ------------------------------------------------------------------------------------
+GATED_MLP_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", "gemma2",
+                                "gemma3_text", "phi3", "olmo", "olmo2", "cohere", "granite"})
+
+
+def activation_dtype_bytes(precision: Precision) -> int:
+    """Bytes per activation element: 4 in fp32 training, 2 with autocast or bf16 weights."""
+    return 4 if precision is Precision.FP32 else 2
+
+
+def activation_bytes_per_layer(model: ModelSpec, training: TrainingConfig) -> int:
+    """Activations one decoder layer saves for backward, per device (bytes).
+
+    Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+    arXiv 2205.05198, Sec. 4.1 / Table 2: a GPT layer with 16-bit activations saves
+    ``s·b·h·(34 + 5·a·s/h)`` bytes — attention block 11·sbh + 5·a·s²·b, MLP 19·sbh, two LayerNorms
+    4·sbh; with tensor parallel size t and sequence parallelism everything divides by t. We follow the
+    same accounting per tensor, generalised to what modern decoders differ in:
+
+    * no dropout (the 1-byte masks, sbh + as²b + sbh, are dropped) unless the family is GPT-2/OPT/BLOOM;
+    * grouped-query attention: K and V are ``s·b·kv·d`` each instead of ``s·b·h``;
+    * gated (SwiGLU/GeGLU) MLP of width f: input 2sbh + gate, up, activation and product 4·2·sbf,
+      instead of 2sbh + GeLU input 8sbh + second-linear input 8sbh;
+    * the ``5·a·s²·b`` score term only with eager attention (SDPA/flash save an fp32 log-sum-exp
+      ``4·a·s·b`` instead).
+
+    Scaled by 2 in fp32 training. Shapes: s = seq_len, b = micro_batch_size, h = hidden, a = heads.
+    """
+    s, b, h, a = training.seq_len, training.micro_batch_size, model.hidden_size, model.num_attention_heads
+    t = training.tensor_parallel_size
+    d = model.head_dim or h // a
+    kv = model.num_key_value_heads * d
+    q = a * d
+    dropout = model.architecture in ("gpt2", "opt", "bloom")
+    sbh = s * b * h
+    attn = 2 * sbh + 2 * s * b * q + 2 * 2 * s * b * kv + 2 * s * b * q  # QKV input, Q, K+V, out-proj input
+    if training.attention.value == "eager":
+        attn += 5 * a * s * s * b if dropout else 4 * a * s * s * b  # softmax output (+mask) and its use
+    else:
+        attn += 4 * a * s * b + 2 * s * b * q  # log-sum-exp (fp32) and the attention output
+    f = model.intermediate_size
+    if model.architecture in GATED_MLP_FAMILIES:
+        mlp = 2 * sbh + 4 * 2 * s * b * f
+    else:
+        mlp = 2 * sbh + 2 * s * b * f + 2 * s * b * f  # first-linear input, GeLU input, second-linear input
+    norms = 4 * sbh
+    masks = 2 * sbh if dropout else 0
+    total = (attn + mlp + norms + masks) // t
+    return total * activation_dtype_bytes(training.precision) // 2
+
+
+def logits_bytes(model: ModelSpec, training: TrainingConfig) -> int:
+    """Logits and the fp32 copies the loss makes: half-precision logits 2·s·b·v, fp32 upcast 4·s·b·v
+    and its gradient 4·s·b·v (HF ``ForCausalLMLoss`` upcasts before cross-entropy)."""
+    sbv = training.seq_len * training.micro_batch_size * model.vocab_size // training.tensor_parallel_size
+    return (activation_dtype_bytes(training.precision) + 8) * sbv
+
+
+@dataclass(frozen=True)
+class AnalyticEstimate:
+    """Our analytic peak, per device, with its parts (bytes)."""
+
+    states: ModelStates
+    activations_bytes: int  # non-checkpointed layers' saved activations
+    checkpoint_inputs_bytes: int  # the k checkpointed layers' saved inputs
+    recompute_bytes: int  # one layer re-materialised in backward (k > 0)
+    logits_bytes: int
+    optimizer_temp_bytes: int  # foreach optimizer temporaries in the step
+
+    @property
+    def backward_peak_bytes(self) -> int:
+        return (self.states.weights_bytes + self.states.optimizer_bytes + self.states.gradients_bytes
+                + self.activations_bytes + self.checkpoint_inputs_bytes + self.recompute_bytes + self.logits_bytes)
+
+    @property
+    def optimizer_peak_bytes(self) -> int:
+        return self.states.total_bytes + self.optimizer_temp_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.backward_peak_bytes, self.optimizer_peak_bytes)
+
+
+def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEstimate:
+    """Peak = max(backward, optimizer step) of model states + activations + logits (bytes per device).
+
+    The k checkpointed layers each keep only their input ``s·b·h`` (activation dtype); in backward
+    one of them is re-materialised at a time (Chen et al. 2016, arXiv 1604.06174, Sec. 3). A foreach
+    AdamW step allocates about one fp32 copy of the trainable parameters in temporaries
+    (``torch/optim/adamw.py``, ``_multi_tensor_adamw``: ``_foreach_sqrt`` of the variance, etc.).
+    """
+    states = model_state_bytes(model, training)
+    k = training.num_checkpointed_layers
+    L = model.num_layers
+    per_layer = activation_bytes_per_layer(model, training)
+    sbh = training.seq_len * training.micro_batch_size * model.hidden_size * activation_dtype_bytes(training.precision)
+    n = training.data_parallel_size if training.sharding is not Sharding.NONE else 1
+    temp_per_param = {Optimizer.ADAMW_FOREACH: 4, Optimizer.SGD_MOMENTUM: 4, Optimizer.ADAFACTOR: 4}.get(
+        training.optimizer, 0)
+    return AnalyticEstimate(
+        states=states,
+        activations_bytes=(L - k) * per_layer,
+        checkpoint_inputs_bytes=k * sbh // training.tensor_parallel_size,
+        recompute_bytes=per_layer if k else 0,
+        logits_bytes=logits_bytes(model, training),
+        optimizer_temp_bytes=model.trainable_params * temp_per_param // n,
+    )

@@ -1,0 +1,97 @@
+"""Facts that must hold on the shipped telemetry (data/telemetry/telemetry.parquet)."""
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from memfit.schema import TelemetryRecord
+from model.analytic import model_state_bytes
+
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
+GIB = 1 << 30
+FAMILY = ["model_name", "micro_batch_size", "seq_len", "precision", "optimizer", "sharding", "data_parallel_size",
+          "attention", "finetune", "lora_rank", "frozen_layers", "checkpoint_impl", "method"]
+# Checkpointing one more layer may *raise* the peak by at most this much: recompute of a checkpointed
+# layer in backward briefly re-materialises that layer's activations (tiny when activations are tiny).
+MONOTONE_TOLERANCE_BYTES = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def df() -> pd.DataFrame:
+    d = pd.read_parquet(SHIPPED)
+    d["lora_rank"] = d["lora_rank"].fillna(0)
+    return d
+
+
+def families(df):
+    return df[df.method != "cuda"].groupby(FAMILY, dropna=False)
+
+
+def test_size_and_coverage(df):
+    assert len(df) >= 5000
+    assert df["record_id"].is_unique
+    assert df["model_name"].nunique() >= 20
+    assert df["micro_batch_size"].min() == 1 and df["micro_batch_size"].max() == 8
+    assert df["seq_len"].min() <= 256 and df["seq_len"].max() >= 32768
+    assert set(df["precision"]) >= {"fp32", "amp_bf16", "amp_fp16", "bf16", "bf16_fp32_master"}
+    assert set(df["optimizer"]) >= {"adamw_foreach", "adamw_fused", "sgd_momentum", "adafactor"}
+    fsdp = df[df.sharding.isin(["fsdp_full_shard", "zero3"])]
+    assert fsdp.data_parallel_size.min() == 2 and fsdp.data_parallel_size.max() == 64
+    assert {"full", "lora", "frozen"} <= set(df["finetune"])
+
+
+def test_every_family_spans_k_zero_to_L(df):
+    for _key, fam in families(df):
+        ks = set(fam["num_checkpointed_layers"])
+        assert 0 in ks and fam["num_layers"].iloc[0] in ks
+
+
+def test_rows_validate(df):
+    for row in df.sample(min(len(df), 300), random_state=0).to_dict("records"):
+        row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+        row["lora_rank"] = row["lora_rank"] or None
+        TelemetryRecord.from_row(row)
+
+
+def test_peak_non_increasing_in_k(df):
+    worst = 0
+    for _key, fam in families(df):
+        peaks = fam.sort_values("num_checkpointed_layers")["peak_allocated_bytes"].to_numpy()
+        worst = max(worst, int((peaks[1:] - peaks[:-1]).max(initial=0)))
+    assert worst <= MONOTONE_TOLERANCE_BYTES, f"peak rose by {worst} bytes when checkpointing one more step of k"
+
+
+def test_opt_1_3b_short_sequences_gain_little(df):
+    # public report: 6.34 vs 6.41 GB at seq_len 64, micro-batch 4, fp16 mixed precision
+    f = df[(df.model_name == "opt-1.3b") & (df.seq_len == 64) & (df.micro_batch_size == 4)
+           & (df.precision == "amp_fp16") & (df.sharding == "none") & (df.finetune == "full")]
+    k0 = f[f.num_checkpointed_layers == 0].peak_allocated_bytes.iloc[0]
+    kl = f[f.num_checkpointed_layers == f.num_layers].peak_allocated_bytes.iloc[0]
+    assert abs(k0 - kl) < GIB
+    assert 5 * GIB < kl < 40 * GIB  # ~1.3B parameters x 16 bytes of model states dominate
+
+
+def test_peak_at_least_model_states(df):
+    sample = df.sample(min(len(df), 2000), random_state=1).to_dict("records")
+    for row in sample:
+        row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+        row["lora_rank"] = row["lora_rank"] or None
+        rec = TelemetryRecord.from_row(row)
+        states = model_state_bytes(rec.model, rec.training, zero1_lower_bound=True).total_bytes
+        assert rec.measurement.peak_allocated_bytes >= states, rec.record_id
+
+
+def test_saving_grows_with_tokens(df):
+    f = df[(df.model_name == "llama-3.2-1b") & (df.precision == "amp_bf16") & (df.optimizer == "adamw_foreach")
+           & (df.sharding == "none") & (df.finetune == "full") & (df.attention == "sdpa")]
+    saved = {}
+    for (mb, seq), g in f.groupby(["micro_batch_size", "seq_len"]):
+        ks = g.set_index("num_checkpointed_layers")["peak_allocated_bytes"]
+        if 0 in ks and 16 in ks:
+            saved[mb * seq] = max(saved.get(mb * seq, 0), ks[0] - ks[16])
+    tokens = sorted(saved)
+    assert len(tokens) >= 6
+    values = [saved[t] for t in tokens]
+    assert all(b >= a for a, b in zip(values, values[1:])), values
+    assert values[-1] > values[0] + GIB
