@@ -96,7 +96,7 @@ class SweepGrid:
     finetune_weights: list[float] = field(default_factory=lambda: [7, 2, 1])
     families_per_model: int = 24
     small_model_layers: int = 24
-    mid_families_per_model: int = 10
+    mid_families_per_model: int = 8
     big_model_layers: int = 40
     big_families_per_model: int = 3
     k_points: int = 13
@@ -135,8 +135,26 @@ class SweepGrid:
                     out[-1] = replace(out[-1], optimizer="adamw_foreach")
         seen: set[Family] = set()
         unique = [f for f in out if not (f in seen or seen.add(f))]
-        rng.shuffle(unique)  # a sweep stopped early is still a spread sample
-        return unique
+        return self._order(unique, rng)
+
+    def _order(self, fams: list[Family], rng: random.Random) -> list[Family]:
+        """Order so that a sweep stopped early is still useful: the fixed families, then two rounds
+        of one family per model (cheapest model first), then the rest by tracing cost (layers)."""
+        from data import catalog
+
+        layers = {m: catalog.spec(m).num_layers for m in {f.model for f in fams}}
+        fixed = [f for f in fams if f in set(self.fixed)]
+        rest = [f for f in fams if f not in set(self.fixed)]
+        rng.shuffle(rest)
+        first: list[Family] = []
+        for _round in range(2):
+            for m in sorted(layers, key=lambda m: (layers[m], m)):
+                pick = next((f for f in rest if f.model == m and f not in first), None)
+                if pick is not None:
+                    first.append(pick)
+        taken = set(first)
+        tail = sorted((f for f in rest if f not in taken), key=lambda f: layers[f.model])  # stable: keeps shuffle
+        return fixed + first + tail
 
 
 def _acceptance_families() -> list[Family]:
