@@ -106,7 +106,7 @@ def activation_bytes_per_layer(model: ModelSpec, training: TrainingConfig) -> in
     if training.attention.value == "eager":
         attn += 5 * a * s * s * b if dropout else 4 * a * s * s * b  # softmax output (+mask) and its use
     else:
-        attn += 4 * a * s * b + 2 * s * b * q  # log-sum-exp (fp32) and the attention output
+        attn += 4 * a * s * b  # fp32 log-sum-exp; the attention output is the out-proj input counted above
     f = model.intermediate_size
     if model.architecture in GATED_MLP_FAMILIES:
         mlp = 2 * sbh + 4 * 2 * s * b * f
