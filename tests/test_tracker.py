@@ -16,11 +16,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from torch import nn  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memfit.schema import Phase  # noqa: E402
-from training.tracker import LiveStorageTracker  # noqa: E402
+from memfit.schema import Phase
+from training.tracker import LiveStorageTracker
 
 
 def r512(nbytes: int) -> int:
@@ -116,11 +116,11 @@ def test_track_tensors_counts_preexisting_once_and_views_share_storage():
 # ------------------------------------------------------------------------------------------------
 # 2. Agreement with torch.distributed._tools.mem_tracker.MemTracker
 # ------------------------------------------------------------------------------------------------
-TINY_LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
-                  tie_word_embeddings=False)
-TINY_GPT2 = dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=128,
-                 tie_word_embeddings=True)
+TINY_LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 256,
+              "tie_word_embeddings": False}
+TINY_GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 128,
+             "tie_word_embeddings": True}
 
 
 def _two_adamw_steps(tracker_kind: str, cfg: dict, ckpt_layers: list[int]) -> int:

@@ -159,40 +159,52 @@ def _module_to_via_set_data():
 
 @contextlib.contextmanager
 def _cuda_sdpa_kernels():
-    """Make masked SDPA under fake tensors take the memory-efficient kernel, as CUDA does.
+    """Make SDPA under fake tensors pick the kernels CUDA picks, and HF build the masks real runs build.
 
-    On CPU, ``F.scaled_dot_product_attention`` with an explicit ``attn_mask`` (GPT-2 and Falcon pass
-    one) falls back to the math path, which saves the ``b·a·s²`` probabilities; on CUDA the same call
-    runs the memory-efficient kernel (``aten._scaled_dot_product_efficient_attention``), which saves
-    only the output and an fp32 log-sum-exp. Calls without a mask already take the flash kernel on
-    both. A boolean mask is turned into an additive bias of the query's dtype, as PyTorch does.
+    * On CPU, ``F.scaled_dot_product_attention`` with an explicit ``attn_mask`` or with dropout
+      (GPT-2's ``attn_pdrop``) falls back to the math path, which saves the ``b·a·s²`` probabilities;
+      on CUDA the same call runs the memory-efficient kernel
+      (``aten._scaled_dot_product_efficient_attention``), which saves only the output and an fp32
+      log-sum-exp. Calls with neither already take the flash kernel on both. A boolean mask becomes an
+      additive bias of the query's dtype, as PyTorch does.
+    * transformers treats every fake tensor as "tracing" (``utils.import_utils.is_tracing``), so
+      ``masking_utils.find_packed_sequence_indices`` never answers "no packed sequences" and a
+      ``(b, 1, s, s)`` mask is built that real runs without padding never build. The collector never
+      packs sequences, so that function answers None here.
     """
     import torch.nn.functional as F
 
     orig = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is None:
+        if attn_mask is None and dropout_p == 0.0:
             return orig(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=enable_gqa)
         if enable_gqa and key.shape[-3] != query.shape[-3]:
             rep = query.shape[-3] // key.shape[-3]
             key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
         bias = attn_mask
-        if bias.dtype == torch.bool:
-            bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill_(~bias, float("-inf"))
-        elif bias.dtype != query.dtype:
-            bias = bias.to(query.dtype)
-        bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        if bias is not None:
+            if bias.dtype == torch.bool:
+                bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill_(~bias,
+                                                                                                   float("-inf"))
+            elif bias.dtype != query.dtype:
+                bias = bias.to(query.dtype)
+            bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, need_lse, dropout_p, is_causal, scale=scale)[0]
 
+    from transformers import masking_utils
+
+    orig_packed = masking_utils.find_packed_sequence_indices
     F.scaled_dot_product_attention = sdpa
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
     finally:
         F.scaled_dot_product_attention = orig
+        masking_utils.find_packed_sequence_indices = orig_packed
 
 
 # Families with learned absolute position embeddings: sequences longer than the table do not exist.

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 from memfit.schema import Attention, FineTune, Optimizer, Precision, Sharding, TrainingConfig
 
-SCHEMA_TAG = "v2"
+SCHEMA_TAG = "v3"
 
 
 @dataclass(frozen=True)
