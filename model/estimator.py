@@ -28,6 +28,9 @@ from sklearn.utils.validation import check_is_fitted
 from model.features import FEATURE_NAMES, MONOTONE, build_features
 
 
+_LOG_ANALYTIC = FEATURE_NAMES.index("log_analytic_peak")
+
+
 class PeakMemoryRegressor(RegressorMixin, BaseEstimator):
     """Predict a training step's peak allocated bytes per device from configuration alone.
 
@@ -122,6 +125,12 @@ class PeakMemoryRegressor(RegressorMixin, BaseEstimator):
         check_is_fitted(self, "booster_")
         feats = build_features(X)
         return feats["log_analytic_peak"].to_numpy(), self.booster_.predict(feats)
+
+    def predict_matrix(self, M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Fast path: (log analytic peak, predicted log-ratio) for a ready feature matrix in
+        :data:`FEATURE_NAMES` order (e.g. :func:`model.features.curve_matrix`), one booster call."""
+        check_is_fitted(self, "booster_")
+        return M[:, _LOG_ANALYTIC], self.booster_.predict(M, num_threads=1)
 
     def predict(self, X: pd.DataFrame) -> np.ndarray:
         """Predicted peak allocated bytes per device, shape ``(n,)``."""

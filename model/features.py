@@ -8,13 +8,15 @@ its structure is (gated MLP, GQA ratio, learned-dropout families, widths).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
 from memfit.schema import (
     Attention, CheckpointImpl, FineTune, ModelSpec, Optimizer, Precision, Sharding, TrainingConfig,
 )
-from model.analytic import GATED_MLP_FAMILIES, activation_dtype_bytes, analytic_estimate
+from model.analytic import GATED_MLP_FAMILIES, activation_bytes_per_layer, activation_dtype_bytes, analytic_estimate
 
 CATEGORIES: dict[str, list[str]] = {
     "precision": [e.value for e in Precision],
@@ -42,54 +44,76 @@ MONOTONE: dict[str, int] = {"num_checkpointed_layers": -1, "checkpoint_fraction"
 def _specs(row: dict) -> tuple[ModelSpec, TrainingConfig]:
     m = {k: row[k] for k in ModelSpec.model_fields if k in row and row[k] is not None}
     t = {k: row[k] for k in TrainingConfig.model_fields if k in row and row[k] is not None}
-    t["checkpoint_layers"] = list(range(int(row["num_checkpointed_layers"])))
     t.pop("lora_target_modules", None)
-    return ModelSpec.model_construct(**m), TrainingConfig.model_construct(**{
-        **t, **{c: type(TrainingConfig.model_fields[c].default)(t[c]) for c in CATEGORIES if c in t}})
+    for c, enum in _ENUMS.items():
+        if c in t:
+            t[c] = enum(t[c])
+    t["checkpoint_layers"] = range(int(row["num_checkpointed_layers"]))
+    return ModelSpec.model_construct(**m), TrainingConfig.model_construct(**t)
+
+
+_ENUMS = {"precision": Precision, "optimizer": Optimizer, "sharding": Sharding, "attention": Attention,
+          "finetune": FineTune, "checkpoint_impl": CheckpointImpl}
+_CODES = {c: {v: float(i) for i, v in enumerate(cats)} for c, cats in CATEGORIES.items()}
+_TRAINING_DEFAULTS = {"tensor_parallel_size": 1, "data_parallel_size": 1, "lora_rank": 0, "frozen_layers": 0}
+
+
+def feature_row(model: ModelSpec, training: TrainingConfig) -> list[float]:
+    """One row of :data:`FEATURE_NAMES` (categoricals as their code in :data:`CATEGORIES`)."""
+    k = len(training.checkpoint_layers)
+    L = model.num_layers
+    raw = {
+        "num_layers": L, "hidden_size": model.hidden_size, "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_key_value_heads, "intermediate_size": model.intermediate_size,
+        "vocab_size": model.vocab_size, "total_params": model.total_params, "trainable_params": model.trainable_params,
+        "micro_batch_size": training.micro_batch_size, "seq_len": training.seq_len,
+        "data_parallel_size": training.data_parallel_size, "tensor_parallel_size": training.tensor_parallel_size,
+        "lora_rank": training.lora_rank or 0, "frozen_layers": training.frozen_layers, "num_checkpointed_layers": k,
+    }
+    cats = {c: _CODES[c][getattr(training, c).value] for c in CATEGORIES}
+    e = analytic_estimate(model, training)
+    per_layer = activation_bytes_per_layer(model, training)
+    analytic = {
+        "weights_bytes": e.states.weights_bytes, "gradients_bytes": e.states.gradients_bytes,
+        "optimizer_bytes": e.states.optimizer_bytes, "activation_layer_bytes": per_layer,
+        "activations_bytes": e.activations_bytes, "checkpoint_inputs_bytes": e.checkpoint_inputs_bytes,
+        "logits_bytes": e.logits_bytes, "optimizer_temp_bytes": e.optimizer_temp_bytes,
+        "backward_peak_bytes": e.backward_peak_bytes, "optimizer_peak_bytes": e.optimizer_peak_bytes,
+        "analytic_peak_bytes": e.peak_bytes,
+    }
+    derived = {
+        "gated_mlp": float(model.architecture in GATED_MLP_FAMILIES), "tied_embeddings": float(model.tie_word_embeddings),
+        "gqa_ratio": model.num_attention_heads / model.num_key_value_heads, "checkpoint_fraction": k / L,
+        "tokens": training.micro_batch_size * training.seq_len,
+        "activation_dtype_bytes": activation_dtype_bytes(training.precision),
+        "log_analytic_peak": math.log(e.peak_bytes),
+        "activation_share": (e.activations_bytes + e.logits_bytes) / e.peak_bytes,
+    }
+    row = {**raw, **cats, **analytic, **derived}
+    return [float(row[c]) for c in FEATURE_NAMES]
+
+
+def curve_matrix(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
+    """Features for k = 0..L (first k layers checkpointed), shape ``(L + 1, len(FEATURE_NAMES))``."""
+    return np.array([feature_row(model, training.model_construct(**{**training.__dict__,
+                                                                     "checkpoint_layers": range(k)}))
+                     for k in range(model.num_layers + 1)])
 
 
 def build_features(rows: pd.DataFrame) -> pd.DataFrame:
-    """Feature matrix (float64 + pandas categoricals) for flat telemetry rows.
+    """Feature matrix (float64, categoricals as pandas categoricals) for flat telemetry rows.
 
     Raises:
         KeyError: a required column is missing (named in the message).
     """
-    missing = [c for c in ["architecture", *RAW[:8], "micro_batch_size", "seq_len", "num_checkpointed_layers"]
-               if c not in rows.columns]
+    need = ["architecture", *RAW[:8], "micro_batch_size", "seq_len", "num_checkpointed_layers"]
+    missing = [c for c in need if c not in rows.columns]
     if missing:
         raise KeyError(f"telemetry rows lack columns {missing}")
-    df = rows.copy()
-    for col, default in (("tensor_parallel_size", 1), ("data_parallel_size", 1), ("lora_rank", 0),
-                         ("frozen_layers", 0), ("tie_word_embeddings", False), ("precision", "amp_bf16"),
-                         ("optimizer", "adamw_foreach"), ("sharding", "none"), ("attention", "sdpa"),
-                         ("finetune", "full"), ("checkpoint_impl", "non_reentrant"), ("head_dim", None)):
-        if col not in df.columns:
-            df[col] = default
-    df["lora_rank"] = df["lora_rank"].fillna(0)
-    df["head_dim"] = df["head_dim"].astype(object).where(df["head_dim"].notna(), None)
-    analytic = []
-    for row in df.to_dict("records"):
-        spec, training = _specs(row)
-        e = analytic_estimate(spec, training)
-        analytic.append([e.states.weights_bytes, e.states.gradients_bytes, e.states.optimizer_bytes,
-                         e.activations_bytes // max(1, spec.num_layers - training.num_checkpointed_layers)
-                         if spec.num_layers > training.num_checkpointed_layers else e.recompute_bytes,
-                         e.activations_bytes, e.checkpoint_inputs_bytes, e.logits_bytes, e.optimizer_temp_bytes,
-                         e.backward_peak_bytes, e.optimizer_peak_bytes, e.peak_bytes])
-    out = pd.DataFrame(index=df.index)
-    for c in RAW:
-        out[c] = df[c].astype("float64")
+    records = rows.to_dict("records")
+    matrix = np.array([feature_row(*_specs({**_TRAINING_DEFAULTS, **{k: v for k, v in r.items() if v == v}}))
+                       for r in records]).reshape(len(records), len(FEATURE_NAMES))
+    out = pd.DataFrame(matrix, columns=FEATURE_NAMES, index=rows.index)
     for c, cats in CATEGORIES.items():
-        out[c] = pd.Categorical(df[c].astype(str), categories=cats)
-    out["gated_mlp"] = df["architecture"].isin(GATED_MLP_FAMILIES).astype("float64")
-    out["tied_embeddings"] = df["tie_word_embeddings"].astype(bool).astype("float64")
-    out["gqa_ratio"] = out["num_attention_heads"] / out["num_key_value_heads"]
-    out["checkpoint_fraction"] = out["num_checkpointed_layers"] / out["num_layers"]
-    out["tokens"] = out["micro_batch_size"] * out["seq_len"]
-    out["activation_dtype_bytes"] = [activation_dtype_bytes(Precision(p)) for p in df["precision"]]
-    a = np.asarray(analytic, dtype="float64").reshape(len(df), len(ANALYTIC))
-    for i, c in enumerate(ANALYTIC):
-        out[c] = a[:, i]
-    out["log_analytic_peak"] = np.log(out["analytic_peak_bytes"])
-    out["activation_share"] = (out["activations_bytes"] + out["logits_bytes"]) / out["analytic_peak_bytes"]
-    return out[FEATURE_NAMES]
+        out[c] = pd.Categorical.from_codes(out[c].astype(int), categories=cats)
+    return out

@@ -19,6 +19,7 @@ import pandas as pd
 from memfit.schema import ModelSpec, TrainingConfig
 from model.analytic import analytic_estimate
 from model.estimator import PeakMemoryRegressor
+from model.features import curve_matrix
 from model.overhead import Overhead, OverheadModel
 
 
@@ -87,7 +88,7 @@ def plan(est: PeakMemoryRegressor, model: ModelSpec, training: TrainingConfig, *
     if capacity_bytes <= 0:
         raise ValueError("capacity_bytes must be > 0")
     overhead_model = overhead_model or OverheadModel()
-    base, ratio = est.predict_log_ratio(curve_rows(model, training))
+    base, ratio = est.predict_matrix(curve_matrix(model, training))
     pred = np.exp(base + ratio)
     upper = np.exp(base + ratio + est.conformal_log_margin_)
     usable = int(capacity_bytes * (1 - headroom_fraction))

@@ -11,6 +11,7 @@ class Settings(BaseSettings):
 
     Attributes:
         db_url: SQLAlchemy URL of the telemetry store (default: SQLite file under data/).
+        registry_dir: model registry folder (default: data/models).
         token: bearer token required by write endpoints when set.
         host / port: bind address for ``python -m service``.
         max_body_bytes: requests with a larger body get 413.
@@ -20,6 +21,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MEMFIT_")
 
     db_url: str | None = None
+    registry_dir: str | None = None
     token: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

@@ -1,0 +1,185 @@
+"""Request and response schema of the recommendation API, shared by the service and the client.
+
+Sizes are bytes; ``*_gib`` inputs are accepted at the edge and converted (1 GiB = 2**30 bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from memfit.schema import (
+    MAX_DEVICE_MEMORY_BYTES, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WORLD, Attention, CheckpointImpl,
+    FineTune, Optimizer, Precision, Sharding,
+)
+
+GIB = 1 << 30
+
+#: GPU name -> total device memory in bytes (nvidia-smi's "Total" in MiB for each board).
+GPUS: dict[str, int] = {
+    "H200": 143771 << 20, "H100-80GB": 81559 << 20, "H100-94GB": 95830 << 20, "A100-80GB": 81920 << 20,
+    "A100-40GB": 40960 << 20, "L40S": 46068 << 20, "A10G": 23028 << 20, "L4": 23034 << 20,
+    "RTX-4090": 24564 << 20, "RTX-3090": 24576 << 20, "V100-32GB": 32768 << 20, "V100-16GB": 16384 << 20,
+    "T4": 15360 << 20,
+}
+
+
+def gpu_memory_bytes(name: str) -> int:
+    """Total memory of a known GPU (case-insensitive; ``_``/space/``-`` alike).
+
+    Raises:
+        ValueError: unknown name; the message lists the known ones.
+    """
+    key = name.strip().upper().replace("_", "-").replace(" ", "-")
+    for known, size in GPUS.items():
+        if known.upper() == key:
+            return size
+    raise ValueError(f"unknown gpu {name!r}; known: {sorted(GPUS)} (or give gpu_memory_bytes / gpu_memory_gib)")
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ArchitectureIn(_In):
+    """Explicit architecture (when the model is neither a catalog name nor a HF config)."""
+
+    architecture: str = Field("llama", min_length=1, max_length=64, description="HF model_type")
+    num_layers: int = Field(ge=1, le=MAX_LAYERS)
+    hidden_size: int = Field(ge=1, le=MAX_HIDDEN)
+    num_attention_heads: int = Field(ge=1, le=4096)
+    num_key_value_heads: int | None = Field(None, ge=1, le=4096)
+    intermediate_size: int = Field(ge=1, le=MAX_HIDDEN * 8)
+    vocab_size: int = Field(ge=1, le=MAX_VOCAB)
+    tie_word_embeddings: bool = False
+    total_params: int | None = Field(None, ge=1, le=MAX_PARAMS, description="counted from the shapes if omitted")
+
+    def hf_config(self) -> dict[str, Any]:
+        return {"model_type": self.architecture, "num_hidden_layers": self.num_layers, "hidden_size": self.hidden_size,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads or self.num_attention_heads,
+                "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
+                "tie_word_embeddings": self.tie_word_embeddings}
+
+
+class TrainingIn(_In):
+    """Training configuration without k (memfit chooses k)."""
+
+    micro_batch_size: int = Field(ge=1, le=1 << 14)
+    seq_len: int = Field(ge=1, le=1 << 22)
+    precision: Precision = Precision.AMP_BF16
+    optimizer: Optimizer = Optimizer.ADAMW_FOREACH
+    sharding: Sharding = Sharding.NONE
+    data_parallel_size: int | None = Field(None, ge=1, le=MAX_WORLD, description="default: gpu_count / (tp * pp)")
+    tensor_parallel_size: int = Field(1, ge=1, le=1024)
+    pipeline_parallel_size: int = Field(1, ge=1, le=1024)
+    attention: Attention = Attention.SDPA
+    finetune: FineTune = FineTune.FULL
+    lora_rank: int | None = Field(None, ge=1, le=4096)
+    trainable_params: int | None = Field(None, ge=0, le=MAX_PARAMS, description="LoRA/frozen: trainable count")
+    frozen_layers: int = Field(0, ge=0, le=MAX_LAYERS)
+    checkpoint_impl: CheckpointImpl = CheckpointImpl.NON_REENTRANT
+
+
+class ClusterIn(_In):
+    gpu: str | None = Field(None, description=f"known GPU name: {', '.join(GPUS)}")
+    gpu_memory_bytes: int | None = Field(None, ge=1 << 20, le=MAX_DEVICE_MEMORY_BYTES)
+    gpu_memory_gib: float | None = Field(None, gt=0, le=MAX_DEVICE_MEMORY_BYTES / GIB)
+    gpu_count: int = Field(1, ge=1, le=MAX_WORLD)
+
+    @model_validator(mode="after")
+    def _one_size(self) -> Self:
+        given = [x is not None for x in (self.gpu, self.gpu_memory_bytes, self.gpu_memory_gib)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of gpu, gpu_memory_bytes, gpu_memory_gib")
+        if self.gpu is not None:
+            gpu_memory_bytes(self.gpu)
+        return self
+
+    @property
+    def memory_bytes(self) -> int:
+        if self.gpu is not None:
+            return gpu_memory_bytes(self.gpu)
+        if self.gpu_memory_bytes is not None:
+            return self.gpu_memory_bytes
+        return int(self.gpu_memory_gib * GIB)
+
+
+class RecommendRequest(_In):
+    """``POST /recommend`` body."""
+
+    model: str | ArchitectureIn | dict[str, Any] = Field(
+        description="catalog name (e.g. 'llama-3-8b'), a HF config.json dict, or explicit architecture fields")
+    training: TrainingIn
+    cluster: ClusterIn
+    headroom_fraction: float = Field(0.05, ge=0, le=0.9, description="share of device memory kept free")
+    layout: str = Field("block", pattern="^(block|even)$", description="which layers: first k per stage, or spread")
+
+
+class CurvePointOut(BaseModel):
+    k: int
+    predicted_bytes: int
+    upper_bytes: int
+    total_upper_bytes: int
+
+
+class Alternative(BaseModel):
+    description: str
+    change: dict[str, Any]
+    fits: bool
+    k: int | None
+    predicted_peak_bytes: int
+    total_upper_bytes: int
+
+
+class Recommendation(BaseModel):
+    """``POST /recommend`` answer (bytes per device)."""
+
+    fits: bool
+    k: int | None = Field(description="checkpointed layers; None when no k fits")
+    layers: list[int]
+    num_layers: int
+    predicted_peak_bytes: int = Field(description="predicted peak allocated bytes at k")
+    upper_bound_bytes: int = Field(description="calibrated upper bound of allocated bytes at k")
+    total_upper_bytes: int = Field(description="upper bound + overhead: what must fit")
+    capacity_bytes: int
+    usable_bytes: int = Field(description="capacity x (1 - headroom)")
+    shortfall_bytes: int = 0
+    curve: list[CurvePointOut]
+    breakdown: dict[str, int]
+    overhead: dict[str, Any]
+    recompute_overhead_fraction: float = Field(description="extra compute per step, fraction of step compute")
+    alternatives: list[Alternative] = []
+    model_name: str | None = None
+    model_version: str
+    warnings: list[str] = []
+
+
+class PredictItem(_In):
+    """One fully specified configuration, k included."""
+
+    model: str | ArchitectureIn | dict[str, Any]
+    training: TrainingIn
+    k: int = Field(ge=0, le=MAX_LAYERS, description="checkpointed layers (first k of each stage)")
+    cluster: ClusterIn | None = Field(None, description="for the overhead; none -> allocated bytes only")
+
+
+class PredictRequest(_In):
+    """``POST /predict`` body: a batch of configurations."""
+
+    items: list[PredictItem] = Field(min_length=1, max_length=1024)
+
+
+class Prediction(BaseModel):
+    predicted_peak_bytes: int
+    upper_bound_bytes: int
+    total_upper_bytes: int | None = Field(None, description="upper bound + overhead when a cluster was given")
+    breakdown: dict[str, int]
+    num_layers: int
+    k: int
+
+
+class PredictResponse(BaseModel):
+    predictions: list[Prediction]
+    model_version: str

@@ -1,0 +1,158 @@
+"""Turn a :class:`memfit.api.RecommendRequest` into a :class:`memfit.api.Recommendation`.
+
+Resolves the model (catalog name, HF config, explicit fields), fills training defaults from the
+cluster, asks :func:`model.recommend.plan` for the curve over k, and — when nothing fits — tries
+concrete alternatives (higher ZeRO stage, smaller micro-batch with gradient accumulation, more GPUs)
+with the same predictor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from typing import Any
+
+from memfit.api import Alternative, ArchitectureIn, CurvePointOut, Recommendation, RecommendRequest, TrainingIn
+from memfit.schema import FineTune, ModelSpec, Sharding, TrainingConfig
+from model.estimator import PeakMemoryRegressor
+from model.overhead import OverheadModel
+from model.recommend import Plan, plan
+
+
+def _counted_spec(cfg_json: str) -> ModelSpec:
+    from data import catalog
+
+    return catalog.spec(json.loads(cfg_json))
+
+
+_counted_spec_cached = lru_cache(maxsize=256)(_counted_spec)
+
+
+def resolve_model(model: str | dict[str, Any] | ArchitectureIn) -> ModelSpec:
+    """ModelSpec for a catalog name, a HF config dict or explicit fields.
+
+    Raises:
+        KeyError: unknown catalog name. ValueError: invalid architecture (names the field).
+    """
+    from data import catalog
+    from memfit.hf import spec_fields_from_hf_config
+
+    if isinstance(model, str):
+        return catalog.spec(model)
+    cfg = model.hf_config() if isinstance(model, ArchitectureIn) else model
+    fields = spec_fields_from_hf_config(cfg)
+    ModelSpec(**fields, total_params=1, trainable_params=1)  # validate shapes before any build
+    if isinstance(model, ArchitectureIn) and model.total_params is not None:
+        return ModelSpec(**fields, total_params=model.total_params, trainable_params=model.total_params)
+    return _counted_spec_cached(json.dumps(cfg, sort_keys=True))
+
+
+def lora_trainable_params(spec: ModelSpec, rank: int) -> int:
+    """Trainable parameters of LoRA on the query and value projections (PEFT's default targets for
+    Llama-style models): ``rank × (in + out)`` per adapted matrix (Hu et al. 2021, arXiv 2106.09685, Sec. 4)."""
+    d = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+    q_out, v_out = spec.num_attention_heads * d, spec.num_key_value_heads * d
+    return spec.num_layers * rank * ((spec.hidden_size + q_out) + (spec.hidden_size + v_out))
+
+
+def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[TrainingConfig, ModelSpec]:
+    """Full TrainingConfig (k = 0) and the spec with the trainable count this fine-tune implies."""
+    dp = t.data_parallel_size or max(1, gpu_count // (t.tensor_parallel_size * t.pipeline_parallel_size))
+    if dp * t.tensor_parallel_size * t.pipeline_parallel_size > gpu_count:
+        raise ValueError(f"data*tensor*pipeline parallel size = {dp * t.tensor_parallel_size * t.pipeline_parallel_size}"
+                         f" exceeds cluster.gpu_count={gpu_count}")
+    if t.frozen_layers > spec.num_layers:
+        raise ValueError(f"training.frozen_layers={t.frozen_layers} must be in [0, num_layers={spec.num_layers}]")
+    trainable = t.trainable_params
+    if trainable is None:
+        if t.finetune is FineTune.LORA:
+            trainable = lora_trainable_params(spec, t.lora_rank or 8)
+        elif t.finetune is FineTune.FROZEN:
+            trainable = spec.total_params * (spec.num_layers - t.frozen_layers) // spec.num_layers
+        else:
+            trainable = spec.total_params
+    total = spec.total_params + (trainable if t.finetune is FineTune.LORA and t.trainable_params is None else 0)
+    spec = spec.model_copy(update={"total_params": total, "trainable_params": min(trainable, total)})
+    fields = t.model_dump(exclude={"trainable_params"})
+    fields["data_parallel_size"] = dp
+    if t.finetune is FineTune.LORA and fields["lora_rank"] is None:
+        fields["lora_rank"] = 8
+    return TrainingConfig(**fields), spec
+
+
+class Recommender:
+    """Holds one model version and answers requests."""
+
+    def __init__(self, est: PeakMemoryRegressor, version: str, overhead: OverheadModel | None = None,
+                 telemetry_range: dict[str, float] | None = None) -> None:
+        self.est, self.version = est, version
+        self.overhead = overhead or OverheadModel()
+        self.range = telemetry_range or {}
+
+    def _plan(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest, gpu_count: int) -> Plan:
+        return plan(self.est, spec, training, capacity_bytes=req.cluster.memory_bytes,
+                    headroom_fraction=req.headroom_fraction, device_name=req.cluster.gpu, gpu_count=gpu_count,
+                    overhead_model=self.overhead, layout=req.layout)
+
+    def recommend(self, req: RecommendRequest) -> Recommendation:
+        spec = resolve_model(req.model)
+        training, spec = training_config(req.training, spec, req.cluster.gpu_count)
+        p = self._plan(spec, training, req, req.cluster.gpu_count)
+        at = p.curve[p.k if p.k is not None else spec.num_layers]
+        warnings = self._warnings(spec, training, req, p)
+        alternatives = [] if p.fits else self._alternatives(spec, training, req)
+        return Recommendation(
+            fits=p.fits, k=p.k, layers=p.layers, num_layers=spec.num_layers,
+            predicted_peak_bytes=at.predicted_bytes, upper_bound_bytes=at.upper_bytes,
+            total_upper_bytes=at.total_upper_bytes, capacity_bytes=p.capacity_bytes, usable_bytes=p.usable_bytes,
+            shortfall_bytes=p.shortfall_bytes, curve=[CurvePointOut(**c.__dict__) for c in p.curve],
+            breakdown=p.breakdown, overhead={**p.overhead.__dict__, "total_bytes": p.overhead.total_bytes},
+            recompute_overhead_fraction=round(p.recompute_fraction, 4), alternatives=alternatives,
+            model_name=spec.model_name, model_version=self.version, warnings=warnings)
+
+    def _warnings(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest, p: Plan) -> list[str]:
+        out = []
+        for name, value in (("total_params", spec.total_params), ("seq_len", training.seq_len),
+                            ("micro_batch_size", training.micro_batch_size)):
+            hi = self.range.get(f"max_{name}")
+            if hi is not None and value > hi:
+                out.append(f"extrapolating: {name}={value} is beyond the telemetry's largest ({int(hi)})")
+        if training.tensor_parallel_size > 1 or training.pipeline_parallel_size > 1:
+            out.append("tensor/pipeline parallelism is predicted analytically: the telemetry has none")
+        if p.fits and p.k is not None and p.curve[p.k].total_upper_bytes > 0.97 * p.usable_bytes:
+            out.append("headroom thin: the bound at k is within 3% of usable memory")
+        out.append("torch.compile can erase or invert checkpointing savings; the prediction assumes eager mode")
+        if not p.fits:
+            out.append("no k fits: checkpointing every layer is not enough; see alternatives")
+        return out
+
+    def _alternatives(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest) -> list[Alternative]:
+        tries: list[tuple[str, dict[str, Any], TrainingConfig, int]] = []
+        n = req.cluster.gpu_count
+        if n > 1 and training.sharding in (Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2):
+            tries.append((f"ZeRO-3 / FSDP full-shard over {n} GPUs", {"sharding": "zero3", "data_parallel_size": n},
+                          training.model_copy(update={"sharding": Sharding.ZERO3, "data_parallel_size": n}), n))
+        mb = training.micro_batch_size
+        while mb > 1:
+            mb //= 2
+            tries.append((f"micro_batch_size {mb} with {training.micro_batch_size // mb}x gradient accumulation",
+                          {"micro_batch_size": mb, "gradient_accumulation_steps": training.micro_batch_size // mb},
+                          training.model_copy(update={"micro_batch_size": mb}), n))
+        for more in (2 * max(n, 1), 4 * max(n, 1), 8 * max(n, 1)):
+            t = training.model_copy(update={"sharding": Sharding.ZERO3, "data_parallel_size": more})
+            tries.append((f"ZeRO-3 over {more} GPUs", {"gpu_count": more, "sharding": "zero3",
+                                                        "data_parallel_size": more}, t, more))
+        out = []
+        for desc, change, t, gpus in tries:
+            p = self._plan(spec, t, req, gpus)
+            at = p.curve[p.k if p.k is not None else spec.num_layers]
+            out.append(Alternative(description=desc, change=change, fits=p.fits, k=p.k,
+                                   predicted_peak_bytes=at.predicted_bytes, total_upper_bytes=at.total_upper_bytes))
+            if p.fits and len([a for a in out if a.fits]) >= 3:
+                break
+        return [a for a in out if a.fits] or out[:3]
+
+
+def request_key(req: RecommendRequest) -> str:
+    return hashlib.sha256(req.model_dump_json().encode()).hexdigest()
