@@ -5,9 +5,9 @@ Sizes are bytes; ``*_gib`` inputs are accepted at the edge and converted (1 GiB 
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Annotated, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from memfit.schema import (
     MAX_DEVICE_MEMORY_BYTES, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WORLD, Attention, CheckpointImpl,
@@ -63,6 +63,17 @@ class ArchitectureIn(_In):
                 "tie_word_embeddings": self.tie_word_embeddings}
 
 
+def _coerce_model(v: Any) -> Any:
+    """A dict without ``model_type`` is explicit architecture fields: validate it as such, so errors
+    name its fields instead of falling through to "not a HF config"."""
+    if isinstance(v, dict) and "model_type" not in v:
+        return ArchitectureIn.model_validate(v)
+    return v
+
+
+ModelIn = Annotated[str | ArchitectureIn | dict[str, Any], BeforeValidator(_coerce_model)]
+
+
 class TrainingIn(_In):
     """Training configuration without k (memfit chooses k)."""
 
@@ -109,7 +120,7 @@ class ClusterIn(_In):
 class RecommendRequest(_In):
     """``POST /recommend`` body."""
 
-    model: str | ArchitectureIn | dict[str, Any] = Field(
+    model: ModelIn = Field(
         description="catalog name (e.g. 'llama-3-8b'), a HF config.json dict, or explicit architecture fields")
     training: TrainingIn
     cluster: ClusterIn
@@ -159,7 +170,7 @@ class Recommendation(BaseModel):
 class PredictItem(_In):
     """One fully specified configuration, k included."""
 
-    model: str | ArchitectureIn | dict[str, Any]
+    model: ModelIn
     training: TrainingIn
     k: int = Field(ge=0, le=MAX_LAYERS, description="checkpointed layers (first k of each stage)")
     cluster: ClusterIn | None = Field(None, description="for the overhead; none -> allocated bytes only")

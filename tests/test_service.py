@@ -7,9 +7,21 @@ from tests.helpers import record
 
 
 @pytest.fixture
-def client(tmp_path):
-    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 's.db'}", token="s3cret", max_body_bytes=64 * 1024))
+def client(tmp_path, small_registry):
+    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 's.db'}", token="s3cret", max_body_bytes=64 * 1024,
+                              registry_dir=str(small_registry.root)))
     return TestClient(app)
+
+
+def test_not_ready_without_a_model(tmp_path):
+    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 's.db'}", registry_dir=str(tmp_path / "empty")))
+    c = TestClient(app)
+    assert c.get("/v2/health/live").status_code == 200
+    r = c.get("/v2/health/ready")
+    assert r.status_code == 503 and "no model" in r.json()["detail"]
+    r = c.post("/recommend", json={"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64},
+                                   "cluster": {"gpu": "T4"}})
+    assert r.status_code == 503
 
 
 AUTH = {"Authorization": "Bearer s3cret"}
@@ -17,7 +29,8 @@ AUTH = {"Authorization": "Bearer s3cret"}
 
 def test_health(client):
     assert client.get("/v2/health/live").json() == {"status": "live"}
-    assert client.get("/v2/health/ready").json()["telemetry_records"] == 0
+    j = client.get("/v2/health/ready").json()
+    assert j["telemetry_records"] == 0 and j["model_version"] == "0001"
 
 
 def test_telemetry_ingest_idempotent_with_reasons(client):

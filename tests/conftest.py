@@ -1,0 +1,31 @@
+"""Shared fixtures: a small model registry trained on the shipped telemetry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
+
+
+@pytest.fixture(scope="session")
+def small_registry(tmp_path_factory):
+    """A registry with one promoted version, trained on up to 3000 shipped rows (fast settings)."""
+    from model.estimator import PeakMemoryRegressor
+    from model.registry import Registry, fingerprint
+
+    df = pd.read_parquet(SHIPPED)
+    df = df[~df["oom"].astype(bool)]
+    df = df.sample(min(len(df), 3000), random_state=0)
+    est = PeakMemoryRegressor(n_estimators=80, num_leaves=31).fit(df, df["peak_allocated_bytes"],
+                                                                   groups=df["model_name"])
+    root = tmp_path_factory.mktemp("registry")
+    reg = Registry(root)
+    version = reg.register(est, metrics={"note": "test fixture"}, data_fingerprint=fingerprint(df),
+                           extra={"telemetry_range": {"max_total_params": float(df.total_params.max()),
+                                                      "max_seq_len": float(df.seq_len.max()),
+                                                      "max_micro_batch_size": float(df.micro_batch_size.max())}})
+    reg.promote(version)
+    return reg

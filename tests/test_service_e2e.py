@@ -1,0 +1,152 @@
+"""End to end against a real uvicorn server in a subprocess (loopback only)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.helpers import record
+
+LLAMA8B_8xH100 = {"model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192, "sharding": "zero3"},
+                  "cluster": {"gpu": "H100-80GB", "gpu_count": 8}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(small_registry, tmp_path_factory):
+    port = _free_port()
+    tmp = tmp_path_factory.mktemp("srv")
+    env = {**os.environ, "MEMFIT_PORT": str(port), "MEMFIT_REGISTRY_DIR": str(small_registry.root),
+           "MEMFIT_DB_URL": f"sqlite:///{tmp / 't.db'}", "MEMFIT_TOKEN": "tok", "MEMFIT_MAX_BODY_BYTES": "200000"}
+    proc = subprocess.Popen([sys.executable, "-m", "service"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/v2/health/ready", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read().decode()[-3000:])
+        time.sleep(0.3)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not become ready")
+    yield base, small_registry
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_recommend_llama_8b(server):
+    base, _ = server
+    r = httpx.post(base + "/recommend", json=LLAMA8B_8xH100, timeout=10)
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["num_layers"] == 32 and len(j["curve"]) == 33
+    uppers = [c["total_upper_bytes"] for c in j["curve"]]
+    assert all(b <= a for a, b in zip(uppers, uppers[1:]))  # monotone in k
+    if j["fits"]:
+        assert j["layers"] == list(range(j["k"])) and j["total_upper_bytes"] <= j["usable_bytes"]
+        assert j["k"] == 0 or uppers[j["k"] - 1] > j["usable_bytes"]  # smallest such k
+    else:
+        assert j["shortfall_bytes"] > 0 and j["alternatives"]
+    assert set(j["breakdown"]) >= {"parameters_bytes", "gradients_bytes", "optimizer_states_bytes",
+                                   "activations_bytes", "logits_bytes", "other_bytes"}
+
+
+@pytest.mark.parametrize("body, word", [
+    ({**LLAMA8B_8xH100, "model": "no-such-model"}, "unknown model"),
+    ({**LLAMA8B_8xH100, "training": {"micro_batch_size": 0, "seq_len": 8192}}, "micro_batch_size"),
+    ({**LLAMA8B_8xH100, "training": {"micro_batch_size": -1, "seq_len": 8192}}, "micro_batch_size"),
+    ({**LLAMA8B_8xH100, "model": {"architecture": "llama", "num_layers": 4, "hidden_size": 65,
+                                  "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}},
+     "hidden_size"),
+    ({**LLAMA8B_8xH100, "model": {"architecture": "llama", "num_layers": 4, "hidden_size": 64,
+                                  "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+                                  "total_params": 10**15}}, "total_params"),
+    ({**LLAMA8B_8xH100, "cluster": {"gpu": "H100-80GB", "gpu_count": 8, "gpu_memory_gib": 80}}, "exactly one"),
+    ({**LLAMA8B_8xH100, "cluster": {"gpu": "TPU-v9"}}, "unknown gpu"),
+    ({**LLAMA8B_8xH100, "headroom_fraction": 2}, "headroom_fraction"),
+])
+def test_bad_recommend_inputs_are_problems(server, body, word):
+    base, _ = server
+    r = httpx.post(base + "/recommend", json=body, timeout=10)
+    assert r.status_code == 422, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert word in r.text
+
+
+def test_transport_level_bad_requests(server):
+    base, _ = server
+    r = httpx.post(base + "/recommend", content=b"{oops", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
+    r = httpx.post(base + "/recommend", content=b"x" * 300_000, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    r = httpx.post(base + "/recommend", content=b"model=x", headers={"content-type": "text/plain"})
+    assert 400 <= r.status_code < 500
+    assert httpx.get(base + "/v2/health/live").status_code == 200  # still up
+
+
+def test_predict_batch_and_k_range(server):
+    base, _ = server
+    items = [{"model": "gpt2", "training": {"micro_batch_size": 4, "seq_len": 1024}, "k": k} for k in (0, 6, 12)]
+    r = httpx.post(base + "/predict", json={"items": items})
+    assert r.status_code == 200, r.text
+    preds = r.json()["predictions"]
+    assert [p["k"] for p in preds] == [0, 6, 12]
+    assert all(p["upper_bound_bytes"] >= p["predicted_peak_bytes"] > 0 for p in preds)
+    r = httpx.post(base + "/predict", json={"items": [{**items[0], "k": 13}]})
+    assert r.status_code == 422 and "[0, num_layers=12]" in r.json()["detail"]
+
+
+def test_telemetry_roundtrip_and_token(server):
+    base, _ = server
+    rec = record(record_id="e2e-00000001").model_dump(mode="json")
+    assert httpx.post(base + "/telemetry", json=[rec]).status_code == 401
+    r = httpx.post(base + "/telemetry", json=[rec], headers={"Authorization": "Bearer tok"})
+    assert r.json()["stored"] == ["e2e-00000001"]
+    r = httpx.post(base + "/telemetry", json=[rec], headers={"Authorization": "Bearer tok"})
+    assert r.json()["duplicates"] == ["e2e-00000001"]
+
+
+def test_models_hot_swap_and_refusal(server):
+    base, reg = server
+    first = reg.current()
+    assert httpx.get(base + "/models").json()["serving"] == first
+    # a new version is picked up without a restart
+    new_dir = reg.root / f"{int(first) + 1:04d}"
+    shutil.copytree(reg.root / first, new_dir)
+    reg.promote(new_dir.name)
+    assert httpx.get(base + "/v2/health/ready").json()["model_version"] == new_dir.name
+    # a corrupt one is refused and the last good keeps serving
+    bad = reg.root / f"{int(first) + 2:04d}"
+    shutil.copytree(reg.root / first, bad)
+    (bad / "model.txt").write_text("not a lightgbm model")
+    reg.promote(bad.name)
+    j = httpx.get(base + "/models").json()
+    assert j["serving"] == new_dir.name and "refused" in j["last_error"]
+    assert httpx.post(base + "/recommend", json=LLAMA8B_8xH100).json()["model_version"] == new_dir.name
+    reg.promote(first)  # rollback = moving the alias
+    assert httpx.post(base + "/models/reload", headers={"Authorization": "Bearer tok"}).json()["serving"] == first
+
+
+def test_metrics_exposes_k_histogram(server):
+    base, _ = server
+    httpx.post(base + "/recommend", json=LLAMA8B_8xH100)
+    text = httpx.get(base + "/metrics").text
+    assert "memfit_recommended_k_bucket" in text or "memfit_predicted_peak_gib_bucket" in text
+    assert "http_request_duration_seconds" in text
