@@ -1,0 +1,60 @@
+"""Cases from public reports (paraphrased in the predictor issue), on the shipped model (data/models)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.api import RecommendRequest
+from model.registry import Registry
+from service.recommender import Recommender
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def recommender() -> Recommender:
+    loaded = Registry().load()  # the shipped, current version
+    return Recommender(loaded.estimator, loaded.version, telemetry_range=loaded.meta.get("telemetry_range"))
+
+
+def test_gpt_style_36_layers_on_v100_32gb(recommender):
+    # 36 layers, hidden 1280, 20 heads, SwiGLU (width assumed 4h), GPT-2 vocabulary, seq 1024, micro-batch 4,
+    # fp16 mixed precision with Adam, eager attention, one 32 GB V100: OOM with 28.8 GiB already allocated,
+    # while a hand estimate said 23.3 GB.
+    req = RecommendRequest.model_validate({
+        "model": {"architecture": "llama", "num_layers": 36, "hidden_size": 1280, "num_attention_heads": 20,
+                  "intermediate_size": 5120, "vocab_size": 50257},
+        "training": {"micro_batch_size": 4, "seq_len": 1024, "precision": "amp_fp16", "optimizer": "adamw_foreach",
+                     "attention": "eager"},
+        "cluster": {"gpu": "V100-32GB", "gpu_count": 1}})
+    rec = recommender.recommend(req)
+    assert rec.curve[0].predicted_bytes >= 29 * GIB
+    assert rec.fits and 0 < rec.k < 36
+    assert rec.total_upper_bytes <= rec.usable_bytes
+
+
+def test_llama_13b_fsdp_on_two_80gb_is_infeasible(recommender):
+    # LLaMA-13B full fine-tune, FSDP full-shard over 2 x 80 GB, micro-batch 1, seq 512, AdamW,
+    # bf16 autocast over fp32 parameters: model states alone (13B x 16 B / 2) exceed the card.
+    req = RecommendRequest.model_validate({
+        "model": "llama-2-13b",
+        "training": {"micro_batch_size": 1, "seq_len": 512, "precision": "amp_bf16", "optimizer": "adamw_foreach",
+                     "sharding": "fsdp_full_shard"},
+        "cluster": {"gpu": "A100-80GB", "gpu_count": 2}})
+    rec = recommender.recommend(req)
+    assert not rec.fits and rec.k is None
+    usable = rec.usable_bytes
+    assert all(c.total_upper_bytes > usable for c in rec.curve)
+    assert rec.shortfall_bytes > 0
+    assert any(a.fits for a in rec.alternatives)  # e.g. more GPUs
+
+
+def test_opt_1_3b_short_sequences_need_no_checkpointing(recommender):
+    # OPT-1.3B, seq 64, micro-batch 4, fp16 mixed: checkpointing barely changes the peak (6.34 vs 6.41 GB).
+    req = RecommendRequest.model_validate({
+        "model": "opt-1.3b",
+        "training": {"micro_batch_size": 4, "seq_len": 64, "precision": "amp_fp16"},
+        "cluster": {"gpu": "V100-32GB", "gpu_count": 1}})
+    rec = recommender.recommend(req)
+    assert abs(rec.curve[0].predicted_bytes - rec.curve[-1].predicted_bytes) < GIB
+    assert rec.fits and rec.k == 0
