@@ -1,0 +1,151 @@
+"""Service benchmark and bounded load test (loopback only).
+
+Starts the real service (uvicorn, one process) on 127.0.0.1 with the given registry, then:
+
+1. ``/recommend`` with the full curve for an 80-layer model (Llama-3-70B on 64 × H100-80GB, ZeRO-3):
+   p50 / p99 latency and requests per second at a given concurrency;
+2. the trivial endpoint ``/v2/health/live`` on the same server, same load: the ratio of the two RPS;
+3. a fake-tensor traced measurement of the same configuration (one k), to show the speed-up;
+4. a mixed load: good and bad /recommend requests and /telemetry posts, counting 5xx and checking
+   that every posted telemetry row landed (store count before/after).
+
+    python -m benchmarks.service_latency --requests 400 --concurrency 8
+
+Prints one JSON object with all figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+BODY = {"model": "llama-3-70b", "training": {"micro_batch_size": 1, "seq_len": 4096, "sharding": "zero3"},
+        "cluster": {"gpu": "H100-80GB", "gpu_count": 64}}
+BAD = [{**BODY, "model": "no-such-model"}, {**BODY, "training": {"micro_batch_size": 0, "seq_len": 4096}},
+       {**BODY, "cluster": {"gpu": "H100-80GB", "gpu_memory_gib": 80}}]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _load(base: str, make, n: int, concurrency: int) -> tuple[list[float], list[int], float]:
+    """Send ``n`` requests (``make(i)`` -> (method, path, kwargs)) with bounded concurrency."""
+    lat: list[float] = []
+    codes: list[int] = []
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=httpx.Limits(max_connections=concurrency)) as c:
+        async def one(i: int) -> None:
+            method, path, kw = make(i)
+            async with sem:
+                t0 = time.perf_counter()
+                r = await c.request(method, path, **kw)
+                lat.append(time.perf_counter() - t0)
+                codes.append(r.status_code)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        wall = time.perf_counter() - t0
+    return lat, codes, wall
+
+
+def _stats(lat: list[float], wall: float) -> dict:
+    q = statistics.quantiles(lat, n=100)
+    return {"p50_ms": round(q[49] * 1000, 2), "p99_ms": round(q[98] * 1000, 2), "rps": round(len(lat) / wall, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.service_latency", description=__doc__.split("\n\n")[0])
+    p.add_argument("--registry", help="model registry (default data/models)")
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--skip-trace", action="store_true", help="skip the fake-tensor trace comparison")
+    a = p.parse_args(argv)
+
+    from data.store import TelemetryStore
+    from tests.helpers import record
+
+    tmp = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
+    db = f"sqlite:///{tmp / 'bench.db'}"
+    port = _port()
+    env = {**os.environ, "MEMFIT_PORT": str(port), "MEMFIT_DB_URL": db}
+    if a.registry:
+        env["MEMFIT_REGISTRY_DIR"] = a.registry
+    proc = subprocess.Popen([sys.executable, "-m", "service"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(base + "/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        httpx.post(base + "/recommend", json=BODY).raise_for_status()  # warm
+        out: dict = {"concurrency": a.concurrency, "requests": a.requests}
+        lat, codes, wall = asyncio.run(_load(base, lambda i: ("POST", "/recommend", {"json": BODY}),
+                                             a.requests, a.concurrency))
+        out["recommend_80_layers"] = {**_stats(lat, wall), "non_200": sum(c != 200 for c in codes)}
+        lat, codes, wall = asyncio.run(_load(base, lambda i: ("GET", "/v2/health/live", {}), a.requests,
+                                             a.concurrency))
+        out["trivial_endpoint"] = _stats(lat, wall)
+        out["rps_ratio_recommend_vs_trivial"] = round(out["recommend_80_layers"]["rps"] / out["trivial_endpoint"]["rps"], 3)
+
+        store = TelemetryStore(db)
+        before = store.count()
+        posted: list[str] = []
+
+        def mixed(i: int):
+            if i % 4 == 0:
+                rid = f"load-{uuid.uuid4().hex[:20]}"
+                posted.append(rid)
+                return "POST", "/telemetry", {"json": [record(record_id=rid).model_dump(mode="json")]}
+            if i % 4 == 1:
+                return "POST", "/recommend", {"json": BAD[i % len(BAD)]}
+            if i % 4 == 2:
+                return "POST", "/recommend", {"content": b"{broken", "headers": {"content-type": "application/json"}}
+            return "POST", "/recommend", {"json": BODY}
+
+        lat, codes, wall = asyncio.run(_load(base, mixed, a.requests, a.concurrency))
+        after = store.count()
+        out["mixed_load"] = {**_stats(lat, wall), "5xx": sum(c >= 500 for c in codes),
+                             "4xx": sum(400 <= c < 500 for c in codes), "telemetry_posted": len(posted),
+                             "telemetry_rows_added": after - before, "lost_rows": len(posted) - (after - before)}
+        out["server_alive_after"] = httpx.get(base + "/v2/health/live").status_code == 200
+        if not a.skip_trace:
+            from data import catalog
+            from memfit.schema import TrainingConfig
+            from training.collect import measure
+
+            t0 = time.perf_counter()
+            measure(catalog.get("llama-3-70b")["hf_config"],
+                    TrainingConfig(micro_batch_size=1, seq_len=4096, sharding="zero3", data_parallel_size=64),
+                    steps=1)
+            trace_s = time.perf_counter() - t0
+            out["fake_tensor_trace_one_k_s"] = round(trace_s, 2)
+            p50 = out["recommend_80_layers"]["p50_ms"] / 1000
+            out["speedup_vs_trace_one_k"] = round(trace_s / p50)
+            out["speedup_vs_trace_full_curve"] = round(81 * trace_s / p50)
+        print(json.dumps(out, indent=1))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
