@@ -138,8 +138,12 @@ class AnalyticEstimate:
 
     @property
     def backward_peak_bytes(self) -> int:
+        """Start of backward: every saved activation and the logits are alive. A checkpointed layer is
+        re-materialised later, after the layers above it have freed theirs, so ``recompute_bytes``
+        (one layer) only matters when it exceeds what those layers held — never for k < L."""
+        saved = self.activations_bytes + self.checkpoint_inputs_bytes
         return (self.states.weights_bytes + self.states.optimizer_bytes + self.states.gradients_bytes
-                + self.activations_bytes + self.checkpoint_inputs_bytes + self.recompute_bytes + self.logits_bytes)
+                + max(saved, self.checkpoint_inputs_bytes + self.recompute_bytes) + self.logits_bytes)
 
     @property
     def optimizer_peak_bytes(self) -> int:

@@ -40,7 +40,7 @@ class PeakMemoryRegressor(RegressorMixin, BaseEstimator):
         alpha: miscoverage of the upper bound (0.05 -> 95 % bound).
         calibration_fraction: share of groups held out for conformal calibration.
         random_state: seed for the calibration split and LightGBM.
-        n_jobs: LightGBM threads.
+        n_jobs: LightGBM threads (1 by default: on small data more threads mostly wait on each other).
 
     ``X`` is a DataFrame of flat telemetry rows (``TelemetryRecord.to_row`` columns); ``y`` is the
     measured peak in bytes (shape ``(n,)``). ``fit(X, y, groups=...)`` takes group labels (e.g.
@@ -52,7 +52,7 @@ class PeakMemoryRegressor(RegressorMixin, BaseEstimator):
 
     def __init__(self, n_estimators: int = 600, learning_rate: float = 0.05, num_leaves: int = 63,
                  min_child_samples: int = 10, reg_lambda: float = 1.0, monotone: bool = True,
-                 alpha: float = 0.05, calibration_fraction: float = 0.2, random_state: int = 0, n_jobs: int = 2):
+                 alpha: float = 0.05, calibration_fraction: float = 0.2, random_state: int = 0, n_jobs: int = 1):
         self.n_estimators = n_estimators
         self.learning_rate = learning_rate
         self.num_leaves = num_leaves

@@ -89,8 +89,10 @@ def plan(est: PeakMemoryRegressor, model: ModelSpec, training: TrainingConfig, *
         raise ValueError("capacity_bytes must be > 0")
     overhead_model = overhead_model or OverheadModel()
     base, ratio = est.predict_matrix(curve_matrix(model, training))
-    pred = np.exp(base + ratio)
-    upper = np.exp(base + ratio + est.conformal_log_margin_)
+    # Checkpointing one more layer never needs more memory (up to a recompute transient the telemetry
+    # tests bound): take the running max from the top, which only ever raises values (conservative).
+    pred = np.maximum.accumulate(np.exp(base + ratio)[::-1])[::-1]
+    upper = np.maximum.accumulate(np.exp(base + ratio + est.conformal_log_margin_)[::-1])[::-1]
     usable = int(capacity_bytes * (1 - headroom_fraction))
     curve = []
     for k, (p, u) in enumerate(zip(pred, upper)):

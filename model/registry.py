@@ -51,6 +51,17 @@ def fingerprint(df) -> str:
     return h.hexdigest()
 
 
+def _finite(obj: Any) -> Any:
+    """NaN/inf -> None, recursively (JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if obj == obj and abs(obj) != float("inf") else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 class Registry:
     """Versioned model store under ``root`` (default ``data/models``)."""
 
@@ -70,9 +81,14 @@ class Registry:
                  extra: dict[str, Any] | None = None) -> str:
         """Write a new numbered version (not yet current); returns its name."""
         self.root.mkdir(parents=True, exist_ok=True)
-        name = f"{int(self.versions()[-1]) + 1 if self.versions() else 1:04d}"
-        tmp = self.root / f".{name}.tmp"
-        tmp.mkdir()
+        while True:  # reserve the next number atomically: concurrent retrains get distinct versions
+            name = f"{int(self.versions()[-1]) + 1 if self.versions() else 1:04d}"
+            try:
+                (self.root / name).mkdir()
+                break
+            except FileExistsError:
+                continue
+        tmp = self.root / name
         est.booster_.save_model(str(tmp / "model.txt"))
         import sklearn
         import torch
@@ -92,8 +108,7 @@ class Registry:
                          "python": platform.python_version()},
             **(extra or {}),
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-        os.replace(tmp, self.root / name)
+        (tmp / "meta.json").write_text(json.dumps(_finite(meta), indent=1, default=str, allow_nan=False))
         return name
 
     def promote(self, version: str) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks: predictor accuracy against published estimators, and retraining time."""
