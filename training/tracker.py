@@ -181,7 +181,12 @@ class LiveStorageTracker(TorchDispatchMode):
             out = func(*args, **(kwargs or {}))
         # DTensor sharding propagation runs ops under a nested fake mode: those allocate nothing real.
         if not self._in_sharding_prop and _active_fake_mode() is self._fake_mode_on_entry:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self._track_tensor(t)
+            if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
+                self._track_tensor(out)
+            elif isinstance(out, (tuple, list)):  # most multi-output ops return a flat tuple
+                for t in out:
+                    if isinstance(t, torch.Tensor):
+                        self._track_tensor(t)
+                    elif isinstance(t, (tuple, list, dict)):
+                        self.track_tensors(t)
         return out
