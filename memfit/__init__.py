@@ -1,0 +1,48 @@
+"""memfit: fit LLM training into GPU memory with the least activation recomputation.
+
+    import memfit
+    rec = memfit.Client("http://memfit:8000").recommend(memfit.describe(model, seq_len=4096, gpu="H100-80GB"))
+    plan = memfit.apply(model, rec)          # checkpoint exactly rec.layers
+    ...                                      # first training step
+    memfit.verify(plan)                      # exactly those layers recomputed?
+
+The core needs only httpx and pydantic; torch, transformers and deepspeed are imported when used.
+HF Trainer callbacks (``MemfitTrainerCallback``, ``MemfitReporterCallback``) load transformers on first access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.api import Recommendation, RecommendRequest
+from memfit.checkpointing import AppliedCheckpointing, MemfitWarning, apply, apply_activation_checkpointing, verify
+from memfit.client import Client, FallbackRecommendation, ServiceError, is_fallback
+from memfit.describe import describe
+from memfit.reporter import flush_spool, report_peak
+
+__all__ = [
+    "AppliedCheckpointing",
+    "Client",
+    "FallbackRecommendation",
+    "MemfitReporterCallback",
+    "MemfitTrainerCallback",
+    "MemfitWarning",
+    "RecommendRequest",
+    "Recommendation",
+    "ServiceError",
+    "apply",
+    "apply_activation_checkpointing",
+    "describe",
+    "flush_spool",
+    "is_fallback",
+    "report_peak",
+    "verify",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("MemfitTrainerCallback", "MemfitReporterCallback"):
+        from memfit.integrations import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'memfit' has no attribute {name!r}")

@@ -10,13 +10,27 @@ checkpointing that users get.
 * Any other ``nn.ModuleList`` / ``nn.Sequential`` of blocks: the chosen blocks are wrapped with
   ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper`` in place (apply
   this before FSDP2 ``fully_shard``).
+
+:func:`apply` is the user-facing entry (``memfit.apply``): it applies a service recommendation and
+guards against known traps — reentrant checkpointing behind frozen embeddings (no gradients, silently),
+``torch.compile`` (can erase or invert the savings) and PEFT LoRA + ZeRO-3 + reentrant checkpointing.
+:func:`verify` checks after the first backward that exactly the planned layers recomputed.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("memfit")
+
+
+class MemfitWarning(UserWarning):
+    """A memfit plan was adjusted, or may not do what it promises."""
 
 
 @dataclass
@@ -26,8 +40,10 @@ class AppliedCheckpointing:
     Attributes:
         layer_indices: indices (into the decoder-layer list) that are checkpointed, sorted.
         num_layers: length of the decoder-layer list.
-        mechanism: ``hf_per_layer``, ``hf_shared_func`` or ``checkpoint_wrapper``.
+        mechanism: ``hf_per_layer``, ``hf_shared_func``, ``checkpoint_wrapper`` or ``deepspeed_patch``.
+        use_reentrant: ``torch.utils.checkpoint`` flavour in use.
         recomputed: layer indices seen recomputing during a backward pass (filled at run time).
+        source: the recommendation's ``model_version`` when applied by :func:`apply`.
     """
 
     layer_indices: list[int]
@@ -35,10 +51,21 @@ class AppliedCheckpointing:
     mechanism: str
     use_reentrant: bool = False
     recomputed: set[int] = field(default_factory=set)
+    source: str | None = None
 
     @property
     def k(self) -> int:
         return len(self.layer_indices)
+
+    @property
+    def missing(self) -> list[int]:
+        """Planned layers that did not recompute (so far)."""
+        return sorted(set(self.layer_indices) - self.recomputed)
+
+    @property
+    def unexpected(self) -> list[int]:
+        """Layers that recomputed without being planned."""
+        return sorted(self.recomputed - set(self.layer_indices))
 
     def verify(self) -> bool:
         """True when exactly the planned layers recomputed (call after the first backward)."""
@@ -96,7 +123,7 @@ def apply_activation_checkpointing(
     if layers is None:
         raise ValueError("model has no nn.ModuleList of decoder layers; pass layers=...")
     L = len(layers)
-    chosen = sorted(set(int(i) for i in layer_indices))
+    chosen = sorted({int(i) for i in layer_indices})
     bad = [i for i in chosen if not 0 <= i < L]
     if bad:
         raise ValueError(f"layer_indices {bad} out of range: allowed [0, {L - 1}]")
@@ -139,10 +166,16 @@ def apply_activation_checkpointing(
     impl = CheckpointImpl.REENTRANT if use_reentrant else CheckpointImpl.NO_REENTRANT
     for i in range(L):
         inner = getattr(layers[i], "_checkpoint_wrapped_module", layers[i])
+        if "_memfit_orig_forward" in inner.__dict__:  # undo an earlier plan's counting wrapper
+            orig = inner.__dict__.pop("_memfit_orig_forward")
+            if orig is None:
+                inner.__dict__.pop("forward", None)
+            else:
+                inner.forward = orig
         if i in chosen:
             wrapped = checkpoint_wrapper(inner, checkpoint_impl=impl)
-            inner_forward = inner.forward
-            inner.forward = _counting(inner_forward, plan, i)
+            inner._memfit_orig_forward = inner.__dict__.get("forward")
+            inner.forward = _counting(inner.forward, plan, i)
             layers[i] = wrapped
         elif isinstance(layers[i], nn.Module) and inner is not layers[i]:
             layers[i] = inner
@@ -153,3 +186,187 @@ def _disable_cache(model) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
+
+
+# -- user-facing: apply a recommendation, with the traps guarded --------------------------------------
+def _warn(message: str, stacklevel: int = 3) -> None:
+    """Warn at the caller of the public function (``stacklevel`` counts from here)."""
+    warnings.warn(message, MemfitWarning, stacklevel=stacklevel)
+
+
+def _is_compiled(model) -> bool:
+    return hasattr(model, "_orig_mod") or type(model).__name__ == "OptimizedModule"
+
+
+def _is_peft(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def _zero3_active(model, deepspeed_config: dict[str, Any] | None) -> bool:
+    """ZeRO-3: the given DeepSpeed config says stage 3, parameters are DeepSpeed-partitioned
+    (``ds_id``), or HF's DeepSpeed integration reports ZeRO-3."""
+    if deepspeed_config and ((deepspeed_config.get("zero_optimization") or {}).get("stage") == 3):
+        return True
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return True
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:
+        return False
+    try:
+        return bool(is_deepspeed_zero3_enabled())
+    except Exception:  # an integration in an odd state must not stop training
+        return False
+
+
+def _pre_layer_modules(model, layers) -> list:
+    """Modules that run before the block list: its earlier siblings in the parent (embeddings,
+    position embeddings, input norms), registration order being forward order in HF models."""
+    for parent in model.modules():
+        children = list(parent.children())
+        if any(c is layers for c in children):
+            return children[: next(i for i, c in enumerate(children) if c is layers)]
+    return []
+
+
+def _trainable(module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _input_grads_hooked(model) -> bool:
+    """HF ``enable_input_require_grads`` already hooked the input embeddings."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if get is not None else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    hooks = getattr(emb, "_forward_hooks", {}) or {}
+    return any(getattr(h, "__name__", "") == "make_inputs_require_grads" for h in hooks.values())
+
+
+def frozen_input_trap(model, layers, chosen: Sequence[int]) -> int | None:
+    """The checkpointed layer whose inputs will not require grad although it has trainable
+    parameters, or None.
+
+    Under reentrant checkpointing such a layer (and every layer after it) gets no gradients: the
+    inputs of layer ``j`` require grad only when something trainable runs before it. That is the
+    first layer holding trainable parameters when the embeddings (and earlier layers) are frozen —
+    LoRA with frozen embeddings, or frozen leading layers.
+    """
+    if _input_grads_hooked(model) or any(_trainable(m) for m in _pre_layer_modules(model, layers)):
+        return None
+    first = next((i for i, layer in enumerate(layers) if _trainable(layer)), None)
+    return first if first is not None and first in set(chosen) else None
+
+
+def _planned_layers(rec: Any, L: int, strict: bool) -> tuple[list[int], str | None]:
+    """Layer indices to checkpoint for a recommendation (or a plain list of indices)."""
+    if not hasattr(rec, "layers"):
+        return [int(i) for i in rec], None
+    version = getattr(rec, "model_version", None)
+    if version == "fallback":
+        return list(range(L)), version
+    n = getattr(rec, "num_layers", L)
+    if n != L:
+        msg = f"recommendation is for {n} layers but the model has {L}: it was made for another model"
+        if strict:
+            raise ValueError(msg)
+        _warn(f"memfit: {msg}; checkpointing every layer instead", stacklevel=4)
+        return list(range(L)), version
+    if rec.k is None:
+        msg = "recommendation says no k fits (see its alternatives)"
+        if strict:
+            raise ValueError(msg)
+        _warn(f"memfit: {msg}; checkpointing every layer, the most memory it can save", stacklevel=4)
+        return list(range(L)), version
+    return list(rec.layers), version
+
+
+def apply(model, recommendation, *, strict: bool = False, use_reentrant: bool = False, layers=None,
+          deepspeed_config: dict[str, Any] | None = None) -> AppliedCheckpointing:
+    """Checkpoint exactly the recommended layers of ``model``; the others keep their activations.
+
+    Args:
+        model: HF model (PEFT-wrapped or ``torch.compile``'d is fine) or any module with a block list.
+        recommendation: a :class:`memfit.api.Recommendation` (its ``layers``), or a list of indices.
+            The client's fallback (``model_version == "fallback"``), a ``k=None`` answer (nothing
+            fits) and a layer-count mismatch checkpoint every layer, with a warning (raise if strict).
+        strict: raise ``ValueError`` instead of adjusting the plan with a warning.
+        use_reentrant: ``torch.utils.checkpoint`` flavour (non-reentrant recommended).
+        layers: the block list, when it cannot be found automatically.
+        deepspeed_config: the job's DeepSpeed config dict, used to detect ZeRO-3.
+
+    Traps handled (each warns with :class:`MemfitWarning`):
+
+    * reentrant checkpointing where the first checkpointed trainable layer gets inputs that do not
+      require grad (frozen embeddings / leading layers, LoRA): gradients would silently be None.
+      Fixed with ``model.enable_input_require_grads()`` when available, else by switching to
+      non-reentrant; with ``strict`` it raises ``ValueError``.
+    * ``torch.compile``'d models: compile can erase or invert the checkpointing savings.
+    * PEFT + ZeRO-3 + reentrant: always ``ValueError`` (use ``use_reentrant=False``).
+
+    Returns:
+        :class:`AppliedCheckpointing`; call :func:`verify` after the first backward.
+
+    Raises:
+        ValueError: see above, or no block list found / an index out of range.
+    """
+    from memfit.hf import decoder_layers
+
+    target = model
+    if _is_compiled(model):
+        _warn("memfit: model is torch.compile'd; compile can erase or invert activation-checkpointing savings "
+              "(the prediction assumes eager mode). Apply memfit before torch.compile and check the peak.")
+        target = getattr(model, "_orig_mod", model)
+    layers = layers if layers is not None else decoder_layers(target)
+    if layers is None:
+        raise ValueError("model has no nn.ModuleList of decoder layers; pass layers=...")
+    chosen, version = _planned_layers(recommendation, len(layers), strict)
+
+    if use_reentrant and chosen and _is_peft(target) and _zero3_active(target, deepspeed_config):
+        raise ValueError("PEFT (LoRA) + DeepSpeed ZeRO-3 + reentrant activation checkpointing fails deep inside "
+                         "the backward (partitioned parameters are not gathered for the reentrant recompute); "
+                         "use non-reentrant checkpointing: memfit.apply(..., use_reentrant=False) / "
+                         "gradient_checkpointing_kwargs={'use_reentrant': False}")
+    if use_reentrant and (j := frozen_input_trap(target, layers, chosen)) is not None:
+        why = (f"reentrant checkpointing of layer {j}, whose inputs do not require grad (frozen embeddings/"
+               "earlier layers), silently produces no gradients")
+        if strict:
+            raise ValueError(f"{why}; use use_reentrant=False or call model.enable_input_require_grads()")
+        if hasattr(target, "enable_input_require_grads"):
+            target.enable_input_require_grads()
+            _warn(f"memfit: {why}; called model.enable_input_require_grads() to fix it")
+        else:
+            use_reentrant = False
+            _warn(f"memfit: {why}; switched to non-reentrant checkpointing")
+
+    plan = apply_activation_checkpointing(target, chosen, layers=layers, use_reentrant=use_reentrant)
+    plan.source = version
+    log.info("memfit: checkpointing %d of %d layers %s (%s, %s, recommendation %s)", plan.k, plan.num_layers,
+             plan.layer_indices, plan.mechanism, "reentrant" if use_reentrant else "non-reentrant", version)
+    return plan
+
+
+def verify(plan: AppliedCheckpointing, *, strict: bool = False) -> bool:
+    """After the first backward: did exactly the planned layers recompute?
+
+    Logs the outcome; on a mismatch warns (:class:`MemfitWarning`) or, with ``strict``, raises
+    ``RuntimeError``. Typical causes: no backward ran yet, ``gradient_checkpointing_enable()`` was
+    called after :func:`apply` (it overwrites the plan), or reentrant layers whose inputs do not
+    require grad.
+
+    Returns:
+        True when the recomputed set equals the plan.
+    """
+    if plan.verify():
+        log.info("memfit: verified: layers %s recomputed in backward, as planned", plan.layer_indices)
+        return True
+    msg = (f"memfit: planned to recompute {plan.k} layers {plan.layer_indices} but layers {sorted(plan.recomputed)} "
+           f"recomputed (missing {plan.missing}, unexpected {plan.unexpected})")
+    if not plan.recomputed and plan.k:
+        msg += ("; nothing recomputed: no backward yet, checkpointing overwritten after memfit.apply "
+                "(e.g. gradient_checkpointing_enable), or inputs that do not require grad")
+    if strict:
+        raise RuntimeError(msg)
+    _warn(msg)
+    return False

@@ -1,0 +1,60 @@
+"""Shared bits of the examples: command line and getting a plan (from a service, or --k)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--url", help="memfit service URL; without it the plan is the first --k layers")
+    p.add_argument("--token", help="bearer token for telemetry")
+    p.add_argument("--k", type=int, default=2, help="checkpointed layers when no --url is given (default 2)")
+    p.add_argument("--gpu-memory-gib", type=float,
+                   help="device memory to plan for with --url (GiB); default: a capacity read off the served "
+                        "curve so that about half the layers must be checkpointed")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+
+
+def plan_source(args, describe_request, num_layers: int):
+    """The recommendation from the service (``--url``), or the first ``--k`` layers.
+
+    ``describe_request(gpu_memory_bytes)`` builds the request (``memfit.describe``). Without
+    ``--gpu-memory-gib`` the capacity is read off the served curve (asked at 1 TiB): between the bound
+    at k = L // 2 and the bounds of smaller k, so that the answer is 0 < k < L. A tiny model needs
+    little more than the fixed per-GPU overhead (CUDA context etc.), so any real GPU fits it at k = 0.
+    """
+    if args.url:
+        import memfit
+
+        client = memfit.Client(args.url, token=args.token)
+        capacity = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
+        if capacity is None:
+            probe = describe_request(1 << 40)
+            curve = [c.total_upper_bytes for c in client.recommend(probe).curve]
+            k = num_layers // 2
+            if curve and min(curve[:k]) > curve[k]:
+                usable = curve[k] + (min(curve[:k]) - curve[k]) // 2
+                capacity = int(usable / (1 - probe.headroom_fraction))  # the service keeps the headroom free
+                print(f"capacity read off the served curve: {capacity / 2**20:.2f} MiB (forces k={k})")
+            else:
+                capacity = 80 << 30
+        rec = client.recommend(describe_request(capacity))
+        print(f"service answer: k={rec.k} of {rec.num_layers}, model_version={rec.model_version}, "
+              f"predicted peak {rec.predicted_peak_bytes / 2**20:.1f} MiB")
+        return rec
+    if not 0 <= args.k <= num_layers:
+        raise SystemExit(f"--k={args.k} must be in [0, {num_layers}]")
+    return list(range(args.k))
+
+
+def print_plan(plan, verified: bool) -> None:
+    print(f"applied plan: k={plan.k}, layers={plan.layer_indices}, mechanism={plan.mechanism}, "
+          f"recomputed={sorted(plan.recomputed)}, verified={verified}")

@@ -1,0 +1,264 @@
+"""HTTP client of the memfit service, safe to call from a training script.
+
+    from memfit import Client
+    rec = Client("http://memfit:8000").recommend(model="llama-3-8b",
+                                                 training={"micro_batch_size": 2, "seq_len": 8192},
+                                                 cluster={"gpu": "H100-80GB"})
+
+Connection errors, timeouts and 5xx answers are retried (``retries`` times, exponential backoff
+starting at ``backoff_s``). When the service still cannot answer — or answers 4xx — and
+``strict=False`` (the default), :meth:`Client.recommend` returns a :class:`FallbackRecommendation`:
+the stated safe plan **checkpoint every layer**, ``model_version="fallback"``, with the reason in
+``warnings``, and logs one warning on the ``memfit`` logger. With ``strict=True`` it raises instead.
+
+Only httpx and pydantic are needed here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import httpx
+from pydantic import Field, ValidationError
+
+from memfit.api import (
+    ArchitectureIn,
+    ClusterIn,
+    PredictRequest,
+    PredictResponse,
+    Recommendation,
+    RecommendRequest,
+    TrainingIn,
+)
+
+log = logging.getLogger("memfit")
+
+FALLBACK_VERSION = "fallback"
+_RETRY_STATUS = frozenset({500, 502, 503, 504})
+
+
+class ServiceError(RuntimeError):
+    """The service could not give an answer (unreachable, timed out, 5xx after retries, or 4xx).
+
+    Attributes:
+        status_code: HTTP status when the service answered, else None.
+    """
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class FallbackRecommendation(Recommendation):
+    """What :meth:`Client.recommend` returns when the service cannot answer and ``strict=False``.
+
+    The plan is **checkpoint every layer**: the most memory-saving layout activation checkpointing
+    offers, at about 1/3 of a forward pass of extra compute per step. Nothing was predicted:
+    ``fits`` is True only in the sense that this is the plan to run; all byte figures are 0.
+    ``layers`` lists every layer when the layer count was known from the request (HF config dict or
+    explicit architecture); for a catalog name it is empty and ``num_layers`` is 0 —
+    :func:`memfit.apply` checkpoints every layer of the live model for any fallback.
+    """
+
+    fallback: bool = True
+    reason: str = Field("", description="why the service's answer is missing")
+
+
+def _layer_count(model: Any) -> int:
+    """Layers of the requested model when the request itself says (0 for a catalog name)."""
+    if isinstance(model, ArchitectureIn):
+        return model.num_layers
+    if isinstance(model, dict):
+        for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+            if isinstance(model.get(key), int) and model[key] > 0:
+                return model[key]
+    return 0
+
+
+def fallback_recommendation(request: RecommendRequest | None, reason: str, *, model: Any = None
+                            ) -> FallbackRecommendation:
+    """The safe "checkpoint every layer" plan for ``request`` (or, when the request itself was
+    invalid, for its ``model`` part); see :class:`FallbackRecommendation`."""
+    L = _layer_count(request.model if request is not None else model)
+    capacity = 0
+    if request is not None:
+        try:
+            capacity = request.cluster.memory_bytes
+        except ValueError:
+            capacity = 0
+    return FallbackRecommendation(
+        fits=True, k=L if L else None, layers=list(range(L)), num_layers=L, predicted_peak_bytes=0,
+        upper_bound_bytes=0, total_upper_bytes=0, capacity_bytes=capacity, usable_bytes=0, curve=[], breakdown={},
+        overhead={}, recompute_overhead_fraction=round(1 / 3, 4) if L else 0.0, model_version=FALLBACK_VERSION,
+        warnings=[(f"memfit service gave no answer ({reason}); safe fallback: checkpoint every layer "
+                   "(memory fit not predicted, ~33% extra forward compute)")],
+        reason=reason)
+
+
+def is_fallback(rec: Recommendation) -> bool:
+    """True for the client's "checkpoint every layer" fallback (``model_version == "fallback"``)."""
+    return rec.model_version == FALLBACK_VERSION
+
+
+class Client:
+    """Client of the memfit service.
+
+    Args:
+        url: base URL, e.g. ``http://127.0.0.1:8000``.
+        token: bearer token for write endpoints (``POST /telemetry``).
+        timeout_s: per-request timeout in seconds (connect and read).
+        retries: extra attempts after the first on connection errors, timeouts and 5xx.
+        strict: raise (:class:`ServiceError`, or ``ValueError`` on a rejected request) instead of
+            returning the fallback.
+        backoff_s: first backoff in seconds; doubles per retry (capped at 4 s).
+        transport: an ``httpx`` transport (tests: ``httpx.MockTransport``).
+    """
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 5.0, retries: int = 2,
+                 strict: bool = False, *, backoff_s: float = 0.25, transport: httpx.BaseTransport | None = None):
+        if retries < 0:
+            raise ValueError(f"retries={retries} must be >= 0")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        self.url = url.rstrip("/")
+        self.token, self.timeout_s, self.retries, self.strict = token, timeout_s, retries, strict
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.url!r}, strict={self.strict})"
+
+    # -- transport ------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, json: Any = None) -> httpx.Response:
+        """One call with retries on transport errors and 5xx.
+
+        Raises:
+            ServiceError: no 2xx/4xx answer after the retries (the last error in the message).
+        """
+        last, status = "no attempt", None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(4.0, self.backoff_s * 2 ** (attempt - 1)))
+            try:
+                r = self._http.request(method, path, json=json)
+            except httpx.TimeoutException as err:
+                last, status = f"timed out after {self.timeout_s}s ({type(err).__name__})", None
+            except httpx.TransportError as err:
+                last, status = f"unreachable: {type(err).__name__}: {err}", None
+            else:
+                if r.status_code not in _RETRY_STATUS:
+                    return r
+                last, status = f"HTTP {r.status_code}: {_detail(r)}", r.status_code
+            log.debug("memfit %s %s attempt %d/%d failed: %s", method, path, attempt + 1, self.retries + 1, last)
+        raise ServiceError(f"{method} {self.url}{path}: {last} (after {self.retries + 1} attempts)",
+                           status_code=status)
+
+    # -- endpoints ------------------------------------------------------------------------------
+    def recommend(self, request: RecommendRequest | dict[str, Any] | None = None, *,
+                  model: str | dict[str, Any] | ArchitectureIn | None = None,
+                  training: TrainingIn | dict[str, Any] | None = None, cluster: ClusterIn | dict[str, Any] | None = None,
+                  headroom_fraction: float = 0.05, layout: str = "block") -> Recommendation:
+        """``POST /recommend``: the smallest k that fits, its layers and the curve over k.
+
+        Give either ``request`` or ``model`` + ``training`` + ``cluster`` (+ ``headroom_fraction``
+        0..0.9, ``layout`` ``block``/``even``). Byte fields of the answer are per device.
+
+        Returns:
+            :class:`memfit.api.Recommendation`; when the service cannot answer and ``strict=False``,
+            a :class:`FallbackRecommendation` (checkpoint every layer), with one warning logged.
+
+        Raises:
+            TypeError: neither ``request`` nor all of ``model``/``training``/``cluster`` given.
+            Only with ``strict=True``: pydantic.ValidationError — the request is malformed (checked
+            before any I/O); ServiceError — no answer; ValueError — the service rejected the request
+            (4xx, with its ``detail``). Without ``strict`` each of these gives the fallback.
+        """
+        if request is None and (model is None or training is None or cluster is None):
+            raise TypeError("recommend() needs request=... or model=, training= and cluster=")
+        try:
+            if request is None:
+                request = RecommendRequest(model=model, training=training, cluster=cluster,
+                                           headroom_fraction=headroom_fraction, layout=layout)
+            elif not isinstance(request, RecommendRequest):
+                model = request.get("model") if isinstance(request, dict) else None
+                request = RecommendRequest.model_validate(request)
+        except ValidationError as err:
+            if self.strict:
+                raise
+            fb = fallback_recommendation(None, f"invalid request: {_short(err)}", model=model)
+            log.warning("memfit: %s", fb.warnings[0])
+            return fb
+        try:
+            r = self._request("POST", "/recommend", json=request.model_dump(mode="json", exclude_none=True))
+            if r.status_code >= 400:
+                raise ValueError(f"memfit service rejected the request (HTTP {r.status_code}): {_detail(r)}")
+            return Recommendation.model_validate(r.json())
+        except (ServiceError, ValueError, ValidationError) as err:
+            if self.strict:
+                raise
+            reason = str(err) if not isinstance(err, ValidationError) else f"unreadable answer: {_short(err)}"
+            fb = fallback_recommendation(request, reason)
+            log.warning("memfit: %s", fb.warnings[0])
+            return fb
+
+    def predict(self, request: PredictRequest | dict[str, Any]) -> PredictResponse:
+        """``POST /predict`` for fully specified configurations (k included).
+
+        Raises:
+            ServiceError: no answer after retries. ValueError: the service rejected the request (4xx).
+        """
+        if not isinstance(request, PredictRequest):
+            request = PredictRequest.model_validate(request)
+        r = self._request("POST", "/predict", json=request.model_dump(mode="json", exclude_none=True))
+        if r.status_code >= 400:
+            raise ValueError(f"memfit service rejected the request (HTTP {r.status_code}): {_detail(r)}")
+        return PredictResponse.model_validate(r.json())
+
+    def send_telemetry(self, records: list[Any]) -> dict[str, Any]:
+        """``POST /telemetry``: records (``TelemetryRecord`` or dicts); returns ``{stored, duplicates, rejected}``.
+
+        Raises:
+            ServiceError: no answer after retries (status_code set for 5xx).
+            PermissionError: 401 (token missing or wrong). ValueError: other 4xx.
+        """
+        body = [r.model_dump(mode="json") if hasattr(r, "model_dump") else r for r in records]
+        r = self._request("POST", "/telemetry", json=body)
+        if r.status_code == 401:
+            raise PermissionError(f"memfit service: {_detail(r)}")
+        if r.status_code >= 400:
+            raise ValueError(f"memfit service rejected the telemetry (HTTP {r.status_code}): {_detail(r)}")
+        return r.json()
+
+    def models(self) -> dict[str, Any]:
+        """``GET /models``: registered versions, the current one and the one serving.
+
+        Raises:
+            ServiceError: no answer after retries.
+        """
+        r = self._request("GET", "/models")
+        r.raise_for_status()
+        return r.json()
+
+
+def _detail(r: httpx.Response) -> str:
+    try:
+        j = r.json()
+        return str(j.get("detail", j))[:500] if isinstance(j, dict) else str(j)[:500]
+    except ValueError:
+        return r.text[:500]
+
+
+def _short(err: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors())[:500]

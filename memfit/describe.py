@@ -1,0 +1,329 @@
+"""Describe a live training job as a :class:`memfit.api.RecommendRequest`.
+
+:func:`describe` reads what the running process already knows — the model's HF config, its
+parameter counts (LoRA/frozen aware), the GPU, the world size, and the DeepSpeed config or HF
+``TrainingArguments`` — so a training script needs only the sequence length::
+
+    req = memfit.describe(model, seq_len=4096, training_args=args)
+    rec = memfit.Client(url).recommend(req)
+
+torch is imported lazily (the model is a ``torch.nn.Module``); transformers, peft and deepspeed are
+never required.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from memfit.api import GPUS, ArchitectureIn, ClusterIn, RecommendRequest, TrainingIn
+from memfit.schema import Attention, CheckpointImpl, FineTune, Optimizer, Precision, Sharding
+
+log = logging.getLogger("memfit")
+
+#: HF config keys that say nothing about memory and only bloat the request.
+_DROP_KEYS = {"architectures", "transformers_version", "_name_or_path", "id2label", "label2id", "dtype",
+              "torch_dtype", "quantization_config", "auto_map", "task_specific_params", "_commit_hash"}
+_HF_OPTIM = {"adamw_torch": Optimizer.ADAMW_FOREACH, "adamw_hf": Optimizer.ADAMW_FOREACH,
+             "adamw_torch_fused": Optimizer.ADAMW_FUSED, "adafactor": Optimizer.ADAFACTOR, "sgd": Optimizer.SGD_MOMENTUM}
+_DS_OPTIM = {"adam": Optimizer.ADAMW_FOREACH, "adamw": Optimizer.ADAMW_FOREACH, "sgd": Optimizer.SGD_MOMENTUM}
+_ATTN = {"sdpa": Attention.SDPA, "eager": Attention.EAGER, "flash_attention_2": Attention.FLASH,
+         "flash_attention_3": Attention.FLASH, "flex_attention": Attention.FLASH}
+
+
+def unwrap(model):
+    """The innermost ``nn.Module``: through ``torch.compile`` (``_orig_mod``), DDP/DeepSpeed engines
+    (``module``) and PEFT (``get_base_model()``)."""
+    for _ in range(8):
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif type(model).__name__ in ("DistributedDataParallel", "DeepSpeedEngine", "DataParallel") \
+                and hasattr(model, "module"):
+            model = model.module
+        else:
+            break
+    return model
+
+
+def hf_config_dict(model) -> dict[str, Any] | None:
+    """The model's HF config as a JSON-safe dict (memory-irrelevant keys dropped), or None."""
+    config = getattr(unwrap(model), "config", None)
+    if config is None or not hasattr(config, "to_dict") or not getattr(config, "model_type", None):
+        return None
+    d = json.loads(json.dumps(config.to_dict(), default=str))
+    return {k: v for k, v in d.items() if k not in _DROP_KEYS}
+
+
+def parameter_counts(model) -> tuple[int, int]:
+    """(total, trainable) parameters; DeepSpeed ZeRO-3 partitioned parameters count their full size
+    (``ds_numel``), DTensors their global size, shared tensors once."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = int(getattr(p, "ds_numel", 0) or p.numel())
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable
+
+
+def _load_ds_config(ds: Any) -> dict[str, Any] | None:
+    if ds is None or ds is False:
+        return None
+    if isinstance(ds, dict):
+        return ds
+    if isinstance(ds, (str, Path)):
+        text = str(ds).strip()
+        return json.loads(text) if text.startswith("{") else json.loads(Path(text).read_text())
+    cfg = getattr(ds, "config", None)  # HfDeepSpeedConfig / DeepSpeedEngine
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _enabled(block: Any, auto: bool) -> bool:
+    if not isinstance(block, dict):
+        return False
+    v = block.get("enabled", False)
+    return auto if v == "auto" else bool(v)
+
+
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _frozen_leading_layers(model) -> int:
+    from memfit.hf import decoder_layers
+
+    layers = decoder_layers(model)
+    n = 0
+    for layer in layers or []:
+        params = list(layer.parameters())
+        if params and not any(p.requires_grad for p in params):
+            n += 1
+        else:
+            break
+    return n
+
+
+def _lora_rank(model) -> int | None:
+    cfgs = getattr(model, "peft_config", None)
+    if not isinstance(cfgs, dict) or not cfgs:
+        return None
+    cfg = cfgs.get(getattr(model, "active_adapter", "default")) or next(iter(cfgs.values()))
+    r = getattr(cfg, "r", None)
+    return int(r) if isinstance(r, int) and r > 0 else None
+
+
+def _find_int_attr(modules, names: tuple[str, ...]) -> int | None:
+    for m in modules:
+        for name in names:
+            v = getattr(m, name, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def detect_architecture(model, layers=None) -> ArchitectureIn:
+    """:class:`ArchitectureIn` of a model without a HF config, from its modules.
+
+    Layers: the block list (``layers`` or the model's ``nn.ModuleList``); vocabulary and hidden size:
+    the largest ``nn.Embedding``; heads: ``nn.MultiheadAttention.num_heads`` or an ``int`` attribute
+    ``num_heads``/``n_heads``/``n_head``/``num_attention_heads`` in a block; FFN width: the
+    ``nn.Linear`` of a block that maps a wider input back to the hidden size. ``architecture`` is
+    ``llama`` (a pre-norm decoder); parameters are counted from the live model.
+
+    Raises:
+        ValueError: naming each field that could not be detected (pass ``architecture=`` to describe).
+    """
+    from torch import nn
+
+    from memfit.hf import decoder_layers
+
+    base = unwrap(model)
+    layers = layers if layers is not None else decoder_layers(base)
+    if layers is None:
+        raise ValueError("model: no HF config and no nn.ModuleList of blocks found; pass architecture="
+                         "ArchitectureIn(...) (or a catalog name / HF config dict)")
+    embeds = [m for m in base.modules() if isinstance(m, nn.Embedding)]
+    emb = max(embeds, key=lambda m: m.num_embeddings) if embeds else None
+    block = list(layers[0].modules())
+    hidden = emb.embedding_dim if emb is not None else None
+    mha = next((m for m in block if isinstance(m, nn.MultiheadAttention)), None)
+    heads = mha.num_heads if mha is not None else _find_int_attr(
+        block, ("num_heads", "n_heads", "n_head", "num_attention_heads"))
+    kv = _find_int_attr(block, ("num_key_value_heads", "n_kv_heads", "num_kv_heads"))
+    linears = [m for m in block if isinstance(m, nn.Linear)]
+    if hidden is None and linears:
+        hidden = linears[0].in_features
+    down = [m.in_features for m in linears if hidden and m.out_features == hidden and m.in_features > hidden]
+    if mha is not None and hidden:
+        down = down or [m.out_features for m in linears if m.in_features == hidden and m.out_features > hidden]
+    ffn = max(down) if down else None
+    values = {"num_layers": len(layers), "hidden_size": hidden, "num_attention_heads": heads,
+              "intermediate_size": ffn, "vocab_size": emb.num_embeddings if emb is not None else None}
+    missing = [k for k, v in values.items() if not v]
+    if missing:
+        raise ValueError(f"could not detect {', '.join(missing)} from the model's modules; pass architecture="
+                         "ArchitectureIn(num_layers=..., hidden_size=..., num_attention_heads=..., "
+                         "intermediate_size=..., vocab_size=...)")
+    total, _ = parameter_counts(base)
+    return ArchitectureIn(architecture="llama", **values, num_key_value_heads=kv, total_params=total)
+
+
+def _gpu_memory(gpu: str | None, gpu_memory_gib: float | None, gpu_memory_bytes: int | None) -> dict[str, Any]:
+    given = {k: v for k, v in (("gpu", gpu), ("gpu_memory_gib", gpu_memory_gib),
+                               ("gpu_memory_bytes", gpu_memory_bytes)) if v is not None}
+    if given:
+        return given
+    import torch
+
+    if torch.cuda.is_available():
+        return {"gpu_memory_bytes": int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)}
+    raise ValueError("gpu: no CUDA device is visible, so give the GPU to plan for: gpu=<name> "
+                     f"(known: {', '.join(GPUS)}) or gpu_memory_gib=<GiB> or gpu_memory_bytes=<bytes>")
+
+
+def _world_size() -> int | None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return None
+
+
+def describe(
+    model,
+    *,
+    micro_batch_size: int | None = None,
+    seq_len: int | None = None,
+    training_args: Any = None,
+    deepspeed_config: dict[str, Any] | str | Path | None = None,
+    gpu: str | None = None,
+    gpu_memory_gib: float | None = None,
+    gpu_memory_bytes: int | None = None,
+    gpu_count: int | None = None,
+    precision: Precision | str | None = None,
+    optimizer: Optimizer | str | None = None,
+    sharding: Sharding | str | None = None,
+    attention: Attention | str | None = None,
+    checkpoint_impl: CheckpointImpl | str | None = None,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    architecture: ArchitectureIn | dict[str, Any] | str | None = None,
+    layers=None,
+    headroom_fraction: float = 0.05,
+    layout: str = "block",
+) -> RecommendRequest:
+    """A :class:`RecommendRequest` for a live model and its training setup.
+
+    Explicit keyword arguments win; then the DeepSpeed config (``deepspeed_config`` or
+    ``training_args.deepspeed``: ``train_micro_batch_size_per_gpu``, ``zero_optimization.stage``,
+    ``bf16``/``fp16.enabled`` — ``"auto"`` resolved from ``training_args``); then HF
+    ``TrainingArguments`` (``per_device_train_batch_size``, ``bf16``/``fp16``, ``optim``, ``fsdp``,
+    ``activation_checkpointing_kwargs``/``gradient_checkpointing_kwargs``); then the model.
+
+    * model: its HF config dict when it has one (``model.config``), else :func:`detect_architecture`
+      (or ``architecture=`` to override: catalog name, HF config dict or :class:`ArchitectureIn`).
+    * parameters: trainable count from ``requires_grad`` (LoRA adapters, frozen layers); PEFT LoRA
+      sets ``finetune="lora"`` with its rank; fully frozen leading layers set ``finetune="frozen"``.
+    * precision: DeepSpeed bf16/fp16 -> ``bf16_fp32_master`` (half weights + fp32 master copy);
+      TrainingArguments bf16/fp16 -> ``amp_bf16``/``amp_fp16`` (autocast over fp32 weights);
+      otherwise half-precision parameters -> ``bf16``, fp32 parameters -> ``fp32``.
+    * cluster: GPU memory from ``torch.cuda.get_device_properties`` when CUDA is available; GPU
+      count from ``torch.distributed``'s world size when initialised, else 1. Sharding on one device
+      is reported as ``none`` (nothing to shard over).
+
+    Args:
+        seq_len: tokens per sequence (required: the model cannot tell what the data loader yields).
+        micro_batch_size: sequences per device per forward.
+        gpu / gpu_memory_gib / gpu_memory_bytes: the device to plan for; one of them is required
+            without CUDA.
+
+    Raises:
+        ValueError: a missing essential (names the field: ``seq_len``, ``micro_batch_size``, ``gpu``)
+            or an architecture that cannot be detected.
+    """
+    if seq_len is None:
+        raise ValueError("seq_len is required: tokens per training sequence (e.g. seq_len=4096)")
+    args = training_args
+    ds = _load_ds_config(deepspeed_config if deepspeed_config is not None else getattr(args, "deepspeed", None))
+    hf_bf16, hf_fp16 = bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
+
+    if micro_batch_size is None and ds is not None:
+        micro_batch_size = _int_or_none(ds.get("train_micro_batch_size_per_gpu"))
+    if micro_batch_size is None and args is not None:
+        micro_batch_size = _int_or_none(getattr(args, "per_device_train_batch_size", None))
+    if micro_batch_size is None:
+        raise ValueError("micro_batch_size is required: give micro_batch_size=, a DeepSpeed config with "
+                         "train_micro_batch_size_per_gpu, or training_args with per_device_train_batch_size")
+
+    base = unwrap(model)
+    params = list(base.parameters())
+    half = bool(params) and params[0].dtype.is_floating_point and params[0].element_size() == 2
+    if precision is None:
+        if ds is not None and (_enabled(ds.get("bf16"), hf_bf16) or _enabled(ds.get("fp16"), hf_fp16)):
+            precision = Precision.BF16_FP32_MASTER
+        elif hf_bf16:
+            precision = Precision.AMP_BF16
+        elif hf_fp16:
+            precision = Precision.AMP_FP16
+        else:
+            precision = Precision.BF16 if half else Precision.FP32
+
+    if optimizer is None:
+        ds_opt = str(((ds or {}).get("optimizer") or {}).get("type", "")).lower()
+        hf_opt = getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None))
+        optimizer = _DS_OPTIM.get(ds_opt) or _HF_OPTIM.get(str(hf_opt)) or Optimizer.ADAMW_FOREACH
+
+    if gpu_count is None:
+        gpu_count = _world_size() or 1
+    dp = max(1, gpu_count // (tensor_parallel_size * pipeline_parallel_size))
+    if sharding is None:
+        stage = ((ds or {}).get("zero_optimization") or {}).get("stage", 0)
+        fsdp = getattr(args, "fsdp", None) or ""
+        fsdp = " ".join(str(getattr(x, "value", x)) for x in fsdp) if isinstance(fsdp, (list, tuple)) else str(fsdp)
+        if isinstance(stage, int) and stage in (1, 2, 3):
+            sharding = Sharding(f"zero{stage}")
+        elif "shard_grad_op" in fsdp:
+            sharding = Sharding.FSDP_SHARD_GRAD_OP
+        elif "full_shard" in fsdp or "hybrid_shard" in fsdp:
+            sharding = Sharding.FSDP_FULL_SHARD
+        else:
+            sharding = Sharding.NONE
+    sharding = Sharding(sharding)
+    if sharding is not Sharding.NONE and dp < 2:
+        log.info("memfit: sharding=%s over one data-parallel rank shards nothing; describing it as 'none'",
+                 sharding.value)
+        sharding = Sharding.NONE
+
+    if attention is None:
+        impl = getattr(getattr(base, "config", None), "_attn_implementation", None)
+        attention = _ATTN.get(str(impl), Attention.SDPA)
+    if checkpoint_impl is None:
+        kw = (getattr(args, "activation_checkpointing_kwargs", None)
+              or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+        checkpoint_impl = CheckpointImpl.REENTRANT if isinstance(kw, dict) and kw.get("use_reentrant") \
+            else CheckpointImpl.NON_REENTRANT
+
+    total, trainable = parameter_counts(model)
+    training: dict[str, Any] = dict(
+        micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
+        sharding=sharding, attention=attention, checkpoint_impl=checkpoint_impl,
+        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        trainable_params=trainable)
+    rank = _lora_rank(model)
+    if rank is not None:
+        training.update(finetune=FineTune.LORA, lora_rank=rank)
+    elif trainable < total and (frozen := _frozen_leading_layers(base)):
+        training.update(finetune=FineTune.FROZEN, frozen_layers=frozen)
+
+    if architecture is None:
+        architecture = hf_config_dict(model) or detect_architecture(model, layers)
+    cluster = ClusterIn(**_gpu_memory(gpu, gpu_memory_gib, gpu_memory_bytes), gpu_count=gpu_count)
+    return RecommendRequest(model=architecture, training=TrainingIn(**training), cluster=cluster,
+                            headroom_fraction=headroom_fraction, layout=layout)

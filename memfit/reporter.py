@@ -1,0 +1,306 @@
+"""Report a user job's measured peak memory back to the service, so the predictor learns from it.
+
+After the first N training steps, :func:`report_peak` reads the peak (CUDA:
+``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of the current device, method ``cuda``;
+CPU: only a value measured by the caller and passed in as ``peak_allocated_bytes``, method
+``cpu_tracker`` — process RSS is not a tensor peak, so without a value the report is skipped) and
+sends it with the model, the configuration and the applied checkpoint layers as one
+:class:`memfit.schema.TelemetryRecord` (``source=user_job``) to ``POST /telemetry``.
+
+When the service is unreachable the record is appended to a JSONL spool (default
+``~/.cache/memfit/spool.jsonl``, or ``$MEMFIT_SPOOL``); :func:`flush_spool` sends it later.
+Nothing here raises into the training loop: every failure is logged once and returned as a status.
+
+``MemfitReporterCallback`` (HF ``Trainer``) lives in :mod:`memfit.integrations.hf` and is importable
+from here (loaded on first access, so this module does not import transformers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memfit.api import ArchitectureIn, RecommendRequest
+from memfit.client import Client, ServiceError
+from memfit.schema import (
+    CheckpointImpl,
+    ClusterSpec,
+    FineTune,
+    Measurement,
+    Method,
+    ModelSpec,
+    Source,
+    TelemetryRecord,
+    TrainingConfig,
+)
+
+log = logging.getLogger("memfit")
+_logged: set[str] = set()
+
+
+def default_spool_path() -> Path:
+    """``$MEMFIT_SPOOL`` or ``~/.cache/memfit/spool.jsonl``."""
+    return Path(os.environ.get("MEMFIT_SPOOL") or "~/.cache/memfit/spool.jsonl").expanduser()
+
+
+def _log_once(key: str, msg: str, *args: Any, level: int = logging.WARNING) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.log(level, msg, *args)
+
+
+@dataclass
+class ReportResult:
+    """Outcome of :func:`report_peak`.
+
+    Attributes:
+        status: ``sent``, ``duplicate``, ``spooled``, ``rejected``, ``skipped`` or ``error``.
+        record: the record built (None when skipped before building, or on error).
+        detail: the service's answer or the reason.
+    """
+
+    status: str
+    record: TelemetryRecord | None = None
+    detail: str = ""
+
+
+def _client(client_or_url: Client | str, token: str | None) -> Client:
+    return client_or_url if isinstance(client_or_url, Client) else Client(client_or_url, token=token)
+
+
+def _versions() -> dict[str, str | None]:
+    out = {}
+    for name in ("torch", "transformers", "deepspeed"):
+        mod = sys.modules.get(name)
+        out[f"{name}_version"] = getattr(mod, "__version__", None) if mod is not None else None
+    return out
+
+
+def _model_spec(model: Any, request: RecommendRequest, model_name: str | None) -> ModelSpec:
+    from memfit.describe import detect_architecture, hf_config_dict, parameter_counts
+    from memfit.hf import spec_fields_from_hf_config
+
+    arch = request.model
+    if isinstance(arch, str):
+        model_name = model_name or arch
+        arch = hf_config_dict(model) or detect_architecture(model)
+    cfg = arch.hf_config() if isinstance(arch, ArchitectureIn) else arch
+    total, trainable = parameter_counts(model)
+    return ModelSpec(**spec_fields_from_hf_config(cfg), model_name=model_name, total_params=total,
+                     trainable_params=trainable)
+
+
+def _lora_targets(model: Any) -> list[str] | None:
+    cfgs = getattr(model, "peft_config", None)
+    if not isinstance(cfgs, dict) or not cfgs:
+        return None
+    targets = getattr(next(iter(cfgs.values())), "target_modules", None)
+    return sorted(targets) if isinstance(targets, (set, list, tuple)) else None
+
+
+def build_record(model: Any, plan: Any, request: RecommendRequest, *, peak_allocated_bytes: int,
+                 method: Method, peak_reserved_bytes: int | None = None, step_time_s: float | None = None,
+                 device_name: str = "cpu", device_memory_bytes: int | None = None,
+                 model_name: str | None = None) -> TelemetryRecord:
+    """The :class:`TelemetryRecord` of a user job (``source=user_job``).
+
+    Args:
+        model: the live model (architecture from its HF config or modules; counts from its parameters).
+        plan: :class:`memfit.checkpointing.AppliedCheckpointing` (layers and recomputed count), a
+            :class:`memfit.api.Recommendation` or a list of layer indices (layers only).
+        request: the job's configuration (:func:`memfit.describe`).
+        peak_allocated_bytes / peak_reserved_bytes: measured peak per device, bytes.
+        device_memory_bytes: total memory of the device; default the request's capacity.
+
+    Raises:
+        pydantic.ValidationError / ValueError: the pieces do not form a valid record.
+    """
+    t = request.training
+    gpus = request.cluster.gpu_count
+    dp = t.data_parallel_size or max(1, gpus // (t.tensor_parallel_size * t.pipeline_parallel_size))
+    if isinstance(plan, (list, tuple)):
+        layers = [int(i) for i in plan]
+    else:
+        layers = list(getattr(plan, "layer_indices", None) or getattr(plan, "layers", None) or [])
+    fields = t.model_dump(exclude={"trainable_params", "data_parallel_size"})
+    if t.finetune is FineTune.LORA:
+        fields["lora_rank"] = t.lora_rank or 8
+        fields["lora_target_modules"] = _lora_targets(model)
+    if getattr(plan, "use_reentrant", None) is not None:
+        fields["checkpoint_impl"] = CheckpointImpl.REENTRANT if plan.use_reentrant else CheckpointImpl.NON_REENTRANT
+    training = TrainingConfig(**fields, data_parallel_size=dp, checkpoint_layers=layers)
+    cluster = ClusterSpec(device_name=device_name, device_memory_bytes=device_memory_bytes
+                          or request.cluster.memory_bytes, gpu_count=gpus, **_versions())
+    recomputed = getattr(plan, "recomputed", None)
+    measurement = Measurement(peak_allocated_bytes=int(peak_allocated_bytes), method=method, source=Source.USER_JOB,
+                              peak_reserved_bytes=peak_reserved_bytes if method is Method.CUDA else None,
+                              step_time_s=step_time_s,
+                              recomputed_layers=len(recomputed) if recomputed is not None else None)
+    name = model_name or getattr(plan, "model_name", None)
+    return TelemetryRecord(model=_model_spec(model, request, name), training=training, cluster=cluster,
+                           measurement=measurement)
+
+
+def _measure_cuda() -> dict[str, Any] | None:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    return {"peak_allocated_bytes": int(torch.cuda.max_memory_allocated(dev)),
+            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(dev)), "method": Method.CUDA,
+            "device_name": props.name, "device_memory_bytes": int(props.total_memory)}
+
+
+def spool(record: TelemetryRecord, path: str | Path | None = None) -> Path:
+    """Append one record to the JSONL spool; returns its path.
+
+    Raises:
+        OSError: the spool cannot be written.
+    """
+    p = Path(path) if path is not None else default_spool_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("a", encoding="utf-8") as f:
+        f.write(record.model_dump_json() + "\n")
+    return p
+
+
+def send_or_spool(client: Client, record: TelemetryRecord, spool_path: str | Path | None = None) -> ReportResult:
+    """POST one record; spool it when the service is unreachable or refuses the token. Never raises."""
+    try:
+        ans = client.send_telemetry([record])
+    except (ServiceError, PermissionError) as err:
+        try:
+            where = spool(record, spool_path)
+        except OSError as io_err:
+            _log_once("spool-failed", "memfit: telemetry not sent (%s) and not spooled (%s)", err, io_err)
+            return ReportResult("error", record, f"{err}; spool failed: {io_err}")
+        _log_once("spooled", "memfit: telemetry not sent (%s); spooled to %s (memfit.reporter.flush_spool later)",
+                  err, where)
+        return ReportResult("spooled", record, str(err))
+    except Exception as err:  # never break training
+        _log_once("send-error", "memfit: telemetry not sent: %s: %s", type(err).__name__, err)
+        return ReportResult("error", record, f"{type(err).__name__}: {err}")
+    if record.record_id in ans.get("stored", []):
+        log.info("memfit: telemetry %s stored (peak %d bytes)", record.record_id,
+                 record.measurement.peak_allocated_bytes)
+        return ReportResult("sent", record, json.dumps(ans))
+    if record.record_id in ans.get("duplicates", []):
+        return ReportResult("duplicate", record, json.dumps(ans))
+    _log_once("rejected", "memfit: telemetry rejected by the service: %s", ans.get("rejected"))
+    return ReportResult("rejected", record, json.dumps(ans.get("rejected")))
+
+
+def report_peak(client_or_url: Client | str, model: Any, plan: Any, *, request: RecommendRequest | None = None,
+                steps: int = 2, peak_allocated_bytes: int | None = None, step_time_s: float | None = None,
+                spool_path: str | Path | None = None, token: str | None = None, model_name: str | None = None,
+                **describe_kwargs: Any) -> ReportResult:
+    """Send the peak of the first ``steps`` training steps as telemetry. Never raises.
+
+    Call it after those steps. On CUDA the peak is ``torch.cuda.max_memory_allocated`` since the
+    last ``torch.cuda.reset_peak_memory_stats()`` (call that before step 1, or it is the process
+    peak). On CPU pass ``peak_allocated_bytes`` measured by a tensor tracker; without it the report
+    is skipped (logged).
+
+    Args:
+        client_or_url: :class:`memfit.client.Client` or the service URL (with ``token``).
+        model: the live model. plan: :class:`AppliedCheckpointing` (preferred) or the Recommendation.
+        request: the job's configuration; default ``memfit.describe(model, **describe_kwargs)``.
+        steps: how many steps the peak covers (informational; the record holds one peak).
+        step_time_s: wall time of one step, seconds, if measured.
+        spool_path: JSONL spool for records that could not be sent.
+
+    Returns:
+        :class:`ReportResult` (``status`` says what happened).
+    """
+    try:
+        if request is None:
+            from memfit.describe import describe
+
+            request = describe(model, **describe_kwargs)
+        if peak_allocated_bytes is None:
+            measured = _measure_cuda()
+            if measured is None:
+                _log_once("no-peak", "memfit: no CUDA device and no measured peak_allocated_bytes given: "
+                                     "telemetry report skipped", level=logging.INFO)
+                return ReportResult("skipped", None, "no CUDA peak and no measured value")
+        else:
+            measured = {"peak_allocated_bytes": int(peak_allocated_bytes), "method": Method.CPU_TRACKER,
+                        "device_name": "cpu",
+                        "device_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+            cuda = _measure_cuda()
+            if cuda is not None:  # a caller-measured peak on a GPU job: keep it, with the device's identity
+                measured.update(method=Method.CUDA, device_name=cuda["device_name"],
+                                device_memory_bytes=cuda["device_memory_bytes"])
+        record = build_record(model, plan, request, step_time_s=step_time_s, model_name=model_name, **measured)
+        log.debug("memfit: reporting the peak of the first %d steps: %d bytes", steps,
+                  record.measurement.peak_allocated_bytes)
+        return send_or_spool(_client(client_or_url, token), record, spool_path)
+    except Exception as err:  # never break training
+        _log_once("report-error", "memfit: telemetry report failed: %s: %s", type(err).__name__, err)
+        return ReportResult("error", None, f"{type(err).__name__}: {err}")
+
+
+def flush_spool(client_or_url: Client | str, spool_path: str | Path | None = None, *, token: str | None = None,
+                batch: int = 500) -> int:
+    """Send spooled records; returns how many the service took (stored or duplicate). Never raises.
+
+    The spool is moved aside first, so records appended meanwhile are kept; records still
+    unsendable (service down) go back to the spool; records the service rejects are dropped (logged).
+    """
+    p = Path(spool_path) if spool_path is not None else default_spool_path()
+    work = p.with_suffix(p.suffix + ".flushing")
+    try:
+        if p.exists():
+            if work.exists():  # a previous flush was interrupted: merge
+                with work.open("a", encoding="utf-8") as f:
+                    f.write(p.read_text(encoding="utf-8"))
+                p.unlink()
+            else:
+                p.rename(work)
+        if not work.exists():
+            return 0
+        lines = [ln for ln in work.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    except OSError as err:
+        _log_once("flush-io", "memfit: cannot read the spool %s: %s", p, err)
+        return 0
+    client = _client(client_or_url, token)
+    sent, keep = 0, []
+    for start in range(0, len(lines), batch):
+        chunk = lines[start:start + batch]
+        try:
+            ans = client.send_telemetry([json.loads(ln) for ln in chunk])
+        except (ServiceError, PermissionError) as err:
+            log.info("memfit: spool flush stopped: %s", err)
+            keep.extend(lines[start:])
+            break
+        except Exception as err:  # malformed spool line or anything else: keep the lines, stop
+            _log_once("flush-error", "memfit: spool flush failed: %s: %s", type(err).__name__, err)
+            keep.extend(lines[start:])
+            break
+        sent += len(ans.get("stored", [])) + len(ans.get("duplicates", []))
+        if ans.get("rejected"):
+            _log_once("flush-rejected", "memfit: the service rejected %d spooled record(s): %s",
+                      len(ans["rejected"]), ans["rejected"][:3])
+    try:
+        if keep:
+            with p.open("a", encoding="utf-8") as f:
+                f.write("\n".join(keep) + "\n")
+        work.unlink()
+    except OSError as err:
+        _log_once("flush-io", "memfit: cannot rewrite the spool %s: %s", p, err)
+    log.info("memfit: flushed %d spooled record(s), %d kept", sent, len(keep))
+    return sent
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MemfitReporterCallback":
+        from memfit.integrations.hf import MemfitReporterCallback
+
+        return MemfitReporterCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

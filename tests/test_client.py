@@ -1,0 +1,334 @@
+"""Client (retries, fallback, strict), describe() on live models, the reporter and its spool, the examples.
+
+The service is stood in by ``httpx.MockTransport`` handlers; the real server is in test_client_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from pydantic import ValidationError
+
+from memfit.api import ArchitectureIn, Recommendation, RecommendRequest
+from memfit.checkpointing import apply
+from memfit.client import Client, FallbackRecommendation, ServiceError, is_fallback
+from memfit.describe import describe, detect_architecture
+from memfit.hf import build_causal_lm, quiet_transformers
+from memfit.reporter import flush_spool, report_peak
+from memfit.schema import TelemetryRecord
+from tests.helpers import TINY_LLAMA
+
+ROOT = Path(__file__).resolve().parent.parent
+REQ = {"model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192},
+       "cluster": {"gpu": "H100-80GB"}}
+HF_REQ = {**REQ, "model": {**TINY_LLAMA, "num_hidden_layers": 6}}
+
+
+def answer(**over) -> dict:
+    base = dict(fits=True, k=2, layers=[0, 1], num_layers=32, predicted_peak_bytes=70 << 30,
+                upper_bound_bytes=72 << 30, total_upper_bytes=74 << 30, capacity_bytes=80 << 30,
+                usable_bytes=76 << 30, curve=[{"k": 0, "predicted_bytes": 1, "upper_bytes": 2, "total_upper_bytes": 3}],
+                breakdown={"parameters_bytes": 16 << 30}, overhead={"total_bytes": 1}, recompute_overhead_fraction=0.02,
+                model_version="0003")
+    return {**base, **over}
+
+
+def mock_client(handler, **kw) -> Client:
+    return Client("http://memfit.test", transport=httpx.MockTransport(handler), backoff_s=0.0, **kw)
+
+
+# -- client ---------------------------------------------------------------------------------------------
+def test_recommend_returns_a_typed_answer_and_sends_the_request_body():
+    seen = []
+
+    def handler(request: httpx.Request):
+        seen.append((request.method, request.url.path, json.loads(request.content)))
+        return httpx.Response(200, json=answer())
+
+    rec = mock_client(handler).recommend(**REQ)
+    assert isinstance(rec, Recommendation) and not is_fallback(rec)
+    assert rec.k == 2 and rec.layers == [0, 1] and rec.total_upper_bytes == 74 << 30
+    method, path, body = seen[0]
+    assert (method, path) == ("POST", "/recommend")
+    assert body["model"] == "llama-3-8b" and body["training"]["seq_len"] == 8192 and body["headroom_fraction"] == 0.05
+    # the same through a RecommendRequest
+    assert mock_client(handler).recommend(RecommendRequest.model_validate(REQ)).k == 2
+
+
+def test_retries_5xx_and_connection_errors_then_succeeds():
+    calls = []
+
+    def handler(request):
+        calls.append(1)
+        if len(calls) == 1:
+            raise httpx.ConnectError("refused", request=request)
+        if len(calls) == 2:
+            return httpx.Response(503, json={"detail": "no model loaded yet"})
+        return httpx.Response(200, json=answer(k=5, layers=list(range(5))))
+
+    assert mock_client(handler, retries=2).recommend(**REQ).k == 5 and len(calls) == 3
+
+
+def test_unreachable_gives_the_fallback_with_one_warning(caplog):
+    calls = []
+
+    def handler(request):
+        calls.append(1)
+        raise httpx.ConnectError("refused", request=request)
+
+    with caplog.at_level(logging.WARNING, logger="memfit"):
+        rec = mock_client(handler, retries=2).recommend(**HF_REQ)
+    assert len(calls) == 3
+    assert isinstance(rec, FallbackRecommendation) and rec.model_version == "fallback" and is_fallback(rec)
+    assert rec.k == 6 and rec.layers == list(range(6)) and rec.num_layers == 6  # layer count from the HF config
+    assert "checkpoint every layer" in rec.warnings[0] and "unreachable" in rec.warnings[0]
+    warnings_logged = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings_logged) == 1 and "checkpoint every layer" in warnings_logged[0].getMessage()
+    # a catalog name: layer count unknown here, apply() checkpoints every layer of the live model
+    rec = mock_client(handler, retries=0).recommend(**REQ)
+    assert rec.num_layers == 0 and rec.layers == [] and rec.k is None
+
+
+def test_slow_service_falls_back_and_strict_raises():
+    def slow(request):
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    rec = mock_client(slow, retries=1, timeout_s=0.2).recommend(**REQ)
+    assert is_fallback(rec) and "timed out after 0.2s" in rec.reason
+    with pytest.raises(ServiceError, match="timed out"):
+        mock_client(slow, retries=0, strict=True).recommend(**REQ)
+
+
+def test_rejected_request_falls_back_or_raises_with_the_detail():
+    def reject(request):
+        return httpx.Response(422, json={"detail": "model: unknown model 'llama-9'"})
+
+    rec = mock_client(reject).recommend(**REQ)
+    assert is_fallback(rec) and "unknown model 'llama-9'" in rec.warnings[0]
+    with pytest.raises(ValueError, match="HTTP 422.*unknown model"):
+        mock_client(reject, strict=True).recommend(**REQ)
+    with pytest.raises(TypeError, match="needs request"):
+        mock_client(reject).recommend(model="gpt2")
+
+
+def test_invalid_request_falls_back_unless_strict():
+    def never(request):
+        raise AssertionError("no request may be sent")
+
+    bad = {**HF_REQ, "training": {"micro_batch_size": 0, "seq_len": 128}}
+    rec = mock_client(never).recommend(bad)
+    assert is_fallback(rec) and "training.micro_batch_size" in rec.reason and rec.layers == list(range(6))
+    with pytest.raises(ValidationError, match="micro_batch_size"):
+        mock_client(never, strict=True).recommend(**bad)
+
+
+def test_telemetry_sends_the_bearer_token():
+    auth = []
+
+    def handler(request):
+        auth.append(request.headers.get("authorization"))
+        return httpx.Response(200, json={"stored": ["x"], "duplicates": [], "rejected": []})
+
+    assert mock_client(handler, token="s3cret").send_telemetry([{"a": 1}])["stored"] == ["x"]
+    assert auth == ["Bearer s3cret"]
+
+
+# -- describe -------------------------------------------------------------------------------------------
+def llama(layers: int = 4):
+    torch.manual_seed(0)
+    with quiet_transformers():
+        return build_causal_lm({**TINY_LLAMA, "num_hidden_layers": layers})
+
+
+def test_describe_hf_model_with_deepspeed_config():
+    model = llama()
+    total = sum(p.numel() for p in model.parameters())
+    ds = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW"}}
+    req = describe(model, seq_len=2048, deepspeed_config=ds, gpu="H100-80GB", gpu_count=8)
+    assert req.model["model_type"] == "llama" and req.model["num_hidden_layers"] == 4
+    assert req.model["hidden_size"] == 64 and "id2label" not in req.model
+    t = req.training
+    assert (t.micro_batch_size, t.seq_len, t.sharding.value, t.precision.value) == (4, 2048, "zero3",
+                                                                                   "bf16_fp32_master")
+    assert t.trainable_params == total and t.finetune.value == "full" and t.optimizer.value == "adamw_foreach"
+    assert req.cluster.gpu == "H100-80GB" and req.cluster.gpu_count == 8
+    json.dumps(req.model_dump(mode="json"))  # the body is JSON
+
+
+def test_describe_from_training_arguments(tmp_path):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, bf16=True, use_cpu=True,
+                             report_to=[], gradient_checkpointing_kwargs={"use_reentrant": True})
+    req = describe(llama(), seq_len=512, training_args=args, gpu_memory_gib=24)
+    t = req.training
+    assert (t.micro_batch_size, t.precision.value, t.optimizer.value, t.checkpoint_impl.value) == (
+        3, "amp_bf16", "adamw_fused", "reentrant")
+    assert req.cluster.memory_bytes == 24 << 30
+    # a DeepSpeed config inside the TrainingArguments, "auto" resolved from them
+    args.deepspeed = {"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"},
+                      "zero_optimization": {"stage": 2}}
+    req = describe(llama(), seq_len=512, training_args=args, gpu_memory_gib=24, gpu_count=2)
+    assert (req.training.micro_batch_size, req.training.precision.value, req.training.sharding.value) == (
+        3, "bf16_fp32_master", "zero2")
+
+
+def test_describe_lora_and_frozen_counts():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    req = describe(model, micro_batch_size=1, seq_len=128, gpu="A100-80GB")
+    assert req.training.finetune.value == "lora" and req.training.lora_rank == 4
+    assert req.training.trainable_params == trainable and 0 < trainable < total // 10
+    assert req.model["num_hidden_layers"] == 4  # the base model's config through the PEFT wrapper
+    frozen = llama()
+    for p in [*frozen.model.embed_tokens.parameters(), *frozen.model.layers[0].parameters(),
+              *frozen.model.layers[1].parameters()]:
+        p.requires_grad_(False)
+    req = describe(frozen, micro_batch_size=1, seq_len=128, gpu="A100-80GB")
+    assert req.training.finetune.value == "frozen" and req.training.frozen_layers == 2
+
+
+def test_describe_names_missing_essentials():
+    model = llama(2)
+    with pytest.raises(ValueError, match="seq_len is required"):
+        describe(model, micro_batch_size=1, gpu="L4")
+    with pytest.raises(ValueError, match="micro_batch_size is required"):
+        describe(model, seq_len=128, gpu="L4")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^gpu: no CUDA device.*gpu_memory_gib"):
+            describe(model, micro_batch_size=1, seq_len=128)
+    req = describe(model, micro_batch_size=1, seq_len=128, gpu="L4", sharding="zero3")  # one GPU: nothing to shard
+    assert req.training.sharding.value == "none"
+
+
+class Plain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(1000, 64)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(64, 4, dim_feedforward=256, batch_first=True) for _ in range(3))
+
+
+def test_describe_plain_model_detects_the_architecture():
+    arch = detect_architecture(Plain())
+    assert (arch.num_layers, arch.hidden_size, arch.num_attention_heads, arch.intermediate_size, arch.vocab_size) == (
+        3, 64, 4, 256, 1000)
+    assert arch.total_params == sum(p.numel() for p in Plain().parameters())
+    req = describe(Plain(), micro_batch_size=2, seq_len=64, gpu="L4")
+    assert isinstance(req.model, ArchitectureIn) and req.model.num_layers == 3
+    with pytest.raises(ValueError, match="could not detect num_attention_heads, intermediate_size, vocab_size"):
+        detect_architecture(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(8, 8)])),
+                            layers=torch.nn.ModuleList([torch.nn.Linear(8, 8)]))
+
+
+# -- reporter -------------------------------------------------------------------------------------------
+class FakeService:
+    """POST /telemetry: validates like the store, answers stored/duplicates."""
+
+    def __init__(self, up: bool = True):
+        self.up, self.records = up, {}
+
+    def __call__(self, request):
+        if not self.up:
+            raise httpx.ConnectError("refused", request=request)
+        body = json.loads(request.content)
+        stored, dup = [], []
+        for r in body:
+            rec = TelemetryRecord.model_validate(r)
+            (dup if rec.record_id in self.records else stored).append(rec.record_id)
+            self.records[rec.record_id] = rec
+        return httpx.Response(200, json={"stored": stored, "duplicates": dup, "rejected": []})
+
+
+def _trained_plan(model, layers):
+    plan = apply(model, layers)
+    ids = torch.randint(0, 256, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    return plan
+
+
+def test_report_peak_sends_a_user_job_record():
+    svc = FakeService()
+    model = llama()
+    plan = _trained_plan(model, [0, 1])
+    res = report_peak(mock_client(svc), model, plan, micro_batch_size=2, seq_len=16, gpu_memory_gib=16,
+                      peak_allocated_bytes=12_345_678, step_time_s=0.5)
+    assert res.status == "sent"
+    rec = svc.records[res.record.record_id]
+    assert rec.measurement.source.value == "user_job" and rec.measurement.method.value == "cpu_tracker"
+    assert rec.measurement.peak_allocated_bytes == 12_345_678 and rec.measurement.recomputed_layers == 2
+    assert rec.training.checkpoint_layers == [0, 1] and rec.training.micro_batch_size == 2
+    assert rec.model.num_layers == 4 and rec.model.total_params == sum(p.numel() for p in model.parameters())
+    assert rec.cluster.device_name == "cpu" and rec.cluster.torch_version == torch.__version__
+
+
+def test_report_peak_spools_when_down_and_flush_sends_later(tmp_path, caplog):
+    spool = tmp_path / "spool.jsonl"
+    model = llama(2)
+    plan = _trained_plan(model, [1])
+    down = FakeService(up=False)
+    with caplog.at_level(logging.WARNING, logger="memfit"):
+        results = [report_peak(mock_client(down, retries=0), model, plan, micro_batch_size=2, seq_len=16,
+                               gpu="L4", peak_allocated_bytes=1000 + i, spool_path=spool) for i in range(2)]
+    assert [r.status for r in results] == ["spooled", "spooled"]
+    assert len(spool.read_text().splitlines()) == 2
+    assert len([r for r in caplog.records if "spooled" in r.getMessage()]) <= 1  # logged once per process
+    assert flush_spool(mock_client(down, retries=0), spool) == 0 and len(spool.read_text().splitlines()) == 2
+    up = FakeService()
+    assert flush_spool(mock_client(up), spool) == 2
+    assert not spool.exists() or spool.read_text().strip() == ""
+    assert sorted(r.measurement.peak_allocated_bytes for r in up.records.values()) == [1000, 1001]
+
+
+def test_report_peak_never_raises():
+    model = llama(2)
+    svc = FakeService()
+    # CPU without a measured value: skipped, not guessed from RSS
+    res = report_peak(mock_client(svc), model, [0], micro_batch_size=1, seq_len=8, gpu="L4")
+    if not torch.cuda.is_available():
+        assert res.status == "skipped" and not svc.records
+    # a broken input (no seq_len) is an error result, not an exception
+    res = report_peak(mock_client(svc), model, [0], micro_batch_size=1, gpu="L4", peak_allocated_bytes=1)
+    assert res.status == "error" and "seq_len" in res.detail
+
+
+def test_reporter_callback_with_the_trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from memfit.integrations.hf import MemfitReporterCallback, MemfitTrainerCallback
+    from tests.test_checkpointing import _Tokens
+
+    svc = FakeService()
+    model = llama()
+    plan_cb = MemfitTrainerCallback([1, 3])
+    report_cb = MemfitReporterCallback(mock_client(svc), plan_cb, steps=2, seq_len=32, gpu="L4",
+                                       peak_fn=lambda: 7_654_321)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    with quiet_transformers():
+        Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=[plan_cb, report_cb]).train()
+    assert report_cb.result.status == "sent" and len(svc.records) == 1  # once, after step 2
+    rec = next(iter(svc.records.values()))
+    assert rec.training.checkpoint_layers == [1, 3] and rec.measurement.recomputed_layers == 2
+    assert rec.training.micro_batch_size == 2 and rec.training.seq_len == 32
+    assert rec.measurement.peak_allocated_bytes == 7_654_321 and rec.measurement.step_time_s > 0
+
+
+# -- examples -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script, k", [("hf_trainer.py", 2), ("fsdp2.py", 2), ("deepspeed_style.py", 3)])
+def test_examples_run_on_cpu(script, k):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--k", str(k)], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"applied plan: k={k}" in out.stdout and "verified=True" in out.stdout, out.stdout
