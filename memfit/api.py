@@ -163,6 +163,7 @@ class Recommendation(BaseModel):
     recompute_overhead_fraction: float = Field(description="extra compute per step, fraction of step compute")
     alternatives: list[Alternative] = []
     model_name: str | None = None
+    training: dict[str, Any] | None = Field(None, description="the resolved training configuration (k excluded)")
     model_version: str
     warnings: list[str] = []
 

@@ -109,7 +109,8 @@ class Recommender:
             shortfall_bytes=p.shortfall_bytes, curve=[CurvePointOut(**c.__dict__) for c in p.curve],
             breakdown=p.breakdown, overhead={**p.overhead.__dict__, "total_bytes": p.overhead.total_bytes},
             recompute_overhead_fraction=round(p.recompute_fraction, 4), alternatives=alternatives,
-            model_name=spec.model_name, model_version=self.version, warnings=warnings)
+            model_name=spec.model_name, model_version=self.version, warnings=warnings,
+            training=training.model_dump(mode="json", exclude={"checkpoint_layers"}))
 
     def _warnings(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest, p: Plan) -> list[str]:
         out = []
