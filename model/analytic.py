@@ -5,7 +5,7 @@ Parameter Models", arXiv 1910.02054, Sec. 3.1 and 5 (Fig. 1): mixed-precision Ad
 2Ψ (fp16/bf16 weights) + 2Ψ (gradients) + KΨ optimizer states with K = 12 (fp32 master weights,
 momentum, variance); ZeRO stage 1 divides the optimizer states by the data-parallel degree N_d,
 stage 2 also the gradients, stage 3 also the weights. FSDP full-shard is stage 3; shard-grad-op
-shards like stage 3 at rest, and is counted like it here.
+keeps the gathered parameters from forward to backward, and is counted like stage 2.
 """
 
 from __future__ import annotations
@@ -58,9 +58,14 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
     opt = trainable * states_per_param
     n = training.data_parallel_size
     s = training.sharding
-    if s in (Sharding.ZERO3, Sharding.FSDP_FULL_SHARD, Sharding.FSDP_SHARD_GRAD_OP):
+    if s in (Sharding.ZERO3, Sharding.FSDP_FULL_SHARD):
         weights, grads, opt = weights // n, grads // n, opt // n
-    elif s is Sharding.ZERO2:
+    elif s in (Sharding.ZERO2, Sharding.FSDP_SHARD_GRAD_OP):
+        # full parameters stay gathered through backward; with autocast-style mixed precision the
+        # gathered copy is half precision and the fp32 weights are a shard (FSDP2 MixedPrecisionPolicy,
+        # DeepSpeed's fp16/bf16 params + partitioned fp32 master: ZeRO paper 2Ψ + 14Ψ/N)
+        if training.precision in (Precision.AMP_BF16, Precision.AMP_FP16):
+            weights = 2 * total + weights // n
         grads, opt = grads // n, opt // n
     elif s is Sharding.ZERO1:
         opt = 0 if zero1_lower_bound else opt // n

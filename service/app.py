@@ -28,6 +28,7 @@ from data.store import TelemetryStore
 from memfit.api import PredictRequest, PredictResponse, Prediction, Recommendation, RecommendRequest
 from model.overhead import OverheadModel
 from model.registry import Registry
+from service.limits import BodyLimitMiddleware
 from service.models import ModelHolder
 from service.recommender import resolve_model, training_config
 from service.settings import Settings
@@ -76,16 +77,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings, app.state.store, app.state.models = settings, store, holder
     Instrumentator(excluded_handlers=["/metrics"]).instrument(app).expose(app, include_in_schema=False)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            return problem(413, f"body must be at most {settings.max_body_bytes} bytes")
-        return await call_next(request)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def validation_problem(_request: Request, exc: RequestValidationError):
-        errors = [{"field": ".".join(str(x) for x in e["loc"]), "message": e["msg"]} for e in exc.errors()]
+        errors = []
+        for e in exc.errors():
+            if e.get("type") == "json_invalid":  # loc holds the character position, not a field
+                errors.append({"field": "body", "message": f"invalid JSON at character {e['loc'][-1]}: "
+                                                           f"{e.get('ctx', {}).get('error', e['msg'])}"})
+            else:
+                errors.append({"field": ".".join(str(x) for x in e["loc"]), "message": e["msg"]})
         return problem(422, "; ".join(f"{e['field']}: {e['message']}" for e in errors)[:2000], errors=errors[:50])
 
     @app.exception_handler(StarletteHTTPException)
@@ -110,7 +112,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     def bad_input(err: Exception) -> StarletteHTTPException:
         if isinstance(err, ValidationError):
-            msg = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or err.title}: {e['msg']}" for e in err.errors())
+            part = {"ModelSpec": "model", "TrainingConfig": "training"}.get(err.title, err.title)
+            msg = "; ".join(f"{'.'.join([part, *map(str, e['loc'])])}: {e['msg']}" for e in err.errors())
         else:
             msg = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         return StarletteHTTPException(422, msg)

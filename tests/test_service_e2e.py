@@ -94,10 +94,18 @@ def test_transport_level_bad_requests(server):
     base, _ = server
     r = httpx.post(base + "/recommend", content=b"{oops", headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
+    assert "invalid JSON" in r.json()["detail"]
     r = httpx.post(base + "/recommend", content=b"x" * 300_000, headers={"content-type": "application/json"})
     assert r.status_code == 413
     r = httpx.post(base + "/recommend", content=b"model=x", headers={"content-type": "text/plain"})
-    assert 400 <= r.status_code < 500
+    assert r.status_code == 415 and "application/json" in r.json()["detail"]
+
+    def chunks():  # no Content-Length: the limit is enforced on the bytes that arrive
+        for _ in range(50):
+            yield b" " * 10_000
+
+    r = httpx.post(base + "/recommend", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.headers["content-type"].startswith("application/problem+json")
     assert httpx.get(base + "/v2/health/live").status_code == 200  # still up
 
 

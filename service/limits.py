@@ -1,0 +1,61 @@
+"""ASGI middleware: request body size limit (Content-Length or chunked) and JSON content type."""
+
+from __future__ import annotations
+
+import json
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over ``max_body_bytes`` (413) and non-JSON bodies on POST (415), as problem+json.
+
+    The size check reads the declared Content-Length and also counts the bytes of a chunked body as
+    they arrive, so an undeclared body cannot exceed the limit either.
+    """
+
+    def __init__(self, app, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return await _problem(send, 413, f"body must be at most {self.max_body_bytes} bytes")
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+            return await _problem(send, 415, f"content-type must be application/json, got {ctype!r}")
+        seen = 0
+        limit = self.max_body_bytes
+        responded = False
+
+        async def guarded_receive():
+            nonlocal seen, responded
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit and not responded:
+                    # answer now and tell the app the client went away: it stops reading, and
+                    # whatever it tries to send afterwards is dropped below
+                    responded = True
+                    await _problem(send, 413, f"body must be at most {limit} bytes")
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message):
+            if not responded:
+                await send(message)
+
+        await self.app(scope, guarded_receive, guarded_send)
+
+
+async def _problem(send, status: int, detail: str) -> None:
+    from http import HTTPStatus
+
+    body = json.dumps({"type": "about:blank", "title": HTTPStatus(status).phrase, "status": status,
+                       "detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/problem+json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
