@@ -1,8 +1,9 @@
 """memfit's main job on embedded defaults (``bash scripts/main.sh``).
 
 1. Load the shipped telemetry (``data/telemetry/telemetry.parquet``) into the store (idempotent).
-2. If the registry has no current model, run the retraining job on the store (evaluates, writes a
-   report, registers and promotes version 0001).
+2. If the registry has no current model: copy the model shipped with memfit (``data/models``) into
+   it, or when there is none, run the retraining job on the store (evaluates, writes a report,
+   registers and promotes a version).
 3. Start the service on 127.0.0.1 (``MEMFIT_PORT``, default 8000) with the embedded SQLite store and
    print a ready-to-paste ``curl`` for Llama-3-8B on 8 × H100-80GB.
 
@@ -46,6 +47,14 @@ def main(argv: list[str] | None = None) -> int:
 
         sweep_main(["--grid", a.sweep, "--workers", str(min(2, os.cpu_count() or 1))] + (["--db", a.db] if a.db else []))
     registry = Registry(a.registry)
+    shipped = Registry()
+    if not a.retrain and registry.current() is None and shipped.current() and shipped.root != registry.root:
+        import shutil
+
+        registry.root.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(shipped.root / shipped.current(), registry.root / shipped.current(), dirs_exist_ok=True)
+        registry.promote(shipped.current())
+        print(f"[2/3] seeded the registry with the shipped model {shipped.current()}", flush=True)
     if a.retrain or registry.current() is None:
         from training.retrain import main as retrain_main
 
@@ -55,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if registry.current() is None:
             print(f"error: retraining registered no current model (exit {rc})", file=sys.stderr)
             return 1
-    print(f"[2/3] model {registry.current()} is current", flush=True)
+    print(f"      model {registry.current()} is current", flush=True)
     if a.no_serve:
         return 0
     import uvicorn
@@ -64,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     from service.settings import Settings
 
     settings = Settings(db_url=a.db, registry_dir=str(registry.root))
+    import socket
+
+    with socket.socket() as probe:  # say so plainly instead of printing a banner for a port we cannot bind
+        try:
+            probe.bind((settings.host, settings.port))
+        except OSError as err:
+            print(f"error: cannot listen on {settings.host}:{settings.port} ({err}); set MEMFIT_PORT", file=sys.stderr)
+            return 3
     url = f"http://{settings.host}:{settings.port}"
     print(f"[3/3] serving on {url}  (docs: {url}/docs)\n\nTry:\n"
           f"curl -s -X POST {url}/recommend -H 'content-type: application/json' \\\n"
