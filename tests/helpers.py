@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 from memfit.schema import ClusterSpec, Measurement, ModelSpec, TelemetryRecord, TrainingConfig
@@ -33,3 +35,50 @@ def record(**over: Any) -> TelemetryRecord:
         else:
             top[k] = v
     return TelemetryRecord(**{p: owners[p](**d) for p, d in parts.items()}, **top)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_service(registry_dir, db_url: str, **env_extra: str):
+    """Start ``python -m service`` (real uvicorn) on a free loopback port; yields its base URL once ready."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, "MEMFIT_PORT": str(port), "MEMFIT_REGISTRY_DIR": str(registry_dir),
+           "MEMFIT_DB_URL": db_url, **env_extra}
+    proc = subprocess.Popen([sys.executable, "-m", "service"], env=env, cwd=Path(__file__).resolve().parent.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stdout.read().decode()[-3000:])
+            time.sleep(0.3)
+        else:
+            raise RuntimeError("server did not become ready")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()

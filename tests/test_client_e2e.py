@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,7 @@ import pytest
 import torch
 
 import memfit
+from tests.helpers import free_port, running_service
 from memfit.hf import decoder_layers, quiet_transformers
 from memfit.reporter import report_peak
 
@@ -36,12 +35,6 @@ MICRO_BATCH, SEQ = 2, 128
 TOKEN = "e2e-token"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def service(small_registry, tmp_path_factory):
     """The real service on a copy of the registry (the retraining job writes into it)."""
@@ -49,28 +42,8 @@ def service(small_registry, tmp_path_factory):
     registry = tmp / "registry"
     shutil.copytree(small_registry.root, registry)
     db_url = f"sqlite:///{tmp / 'telemetry.db'}"
-    port = _free_port()
-    env = {**os.environ, "MEMFIT_PORT": str(port), "MEMFIT_REGISTRY_DIR": str(registry), "MEMFIT_DB_URL": db_url,
-           "MEMFIT_TOKEN": TOKEN}
-    proc = subprocess.Popen([sys.executable, "-m", "service"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/v2/health/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read().decode()[-3000:])
-        time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not become ready")
-    yield {"url": base, "registry": registry, "db_url": db_url, "tmp": tmp}
-    proc.terminate()
-    proc.wait(10)
+    with running_service(registry, db_url, MEMFIT_TOKEN=TOKEN) as base:
+        yield {"url": base, "registry": registry, "db_url": db_url, "tmp": tmp}
 
 
 def build_llama(seed: int = 0):
@@ -245,7 +218,7 @@ def test_recommend_apply_train_report_retrain(service):
 def test_fallback_against_a_dead_port_still_trains(caplog):
     """No service listening: the plan is "checkpoint every layer", training goes on."""
     model = build_llama(seed=1)
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     request = memfit.describe(model, micro_batch_size=1, seq_len=32, gpu="L4")
     with caplog.at_level("WARNING", logger="memfit"):
         rec = memfit.Client(dead, timeout_s=0.5, retries=1, backoff_s=0.05).recommend(request)

@@ -2,53 +2,23 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
-from tests.helpers import record
+from tests.helpers import record, running_service
 
 LLAMA8B_8xH100 = {"model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192, "sharding": "zero3"},
                   "cluster": {"gpu": "H100-80GB", "gpu_count": 8}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(small_registry, tmp_path_factory):
-    port = _free_port()
     tmp = tmp_path_factory.mktemp("srv")
-    env = {**os.environ, "MEMFIT_PORT": str(port), "MEMFIT_REGISTRY_DIR": str(small_registry.root),
-           "MEMFIT_DB_URL": f"sqlite:///{tmp / 't.db'}", "MEMFIT_TOKEN": "tok", "MEMFIT_MAX_BODY_BYTES": "200000"}
-    proc = subprocess.Popen([sys.executable, "-m", "service"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/v2/health/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read().decode()[-3000:])
-        time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not become ready")
-    yield base, small_registry
-    proc.terminate()
-    proc.wait(10)
+    with running_service(small_registry.root, f"sqlite:///{tmp / 't.db'}", MEMFIT_TOKEN="tok",
+                         MEMFIT_MAX_BODY_BYTES="200000") as base:
+        yield base, small_registry
 
 
 def test_recommend_llama_8b(server):

@@ -22,7 +22,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any
 
 from memfit.schema import Attention, FineTune, Optimizer, Precision, Sharding, TrainingConfig
 
