@@ -181,5 +181,7 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
         checkpoint_inputs_bytes=k * sbh // training.tensor_parallel_size,
         recompute_bytes=per_layer if k else 0,
         logits_bytes=logits_bytes(model, training),
-        optimizer_temp_bytes=model.trainable_params * temp_per_param // n,
+        # bf16 + fp32 master: the optimizer step also holds fp32 copies of the gradients (4 B/param)
+        optimizer_temp_bytes=model.trainable_params * (temp_per_param + (4 if training.precision is
+                                                                          Precision.BF16_FP32_MASTER else 0)) // n,
     )
