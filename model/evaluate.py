@@ -24,7 +24,6 @@ Baselines on the same held-out rows (:func:`baseline_predictions`):
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -34,7 +33,7 @@ from pydantic import ValidationError
 from sklearn.metrics import mean_absolute_percentage_error
 from sklearn.model_selection import GroupKFold
 
-from memfit.schema import GIB, ModelSpec, Precision, TelemetryRecord, TrainingConfig
+from memfit.schema import GIB, Precision, TelemetryRecord
 from model.analytic import model_state_bytes
 
 #: flat columns identifying a configuration family: everything but k (the checkpointed-layer count)
@@ -249,28 +248,17 @@ def _oracle_summary(cases: list[dict[str, Any]]) -> dict[str, Any]:
 # -- baselines --------------------------------------------------------------------------------------
 def baseline_predictions(df: pd.DataFrame) -> dict[str, np.ndarray]:
     """Peak bytes per row as each baseline (see the module docstring) would state it, shape ``(n,)``."""
-    from model.features import build_features
+    from model.features import build_features, row_specs
 
     feats = build_features(df)
     states, accel = [], []
     for row in df.to_dict("records"):
-        spec, training = _specs(row)
+        spec, training = row_specs({k: v for k, v in row.items() if not (isinstance(v, float) and v != v)})
         states.append(model_state_bytes(spec, training).total_bytes)
         accel.append(4 * spec.total_params * _ADAM_WEIGHT_BYTES[Precision(training.precision)])
     return {"analytic": feats["analytic_peak_bytes"].to_numpy(dtype="float64"),
             "deepspeed_states": np.asarray(states, dtype="float64"),
             "accelerate_weights": np.asarray(accel, dtype="float64")}
-
-
-def _specs(row: dict[str, Any]) -> tuple[ModelSpec, TrainingConfig]:
-    """Validated model and training specs of one flat row (first k layers checkpointed)."""
-    def present(v: Any) -> bool:
-        return v is not None and not (isinstance(v, float) and math.isnan(v))
-
-    m = {k: row[k] for k in ModelSpec.model_fields if present(row.get(k))}
-    t = {k: row[k] for k in TrainingConfig.model_fields
-         if present(row.get(k)) and k not in ("checkpoint_layers", "lora_target_modules")}
-    return ModelSpec(**m), TrainingConfig(**t, checkpoint_layers=list(range(int(row["num_checkpointed_layers"]))))
 
 
 def compare_baselines(df: pd.DataFrame, memfit_mape_pct: float) -> dict[str, dict[str, float]]:

@@ -41,7 +41,9 @@ MONOTONE: dict[str, int] = {"num_checkpointed_layers": -1, "checkpoint_fraction"
                             "seq_len": 1, "tokens": 1}
 
 
-def _specs(row: dict) -> tuple[ModelSpec, TrainingConfig]:
+def row_specs(row: dict) -> tuple[ModelSpec, TrainingConfig]:
+    """Model and training specs of one flat telemetry row (first k layers checkpointed); the row is
+    trusted (validated on ingestion), so no pydantic validation runs here."""
     m = {k: row[k] for k in ModelSpec.model_fields if k in row and row[k] is not None}
     t = {k: row[k] for k in TrainingConfig.model_fields if k in row and row[k] is not None}
     t.pop("lora_target_modules", None)
@@ -111,7 +113,7 @@ def build_features(rows: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise KeyError(f"telemetry rows lack columns {missing}")
     records = rows.to_dict("records")
-    matrix = np.array([feature_row(*_specs({**_TRAINING_DEFAULTS, **{k: v for k, v in r.items() if v == v}}))
+    matrix = np.array([feature_row(*row_specs({**_TRAINING_DEFAULTS, **{k: v for k, v in r.items() if v == v}}))
                        for r in records]).reshape(len(records), len(FEATURE_NAMES))
     out = pd.DataFrame(matrix, columns=FEATURE_NAMES, index=rows.index)
     for c, cats in CATEGORIES.items():

@@ -8,7 +8,6 @@ with the same predictor.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from functools import lru_cache
 from typing import Any
@@ -154,6 +153,3 @@ class Recommender:
                 break
         return [a for a in out if a.fits] or out[:3]
 
-
-def request_key(req: RecommendRequest) -> str:
-    return hashlib.sha256(req.model_dump_json().encode()).hexdigest()
