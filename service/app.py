@@ -13,12 +13,10 @@ Errors are ``application/problem+json`` (RFC 9457) naming the field and the allo
 from __future__ import annotations
 
 import logging
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from prometheus_client import Histogram
 from prometheus_fastapi_instrumentator import Instrumentator
 from pydantic import BaseModel, Field, ValidationError
@@ -28,12 +26,11 @@ from data.store import TelemetryStore
 from memfit.api import PredictRequest, PredictResponse, Prediction, Recommendation, RecommendRequest
 from model.overhead import OverheadModel
 from model.registry import Registry
-from service.limits import BodyLimitMiddleware
+from service.limits import BodyLimitMiddleware, problem
 from service.models import ModelHolder
 from service.recommender import resolve_model, training_config
 from service.settings import Settings
 
-PROBLEM = "application/problem+json"
 log = logging.getLogger("memfit.service")
 
 RECOMMENDED_K = Histogram("memfit_recommended_k", "Recommended number of checkpointed layers",
@@ -46,11 +43,6 @@ class IngestResponse(BaseModel):
     stored: list[str]
     duplicates: list[str]
     rejected: list[dict[str, Any]] = Field(description="{index, record_id, reason} per rejected record")
-
-
-def problem(status: int, detail: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"type": "about:blank", "title": HTTPStatus(status).phrase, "status": status,
-                         "detail": detail, **extra}, status_code=status, media_type=PROBLEM)
 
 
 def _overhead_from(store: TelemetryStore) -> OverheadModel:

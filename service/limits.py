@@ -1,8 +1,13 @@
-"""ASGI middleware: request body size limit (Content-Length or chunked) and JSON content type."""
+"""problem+json responses, and the ASGI middleware limiting request bodies (size, JSON content type)."""
 
 from __future__ import annotations
 
-import json
+from http import HTTPStatus
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+PROBLEM = "application/problem+json"
 
 
 class BodyLimitMiddleware:
@@ -22,10 +27,10 @@ class BodyLimitMiddleware:
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            return await _problem(send, 413, f"body must be at most {self.max_body_bytes} bytes")
+            return await problem(413, f"body must be at most {self.max_body_bytes} bytes")(scope, receive, send)
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype and ctype != "application/json" and not ctype.endswith("+json"):
-            return await _problem(send, 415, f"content-type must be application/json, got {ctype!r}")
+            return await problem(415, f"content-type must be application/json, got {ctype!r}")(scope, receive, send)
         seen = 0
         limit = self.max_body_bytes
         responded = False
@@ -39,7 +44,7 @@ class BodyLimitMiddleware:
                     # answer now and tell the app the client went away: it stops reading, and
                     # whatever it tries to send afterwards is dropped below
                     responded = True
-                    await _problem(send, 413, f"body must be at most {limit} bytes")
+                    await problem(413, f"body must be at most {limit} bytes")(scope, receive, send)
                     return {"type": "http.disconnect"}
             return message
 
@@ -50,12 +55,7 @@ class BodyLimitMiddleware:
         await self.app(scope, guarded_receive, guarded_send)
 
 
-async def _problem(send, status: int, detail: str) -> None:
-    from http import HTTPStatus
-
-    body = json.dumps({"type": "about:blank", "title": HTTPStatus(status).phrase, "status": status,
-                       "detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/problem+json"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+def problem(status: int, detail: str, **extra: Any) -> JSONResponse:
+    """An ``application/problem+json`` response (RFC 9457)."""
+    return JSONResponse({"type": "about:blank", "title": HTTPStatus(status).phrase, "status": status,
+                         "detail": detail, **extra}, status_code=status, media_type=PROBLEM)
