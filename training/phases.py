@@ -80,8 +80,9 @@ def small_config(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     for key, value in hf_config.items():
         if isinstance(value, list) and len(value) == L and key != "architectures":
             out[key] = value[:num_layers]
-    if "attention_layers" in out and isinstance(out["attention_layers"], list):  # GPT-Neo
-        out["attention_layers"] = out["attention_layers"][:num_layers]
+    if isinstance(hf_config.get("attention_types"), list):  # GPT-Neo: [[pattern, repeats], ...]
+        per_layer = [t for pattern, repeats in hf_config["attention_types"] for _ in range(repeats) for t in pattern]
+        out["attention_types"] = [[[t], 1] for t in per_layer[:num_layers]]
     return out
 
 
