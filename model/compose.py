@@ -71,9 +71,13 @@ def phase_values(coef: dict[Any, dict[str, list[float]]], micro_batch_size: int,
     return out
 
 
-def compose(coef: dict[Any, dict[str, list[float]]], num_layers: int, micro_batch_size: int, seq_len: int
-            ) -> ComposedCurve:
+def compose(coef: dict[Any, dict[str, list[float]]], num_layers: int, micro_batch_size: int, seq_len: int,
+            period: int = 1) -> ComposedCurve:
     """Peak over k = 0..``num_layers`` by the per-phase rules in this module's docstring.
+
+    ``period`` > 1: the small models held one and two whole patterns of ``period`` layer types
+    (e.g. sliding-window + full attention); each layer is charged the pattern's average increment, and
+    what the patterns share once (masks) stays in the one-layer base.
 
     Raises:
         ValueError: ``num_layers`` < 1 or a small model missing from ``coef``.
@@ -84,6 +88,12 @@ def compose(coef: dict[Any, dict[str, list[float]]], num_layers: int, micro_batc
     missing = [nc for nc in VARIANTS if nc not in v]
     if missing:
         raise ValueError(f"small models {missing} missing from the traced terms")
+    if period > 1:
+        for one, two in (((1, 0), (2, 0)), ((1, 1), (2, 2))):
+            for p in PHASES:
+                d = (v[two][p] - v[one][p]) / period
+                v[one][p] -= (period - 1) * d
+                v[two][p] = v[one][p] + d
     L = num_layers
     k = np.arange(L + 1, dtype=np.float64)
     inner = (k > 0) & (k < L)

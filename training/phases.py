@@ -28,6 +28,7 @@ fit is checked against other token counts in ``tests/test_phases.py``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,7 @@ def small_config(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     from memfit.hf import spec_fields_from_hf_config
 
     L = spec_fields_from_hf_config(hf_config)["num_layers"]
-    out = dict(hf_config)
+    out = copy.deepcopy(hf_config)
     for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
         if key in out:
             out[key] = num_layers
@@ -86,6 +87,24 @@ def small_config(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return out
 
 
+def layer_period(hf_config: dict[str, Any]) -> int:
+    """Length of the repeating pattern of decoder-layer types (1 when all layers are alike).
+
+    Read from the built HF config's ``layer_types`` (Gemma-2/3, Qwen2 sliding-window, ...) or
+    ``attention_layers`` (GPT-Neo); capped at 4.
+    """
+    from memfit.hf import _hf_config
+
+    conf = _hf_config(hf_config)
+    types = getattr(conf, "layer_types", None) or getattr(conf, "attention_layers", None)
+    if not types or len(set(types)) == 1:
+        return 1
+    for p in range(1, 5):
+        if all(t == types[i % p] for i, t in enumerate(types)):
+            return p
+    return 4
+
+
 @dataclass
 class PhaseTerms:
     """Per-phase live-byte coefficients of the four small models (what :mod:`model.compose` composes).
@@ -93,23 +112,27 @@ class PhaseTerms:
     ``coef[(n, c)][phase]`` is a list of pieces, each a coefficient vector over :data:`BASIS_NAMES`
     (bytes), so that the phase's peak live bytes at micro-batch b and sequence length s are
     ``max(basis(b, s) @ piece for piece in pieces)``.
-    ``trace_s`` is the wall time the traces took.
+    ``trace_s`` is the wall time the traces took. With layers of several types in a repeating pattern
+    of ``period`` layers (sliding-window / full attention), the "one and two layer" models hold one and
+    two whole patterns, and :func:`model.compose.compose` divides their difference by ``period``.
     """
 
     coef: dict[tuple[int, int], dict[str, list[list[float]]]]
     points: list[tuple[int, int]]
     attention: str
     trace_s: float = 0.0
+    period: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {"coef": {f"{n},{c}": v for (n, c), v in self.coef.items()}, "points": self.points,
-                "attention": self.attention, "trace_s": round(self.trace_s, 3), "basis": list(BASIS_NAMES)}
+                "attention": self.attention, "trace_s": round(self.trace_s, 3), "basis": list(BASIS_NAMES),
+                "period": self.period}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PhaseTerms:
         coef = {tuple(int(x) for x in key.split(",")): v for key, v in d["coef"].items()}
         return cls(coef=coef, points=[tuple(p) for p in d["points"]], attention=d["attention"],
-                   trace_s=d.get("trace_s", 0.0))
+                   trace_s=d.get("trace_s", 0.0), period=d.get("period", 1))
 
 
 def _first_tensor(x):
@@ -243,13 +266,15 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     attention = training.attention.value
     probe = training.model_copy(update={"micro_batch_size": 1, "seq_len": min(p[1] for p in points),
                                         "checkpoint_layers": []})
+    period = layer_period(hf_config)
     for n in (1, 2):
-        with prepared_model(small_config(hf_config, n), probe) as run:
+        with prepared_model(small_config(hf_config, n * period), probe) as run:
             attention = run.training.attention.value
             opt = run.make_optimizer()
             _prime_optimizer(run.model, opt)
             for c in (0, n):
-                apply_activation_checkpointing(run.model, list(range(c)), layers=run.layers, use_reentrant=reentrant)
+                apply_activation_checkpointing(run.model, list(range(c * period)), layers=run.layers,
+                                               use_reentrant=reentrant)
                 timelines = []
                 for b, s in points:
                     ids = run.input_ids(b, s)
@@ -257,4 +282,5 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
                     del ids
                 coef[(n, c)] = envelope_pieces(timelines, points, grid)
             del opt
-    return PhaseTerms(coef=coef, points=points, attention=attention, trace_s=time.perf_counter() - t0)
+    return PhaseTerms(coef=coef, points=points, attention=attention, trace_s=time.perf_counter() - t0,
+                      period=period)
