@@ -138,7 +138,9 @@ class MemoryPredictor:
             key = terms_key(hf_config, training)
             terms = self.terms.get(key)
             if terms is not None:
-                c = compose(terms["coef"], L, training.micro_batch_size, training.seq_len, terms.get("period", 1))
+                long = terms.get("long")
+                coef = long["coef"] if long and training.seq_len >= long["min_seq_len"] else terms["coef"]
+                c = compose(coef, L, training.micro_batch_size, training.seq_len, terms.get("period", 1))
                 raw, phases = c.peak_bytes.astype(np.float64), c.phase
             else:
                 reason = "this configuration has not been traced yet"
