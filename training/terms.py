@@ -3,7 +3,8 @@
 For every distinct (architecture, training key) in the telemetry dataset, and for each catalog
 architecture under the default request settings, trace :func:`training.phases.trace_terms` once and
 append a line ``{"key", "model_name", "training", "terms"}`` to ``data/terms/<file>.jsonl``. Keys already
-in the file are skipped, so the job resumes where it stopped; lines are flushed one by one.
+in any ``*.jsonl`` of that folder are skipped, so the job resumes where it stopped; lines are flushed one
+by one. ``--shard I/N`` splits the jobs over parallel workers writing their own files.
 
     python -m training.terms --telemetry data/telemetry/telemetry.parquet --out data/terms/catalog.jsonl
 """
@@ -71,8 +72,8 @@ def run(jobs: list[tuple[str, TrainingConfig]], out: Path) -> dict[str, Any]:
     from training.phases import trace_terms
 
     done = set()
-    if out.exists():
-        done = {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()}
+    for path in out.parent.glob("*.jsonl"):  # other shards' files count as done too
+        done |= {json.loads(line)["key"] for line in path.read_text().splitlines() if line.strip()}
     out.parent.mkdir(parents=True, exist_ok=True)
     stats: dict[str, Any] = {"traced": 0, "skipped": 0, "failed": [], "slowest_s": 0.0, "slowest": None}
     with out.open("a") as fh:
@@ -106,8 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--telemetry", type=Path, help="trace every key of this telemetry Parquet file")
     p.add_argument("--defaults", action="store_true", help="trace every catalog model under the default settings")
     p.add_argument("--out", type=Path, default=Path("data/terms/catalog.jsonl"))
+    p.add_argument("--shard", default="0/1", help="I/N: trace every N-th job from the I-th (parallel workers, each "
+                                                  "with its own --out in the same folder)")
     args = p.parse_args(argv)
+    try:
+        i, n = (int(x) for x in args.shard.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        p.error(f"--shard must be I/N with 0 <= I < N, got {args.shard!r}")
     jobs = (default_jobs() if args.defaults else []) + (jobs_from_telemetry(args.telemetry) if args.telemetry else [])
+    jobs = jobs[i::n]
     if not jobs:
         p.error("give --telemetry PATH and/or --defaults")
     stats = run(jobs, args.out)
