@@ -24,7 +24,14 @@ import time
 import numpy as np
 
 from model.evaluate import (
-    SPLITS, CurveEstimator, baseline_predictions, cross_evaluate, load_rows, metrics, oracle_eval, row_paths,
+    SPLITS,
+    CurveEstimator,
+    baseline_predictions,
+    cross_evaluate,
+    load_rows,
+    metrics,
+    oracle_eval,
+    row_paths,
     saving_errors,
 )
 

@@ -98,7 +98,6 @@ def compose(coef: dict[Any, dict[str, list[float]]], num_layers: int, micro_batc
                 v[two][p] = v[one][p] + d
     L = num_layers
     k = np.arange(L + 1, dtype=np.float64)
-    inner = (k > 0) & (k < L)
     cols = []
     for p in PEAK_PHASES:
         f1, f2, c1, c2 = v[(1, 0)][p], v[(2, 0)][p], v[(1, 1)][p], v[(2, 2)][p]

@@ -168,9 +168,9 @@ class MemoryPredictor:
         margin = self.margins[path]
         points = []
         for k in range(L + 1):
-            p = int(math.ceil(point[k]))
+            p = math.ceil(point[k])
             phase = phases[int(np.argmax(raw[k:]) + k)] if path == TRACED else None
-            points.append(CurvePoint(k=k, predicted_bytes=p, upper_bytes=int(math.ceil(p * (1 + margin))),
+            points.append(CurvePoint(k=k, predicted_bytes=p, upper_bytes=math.ceil(p * (1 + margin)),
                                      peak_phase=phase, breakdown=breakdown(states, p, phase)))
         notes = []
         if path == PROVISIONAL:

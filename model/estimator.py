@@ -27,7 +27,6 @@ from sklearn.utils.validation import check_is_fitted
 
 from model.features import FEATURE_NAMES, MONOTONE, build_features
 
-
 _LOG_ANALYTIC = FEATURE_NAMES.index("log_analytic_peak")
 
 

@@ -422,7 +422,7 @@ class CurveEstimator:
                 pred[i], upper[i], path[i] = c.points[k].predicted_bytes, c.points[k].upper_bytes, c.path
         return pred, upper, path
 
-    def fit(self, X: pd.DataFrame, y, groups=None, provisional=None) -> "CurveEstimator":
+    def fit(self, X: pd.DataFrame, y, groups=None, provisional=None) -> CurveEstimator:
         """Fit the provisional estimator (or take ``provisional``, already fitted) and calibrate the margins."""
         from sklearn.model_selection import GroupShuffleSplit
 

@@ -14,7 +14,14 @@ import numpy as np
 import pandas as pd
 
 from memfit.schema import (
-    Attention, CheckpointImpl, FineTune, ModelSpec, Optimizer, Precision, Sharding, TrainingConfig,
+    Attention,
+    CheckpointImpl,
+    FineTune,
+    ModelSpec,
+    Optimizer,
+    Precision,
+    Sharding,
+    TrainingConfig,
 )
 from model.analytic import GATED_MLP_FAMILIES, activation_bytes_per_layer, activation_dtype_bytes, analytic_estimate
 

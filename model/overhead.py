@@ -60,7 +60,7 @@ class OverheadModel:
     outside_by_device: dict[str, int] = field(default_factory=dict)
     rows_by_device: dict[str, int] = field(default_factory=dict)
 
-    def fit(self, rows: pd.DataFrame) -> "OverheadModel":
+    def fit(self, rows: pd.DataFrame) -> OverheadModel:
         """Learn from flat telemetry rows with ``method == 'cuda'`` (others are ignored)."""
         cuda = rows[(rows.get("method") == "cuda") & rows["peak_reserved_bytes"].notna() & ~rows["oom"].astype(bool)]
         for device, g in cuda.groupby("device_name"):
@@ -69,7 +69,7 @@ class OverheadModel:
             outside = g["outside_torch_bytes"].dropna()
             if len(outside):
                 self.outside_by_device[device] = int(outside.median())
-            self.rows_by_device[device] = int(len(g))
+            self.rows_by_device[device] = len(g)
         return self
 
     def overhead(self, allocated_bytes: float, device_name: str | None, gpu_count: int) -> Overhead:
@@ -90,6 +90,6 @@ class OverheadModel:
                 "rows_by_device": self.rows_by_device}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "OverheadModel":
+    def from_dict(cls, d: dict) -> OverheadModel:
         return cls(dict(d.get("ratio_by_device", {})), {k: int(v) for k, v in d.get("outside_by_device", {}).items()},
                    dict(d.get("rows_by_device", {})))

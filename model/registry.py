@@ -19,7 +19,7 @@ import json
 import os
 import platform
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,7 @@ class Registry:
         meta = {
             "format_version": FORMAT_VERSION,
             "version": name,
-            "created_at": datetime.now(timezone.utc).isoformat(),
+            "created_at": datetime.now(UTC).isoformat(),
             "params": est.get_params(),
             "feature_names": list(est.feature_names_in_),
             "conformal_log_margin": est.conformal_log_margin_,

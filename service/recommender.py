@@ -13,7 +13,14 @@ from functools import lru_cache
 from typing import Any
 
 from memfit.api import (
-    Alternative, ArchitectureIn, CurvePointOut, PredictItem, Prediction, Recommendation, RecommendRequest, TrainingIn,
+    Alternative,
+    ArchitectureIn,
+    CurvePointOut,
+    Prediction,
+    PredictItem,
+    Recommendation,
+    RecommendRequest,
+    TrainingIn,
 )
 from memfit.schema import FineTune, ModelSpec, Sharding, TrainingConfig
 from model.curve import Curve, MemoryPredictor

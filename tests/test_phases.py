@@ -27,7 +27,7 @@ def small_width(name: str, **over) -> dict:
         cfg.update(n_layer=L, n_embd=512, n_head=8, vocab_size=4096, n_positions=1024, n_ctx=1024)
     else:
         cfg.update(num_hidden_layers=L, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                   num_key_value_heads=4 if cfg["model_type"] != "gemma2" else 4, head_dim=64, vocab_size=4096)
+                   num_key_value_heads=4, head_dim=64, vocab_size=4096)
         if "layer_types" in cfg:
             cfg.pop("layer_types")
     cfg.update(over)
