@@ -9,42 +9,138 @@ with the same predictor.
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from typing import Any
 
-from memfit.api import Alternative, ArchitectureIn, CurvePointOut, Recommendation, RecommendRequest, TrainingIn
+from pydantic import ValidationError
+
+from memfit.api import (
+    Alternative, ArchitectureIn, CurvePointOut, Prediction, PredictRequest, PredictResponse, Recommendation,
+    RecommendRequest, TrainingIn,
+)
+from memfit.errors import InvalidConfiguration, UnknownArchitecture
 from memfit.schema import FineTune, ModelSpec, Sharding, TrainingConfig
 from model.estimator import PeakMemoryRegressor
 from model.overhead import OverheadModel
 from model.recommend import Plan, plan
 
 
-def _counted_spec(cfg_json: str) -> ModelSpec:
+@lru_cache(maxsize=1)
+def known_architectures() -> frozenset[str]:
+    """``model_type`` values memfit can build: transformers' configuration registry plus the catalog's."""
     from data import catalog
 
-    return catalog.spec(json.loads(cfg_json))
+    names = {e["hf_config"]["model_type"] for e in catalog.load_catalog().values()}
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - the service installs transformers
+        return frozenset(names)
+    return frozenset(names | set(CONFIG_MAPPING_NAMES))
 
 
-_counted_spec_cached = lru_cache(maxsize=256)(_counted_spec)
+@lru_cache(maxsize=512)
+def _counted_spec(cfg_json: str) -> ModelSpec:
+    """Spec of a HF config with its parameters counted by a ``meta``-device build (cached by content)."""
+    from memfit.hf import model_spec
+
+    cfg = json.loads(cfg_json)
+    try:
+        return model_spec(cfg)
+    except InvalidConfiguration:
+        raise
+    except Exception as err:  # transformers refused the config: the user's input, not our bug
+        raise InvalidConfiguration("hf_config", "a config transformers can build", message=(
+            f"hf_config: transformers cannot build this {cfg.get('model_type')!r} config "
+            f"({type(err).__name__}: {_no_paths(str(err))[:300]})")) from err
 
 
-def resolve_model(model: str | dict[str, Any] | ArchitectureIn) -> ModelSpec:
-    """ModelSpec for a catalog name, a HF config dict or explicit fields.
+def _no_paths(text: str) -> str:
+    return re.sub(r"(?:[A-Za-z]:)?(?:/[\w.\-]+){2,}", "<path>", text)
+
+
+def _spec(fields: dict[str, Any], **counts: int) -> ModelSpec:
+    try:
+        return ModelSpec(**fields, **counts)
+    except ValidationError as err:
+        e = err.errors()[0]
+        field = ".".join(map(str, e["loc"])) or "hf_config"
+        raise InvalidConfiguration(field, "consistent shapes", message=f"{field}: {e['msg']}".replace(
+            "Value error, ", "")) from err
+
+
+def resolve_model(model: str | dict[str, Any] | ArchitectureIn,
+                  architecture_fallback: str | None = None) -> tuple[ModelSpec, list[str]]:
+    """ModelSpec for a catalog name, a HF config dict or explicit fields, and warnings about it.
+
+    A ``model_type`` outside :func:`known_architectures` is refused unless ``architecture_fallback``
+    names a known family; then the model is predicted as that family and a warning says so.
+    Resolved HF configs are cached by content (the ``meta`` build that counts parameters runs once).
 
     Raises:
-        KeyError: unknown catalog name. ValueError: invalid architecture (names the field).
+        InvalidConfiguration (``UnknownModel``, ``UnknownArchitecture``): the field is relative to
+        the request's ``model`` (e.g. ``num_key_value_heads``), with the allowed range.
     """
     from data import catalog
-    from memfit.hf import spec_fields_from_hf_config
 
     if isinstance(model, str):
-        return catalog.spec(model)
+        return catalog.spec(model), []
+    try:
+        return _resolve_config(model, architecture_fallback)
+    except UnknownArchitecture as err:
+        raise err if err.field == "architecture_fallback" else err.within("model") from err
+    except InvalidConfiguration as err:
+        raise err.within("model") from err
+
+
+def _resolve_config(model: dict[str, Any] | ArchitectureIn,
+                    architecture_fallback: str | None) -> tuple[ModelSpec, list[str]]:
+    from memfit.hf import spec_fields_from_hf_config
+
     cfg = model.hf_config() if isinstance(model, ArchitectureIn) else model
     fields = spec_fields_from_hf_config(cfg)
-    ModelSpec(**fields, total_params=1, trainable_params=1)  # validate shapes before any build
+    warnings = []
+    arch = fields["architecture"]
+    if arch not in known_architectures():
+        if architecture_fallback is None:
+            raise UnknownArchitecture(
+                "model_type" if isinstance(model, dict) else "architecture",
+                "a model_type transformers knows (e.g. 'llama', 'mistral', 'gpt2'), or give "
+                "architecture_fallback to predict it as one of those", arch)
+        if architecture_fallback not in known_architectures():
+            raise UnknownArchitecture("architecture_fallback", "a model_type transformers knows (e.g. 'llama')",
+                                      architecture_fallback)
+        warnings.append(f"model_type {arch!r} is unknown: predicted as {architecture_fallback!r} "
+                        "(architecture_fallback) with the same layer count, widths, heads and vocabulary")
+        cfg = {**cfg, "model_type": architecture_fallback}
+        fields["architecture"] = architecture_fallback
+    _spec(fields, total_params=1, trainable_params=1)  # validate shapes before any build
     if isinstance(model, ArchitectureIn) and model.total_params is not None:
-        return ModelSpec(**fields, total_params=model.total_params, trainable_params=model.total_params)
-    return _counted_spec_cached(json.dumps(cfg, sort_keys=True))
+        return _spec(fields, total_params=model.total_params, trainable_params=model.total_params), warnings
+    if warnings:  # an unknown family is counted as the fallback family
+        cfg = {k: v for k, v in cfg.items() if k in _SHAPE_KEYS}
+    return _counted_spec(json.dumps(cfg, sort_keys=True)), warnings
+
+
+_SHAPE_KEYS = frozenset({"model_type", "num_hidden_layers", "n_layer", "num_layers", "n_layers", "hidden_size",
+                         "n_embd", "d_model", "num_attention_heads", "n_head", "num_heads", "intermediate_size",
+                         "n_inner", "ffn_dim", "ffn_hidden_size", "vocab_size", "num_key_value_heads",
+                         "head_dim", "tie_word_embeddings"})
+
+
+def warm_up() -> int:
+    """Import transformers and resolve every catalog HF config once (fills the caches); returns how many."""
+    from data import catalog
+
+    known_architectures()
+    n = 0
+    for name in catalog.names():
+        try:
+            resolve_model(catalog.get(name)["hf_config"])
+            n += 1
+        except InvalidConfiguration:
+            pass
+    return n
 
 
 def lora_trainable_params(spec: ModelSpec, rank: int) -> int:
@@ -56,13 +152,21 @@ def lora_trainable_params(spec: ModelSpec, rank: int) -> int:
 
 
 def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[TrainingConfig, ModelSpec]:
-    """Full TrainingConfig (k = 0) and the spec with the trainable count this fine-tune implies."""
+    """Full TrainingConfig (k = 0) and the spec with the trainable count this fine-tune implies.
+
+    Raises:
+        InvalidConfiguration: parallel sizes beyond the cluster, frozen layers beyond the model.
+    """
     dp = t.data_parallel_size or max(1, gpu_count // (t.tensor_parallel_size * t.pipeline_parallel_size))
-    if dp * t.tensor_parallel_size * t.pipeline_parallel_size > gpu_count:
-        raise ValueError(f"data*tensor*pipeline parallel size = {dp * t.tensor_parallel_size * t.pipeline_parallel_size}"
-                         f" exceeds cluster.gpu_count={gpu_count}")
+    world = dp * t.tensor_parallel_size * t.pipeline_parallel_size
+    if world > gpu_count:
+        raise InvalidConfiguration("training.data_parallel_size", f"such that data*tensor*pipeline parallel size "
+                                   f"<= cluster.gpu_count={gpu_count}", message=(
+                                       f"training: data*tensor*pipeline parallel size = {world} exceeds "
+                                       f"cluster.gpu_count={gpu_count}"))
     if t.frozen_layers > spec.num_layers:
-        raise ValueError(f"training.frozen_layers={t.frozen_layers} must be in [0, num_layers={spec.num_layers}]")
+        raise InvalidConfiguration("training.frozen_layers", f"an integer in [0, num_layers={spec.num_layers}]",
+                                   t.frozen_layers)
     trainable = t.trainable_params
     if trainable is None:
         if t.finetune is FineTune.LORA:
@@ -77,7 +181,12 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[Tra
     fields["data_parallel_size"] = dp
     if t.finetune is FineTune.LORA and fields["lora_rank"] is None:
         fields["lora_rank"] = 8
-    return TrainingConfig(**fields), spec
+    try:
+        return TrainingConfig(**fields), spec
+    except ValidationError as err:  # pragma: no cover - TrainingIn has the same ranges
+        e = err.errors()[0]
+        raise InvalidConfiguration(f"training.{'.'.join(map(str, e['loc']))}", "see the schema",
+                                   message=f"training: {e['msg']}") from err
 
 
 class Recommender:
@@ -95,11 +204,16 @@ class Recommender:
                     overhead_model=self.overhead, layout=req.layout)
 
     def recommend(self, req: RecommendRequest) -> Recommendation:
-        spec = resolve_model(req.model)
+        """The answer to one request.
+
+        Raises:
+            InvalidConfiguration: the request describes no valid model or training (field named).
+        """
+        spec, warnings = resolve_model(req.model, req.architecture_fallback)
         training, spec = training_config(req.training, spec, req.cluster.gpu_count)
         p = self._plan(spec, training, req, req.cluster.gpu_count)
         at = p.curve[p.k if p.k is not None else spec.num_layers]
-        warnings = self._warnings(spec, training, req, p)
+        warnings += self._warnings(spec, training, req, p)
         alternatives = [] if p.fits else self._alternatives(spec, training, req)
         return Recommendation(
             fits=p.fits, k=p.k, layers=p.layers, num_layers=spec.num_layers,
@@ -110,6 +224,40 @@ class Recommender:
             recompute_overhead_fraction=round(p.recompute_fraction, 4), alternatives=alternatives,
             model_name=spec.model_name, model_version=self.version, warnings=warnings,
             training=training.model_dump(mode="json", exclude={"checkpoint_layers"}))
+
+    def predict(self, req: PredictRequest) -> PredictResponse:
+        """Peak, bound and breakdown per item; one booster call for the whole batch.
+
+        Raises:
+            InvalidConfiguration: an item is invalid; the field starts with ``items.<i>``.
+        """
+        import pandas as pd
+
+        from model.recommend import breakdown, curve_rows
+
+        rows, parts = [], []
+        for i, item in enumerate(req.items):
+            try:
+                spec, warnings = resolve_model(item.model, item.architecture_fallback)
+                training, spec = training_config(item.training, spec, item.cluster.gpu_count if item.cluster else 1)
+                if item.k > spec.num_layers:
+                    raise InvalidConfiguration("k", f"an integer in [0, num_layers={spec.num_layers}]", item.k)
+            except InvalidConfiguration as err:
+                raise err.within(f"items.{i}") from err
+            rows.append(curve_rows(spec, training).iloc[[item.k]])
+            parts.append((spec, training.model_copy(update={"checkpoint_layers": list(range(item.k))}), item,
+                          warnings))
+        X = pd.concat(rows, ignore_index=True)
+        pred, upper = self.est.predict(X), self.est.predict_upper(X)
+        out = []
+        for (spec, training, item, warnings), p, u in zip(parts, pred, upper):
+            total = None
+            if item.cluster is not None:
+                total = int(u) + self.overhead.overhead(u, item.cluster.gpu, item.cluster.gpu_count).total_bytes
+            out.append(Prediction(predicted_peak_bytes=int(p), upper_bound_bytes=int(u), total_upper_bytes=total,
+                                  breakdown=breakdown(spec, training, int(p)), num_layers=spec.num_layers,
+                                  k=item.k, warnings=warnings))
+        return PredictResponse(predictions=out, model_version=self.version)
 
     def _warnings(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest, p: Plan) -> list[str]:
         out = []
