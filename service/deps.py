@@ -7,6 +7,7 @@ Routes take them with ``Depends``; tests swap them with ``app.dependency_overrid
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
@@ -71,20 +72,34 @@ class WriteQueue:
     """Telemetry writes run on their own bounded executor, never on the pool that serves reads.
 
     At most ``max_pending`` writes wait; one more gets :class:`StoreBusy` (503 + ``Retry-After``)
-    at once instead of queueing behind a locked database.
+    at once. When a write finds the store locked (after its busy timeout), writes fail fast for the
+    ``Retry-After`` that followed, including those already queued, so none waits more than about
+    one busy timeout.
     """
 
     def __init__(self, workers: int, max_pending: int) -> None:
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memfit-write")
         self.max_pending = max_pending
         self.pending = 0
+        self._busy_until = 0.0
+        self._busy: StoreBusy | None = None
+
+    def _guarded(self, fn, *args):
+        if time.monotonic() < self._busy_until and self._busy is not None:
+            raise StoreBusy(f"the telemetry store is busy ({self._busy}); retry later",
+                            retry_after_s=self._busy.retry_after_s)
+        try:
+            return fn(*args)
+        except StoreBusy as err:
+            self._busy, self._busy_until = err, time.monotonic() + (err.retry_after_s or 1)
+            raise
 
     async def run(self, fn, *args):
         if self.pending >= self.max_pending:
             raise StoreBusy(f"{self.pending} telemetry writes are waiting; retry later", retry_after_s=1)
         self.pending += 1  # the event loop is single-threaded: no lock needed
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, self._guarded, fn, *args)
         finally:
             self.pending -= 1
 
