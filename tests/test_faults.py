@@ -214,20 +214,42 @@ def test_read_only_data_dir_recommends_and_refuses_writes(srv, tmp_path):
         assert "read-only" in r.json()["detail"] and str(tmp_path) not in r.text
 
 
-def test_image_entry_point_uses_the_environment_not_the_package_dir(srv, tmp_path):
-    """The Docker CMD (python -m training.main) with the image's variables: the store and registry
-    are the ones the environment names, nothing is written inside the package."""
-    pkg_db = ROOT / "data" / "telemetry.db"
-    before = pkg_db.stat().st_mtime if pkg_db.exists() else None
-    data = tmp_path / "var-lib-memfit"
-    env = {**os.environ, "MEMFIT_HOST": "127.0.0.1", "MEMFIT_DATA_DIR": str(data), "MEMFIT_TOKEN": TOKEN,
-           "MEMFIT_DB_URL": f"sqlite:///{data / 'telemetry.db'}", "MEMFIT_REGISTRY_DIR": str(data / "models")}
-    done = subprocess.run([sys.executable, "-m", "training.main", "--no-serve"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert TelemetryStore(f"sqlite:///{data / 'telemetry.db'}").count() > 1000
-    assert Registry(data / "models").current() is not None
-    assert (pkg_db.stat().st_mtime if pkg_db.exists() else None) == before
+def _tree_state(d: Path) -> dict[str, float]:
+    return {str(f): f.stat().st_mtime for f in d.rglob("*") if f.is_file() and "__pycache__" not in f.parts}
+
+
+def test_image_entry_point_uses_the_environment_not_the_package_dir(tmp_path):
+    """The Docker CMD (python -m training.main) with the image's variables (public bind, token, data
+    dir): it imports the shipped telemetry into the data dir, seeds the registry there, serves, and
+    writes nothing into the package directory (which the image keeps read-only)."""
+    from tests.helpers import free_port
+
+    before = _tree_state(ROOT / "data")
+    data, port = tmp_path / "var-lib-memfit", free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMFIT_")}
+    env.update(PYTHONPATH=str(ROOT), MEMFIT_HOST="0.0.0.0", MEMFIT_PORT=str(port), MEMFIT_DATA_DIR=str(data),
+               MEMFIT_TOKEN=TOKEN)
+    proc = subprocess.Popen([sys.executable, "-m", "training.main"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(base + "/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        ready = httpx.get(base + "/v2/health/ready").json()
+        assert ready["telemetry_records"] > 1000 and ready["read_only"] is False
+        assert httpx.post(base + "/recommend", json=LLAMA8B, timeout=30).status_code == 200
+        assert httpx.post(base + "/telemetry", json=[]).status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert (data / "telemetry.db").exists() and Registry(data / "models").current() is not None
+    assert _tree_state(ROOT / "data") == before
 
 
 # -- fault 6: a torn spool line is quarantined, the good records are flushed --------------------------
