@@ -83,24 +83,28 @@ def _estimator(booster: lgb.Booster, meta: dict[str, Any]) -> PeakMemoryRegresso
 
 
 def canary_predictions(est: PeakMemoryRegressor) -> dict[str, dict[str, int]]:
-    """Predicted peak bytes at k = 0 and k = L for each :data:`CANARY` configuration, with the
-    model-state floor (:func:`model.analytic.model_state_bytes`) of each.
+    """The estimator's raw predicted peak bytes (before any floor or envelope a curve adds) at k = 0 and
+    k = L for each :data:`CANARY` configuration, with the model-state floor
+    (:func:`model.analytic.model_state_bytes`) of each.
 
     Returns:
         ``{"<model>/mb<m>/s<seq>/<sharding>/dp<n>": {"k0_bytes", "kall_bytes", "floor_bytes"}}``.
     """
+    import numpy as np
+
     from data import catalog
     from memfit.schema import TrainingConfig
     from model.analytic import model_state_bytes
-    from model.recommend import plan
+    from model.features import curve_matrix
 
     out = {}
     for name, mb, seq, sharding, dp in CANARY:
         spec = catalog.spec(name)
         training = TrainingConfig(micro_batch_size=mb, seq_len=seq, sharding=sharding, data_parallel_size=dp)
-        p = plan(est, spec, training, capacity_bytes=1 << 44)
+        base, ratio = est.predict_matrix(curve_matrix(spec, training))
+        raw = np.exp(base + ratio)
         out[f"{name}/mb{mb}/s{seq}/{sharding}/dp{dp}"] = {
-            "k0_bytes": int(p.curve[0].predicted_bytes), "kall_bytes": int(p.curve[-1].predicted_bytes),
+            "k0_bytes": int(raw[0]), "kall_bytes": int(raw[-1]),
             "floor_bytes": int(model_state_bytes(spec, training).total_bytes)}
     return out
 

@@ -23,12 +23,14 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from data.store import TelemetryStore
 from model.overhead import OverheadModel
 from model.registry import Registry
+from model.terms import TermsCache
 from service import errors
 from service.deps import WriteQueue
 from service.limits import BodyLimitMiddleware
 from service.models import ModelHolder
 from service.routers import admin, recommend, telemetry
 from service.settings import Settings
+from service.tracing import BackgroundTracer
 
 log = logging.getLogger("memfit.service")
 
@@ -71,7 +73,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """The application for ``settings`` (default: read from the environment once, here)."""
     settings = settings or Settings()
     store, reason = open_store(settings)
-    holder = ModelHolder(Registry(settings.registry_dir), _overhead_from(store))
+    terms = TermsCache(store.url if store is not None else None)  # read-only: traced terms kept in memory
+    tracer = BackgroundTracer(terms)
+    holder = ModelHolder(Registry(settings.registry_dir), _overhead_from(store), terms=terms, tracer=tracer)
     holder.refresh()
     warmed_up = threading.Event()
 
@@ -81,6 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             threading.Thread(target=_warm_up, args=(warmed_up,), name="memfit-warm-up", daemon=True).start()
         yield
         app.state.writes.executor.shutdown(wait=True)
+        tracer.shutdown()
 
     app = FastAPI(title="memfit", version="0.1.0", lifespan=lifespan,
                   description="Fit LLM training into GPU memory with the least activation recomputation.")

@@ -10,7 +10,9 @@ from prometheus_client import Counter, Gauge
 
 from model.overhead import OverheadModel
 from model.registry import IncompatibleArtifact, Registry
+from model.terms import TermsCache
 from service.recommender import Recommender
+from service.tracing import BackgroundTracer
 
 log = logging.getLogger("memfit.service")
 
@@ -30,9 +32,12 @@ class ModelHolder:
     the previous model keeps serving.
     """
 
-    def __init__(self, registry: Registry, overhead: OverheadModel | None = None) -> None:
+    def __init__(self, registry: Registry, overhead: OverheadModel | None = None, terms: TermsCache | None = None,
+                 tracer: BackgroundTracer | None = None) -> None:
         self.registry = registry
         self.overhead = overhead or OverheadModel()
+        self.terms = terms if terms is not None else TermsCache()
+        self.tracer = tracer
         self.recommender: Recommender | None = None
         self.last_error: str | None = None
         self.warnings: list[str] = []
@@ -65,7 +70,8 @@ class ModelHolder:
                 MODEL_REFUSED.set(1)
                 return False
             self.recommender = Recommender(loaded.estimator, loaded.version, self.overhead,
-                                           loaded.meta.get("telemetry_range", {}))
+                                           loaded.meta.get("telemetry_range", {}), terms=self.terms,
+                                           margins=loaded.meta.get("bound_margins"), tracer=self.tracer)
             self.last_error, self.warnings = None, loaded.warnings
             MODEL_REFUSED.set(0)
             MODEL_LOADED.set(1)

@@ -16,14 +16,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from memfit.api import (
-    Alternative, ArchitectureIn, CurvePointOut, Prediction, PredictRequest, PredictResponse, Recommendation,
-    RecommendRequest, TrainingIn,
+    Alternative, ArchitectureIn, CurvePointOut, PredictItem, Prediction, PredictRequest, PredictResponse,
+    Recommendation, RecommendRequest, TrainingIn,
 )
 from memfit.errors import InvalidConfiguration, UnknownArchitecture
 from memfit.schema import FineTune, ModelSpec, Sharding, TrainingConfig
+from model.curve import Curve, MemoryPredictor
 from model.estimator import PeakMemoryRegressor
 from model.overhead import OverheadModel
 from model.recommend import Plan, plan
+from model.terms import TermsCache
 
 
 @lru_cache(maxsize=1)
@@ -70,8 +72,8 @@ def _spec(fields: dict[str, Any], **counts: int) -> ModelSpec:
 
 
 def resolve_model(model: str | dict[str, Any] | ArchitectureIn,
-                  architecture_fallback: str | None = None) -> tuple[ModelSpec, list[str]]:
-    """ModelSpec for a catalog name, a HF config dict or explicit fields, and warnings about it.
+                  architecture_fallback: str | None = None) -> tuple[ModelSpec, dict[str, Any], list[str]]:
+    """ModelSpec, HF config dict and warnings for a catalog name, a HF config dict or explicit fields.
 
     A ``model_type`` outside :func:`known_architectures` is refused unless ``architecture_fallback``
     names a known family; then the model is predicted as that family and a warning says so.
@@ -84,7 +86,7 @@ def resolve_model(model: str | dict[str, Any] | ArchitectureIn,
     from data import catalog
 
     if isinstance(model, str):
-        return catalog.spec(model), []
+        return catalog.spec(model), catalog.get(model)["hf_config"], []
     try:
         return _resolve_config(model, architecture_fallback)
     except UnknownArchitecture as err:
@@ -94,7 +96,7 @@ def resolve_model(model: str | dict[str, Any] | ArchitectureIn,
 
 
 def _resolve_config(model: dict[str, Any] | ArchitectureIn,
-                    architecture_fallback: str | None) -> tuple[ModelSpec, list[str]]:
+                    architecture_fallback: str | None) -> tuple[ModelSpec, dict[str, Any], list[str]]:
     from memfit.hf import spec_fields_from_hf_config
 
     cfg = model.hf_config() if isinstance(model, ArchitectureIn) else model
@@ -116,10 +118,10 @@ def _resolve_config(model: dict[str, Any] | ArchitectureIn,
         fields["architecture"] = architecture_fallback
     _spec(fields, total_params=1, trainable_params=1)  # validate shapes before any build
     if isinstance(model, ArchitectureIn) and model.total_params is not None:
-        return _spec(fields, total_params=model.total_params, trainable_params=model.total_params), warnings
-    if warnings:  # an unknown family is counted as the fallback family
+        return _spec(fields, total_params=model.total_params, trainable_params=model.total_params), cfg, warnings
+    if warnings:  # an unknown family is counted and traced as the fallback family
         cfg = {k: v for k, v in cfg.items() if k in _SHAPE_KEYS}
-    return _counted_spec(json.dumps(cfg, sort_keys=True)), warnings
+    return _counted_spec(json.dumps(cfg, sort_keys=True)), cfg, warnings
 
 
 _SHAPE_KEYS = frozenset({"model_type", "num_hidden_layers", "n_layer", "num_layers", "n_layers", "hidden_size",
@@ -192,16 +194,61 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[Tra
 class Recommender:
     """Holds one model version and answers requests."""
 
-    def __init__(self, est: PeakMemoryRegressor, version: str, overhead: OverheadModel | None = None,
-                 telemetry_range: dict[str, float] | None = None) -> None:
+    def __init__(self, est: PeakMemoryRegressor | None, version: str, overhead: OverheadModel | None = None,
+                 telemetry_range: dict[str, float] | None = None, terms: TermsCache | None = None,
+                 margins: dict[str, float] | None = None, tracer: Any = None) -> None:
         self.est, self.version = est, version
         self.overhead = overhead or OverheadModel()
         self.range = telemetry_range or {}
+        self.predictor = MemoryPredictor(est, terms, margins, tracer)
 
-    def _plan(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest, gpu_count: int) -> Plan:
-        return plan(self.est, spec, training, capacity_bytes=req.cluster.memory_bytes,
+    def _plan(self, spec: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any], req: RecommendRequest,
+              gpu_count: int) -> Plan:
+        return plan(self.predictor, spec, training, hf_config=hf_config, capacity_bytes=req.cluster.memory_bytes,
                     headroom_fraction=req.headroom_fraction, device_name=req.cluster.gpu, gpu_count=gpu_count,
                     overhead_model=self.overhead, layout=req.layout)
+
+    def curve(self, model: Any, training_in: TrainingIn, gpu_count: int = 1) -> tuple[Curve, ModelSpec, TrainingConfig]:
+        """The one curve (:meth:`model.curve.MemoryPredictor.curve`) for a request's model and training.
+
+        Raises:
+            InvalidConfiguration: the model or training is invalid (field named).
+        """
+        c, spec, training, _ = self._curve(model, training_in, gpu_count)
+        return c, spec, training
+
+    def _curve(self, model: Any, training_in: TrainingIn, gpu_count: int,
+               architecture_fallback: str | None = None) -> tuple[Curve, ModelSpec, TrainingConfig, list[str]]:
+        spec, cfg, warnings = resolve_model(model, architecture_fallback)
+        training, spec = training_config(training_in, spec, gpu_count)
+        return self.predictor.curve(spec, training, cfg), spec, training, warnings
+
+    def predict_item(self, item: PredictItem, index: int = 0) -> Prediction:
+        """One ``/predict`` item: the curve's point at ``item.k`` (the same curve ``/recommend`` uses).
+
+        Raises:
+            InvalidConfiguration: the item is invalid; the field starts with ``items.<index>``.
+        """
+        try:
+            c, spec, _, warnings = self._curve(item.model, item.training, item.cluster.gpu_count if item.cluster
+                                               else 1, item.architecture_fallback)
+            if item.k > spec.num_layers:
+                raise InvalidConfiguration("k", f"an integer in [0, num_layers={spec.num_layers}]", item.k)
+        except InvalidConfiguration as err:
+            raise err.within(f"items.{index}") from err
+        p = c.points[item.k]
+        total = None
+        if item.cluster is not None:
+            total = p.upper_bytes + self.overhead.overhead(p.upper_bytes, item.cluster.gpu,
+                                                           item.cluster.gpu_count).total_bytes
+        return Prediction(predicted_peak_bytes=p.predicted_bytes, upper_bound_bytes=p.upper_bytes,
+                          total_upper_bytes=total, breakdown=p.breakdown, num_layers=spec.num_layers, k=item.k,
+                          peak_phase=p.peak_phase, path=c.path, notes=[*warnings, *c.notes])
+
+    def predict(self, req: PredictRequest) -> PredictResponse:
+        """``POST /predict``: every item's point on its curve."""
+        return PredictResponse(predictions=[self.predict_item(item, i) for i, item in enumerate(req.items)],
+                               model_version=self.version)
 
     def recommend(self, req: RecommendRequest) -> Recommendation:
         """The answer to one request.
@@ -209,55 +256,25 @@ class Recommender:
         Raises:
             InvalidConfiguration: the request describes no valid model or training (field named).
         """
-        spec, warnings = resolve_model(req.model, req.architecture_fallback)
+        spec, cfg, warnings = resolve_model(req.model, req.architecture_fallback)
         training, spec = training_config(req.training, spec, req.cluster.gpu_count)
-        p = self._plan(spec, training, req, req.cluster.gpu_count)
-        at = p.curve[p.k if p.k is not None else spec.num_layers]
-        warnings += self._warnings(spec, training, req, p)
-        alternatives = [] if p.fits else self._alternatives(spec, training, req)
+        p = self._plan(spec, training, cfg, req, req.cluster.gpu_count)
+        at = p.at
+        warnings = [*warnings, *p.curve.notes, *self._warnings(spec, training, req, p)]
+        alternatives = [] if p.fits else self._alternatives(spec, training, cfg, req)
         return Recommendation(
             fits=p.fits, k=p.k, layers=p.layers, num_layers=spec.num_layers,
             predicted_peak_bytes=at.predicted_bytes, upper_bound_bytes=at.upper_bytes,
-            total_upper_bytes=at.total_upper_bytes, capacity_bytes=p.capacity_bytes, usable_bytes=p.usable_bytes,
-            shortfall_bytes=p.shortfall_bytes, curve=[CurvePointOut(**c.__dict__) for c in p.curve],
-            breakdown=p.breakdown, overhead={**p.overhead.__dict__, "total_bytes": p.overhead.total_bytes},
+            total_upper_bytes=p.total_upper_bytes[at.k], capacity_bytes=p.capacity_bytes, usable_bytes=p.usable_bytes,
+            shortfall_bytes=p.shortfall_bytes,
+            curve=[CurvePointOut(k=c.k, predicted_bytes=c.predicted_bytes, upper_bytes=c.upper_bytes,
+                                 total_upper_bytes=t, peak_phase=c.peak_phase)
+                   for c, t in zip(p.curve.points, p.total_upper_bytes)],
+            breakdown=at.breakdown, peak_phase=at.peak_phase, path=p.curve.path,
+            overhead={**p.overhead.__dict__, "total_bytes": p.overhead.total_bytes},
             recompute_overhead_fraction=round(p.recompute_fraction, 4), alternatives=alternatives,
             model_name=spec.model_name, model_version=self.version, warnings=warnings,
             training=training.model_dump(mode="json", exclude={"checkpoint_layers"}))
-
-    def predict(self, req: PredictRequest) -> PredictResponse:
-        """Peak, bound and breakdown per item; one booster call for the whole batch.
-
-        Raises:
-            InvalidConfiguration: an item is invalid; the field starts with ``items.<i>``.
-        """
-        import pandas as pd
-
-        from model.recommend import breakdown, curve_rows
-
-        rows, parts = [], []
-        for i, item in enumerate(req.items):
-            try:
-                spec, warnings = resolve_model(item.model, item.architecture_fallback)
-                training, spec = training_config(item.training, spec, item.cluster.gpu_count if item.cluster else 1)
-                if item.k > spec.num_layers:
-                    raise InvalidConfiguration("k", f"an integer in [0, num_layers={spec.num_layers}]", item.k)
-            except InvalidConfiguration as err:
-                raise err.within(f"items.{i}") from err
-            rows.append(curve_rows(spec, training).iloc[[item.k]])
-            parts.append((spec, training.model_copy(update={"checkpoint_layers": list(range(item.k))}), item,
-                          warnings))
-        X = pd.concat(rows, ignore_index=True)
-        pred, upper = self.est.predict(X), self.est.predict_upper(X)
-        out = []
-        for (spec, training, item, warnings), p, u in zip(parts, pred, upper):
-            total = None
-            if item.cluster is not None:
-                total = int(u) + self.overhead.overhead(u, item.cluster.gpu, item.cluster.gpu_count).total_bytes
-            out.append(Prediction(predicted_peak_bytes=int(p), upper_bound_bytes=int(u), total_upper_bytes=total,
-                                  breakdown=breakdown(spec, training, int(p)), num_layers=spec.num_layers,
-                                  k=item.k, warnings=warnings))
-        return PredictResponse(predictions=out, model_version=self.version)
 
     def _warnings(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest, p: Plan) -> list[str]:
         out = []
@@ -268,14 +285,15 @@ class Recommender:
                 out.append(f"extrapolating: {name}={value} is beyond the telemetry's largest ({int(hi)})")
         if training.tensor_parallel_size > 1 or training.pipeline_parallel_size > 1:
             out.append("tensor/pipeline parallelism is predicted analytically: the telemetry has none")
-        if p.fits and p.k is not None and p.curve[p.k].total_upper_bytes > 0.97 * p.usable_bytes:
+        if p.fits and p.k is not None and p.total_upper_bytes[p.k] > 0.97 * p.usable_bytes:
             out.append("headroom thin: the bound at k is within 3% of usable memory")
         out.append("torch.compile can erase or invert checkpointing savings; the prediction assumes eager mode")
         if not p.fits:
             out.append("no k fits: checkpointing every layer is not enough; see alternatives")
         return out
 
-    def _alternatives(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest) -> list[Alternative]:
+    def _alternatives(self, spec: ModelSpec, training: TrainingConfig, cfg: dict[str, Any],
+                      req: RecommendRequest) -> list[Alternative]:
         tries: list[tuple[str, dict[str, Any], TrainingConfig, int]] = []
         n = req.cluster.gpu_count
         if n > 1 and training.sharding in (Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2):
@@ -293,10 +311,9 @@ class Recommender:
                                                         "data_parallel_size": more}, t, more))
         out = []
         for desc, change, t, gpus in tries:
-            p = self._plan(spec, t, req, gpus)
-            at = p.curve[p.k if p.k is not None else spec.num_layers]
+            p = self._plan(spec, t, cfg, req, gpus)
             out.append(Alternative(description=desc, change=change, fits=p.fits, k=p.k,
-                                   predicted_peak_bytes=at.predicted_bytes, total_upper_bytes=at.total_upper_bytes))
+                                   predicted_peak_bytes=p.at.predicted_bytes, total_upper_bytes=p.total_upper_bytes[p.at.k]))
             if p.fits and len([a for a in out if a.fits]) >= 3:
                 break
         return [a for a in out if a.fits] or out[:3]
