@@ -16,8 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memfit.api import (
-    Alternative, ArchitectureIn, CurvePointOut, PredictItem, Prediction, PredictRequest, PredictResponse,
-    Recommendation, RecommendRequest, TrainingIn,
+    Alternative, ArchitectureIn, CurvePointOut, PredictItem, Prediction, Recommendation, RecommendRequest, TrainingIn,
 )
 from memfit.errors import InvalidConfiguration, UnknownArchitecture
 from memfit.schema import FineTune, ModelSpec, Sharding, TrainingConfig
@@ -223,7 +222,7 @@ class Recommender:
         training, spec = training_config(training_in, spec, gpu_count)
         return self.predictor.curve(spec, training, cfg), spec, training, warnings
 
-    def predict_item(self, item: PredictItem, index: int = 0) -> Prediction:
+    def predict(self, item: PredictItem, index: int = 0) -> Prediction:
         """One ``/predict`` item: the curve's point at ``item.k`` (the same curve ``/recommend`` uses).
 
         Raises:
@@ -244,11 +243,6 @@ class Recommender:
         return Prediction(predicted_peak_bytes=p.predicted_bytes, upper_bound_bytes=p.upper_bytes,
                           total_upper_bytes=total, breakdown=p.breakdown, num_layers=spec.num_layers, k=item.k,
                           peak_phase=p.peak_phase, path=c.path, notes=[*warnings, *c.notes])
-
-    def predict(self, req: PredictRequest) -> PredictResponse:
-        """``POST /predict``: every item's point on its curve."""
-        return PredictResponse(predictions=[self.predict_item(item, i) for i, item in enumerate(req.items)],
-                               model_version=self.version)
 
     def recommend(self, req: RecommendRequest) -> Recommendation:
         """The answer to one request.

@@ -38,4 +38,5 @@ def recommend(req: RecommendRequest, rec: Annotated[Recommender, Depends(get_rec
 @router.post("/predict", response_model=PredictResponse)
 def predict(req: PredictRequest, rec: Annotated[Recommender, Depends(get_recommender)]) -> Response:
     """Peak, bound and breakdown for fully specified configurations (one booster call for the batch)."""
-    return _json(rec.predict(req))
+    return _json(PredictResponse(predictions=[rec.predict(item, i) for i, item in enumerate(req.items)],
+                                 model_version=rec.version))
