@@ -142,15 +142,35 @@ class TelemetryStore:
         self.metadata = sa.MetaData()
         self.table = _table(self.metadata)
         self.quarantine = _quarantine_table(self.metadata)
-        with _busy(busy_timeout_s):
-            self.metadata.create_all(self.engine)
+        for attempt in range(3):  # replicas starting together race to create the tables: the loser retries
+            try:
+                with _busy(busy_timeout_s):
+                    self.metadata.create_all(self.engine)
+                break
+            except (sa.exc.IntegrityError, sa.exc.ProgrammingError):
+                if attempt == 2:
+                    raise
 
     def add(self, records: Iterable[TelemetryRecord | dict[str, Any]]) -> IngestReport:
         """Validate and insert records (objects, nested dicts or flat rows) in one transaction.
 
+        Concurrent writers (several service processes on one PostgreSQL database) may insert the same
+        new ``record_id`` at once; the loser's transaction is rolled back and run again, and then sees
+        the winner's row (a duplicate, or a conflict for the quarantine). Nothing is lost or doubled.
+
         Raises:
             memfit.errors.StoreBusy: the database stayed locked for ``busy_timeout_s``; nothing was written.
         """
+        records = list(records)
+        for attempt in range(5):
+            try:
+                return self._add(records)
+            except sa.exc.IntegrityError:
+                if attempt == 4:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _add(self, records: list[TelemetryRecord | dict[str, Any]]) -> IngestReport:
         report = IngestReport()
         rows: list[dict[str, Any]] = []
         held: list[tuple[int, TelemetryRecord, str]] = []  # (index, record, reason) for the quarantine
