@@ -79,15 +79,39 @@ def _quarantine_table(metadata: sa.MetaData) -> sa.Table:
     )
 
 
+def parameter_bounds(rec: TelemetryRecord) -> tuple[int, int]:
+    """Loose bounds on ``total_params`` from the shapes: ``(lower, upper)``.
+
+    A decoder layer holds at least the attention projections (q and o: ``h × heads × d`` each; k and
+    v: ``h × kv × d`` each) and a two-matrix MLP (``2 h f`` per expert), the model at least one
+    ``V × h`` embedding; at most a gated three-matrix MLP, norms and biases (``8 h``), untied input
+    and output embeddings, 4096 learned positions, and LoRA adapters of the given rank on seven
+    projections. The shipped catalog's counts fall within 0.94-1.01 of these; plausibility allows 2x.
+    """
+    m, t = rec.model, rec.training
+    d = m.head_dim or m.hidden_size // m.num_attention_heads
+    h, f, experts = m.hidden_size, m.intermediate_size, m.num_experts or 1
+    attn = 2 * h * m.num_attention_heads * d + 2 * h * m.num_key_value_heads * d
+    lower = m.num_layers * (attn + 2 * h * f * experts) + m.vocab_size * h
+    upper = m.num_layers * (attn + 3 * h * f * experts + 8 * h) + 2 * m.vocab_size * h + 4096 * h
+    upper += m.num_layers * (t.lora_rank or 0) * 7 * 2 * (h + f)
+    return lower, upper
+
+
 def implausibility(rec: TelemetryRecord) -> str | None:
     """Why a schema-valid record cannot be a real measurement, or None when it is plausible.
 
     * a ``cuda`` peak (allocated or reserved) above the device's memory without ``oom`` (the CUDA
       allocator cannot hand out more than the device holds; the fake tracker can, so it is exempt);
     * a ``cuda`` reserved peak below the allocated peak (the caching allocator reserves what it allocates);
-    * a non-finite number anywhere (``step_time_s`` of Infinity, NaN).
+    * a non-finite number anywhere (``step_time_s`` of Infinity, NaN);
+    * a parameter count more than 2x outside :func:`parameter_bounds` of the shapes.
     """
     m, dev = rec.measurement, rec.cluster.device_memory_bytes
+    lower, upper = parameter_bounds(rec)
+    if not lower / 2 <= rec.model.total_params <= 2 * upper:
+        return (f"total_params={rec.model.total_params} disagrees with the shapes (between {lower} and {upper} "
+                "expected, 2x allowed)")
     for part in (rec.model, rec.training, rec.cluster, m):
         for name, value in part:
             if isinstance(value, float) and not math.isfinite(value):

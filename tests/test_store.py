@@ -2,6 +2,7 @@ import pandas as pd
 import pytest
 
 import math
+from pathlib import Path
 import sqlite3
 import time
 
@@ -85,14 +86,22 @@ def test_implausible_telemetry_is_quarantined_not_stored(store):
     inf_step = record(record_id="rec-inf00001", step_time_s=math.inf, peak_allocated_bytes=10**9, **h100)
     oom = record(record_id="rec-oom00001", peak_allocated_bytes=81 * 10**9, oom=True, **h100)
     fake = record(record_id="rec-fake0001", peak_allocated_bytes=1 << 35)  # fake tracker: no real device
-    rep = store.add([huge, inf_step, oom, fake])
+    params = record(record_id="rec-parm0001", total_params=10**12, trainable_params=10**12)  # 4 layers of width 64
+    rep = store.add([huge, inf_step, oom, fake, params])
     assert rep.stored == ["rec-oom00001", "rec-fake0001"]
-    assert [q["index"] for q in rep.quarantined] == [0, 1]
+    assert [q["index"] for q in rep.quarantined] == [0, 1, 4]
+    assert "total_params=1000000000000 disagrees with the shapes (between 131072 and" in rep.quarantined[2]["reason"]
     assert "exceeds device_memory_bytes=80000000000 without oom" in rep.quarantined[0]["reason"]
     assert "step_time_s=inf is not a finite number" in rep.quarantined[1]["reason"]
     training_ids = set(store.dataframe()["record_id"])  # what the retraining job reads
     assert training_ids == {"rec-oom00001", "rec-fake0001"}
-    assert [q["record_id"] for q in store.quarantined()] == ["rec-huge0001", "rec-inf00001"]
+    assert [q["record_id"] for q in store.quarantined()] == ["rec-huge0001", "rec-inf00001", "rec-parm0001"]
+
+
+def test_shipped_telemetry_is_all_plausible(store):
+    shipped = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
+    rep = store.import_file(shipped)
+    assert len(rep.stored) == len(pd.read_parquet(shipped)) > 5000 and not rep.quarantined and not rep.rejected
 
 
 # -- issue 10, fault 5: a locked database answers StoreBusy within the busy timeout, not after 30 s -------
