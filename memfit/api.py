@@ -104,6 +104,8 @@ class TrainingIn(_In):
     attention: Attention = Attention.SDPA
     finetune: FineTune = FineTune.FULL
     lora_rank: StrictInt | None = Field(None, ge=1, le=4096)
+    lora_target_modules: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        None, max_length=64, description="LoRA-adapted linear layers (PEFT names); default: PEFT's for the family")
     trainable_params: StrictInt | None = Field(None, ge=0, le=MAX_PARAMS, description="LoRA/frozen: trainable count")
     frozen_layers: StrictInt = Field(0, ge=0, le=MAX_LAYERS)
     checkpoint_impl: CheckpointImpl = CheckpointImpl.NON_REENTRANT

@@ -422,17 +422,19 @@ class CurveEstimator:
                 pred[i], upper[i], path[i] = c.points[k].predicted_bytes, c.points[k].upper_bytes, c.path
         return pred, upper, path
 
-    def fit(self, X: pd.DataFrame, y, groups=None) -> "CurveEstimator":
+    def fit(self, X: pd.DataFrame, y, groups=None, provisional=None) -> "CurveEstimator":
+        """Fit the provisional estimator (or take ``provisional``, already fitted) and calibrate the margins."""
         from sklearn.model_selection import GroupShuffleSplit
 
         from model.curve import DEFAULT_MARGINS, PROVISIONAL, TRACED
 
         y = np.asarray(y, dtype="float64")
         groups = np.asarray(groups) if groups is not None else group_labels(X)
-        self.provisional_ = None
+        self.provisional_ = provisional
         margins = dict(DEFAULT_MARGINS)
-        if self.force_path != "traced" and self.make_provisional is not None:
+        if provisional is None and self.force_path != "traced" and self.make_provisional is not None:
             self.provisional_ = self.make_provisional().fit(X, y, groups=groups)
+        if self.provisional_ is not None:
             margins[PROVISIONAL] = float(np.expm1(self.provisional_.conformal_log_margin_))
         # traced margin: conformal quantile of relative residuals on held-out architectures
         split = GroupShuffleSplit(n_splits=1, test_size=0.3, random_state=self.random_state)
@@ -474,3 +476,17 @@ def saving_errors(df: pd.DataFrame, pred) -> np.ndarray:
             continue
         out.append(abs(float(lo["_pred"].iloc[0] - hi["_pred"].iloc[0]) - true) / true)
     return np.asarray(out)
+
+
+def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
+    """``traced`` where the row's configuration has traced terms in ``terms``, else ``provisional``."""
+    from model.terms import not_traceable_reason, terms_key
+
+    cols = [c for c in FAMILY_COLUMNS if c in df.columns]
+    d = df.reset_index(drop=True)
+    out = np.full(len(d), "provisional", dtype=object)
+    for _key, g in d.groupby(cols, dropna=False, sort=False):
+        spec, training, hf = row_configuration(g.iloc[0].to_dict())
+        if hf is not None and not_traceable_reason(spec, training) is None and terms.get(terms_key(hf, training)):
+            out[g.index] = "traced"
+    return out

@@ -144,12 +144,19 @@ def warm_up() -> int:
     return n
 
 
-def lora_trainable_params(spec: ModelSpec, rank: int) -> int:
-    """Trainable parameters of LoRA on the query and value projections (PEFT's default targets for
-    Llama-style models): ``rank × (in + out)`` per adapted matrix (Hu et al. 2021, arXiv 2106.09685, Sec. 4)."""
-    d = spec.head_dim or spec.hidden_size // spec.num_attention_heads
-    q_out, v_out = spec.num_attention_heads * d, spec.num_key_value_heads * d
-    return spec.num_layers * rank * ((spec.hidden_size + q_out) + (spec.hidden_size + v_out))
+def lora_trainable_params(spec: ModelSpec, rank: int, target_modules: list[str] | None = None) -> int:
+    """Trainable parameters of LoRA: ``rank × (in + out)`` per adapted matrix per layer (Hu et al. 2021,
+    arXiv 2106.09685, Sec. 4). ``target_modules`` are PEFT names of Llama-style projections; None means
+    PEFT's default for Llama-style models, the query and value projections. Unknown names count as a
+    hidden × hidden matrix.
+    """
+    h, f = spec.hidden_size, spec.intermediate_size
+    d = spec.head_dim or h // spec.num_attention_heads
+    q_out, kv_out = spec.num_attention_heads * d, spec.num_key_value_heads * d
+    dims = {"q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out), "o_proj": (q_out, h),
+            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+    targets = target_modules or ["q_proj", "v_proj"]
+    return spec.num_layers * rank * sum(sum(dims.get(t, (h, h))) for t in targets)
 
 
 def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[TrainingConfig, ModelSpec]:
@@ -171,7 +178,7 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[Tra
     trainable = t.trainable_params
     if trainable is None:
         if t.finetune is FineTune.LORA:
-            trainable = lora_trainable_params(spec, t.lora_rank or 8)
+            trainable = lora_trainable_params(spec, t.lora_rank or 8, t.lora_target_modules)
         elif t.finetune is FineTune.FROZEN:
             trainable = spec.total_params * (spec.num_layers - t.frozen_layers) // spec.num_layers
         else:

@@ -41,7 +41,7 @@ def _config(entry: dict, mb: int, seq: int):
         t.pop("data_parallel_size")
     training = TrainingConfig(micro_batch_size=mb, seq_len=seq, **{k: v for k, v in t.items() if v is not None})
     if training.finetune is FineTune.LORA:
-        extra = lora_trainable_params(spec, training.lora_rank)
+        extra = lora_trainable_params(spec, training.lora_rank, training.lora_target_modules)
         spec = spec.model_copy(update={"total_params": spec.total_params + extra, "trainable_params": extra})
     return spec, training, catalog.get(name)["hf_config"]
 

@@ -69,6 +69,28 @@ def test_composed_peak_equals_full_measurement(name, fields):
             assert curve.phase[k] in PEAK_PHASES
 
 
+def test_sliding_window_regimes_compose_on_both_sides():
+    # Mistral: from seq_len = sliding_window on, transformers builds a (b, 1, s, s) mask for SDPA; below it none.
+    # The two regimes are traced apart and the curve picks by sequence length.
+    from model.curve import MemoryPredictor
+    from model.terms import TermsCache, terms_key
+
+    cfg = small_width("mistral-7b-v0.1", sliding_window=1024)
+    training = TrainingConfig(micro_batch_size=1, seq_len=128, precision="bf16")
+    terms = trace_terms(cfg, training)
+    assert terms.long_min_seq_len == 1024 and max(s for _, s in terms.points) < 1024
+    cache = TermsCache(shipped_dir=None)
+    cache.put(terms_key(cfg, training), terms.to_json())
+    spec = catalog.spec(cfg)
+    for b, s in [(2, 1000), (1, 1024), (1, 3000)]:
+        t = training.model_copy(update={"micro_batch_size": b, "seq_len": s})
+        measured = [r.measurement.peak_allocated_bytes for r in measure_family(cfg, t, [[], [0, 1, 2, 3]], prime=True,
+                                                                               steps=1)]
+        c = MemoryPredictor(None, cache).curve(spec, t, cfg)
+        for k, m in zip((0, L), measured):
+            assert abs(c.points[k].predicted_bytes - m) / m < 2e-3, (b, s, k)
+
+
 def test_composition_reads_phases_not_one_total():
     # A 4-layer curve whose small models peak in bwd.head but whose full model peaks in the optimizer
     # step at k = L: composing the total alone would miss the phase change.

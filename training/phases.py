@@ -55,16 +55,37 @@ def basis(micro_batch_size: int | np.ndarray, seq_len: int | np.ndarray) -> np.n
     return np.stack(np.broadcast_arrays(np.ones_like(b * s), b * s, s, b * s * s, s * s), axis=-1)
 
 
-def token_points(hf_config: dict[str, Any]) -> list[tuple[int, int]]:
+def sliding_window_threshold(hf_config: dict[str, Any]) -> int | None:
+    """Sequence length from which HF builds an explicit sliding-window mask for SDPA (None: never).
+
+    Mistral-style configs set ``sliding_window``; below it the window covers the whole sequence and
+    transformers skips the mask (plain causal attention), from it on a ``(b, 1, s, s)`` mask exists.
+    """
+    w = hf_config.get("sliding_window")
+    if not isinstance(w, int) or isinstance(w, bool) or w <= 0 or hf_config.get("use_sliding_window") is False:
+        return None
+    cap = max_seq_len(hf_config)
+    return None if cap is not None and w > cap else w
+
+
+def token_points(hf_config: dict[str, Any], long: bool = False) -> list[tuple[int, int]]:
     """Five (micro_batch_size, seq_len) points that determine the :func:`basis` coefficients exactly.
 
     Three sequence lengths at b = 2 fix the constant, (2·b·s + s) and (2·b·s² + s²); two points at b = 4
     separate b·s from s and b·s² from s². Micro-batches of 1 are avoided: some reshapes are views there
     and copies otherwise, which would change the step's allocation sequence. Lengths stay within a
-    learned position table.
+    learned position table, and on one side of a sliding window (:func:`sliding_window_threshold`):
+    below it by default, from it on with ``long=True``.
     """
     cap = max_seq_len(hf_config) or 4096
     s1 = min(cap, 4096)
+    w = sliding_window_threshold(hf_config)
+    if w is not None and long:
+        s2 = 1 << (w - 1).bit_length()  # the power of two >= w
+        return [(2, 2 * s2), (2, s2), (2, 3 * s2 // 2), (4, s2), (4, 2 * s2)] if s2 > w else \
+            [(2, 2 * w), (2, w), (2, 3 * w // 2), (4, w), (4, 2 * w)]
+    if w is not None and s1 >= w:
+        s1 = 1 << ((w - 1).bit_length() - 1)  # the largest power of two < w
     s2, s3 = s1 // 4, s1 // 2
     return [(2, s1), (2, s2), (2, s3), (4, s2), (4, s1)]
 
@@ -114,7 +135,9 @@ class PhaseTerms:
     ``max(basis(b, s) @ piece for piece in pieces)``.
     ``trace_s`` is the wall time the traces took. With layers of several types in a repeating pattern
     of ``period`` layers (sliding-window / full attention), the "one and two layer" models hold one and
-    two whole patterns, and :func:`model.compose.compose` divides their difference by ``period``.
+    two whole patterns, and :func:`model.compose.compose` divides their difference by ``period``. With a
+    sliding window, ``coef`` holds for sequences shorter than ``long_min_seq_len`` and ``long_coef`` from
+    it on (the mask exists only there).
     """
 
     coef: dict[tuple[int, int], dict[str, list[list[float]]]]
@@ -122,17 +145,25 @@ class PhaseTerms:
     attention: str
     trace_s: float = 0.0
     period: int = 1
+    long_coef: dict[tuple[int, int], dict[str, list[list[float]]]] | None = None
+    long_min_seq_len: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"coef": {f"{n},{c}": v for (n, c), v in self.coef.items()}, "points": self.points,
                 "attention": self.attention, "trace_s": round(self.trace_s, 3), "basis": list(BASIS_NAMES),
-                "period": self.period}
+                "period": self.period,
+                "long": None if self.long_coef is None else {
+                    "min_seq_len": self.long_min_seq_len,
+                    "coef": {f"{n},{c}": v for (n, c), v in self.long_coef.items()}}}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PhaseTerms:
         coef = {tuple(int(x) for x in key.split(",")): v for key, v in d["coef"].items()}
+        long = d.get("long")
+        long_coef = None if not long else {tuple(int(x) for x in k.split(",")): v for k, v in long["coef"].items()}
         return cls(coef=coef, points=[tuple(p) for p in d["points"]], attention=d["attention"],
-                   trace_s=d.get("trace_s", 0.0), period=d.get("period", 1))
+                   trace_s=d.get("trace_s", 0.0), period=d.get("period", 1), long_coef=long_coef,
+                   long_min_seq_len=long["min_seq_len"] if long else None)
 
 
 def _first_tensor(x):
@@ -206,10 +237,11 @@ def _traced_step(run, opt, ids) -> list[tuple[str, int]]:
     return timeline
 
 
-def _pruning_grid(hf_config: dict[str, Any]) -> np.ndarray:
-    """(b, s) points on which the upper envelope of a phase's events is kept, shape (n, 5) in the basis."""
-    cap = max_seq_len(hf_config) or MAX_TRACED_SEQ_LEN
-    seqs = sorted({min(cap, int(s)) for s in np.geomspace(16, MAX_TRACED_SEQ_LEN, 43)})
+def _pruning_grid(hf_config: dict[str, Any], lo: int = 16, hi: int | None = None) -> np.ndarray:
+    """(b, s) points, ``lo <= s <= hi``, on which the upper envelope of a phase's events is kept, shape
+    (n, 5) in the basis."""
+    hi = min(hi or MAX_TRACED_SEQ_LEN, max_seq_len(hf_config) or MAX_TRACED_SEQ_LEN)
+    seqs = sorted({lo, hi, *(int(s) for s in np.geomspace(lo, hi, 43))})
     bs = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256]
     b, s = np.meshgrid(np.array(bs, float), np.array(seqs, float))
     return basis(b.ravel(), s.ravel())
@@ -259,12 +291,14 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
         RuntimeError: a phase boundary could not be found in the model's forward.
     """
     t0 = time.perf_counter()
-    points = points or token_points(hf_config)
+    w = None if points else sliding_window_threshold(hf_config)
+    regimes = [(points or token_points(hf_config), _pruning_grid(hf_config, hi=(w - 1) if w else None))]
+    if w is not None:
+        regimes.append((token_points(hf_config, long=True), _pruning_grid(hf_config, lo=w)))
     reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
-    grid = _pruning_grid(hf_config)
-    coef: dict[tuple[int, int], dict[str, list[list[float]]]] = {}
+    coefs: list[dict[tuple[int, int], dict[str, list[list[float]]]]] = [{} for _ in regimes]
     attention = training.attention.value
-    probe = training.model_copy(update={"micro_batch_size": 1, "seq_len": min(p[1] for p in points),
+    probe = training.model_copy(update={"micro_batch_size": 1, "seq_len": min(p[1] for p in regimes[0][0]),
                                         "checkpoint_layers": []})
     period = layer_period(hf_config)
     for n in (1, 2):
@@ -275,12 +309,13 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
             for c in (0, n):
                 apply_activation_checkpointing(run.model, list(range(c * period)), layers=run.layers,
                                                use_reentrant=reentrant)
-                timelines = []
-                for b, s in points:
-                    ids = run.input_ids(b, s)
-                    timelines.append(_traced_step(run, opt, ids))
-                    del ids
-                coef[(n, c)] = envelope_pieces(timelines, points, grid)
+                for (pts, grid), coef in zip(regimes, coefs):
+                    timelines = []
+                    for b, s in pts:
+                        ids = run.input_ids(b, s)
+                        timelines.append(_traced_step(run, opt, ids))
+                        del ids
+                    coef[(n, c)] = envelope_pieces(timelines, pts, grid)
             del opt
-    return PhaseTerms(coef=coef, points=points, attention=attention, trace_s=time.perf_counter() - t0,
-                      period=period)
+    return PhaseTerms(coef=coefs[0], points=regimes[0][0], attention=attention, trace_s=time.perf_counter() - t0,
+                      period=period, long_coef=coefs[1] if w is not None else None, long_min_seq_len=w)

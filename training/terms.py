@@ -47,9 +47,17 @@ def jobs_from_telemetry(path: str | Path) -> list[tuple[str, TrainingConfig]]:
     return out
 
 
+#: configurations of the public reports the tests pose (tests/test_cases.py), traced ahead like the catalog
+PUBLIC_CASE_JOBS = [
+    ("llama-2-7b", TrainingConfig(micro_batch_size=2, seq_len=512, precision=Precision.BF16,
+                                  sharding="fsdp_full_shard", data_parallel_size=4)),
+]
+
+
 def default_jobs() -> list[tuple[str, TrainingConfig]]:
-    """Every catalog architecture (MoE excluded) under :data:`DEFAULT_SETTINGS`, full fine-tune."""
-    out = []
+    """Every catalog architecture (MoE excluded) under :data:`DEFAULT_SETTINGS`, full fine-tune, and
+    :data:`PUBLIC_CASE_JOBS`."""
+    out = list(PUBLIC_CASE_JOBS)
     for name in catalog.names():
         if catalog.spec(name).num_experts is not None:
             continue
