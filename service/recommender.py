@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from functools import lru_cache
 from typing import Any
 
@@ -20,7 +22,7 @@ from memfit.api import (
 )
 from memfit.errors import InvalidConfiguration, UnknownArchitecture
 from memfit.schema import FineTune, ModelSpec, Sharding, TrainingConfig
-from model.curve import Curve, MemoryPredictor
+from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.estimator import PeakMemoryRegressor
 from model.overhead import OverheadModel
 from model.recommend import Plan, plan
@@ -197,6 +199,38 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[Tra
                                    message=f"training: {e['msg']}") from err
 
 
+class CurveCache:
+    """Memoises :meth:`model.curve.MemoryPredictor.curve` for one model version (same signature).
+
+    A curve is a pure function of the model version, the traced terms and the configuration, so
+    repeated configurations (the same job launched again, ``/recommend``'s alternatives) are answered
+    from here. A cached provisional curve is recomputed once its configuration's traced terms arrive.
+    Least recently used entries go first beyond ``maxsize``.
+    """
+
+    def __init__(self, predictor: MemoryPredictor, maxsize: int = 2048) -> None:
+        self.predictor, self.maxsize = predictor, maxsize
+        self._curves: OrderedDict[tuple[str, str, str], Curve] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None) -> Curve:
+        key = (model.model_dump_json(), training.model_dump_json(exclude={"checkpoint_layers"}),
+               json.dumps(hf_config, sort_keys=True))
+        with self._lock:
+            hit = self._curves.get(key)
+            if hit is not None:
+                self._curves.move_to_end(key)
+        if hit is not None and not (hit.path == PROVISIONAL and hit.terms_key is not None
+                                    and self.predictor.terms.get(hit.terms_key) is not None):
+            return hit
+        c = self.predictor.curve(model, training, hf_config)
+        with self._lock:
+            self._curves[key] = c
+            while len(self._curves) > self.maxsize:
+                self._curves.popitem(last=False)
+        return c
+
+
 class Recommender:
     """Holds one model version and answers requests."""
 
@@ -207,10 +241,11 @@ class Recommender:
         self.overhead = overhead or OverheadModel()
         self.range = telemetry_range or {}
         self.predictor = MemoryPredictor(est, terms, margins, tracer)
+        self.curves = CurveCache(self.predictor)
 
     def _plan(self, spec: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any], req: RecommendRequest,
               gpu_count: int) -> Plan:
-        return plan(self.predictor, spec, training, hf_config=hf_config, capacity_bytes=req.cluster.memory_bytes,
+        return plan(self.curves, spec, training, hf_config=hf_config, capacity_bytes=req.cluster.memory_bytes,
                     headroom_fraction=req.headroom_fraction, device_name=req.cluster.gpu, gpu_count=gpu_count,
                     overhead_model=self.overhead, layout=req.layout)
 
@@ -227,7 +262,7 @@ class Recommender:
                architecture_fallback: str | None = None) -> tuple[Curve, ModelSpec, TrainingConfig, list[str]]:
         spec, cfg, warnings = resolve_model(model, architecture_fallback)
         training, spec = training_config(training_in, spec, gpu_count)
-        return self.predictor.curve(spec, training, cfg), spec, training, warnings
+        return self.curves.curve(spec, training, cfg), spec, training, warnings
 
     def predict(self, item: PredictItem, index: int = 0) -> Prediction:
         """One ``/predict`` item: the curve's point at ``item.k`` (the same curve ``/recommend`` uses).
