@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from functools import lru_cache
 from typing import Any
@@ -204,28 +205,36 @@ class CurveCache:
 
     A curve is a pure function of the model version, the traced terms and the configuration, so
     repeated configurations (the same job launched again, ``/recommend``'s alternatives) are answered
-    from here. A cached provisional curve is recomputed once its configuration's traced terms arrive.
-    Least recently used entries go first beyond ``maxsize``.
+    from here. A cached provisional curve is recomputed once its configuration's traced terms arrive
+    (looked for at most every ``recheck_s`` seconds). Least recently used entries go first beyond
+    ``maxsize``.
     """
 
-    def __init__(self, predictor: MemoryPredictor, maxsize: int = 2048) -> None:
-        self.predictor, self.maxsize = predictor, maxsize
-        self._curves: OrderedDict[tuple[str, str, str], Curve] = OrderedDict()
+    def __init__(self, predictor: MemoryPredictor, maxsize: int = 2048, recheck_s: float = 1.0) -> None:
+        self.predictor, self.maxsize, self.recheck_s = predictor, maxsize, recheck_s
+        self._curves: OrderedDict[tuple[str, str, str], tuple[Curve, float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None) -> Curve:
         key = (model.model_dump_json(), training.model_dump_json(exclude={"checkpoint_layers"}),
                json.dumps(hf_config, sort_keys=True))
+        now = time.monotonic()
         with self._lock:
             hit = self._curves.get(key)
             if hit is not None:
                 self._curves.move_to_end(key)
-        if hit is not None and not (hit.path == PROVISIONAL and hit.terms_key is not None
-                                    and self.predictor.terms.get(hit.terms_key) is not None):
-            return hit
+        if hit is not None:
+            c, checked = hit
+            stale = (c.path == PROVISIONAL and c.terms_key is not None and now - checked > self.recheck_s
+                     and self.predictor.terms.get(c.terms_key) is not None)
+            if not stale:
+                if c.path == PROVISIONAL and now - checked > self.recheck_s:
+                    with self._lock:
+                        self._curves[key] = (c, now)
+                return c
         c = self.predictor.curve(model, training, hf_config)
         with self._lock:
-            self._curves[key] = c
+            self._curves[key] = (c, now)
             while len(self._curves) > self.maxsize:
                 self._curves.popitem(last=False)
         return c
