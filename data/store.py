@@ -22,10 +22,11 @@ import json
 import math
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import sqlalchemy as sa
 from pydantic import ValidationError
@@ -240,7 +241,7 @@ class TelemetryStore:
             if fresh:
                 conn.execute(self.table.insert(), fresh)
             if held:
-                now = datetime.now(timezone.utc)
+                now = datetime.now(UTC)
                 conn.execute(self.quarantine.insert(), [
                     {"record_id": rec.record_id, "received_at": now, "reason": why,
                      "record_json": rec.model_dump_json()} for _i, rec, why in held])

@@ -6,6 +6,8 @@ exists, the allowed range, so every answer to bad input names both.
 
 from __future__ import annotations
 
+import math
+
 
 class MemfitError(Exception):
     """Base of memfit's domain exceptions."""
@@ -20,14 +22,14 @@ class InvalidConfiguration(MemfitError, ValueError):
 
     def __init__(self, field: str, allowed: str, got: object = None, *, message: str | None = None) -> None:
         self.field, self.allowed = field, allowed
-        shown = repr(got) if not isinstance(got, float) or got == got else "NaN"
+        shown = "NaN" if isinstance(got, float) and math.isnan(got) else repr(got)
         self.message = message or f"{field}: must be {allowed}" + ("" if got is None else f", got {shown[:80]}")
         super().__init__(self.message)
 
     def __str__(self) -> str:
         return self.message
 
-    def within(self, prefix: str) -> "InvalidConfiguration":
+    def within(self, prefix: str) -> InvalidConfiguration:
         """The same error with ``prefix.`` in front of the field (e.g. ``model``)."""
         return type(self)(f"{prefix}.{self.field}", self.allowed,
                           message=f"{prefix}.{self.message}")

@@ -105,7 +105,7 @@ def _warm_up(done: threading.Event) -> None:
 
     try:
         log.info("warm-up: %d catalog architectures resolved", warm_up())
-    except Exception:  # noqa: BLE001 - warm-up only saves time; a failure must not stop serving
+    except Exception:
         log.exception("warm-up failed")
     finally:
         done.set()

@@ -65,7 +65,7 @@ class Settings(BaseSettings):
     warm_up: bool = True
 
     @model_validator(mode="after")
-    def _resolve(self) -> "Settings":
+    def _resolve(self) -> Settings:
         if self.db_url is None:
             self.db_url = f"sqlite:///{self.data_dir / 'telemetry.db'}"
         if self.registry_dir is None:

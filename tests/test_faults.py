@@ -83,7 +83,7 @@ def _leaves(value: bytes):
 
     def damage(b: bytes) -> bytes:
         return re.sub(rb"^leaf_value=(.*)$", lambda m: b"leaf_value=" + b" ".join(
-            same_length(t) for t in m.group(1).split(b" ")), b, flags=re.M)
+            same_length(t) for t in m.group(1).split(b" ")), b, flags=re.MULTILINE)
     return damage
 
 
@@ -114,8 +114,8 @@ def test_damaged_model_is_refused_and_last_good_serves(srv, damage, kw, why):
     assert str(reg.root) not in json.dumps(ready)  # no server paths
     assert httpx.post(base + "/recommend", json=LLAMA8B, timeout=30).json()["model_version"] == good
     metrics = httpx.get(base + "/metrics").text
-    assert re.search(r"^memfit_model_load_failures_total [1-9]", metrics, re.M)
-    assert re.search(r"^memfit_model_refused 1\.0", metrics, re.M)
+    assert re.search(r"^memfit_model_load_failures_total [1-9]", metrics, re.MULTILINE)
+    assert re.search(r"^memfit_model_refused 1\.0", metrics, re.MULTILINE)
     (reg.root / "CURRENT").write_text(good + "\n")  # back to the good one for the next case
 
 

@@ -15,8 +15,8 @@ import pytest
 pgserver = pytest.importorskip("pgserver")
 pytest.importorskip("psycopg")
 
-from data.store import TelemetryStore  # noqa: E402
-from tests.helpers import record  # noqa: E402
+from data.store import TelemetryStore
+from tests.helpers import record
 
 ROOT = Path(__file__).resolve().parent.parent
 WRITER = """
