@@ -87,3 +87,19 @@ def test_curve_cache_reuses_curves_and_refreshes_a_provisional_one_once_traced()
     pred.terms["key"] = {"coef": []}  # the background trace landed
     assert cache.curve(spec, t, {"model_type": "gpt2"}).path == TRACED and pred.calls == 3
     assert cache.curve(spec, t, {"model_type": "gpt2"}).path == TRACED and pred.calls == 3
+
+
+def test_dependencies_can_be_swapped(client):
+    """Routes take the recommender from service.deps: a test (or a deployment) swaps it in one place."""
+    from memfit.errors import ModelUnavailable
+    from service.deps import get_recommender
+
+    def unavailable():
+        raise ModelUnavailable("swapped out for the test", retry_after_s=7)
+
+    client.app.dependency_overrides[get_recommender] = unavailable
+    r = client.post("/recommend", json={"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64},
+                                        "cluster": {"gpu": "T4"}})
+    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    assert r.headers["content-type"].startswith("application/problem+json") and "swapped out" in r.json()["detail"]
+    client.app.dependency_overrides.clear()
