@@ -18,7 +18,7 @@ from model.compose import PEAK_PHASES, compose
 from training.collect import measure_family
 from training.phases import PHASES, envelope_pieces, small_config, token_points, trace_terms
 
-L = 4
+L = 6
 
 
 def small_width(name: str, **over) -> dict:
@@ -59,7 +59,7 @@ def test_composed_peak_equals_full_measurement(name, fields):
         ks = [0, 1, L // 2, L]
         measured = [r.measurement.peak_allocated_bytes
                     for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)]
-        curve = compose(terms.coef, L, b, s, terms.period)
+        curve = compose(terms.coef, L, b, s, terms.depths)
         for k, m in zip(ks, measured):
             got = int(curve.peak_bytes[k])
             if terms.period == 1:  # layers alike: exact up to 512-byte rounding of tensors not traced
