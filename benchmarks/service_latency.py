@@ -2,14 +2,18 @@
 
 Starts the real service (uvicorn, one process) on 127.0.0.1 with the given registry, then:
 
+0. the first request with a HF config after start-up (warm-up finished): a catalog architecture's
+   config, and a never-seen one (the predictor's provisional answer);
 1. ``/recommend`` with the full curve for an 80-layer model (Llama-3-70B on 64 × H100-80GB, ZeRO-3):
-   p50 / p99 latency and requests per second at a given concurrency;
+   p50 / p99 latency and requests per second at each given concurrency (default 1 and 16);
 2. the trivial endpoint ``/v2/health/live`` on the same server, same load: the ratio of the two RPS;
+   (repeated configurations come from the service's curve cache; a last run with 60 distinct
+   configurations measures the uncached cost);
 3. a fake-tensor traced measurement of the same configuration (one k), to show the speed-up;
 4. a mixed load: good and bad /recommend requests and /telemetry posts, counting 5xx and checking
    that every posted telemetry row landed (store count before/after).
 
-    python -m benchmarks.service_latency --requests 400 --concurrency 8
+    python -m benchmarks.service_latency --requests 400 --concurrency 1 16
 
 Prints one JSON object with all figures.
 """
@@ -71,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.service_latency", description=__doc__.split("\n\n")[0])
     p.add_argument("--registry", help="model registry (default data/models)")
     p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--skip-trace", action="store_true", help="skip the fake-tensor trace comparison")
+    p.add_argument("--wait-traced-s", type=float, default=300,
+                   help="wait this long for the server's background trace of the benchmark configuration")
     a = p.parse_args(argv)
 
     from data.store import TelemetryStore
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
     db = f"sqlite:///{tmp / 'bench.db'}"
     port = _port()
-    env = {**os.environ, "MEMFIT_PORT": str(port), "MEMFIT_DB_URL": db}
+    env = {**os.environ, "MEMFIT_PORT": str(port), "MEMFIT_DB_URL": db, "MEMFIT_HOST": "127.0.0.1"}
     if a.registry:
         env["MEMFIT_REGISTRY_DIR"] = a.registry
     proc = subprocess.Popen([sys.executable, "-m", "service"], env=env, stdout=subprocess.DEVNULL,
@@ -95,15 +101,35 @@ def main(argv: list[str] | None = None) -> int:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        httpx.post(base + "/recommend", json=BODY).raise_for_status()  # warm
-        out: dict = {"concurrency": a.concurrency, "requests": a.requests}
-        lat, codes, wall = asyncio.run(_load(base, lambda i: ("POST", "/recommend", {"json": BODY}),
-                                             a.requests, a.concurrency))
-        out["recommend_80_layers"] = {**_stats(lat, wall), "non_200": sum(c != 200 for c in codes)}
-        lat, codes, wall = asyncio.run(_load(base, lambda i: ("GET", "/v2/health/live", {}), a.requests,
-                                             a.concurrency))
-        out["trivial_endpoint"] = _stats(lat, wall)
-        out["rps_ratio_recommend_vs_trivial"] = round(out["recommend_80_layers"]["rps"] / out["trivial_endpoint"]["rps"], 3)
+        for _ in range(600):  # start-up work (imports, catalog configs) done in the background first
+            if httpx.get(base + "/v2/health/ready", timeout=5).json().get("details", {}).get("warmed_up"):
+                break
+            time.sleep(0.2)
+        out: dict = {"requests": a.requests}
+        from data import catalog
+
+        def first(cfg: dict) -> dict:
+            body = {**BODY, "model": cfg, "cluster": {"gpu": "H100-80GB", "gpu_count": 8}}
+            t0 = time.perf_counter()
+            r = httpx.post(base + "/recommend", json=body, timeout=60)
+            return {"ms": round((time.perf_counter() - t0) * 1000, 1), "status": r.status_code,
+                    "path": r.json().get("path")}
+
+        known = catalog.get("qwen2.5-7b")["hf_config"]
+        out["first_hf_config_catalog_architecture"] = first(known)
+        out["first_hf_config_never_seen"] = first({**known, "vocab_size": 151_000, "num_hidden_layers": 30})
+        deadline = time.time() + a.wait_traced_s  # steady state: the background trace of BODY finished
+        while httpx.post(base + "/recommend", json=BODY).json()["path"] != "traced" and time.time() < deadline:
+            time.sleep(1)
+        for c in a.concurrency:
+            lat, codes, wall = asyncio.run(_load(base, lambda i: ("POST", "/recommend", {"json": BODY}),
+                                                 a.requests, c))
+            rec = {**_stats(lat, wall), "non_200": sum(x != 200 for x in codes)}
+            lat, codes, wall = asyncio.run(_load(base, lambda i: ("GET", "/v2/health/live", {}), a.requests, c))
+            trivial = _stats(lat, wall)
+            out[f"concurrency_{c}"] = {"recommend_80_layers": rec, "trivial_endpoint": trivial,
+                                       "rps_ratio_recommend_vs_trivial": round(rec["rps"] / trivial["rps"], 3)}
+        out["recommend_path"] = httpx.post(base + "/recommend", json=BODY).json()["path"]
 
         store = TelemetryStore(db)
         before = store.count()
@@ -120,11 +146,16 @@ def main(argv: list[str] | None = None) -> int:
                 return "POST", "/recommend", {"content": b"{broken", "headers": {"content-type": "application/json"}}
             return "POST", "/recommend", {"json": BODY}
 
-        lat, codes, wall = asyncio.run(_load(base, mixed, a.requests, a.concurrency))
+        lat, codes, wall = asyncio.run(_load(base, mixed, a.requests, max(a.concurrency)))
         after = store.count()
         out["mixed_load"] = {**_stats(lat, wall), "5xx": sum(c >= 500 for c in codes),
                              "4xx": sum(400 <= c < 500 for c in codes), "telemetry_posted": len(posted),
                              "telemetry_rows_added": after - before, "lost_rows": len(posted) - (after - before)}
+        # every request a configuration not seen before: no curve cache hit (last: it queues background traces)
+        lat, codes, wall = asyncio.run(_load(base, lambda i: ("POST", "/recommend", {"json": {
+            **BODY, "training": {**BODY["training"], "seq_len": 4096 + 8 * (i + 1)}}}), 60, 1))
+        out["recommend_80_layers_distinct_configs_c1"] = {**_stats(lat, wall),
+                                                          "non_200": sum(x != 200 for x in codes)}
         out["server_alive_after"] = httpx.get(base + "/v2/health/live").status_code == 200
         if not a.skip_trace:
             from data import catalog
@@ -137,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                     steps=1)
             trace_s = time.perf_counter() - t0
             out["fake_tensor_trace_one_k_s"] = round(trace_s, 2)
-            p50 = out["recommend_80_layers"]["p50_ms"] / 1000
+            p50 = out[f"concurrency_{a.concurrency[0]}"]["recommend_80_layers"]["p50_ms"] / 1000
             out["speedup_vs_trace_one_k"] = round(trace_s / p50)
             out["speedup_vs_trace_full_curve"] = round(81 * trace_s / p50)
         print(json.dumps(out, indent=1))

@@ -12,6 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from memfit.errors import UnknownModel
 from memfit.schema import ModelSpec
 
 ARCH_DIR = Path(__file__).parent / "architectures"
@@ -44,7 +45,7 @@ def get(name: str) -> dict[str, Any]:
     """Catalog entry for a name or alias (case-insensitive).
 
     Raises:
-        KeyError: unknown name; the message lists close matches.
+        memfit.errors.UnknownModel: unknown name (a ``KeyError``); the message lists close matches.
     """
     cat = load_catalog()
     k = _norm(name)
@@ -52,7 +53,8 @@ def get(name: str) -> dict[str, Any]:
         import difflib
 
         close = difflib.get_close_matches(k, list(cat), n=5)
-        raise KeyError(f"unknown model {name!r}; close matches: {close or 'none'}; see data/architectures/")
+        raise UnknownModel("model", "a catalog name or a HF config.json object", message=(
+            f"model: unknown model {name!r}; close matches: {close or 'none'}; see data/architectures/"))
     return cat[k]
 
 

@@ -1,28 +1,38 @@
 """Telemetry store: SQLAlchemy over SQLite (WAL) by default; any SQLAlchemy URL works.
 
-One table, ``telemetry``, one row per :class:`memfit.schema.TelemetryRecord`; its columns are
-generated from the schema (:data:`memfit.schema.ROW_FIELDS`), so there is one definition.
+Table ``telemetry`` holds one row per :class:`memfit.schema.TelemetryRecord`; its columns are
+generated from the schema (:data:`memfit.schema.ROW_FIELDS`), so there is one definition. The
+retraining job reads only this table.
 
 Ingestion is idempotent on ``record_id`` and never overwrites: a record whose id is already stored
-with the same content is reported as a duplicate; with different content it is rejected as a
-conflict. Invalid rows are rejected with pydantic's reason. Nothing is dropped silently:
-:class:`IngestReport` lists every input by index.
+with the same content is reported as a duplicate. Records that are valid but implausible
+(:func:`implausibility`: a CUDA peak above the device's memory without an OOM, non-finite numbers)
+and records whose id is stored with different content go to table ``telemetry_quarantine`` with
+the reason and the full record as JSON: kept, never trained on. Invalid rows are rejected with
+pydantic's reason. Nothing is dropped silently: :class:`IngestReport` lists every input by index.
+
+A locked SQLite database waits at most ``busy_timeout_s`` (default 2 s), then
+:class:`memfit.errors.StoreBusy` is raised, so a write storm cannot hold requests for 30 s.
 """
 
 from __future__ import annotations
 
 import enum
+import json
+import math
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import sqlalchemy as sa
 from pydantic import ValidationError
 
-from memfit.schema import ROW_FIELDS, TelemetryRecord
+from memfit.errors import StoreBusy
+from memfit.schema import ROW_FIELDS, Method, TelemetryRecord
 
 DEFAULT_DB = Path(__file__).parent / "telemetry.db"
 DEFAULT_URL = f"sqlite:///{DEFAULT_DB}"
@@ -59,6 +69,66 @@ def _table(metadata: sa.MetaData) -> sa.Table:
     return table
 
 
+def _quarantine_table(metadata: sa.MetaData) -> sa.Table:
+    return sa.Table(
+        "telemetry_quarantine", metadata,
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("record_id", sa.String(64), nullable=False, index=True),
+        sa.Column("received_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("reason", sa.Text, nullable=False),
+        sa.Column("record_json", sa.Text, nullable=False),
+    )
+
+
+def parameter_bounds(rec: TelemetryRecord) -> tuple[int, int]:
+    """Loose bounds on ``total_params`` from the shapes: ``(lower, upper)``.
+
+    A decoder layer holds at least the attention projections (q and o: ``h × heads × d`` each; k and
+    v: ``h × kv × d`` each) and a two-matrix MLP (``2 h f`` per expert), the model at least one
+    ``V × h`` embedding; at most a gated three-matrix MLP, norms and biases (``8 h``), untied input
+    and output embeddings, 4096 learned positions, and LoRA adapters of the given rank on seven
+    projections. The shipped catalog's counts fall within 0.94-1.01 of these; plausibility allows 2x.
+    """
+    m, t = rec.model, rec.training
+    d = m.head_dim or m.hidden_size // m.num_attention_heads
+    h, f, experts = m.hidden_size, m.intermediate_size, m.num_experts or 1
+    attn = 2 * h * m.num_attention_heads * d + 2 * h * m.num_key_value_heads * d
+    lower = m.num_layers * (attn + 2 * h * f * experts) + m.vocab_size * h
+    upper = m.num_layers * (attn + 3 * h * f * experts + 8 * h) + 2 * m.vocab_size * h + 4096 * h
+    upper += m.num_layers * (t.lora_rank or 0) * 7 * 2 * (h + f)
+    return lower, upper
+
+
+def implausibility(rec: TelemetryRecord) -> str | None:
+    """Why a schema-valid record cannot be a real measurement, or None when it is plausible.
+
+    * a ``cuda`` peak (allocated or reserved) above the device's memory without ``oom`` (the CUDA
+      allocator cannot hand out more than the device holds; the fake tracker can, so it is exempt);
+    * a ``cuda`` reserved peak below the allocated peak (the caching allocator reserves what it allocates);
+    * a non-finite number anywhere (``step_time_s`` of Infinity, NaN);
+    * a parameter count more than 2x outside :func:`parameter_bounds` of the shapes.
+    """
+    m, dev = rec.measurement, rec.cluster.device_memory_bytes
+    lower, upper = parameter_bounds(rec)
+    if not lower / 2 <= rec.model.total_params <= 2 * upper:
+        return (f"total_params={rec.model.total_params} disagrees with the shapes (between {lower} and {upper} "
+                "expected, 2x allowed)")
+    for part in (rec.model, rec.training, rec.cluster, m):
+        for name, value in part:
+            if isinstance(value, float) and not math.isfinite(value):
+                return f"{name}={value} is not a finite number"
+    if m.method is Method.CUDA and not m.oom:
+        for name in ("peak_allocated_bytes", "peak_reserved_bytes"):
+            value = getattr(m, name)
+            if value is not None and value > dev:
+                return (f"{name}={value} exceeds device_memory_bytes={dev} without oom: "
+                        "a CUDA peak cannot exceed the device")
+        if m.peak_reserved_bytes is not None and m.peak_reserved_bytes < m.peak_allocated_bytes:
+            return (f"peak_reserved_bytes={m.peak_reserved_bytes} is below peak_allocated_bytes="
+                    f"{m.peak_allocated_bytes}: the caching allocator reserves at least what it allocates")
+    return None
+
+
 @dataclass
 class IngestReport:
     """Outcome of :meth:`TelemetryStore.add`: every input index lands in exactly one list."""
@@ -66,10 +136,11 @@ class IngestReport:
     stored: list[str] = field(default_factory=list)
     duplicates: list[str] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)  # {"index", "record_id", "reason"}
+    quarantined: list[dict[str, Any]] = field(default_factory=list)  # {"index", "record_id", "reason"}
 
     @property
     def total(self) -> int:
-        return len(self.stored) + len(self.duplicates) + len(self.rejected)
+        return len(self.stored) + len(self.duplicates) + len(self.rejected) + len(self.quarantined)
 
 
 class TelemetryStore:
@@ -77,24 +148,58 @@ class TelemetryStore:
 
     Args:
         url: SQLAlchemy URL; default ``sqlite:///data/telemetry.db``. SQLite gets WAL journaling.
+        busy_timeout_s: how long a write waits for a locked SQLite database before
+            :class:`memfit.errors.StoreBusy`.
+
+    Raises:
+        OSError / sqlalchemy.exc.OperationalError: the database cannot be created or opened for writing.
     """
 
-    def __init__(self, url: str | None = None) -> None:
+    def __init__(self, url: str | None = None, *, busy_timeout_s: float = 2.0) -> None:
         self.url = url or DEFAULT_URL
+        self.busy_timeout_s = busy_timeout_s
         if self.url.startswith("sqlite:///") and self.url != "sqlite:///:memory:":
             Path(self.url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         self.engine = sa.create_engine(self.url)
         if self.engine.dialect.name == "sqlite":
-            sa.event.listen(self.engine, "connect", _sqlite_pragmas)
+            ms = int(busy_timeout_s * 1000)
+            sa.event.listen(self.engine, "connect", lambda conn, _rec: _sqlite_pragmas(conn, ms))
         self.metadata = sa.MetaData()
         self.table = _table(self.metadata)
-        self.metadata.create_all(self.engine)
+        self.quarantine = _quarantine_table(self.metadata)
+        for attempt in range(3):  # replicas starting together race to create the tables: the loser retries
+            try:
+                with _busy(busy_timeout_s):
+                    self.metadata.create_all(self.engine)
+                break
+            except (sa.exc.IntegrityError, sa.exc.ProgrammingError):
+                if attempt == 2:
+                    raise
 
     def add(self, records: Iterable[TelemetryRecord | dict[str, Any]]) -> IngestReport:
-        """Validate and insert records (objects, nested dicts or flat rows) in one transaction."""
+        """Validate and insert records (objects, nested dicts or flat rows) in one transaction.
+
+        Concurrent writers (several service processes on one PostgreSQL database) may insert the same
+        new ``record_id`` at once; the loser's transaction is rolled back and run again, and then sees
+        the winner's row (a duplicate, or a conflict for the quarantine). Nothing is lost or doubled.
+
+        Raises:
+            memfit.errors.StoreBusy: the database stayed locked for ``busy_timeout_s``; nothing was written.
+        """
+        records = list(records)
+        for attempt in range(5):
+            try:
+                return self._add(records)
+            except sa.exc.IntegrityError:
+                if attempt == 4:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _add(self, records: list[TelemetryRecord | dict[str, Any]]) -> IngestReport:
         report = IngestReport()
         rows: list[dict[str, Any]] = []
-        batch_ids: dict[str, str] = {}
+        held: list[tuple[int, TelemetryRecord, str]] = []  # (index, record, reason) for the quarantine
+        batch: dict[str, tuple[str, TelemetryRecord]] = {}
         for index, item in enumerate(records):
             try:
                 rec = item if isinstance(item, TelemetryRecord) else _parse(item)
@@ -102,13 +207,20 @@ class TelemetryStore:
                 rid = item.get("record_id") if isinstance(item, dict) else None
                 report.rejected.append({"index": index, "record_id": rid, "reason": _reason(err)})
                 continue
-            h = rec.content_hash()
-            if rec.record_id in batch_ids:
-                _classify(report, index, rec.record_id, batch_ids[rec.record_id] == h)
+            why = implausibility(rec)
+            if why is not None:
+                held.append((index, rec, why))
                 continue
-            batch_ids[rec.record_id] = h
+            h = rec.content_hash()
+            if rec.record_id in batch:
+                if batch[rec.record_id][0] == h:
+                    report.duplicates.append(rec.record_id)
+                else:
+                    held.append((index, rec, CONFLICT))
+                continue
+            batch[rec.record_id] = (h, rec)
             rows.append({**rec.to_row(), "content_hash": h, "_index": index})
-        with self.engine.begin() as conn:
+        with _busy(self.busy_timeout_s), self.engine.begin() as conn:
             existing: dict[str, str] = {}
             ids = [r["record_id"] for r in rows]
             for chunk in range(0, len(ids), 500):
@@ -118,14 +230,31 @@ class TelemetryStore:
             fresh = []
             for r in rows:
                 index = r.pop("_index")
-                if r["record_id"] in existing:
-                    _classify(report, index, r["record_id"], existing[r["record_id"]] == r["content_hash"])
-                else:
+                rid = r["record_id"]
+                if rid not in existing:
                     fresh.append(r)
-                    report.stored.append(r["record_id"])
+                    report.stored.append(rid)
+                elif existing[rid] == r["content_hash"]:
+                    report.duplicates.append(rid)
+                else:
+                    held.append((index, batch[rid][1], CONFLICT))
             if fresh:
                 conn.execute(self.table.insert(), fresh)
+            if held:
+                now = datetime.now(UTC)
+                conn.execute(self.quarantine.insert(), [
+                    {"record_id": rec.record_id, "received_at": now, "reason": why,
+                     "record_json": rec.model_dump_json()} for _i, rec, why in held])
+        report.quarantined = [{"index": i, "record_id": rec.record_id, "reason": why}
+                              for i, rec, why in sorted(held, key=lambda h: h[0])]
         return report
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        """Quarantined records: ``{record_id, received_at, reason, record}`` (record as a dict)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(self.quarantine).order_by(self.quarantine.c.id)).mappings().all()
+        return [{"record_id": r["record_id"], "received_at": r["received_at"], "reason": r["reason"],
+                 "record": json.loads(r["record_json"])} for r in rows]
 
     def count(self) -> int:
         with self.engine.connect() as conn:
@@ -196,17 +325,28 @@ def _reason(err: Exception) -> str:
     return str(err)
 
 
-def _classify(report: IngestReport, index: int, rid: str, same: bool) -> None:
-    if same:
-        report.duplicates.append(rid)
-    else:
-        report.rejected.append({"index": index, "record_id": rid,
-                                "reason": "record_id exists with different content (records are never overwritten)"})
+CONFLICT = "record_id exists with different content (records are never overwritten)"
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:
+class _busy:
+    """Turn SQLite's "database is locked" (after the busy timeout) into :class:`StoreBusy`."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, _tb) -> bool:
+        if isinstance(err, sa.exc.OperationalError) and "locked" in str(err.orig).lower():
+            raise StoreBusy(f"the telemetry store stayed locked for {self.timeout_s:g} s; retry later",
+                            retry_after_s=max(1, round(self.timeout_s))) from err
+        return False
+
+
+def _sqlite_pragmas(dbapi_conn, busy_timeout_ms: int) -> None:
     cur = dbapi_conn.cursor()
+    cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
-    cur.execute("PRAGMA busy_timeout=30000")
     cur.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Self
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
 from memfit.schema import (
     MAX_DEVICE_MEMORY_BYTES, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WORLD, Attention, CheckpointImpl,
@@ -50,22 +50,26 @@ def gpu_memory_bytes(name: str) -> int:
     raise ValueError(f"unknown gpu {name!r}; known: {sorted(GPUS)} (or give gpu_memory_bytes / gpu_memory_gib)")
 
 
+#: integers in requests are strict: JSON ``true``, ``4.0`` and ``"4"`` are refused, not read as 1 or 4
+StrictInt = Annotated[int, Strict()]
+
+
 class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ArchitectureIn(_In):
     """Explicit architecture (when the model is neither a catalog name nor a HF config)."""
 
     architecture: str = Field("llama", min_length=1, max_length=64, description="HF model_type")
-    num_layers: int = Field(ge=1, le=MAX_LAYERS)
-    hidden_size: int = Field(ge=1, le=MAX_HIDDEN)
-    num_attention_heads: int = Field(ge=1, le=4096)
-    num_key_value_heads: int | None = Field(None, ge=1, le=4096)
-    intermediate_size: int = Field(ge=1, le=MAX_HIDDEN * 8)
-    vocab_size: int = Field(ge=1, le=MAX_VOCAB)
+    num_layers: StrictInt = Field(ge=1, le=MAX_LAYERS)
+    hidden_size: StrictInt = Field(ge=1, le=MAX_HIDDEN)
+    num_attention_heads: StrictInt = Field(ge=1, le=4096)
+    num_key_value_heads: StrictInt | None = Field(None, ge=1, le=4096)
+    intermediate_size: StrictInt = Field(ge=1, le=MAX_HIDDEN * 8)
+    vocab_size: StrictInt = Field(ge=1, le=MAX_VOCAB)
     tie_word_embeddings: bool = False
-    total_params: int | None = Field(None, ge=1, le=MAX_PARAMS, description="counted from the shapes if omitted")
+    total_params: StrictInt | None = Field(None, ge=1, le=MAX_PARAMS, description="counted from the shapes if omitted")
 
     def hf_config(self) -> dict[str, Any]:
         return {"model_type": self.architecture, "num_hidden_layers": self.num_layers, "hidden_size": self.hidden_size,
@@ -89,29 +93,29 @@ ModelIn = Annotated[str | ArchitectureIn | dict[str, Any], BeforeValidator(_coer
 class TrainingIn(_In):
     """Training configuration without k (memfit chooses k)."""
 
-    micro_batch_size: int = Field(ge=1, le=1 << 14)
-    seq_len: int = Field(ge=1, le=1 << 22)
+    micro_batch_size: StrictInt = Field(ge=1, le=1 << 14)
+    seq_len: StrictInt = Field(ge=1, le=1 << 22)
     precision: Precision = Precision.AMP_BF16
     optimizer: Optimizer = Optimizer.ADAMW_FOREACH
     sharding: Sharding = Sharding.NONE
-    data_parallel_size: int | None = Field(None, ge=1, le=MAX_WORLD, description="default: gpu_count / (tp * pp)")
-    tensor_parallel_size: int = Field(1, ge=1, le=1024)
-    pipeline_parallel_size: int = Field(1, ge=1, le=1024)
+    data_parallel_size: StrictInt | None = Field(None, ge=1, le=MAX_WORLD, description="default: gpu_count / (tp * pp)")
+    tensor_parallel_size: StrictInt = Field(1, ge=1, le=1024)
+    pipeline_parallel_size: StrictInt = Field(1, ge=1, le=1024)
     attention: Attention = Attention.SDPA
     finetune: FineTune = FineTune.FULL
-    lora_rank: int | None = Field(None, ge=1, le=4096)
+    lora_rank: StrictInt | None = Field(None, ge=1, le=4096)
     lora_target_modules: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
         None, max_length=64, description="LoRA-adapted linear layers (PEFT names); default: PEFT's for the family")
-    trainable_params: int | None = Field(None, ge=0, le=MAX_PARAMS, description="LoRA/frozen: trainable count")
-    frozen_layers: int = Field(0, ge=0, le=MAX_LAYERS)
+    trainable_params: StrictInt | None = Field(None, ge=0, le=MAX_PARAMS, description="LoRA/frozen: trainable count")
+    frozen_layers: StrictInt = Field(0, ge=0, le=MAX_LAYERS)
     checkpoint_impl: CheckpointImpl = CheckpointImpl.NON_REENTRANT
 
 
 class ClusterIn(_In):
     gpu: str | None = Field(None, description=f"known GPU name: {', '.join(GPUS)}")
-    gpu_memory_bytes: int | None = Field(None, ge=1 << 20, le=MAX_DEVICE_MEMORY_BYTES)
+    gpu_memory_bytes: StrictInt | None = Field(None, ge=1 << 20, le=MAX_DEVICE_MEMORY_BYTES)
     gpu_memory_gib: float | None = Field(None, gt=0, le=MAX_DEVICE_MEMORY_BYTES / GIB)
-    gpu_count: int = Field(1, ge=1, le=MAX_WORLD)
+    gpu_count: StrictInt = Field(1, ge=1, le=MAX_WORLD)
 
     @model_validator(mode="after")
     def _one_size(self) -> Self:
@@ -140,6 +144,10 @@ class RecommendRequest(_In):
     cluster: ClusterIn
     headroom_fraction: float = Field(0.05, ge=0, le=0.9, description="share of device memory kept free")
     layout: str = Field("block", pattern="^(block|even)$", description="which layers: first k per stage, or spread")
+    architecture_fallback: str | None = Field(
+        None, min_length=1, max_length=64,
+        description="predict a model_type that memfit does not know as this known family (e.g. 'llama'); "
+                    "without it an unknown model_type is refused with 422. The answer then carries a warning")
 
 
 class CurvePointOut(BaseModel):
@@ -191,8 +199,10 @@ class PredictItem(_In):
 
     model: ModelIn
     training: TrainingIn
-    k: int = Field(ge=0, le=MAX_LAYERS, description="checkpointed layers (first k of each stage)")
+    k: StrictInt = Field(ge=0, le=MAX_LAYERS, description="checkpointed layers (first k of each stage)")
     cluster: ClusterIn | None = Field(None, description="for the overhead; none -> allocated bytes only")
+    architecture_fallback: str | None = Field(
+        None, min_length=1, max_length=64, description="as in RecommendRequest: family for an unknown model_type")
 
 
 class PredictRequest(_In):

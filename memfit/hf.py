@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from memfit.schema import ModelSpec
+from memfit.errors import InvalidConfiguration
+from memfit.schema import MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, ModelSpec
 
 # HF config key aliases across families -> our field name
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -25,45 +26,78 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _get(cfg: dict[str, Any], field: str) -> Any:
+_MAX = {"num_layers": MAX_LAYERS, "hidden_size": MAX_HIDDEN, "num_attention_heads": 4096,
+        "num_key_value_heads": 4096, "head_dim": 4096, "intermediate_size": MAX_HIDDEN * 8, "vocab_size": MAX_VOCAB,
+        "num_experts": 4096, "num_experts_per_token": 4096}
+#: ``torch_dtype`` / ``dtype`` values a config may carry (transformers' names)
+DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "float", "half", "double", "auto",
+                    "float8_e4m3fn", "float8_e5m2"})
+
+
+def _int(cfg: dict[str, Any], key: str, field: str, lo: int = 1) -> int:
+    """``cfg[key]`` as a strict integer in ``[lo, max]`` (JSON ``true``, ``4.5``, ``"4"`` and ``[4]`` are refused)."""
+    value = cfg[key]
+    if type(value) is not int or not lo <= value <= _MAX[field]:
+        raise InvalidConfiguration(key, f"an integer in [{lo}, {_MAX[field]}]", value)
+    return value
+
+
+def _get(cfg: dict[str, Any], field: str) -> int | None:
     for key in _ALIASES[field]:
         if cfg.get(key) is not None:
-            return cfg[key]
+            return _int(cfg, key, field)
     return None
 
 
 def spec_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Architecture fields of :class:`ModelSpec` from a HF ``config.json`` dict (parameter counts excluded).
 
+    Every value read must be a strict integer (booleans, fractions and strings are refused) inside
+    :class:`ModelSpec`'s range; ``torch_dtype``/``dtype``, when present, one of :data:`DTYPES`.
+
     Raises:
-        ValueError: when a required field (``model_type``, layers, hidden size, heads, vocab) is missing.
+        InvalidConfiguration: a missing or invalid field; ``field`` is the config key.
     """
-    if not isinstance(cfg, dict) or not cfg.get("model_type"):
-        raise ValueError("hf_config must be a config.json dict with a 'model_type'")
-    out: dict[str, Any] = {"architecture": str(cfg["model_type"])}
+    if not isinstance(cfg, dict):
+        raise InvalidConfiguration("hf_config", "a config.json object with a 'model_type'", type(cfg).__name__)
+    mt = cfg.get("model_type")
+    if not isinstance(mt, str) or not 1 <= len(mt) <= 64:
+        raise InvalidConfiguration("model_type", "a string of 1 to 64 characters (HF model_type)", mt)
+    for key in ("torch_dtype", "dtype"):
+        if cfg.get(key) is not None and (not isinstance(cfg[key], str) or cfg[key] not in DTYPES):
+            raise InvalidConfiguration(key, f"one of {sorted(DTYPES)}", cfg[key])
+    out: dict[str, Any] = {"architecture": mt}
     for field in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
         value = _get(cfg, field)
         if value is None:
-            raise ValueError(f"hf_config lacks {field} (one of {list(_ALIASES[field])})")
-        out[field] = int(value)
+            key, allowed = _ALIASES[field][0], f"an integer in [1, {_MAX[field]}]"
+            raise InvalidConfiguration(key, allowed, message=f"{key}: missing; give {allowed} under one of "
+                                                             f"the keys {list(_ALIASES[field])}")
+        out[field] = value
     heads = out["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads")
-    if kv is None and cfg.get("multi_query"):  # Falcon
+    kv = None
+    if cfg.get("num_key_value_heads") is not None:
+        kv = _int(cfg, "num_key_value_heads", "num_key_value_heads")
+    elif cfg.get("multi_query"):  # Falcon
         kv = 1
-    if kv is None and cfg.get("num_kv_heads") is not None and cfg.get("new_decoder_architecture"):
-        kv = cfg["num_kv_heads"]
-    out["num_key_value_heads"] = int(kv or heads)
+    elif cfg.get("num_kv_heads") is not None and cfg.get("new_decoder_architecture"):
+        kv = _int(cfg, "num_kv_heads", "num_key_value_heads")
+    out["num_key_value_heads"] = kv or heads
     ffn = _get(cfg, "intermediate_size")
-    out["intermediate_size"] = int(ffn or 4 * out["hidden_size"])  # GPT-2/GPT-J/Falcon/BLOOM: 4h when unset
-    head_dim = cfg.get("head_dim")
-    if head_dim and int(head_dim) * heads != out["hidden_size"]:
-        out["head_dim"] = int(head_dim)
+    out["intermediate_size"] = ffn or 4 * out["hidden_size"]  # GPT-2/GPT-J/Falcon/BLOOM: 4h when unset
+    if cfg.get("head_dim") is not None:
+        head_dim = _int(cfg, "head_dim", "head_dim")
+        if head_dim * heads != out["hidden_size"]:
+            out["head_dim"] = head_dim
     tie = cfg.get("tie_word_embeddings")
-    out["tie_word_embeddings"] = bool(True if tie is None else tie)  # HF PretrainedConfig default is True
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
-    if experts:
-        out["num_experts"] = int(experts)
-        out["num_experts_per_token"] = int(cfg.get("num_experts_per_tok") or 1)
+    if tie is not None and not isinstance(tie, bool):
+        raise InvalidConfiguration("tie_word_embeddings", "true or false", tie)
+    out["tie_word_embeddings"] = True if tie is None else tie  # HF PretrainedConfig default is True
+    key = "num_local_experts" if cfg.get("num_local_experts") else "num_experts" if cfg.get("num_experts") else None
+    if key is not None:
+        out["num_experts"] = _int(cfg, key, "num_experts")
+        out["num_experts_per_token"] = (_int(cfg, "num_experts_per_tok", "num_experts_per_token")
+                                        if cfg.get("num_experts_per_tok") is not None else 1)
     return out
 
 

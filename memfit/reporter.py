@@ -246,12 +246,26 @@ def report_peak(client_or_url: Client | str, model: Any, plan: Any, *, request: 
         return ReportResult("error", None, f"{type(err).__name__}: {err}")
 
 
+def quarantine_path(spool_path: str | Path | None = None) -> Path:
+    """Where unsendable spool lines go: ``<spool>.quarantine`` (JSONL, one ``{reason, line}`` per line)."""
+    p = Path(spool_path) if spool_path is not None else default_spool_path()
+    return p.with_suffix(p.suffix + ".quarantine")
+
+
+def _quarantine(spool_path: Path, items: list[tuple[str, str]]) -> None:
+    with quarantine_path(spool_path).open("a", encoding="utf-8") as f:
+        for reason, line in items:
+            f.write(json.dumps({"reason": reason, "line": line}) + "\n")
+
+
 def flush_spool(client_or_url: Client | str, spool_path: str | Path | None = None, *, token: str | None = None,
                 batch: int = 500) -> int:
     """Send spooled records; returns how many the service took (stored or duplicate). Never raises.
 
-    The spool is moved aside first, so records appended meanwhile are kept; records still
-    unsendable (service down) go back to the spool; records the service rejects are dropped (logged).
+    The spool is moved aside first, so records appended meanwhile are kept. Each line is read on its
+    own: a torn or malformed line (a crash mid-write) and records the service rejects go to
+    :func:`quarantine_path` with the reason, and never block the good records. Records still
+    unsendable (service down) go back to the spool. Nothing is lost.
     """
     p = Path(spool_path) if spool_path is not None else default_spool_path()
     work = p.with_suffix(p.suffix + ".flushing")
@@ -259,42 +273,58 @@ def flush_spool(client_or_url: Client | str, spool_path: str | Path | None = Non
         if p.exists():
             if work.exists():  # a previous flush was interrupted: merge
                 with work.open("a", encoding="utf-8") as f:
-                    f.write(p.read_text(encoding="utf-8"))
+                    f.write(p.read_text(encoding="utf-8", errors="replace"))
                 p.unlink()
             else:
                 p.rename(work)
         if not work.exists():
             return 0
-        lines = [ln for ln in work.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        lines = [ln for ln in work.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
     except OSError as err:
         _log_once("flush-io", "memfit: cannot read the spool %s: %s", p, err)
         return 0
+    records, held = [], []
+    for ln in lines:
+        try:
+            rec = json.loads(ln)
+        except ValueError as err:
+            held.append((f"not JSON (torn write?): {err}", ln))
+            continue
+        if isinstance(rec, dict):
+            records.append((ln, rec))
+        else:
+            held.append((f"not a record object: {type(rec).__name__}", ln))
     client = _client(client_or_url, token)
     sent, keep = 0, []
-    for start in range(0, len(lines), batch):
-        chunk = lines[start:start + batch]
+    for start in range(0, len(records), batch):
+        chunk = records[start:start + batch]
         try:
-            ans = client.send_telemetry([json.loads(ln) for ln in chunk])
+            ans = client.send_telemetry([rec for _ln, rec in chunk])
         except (ServiceError, PermissionError) as err:
             log.info("memfit: spool flush stopped: %s", err)
-            keep.extend(lines[start:])
+            keep.extend(ln for ln, _rec in records[start:])
             break
-        except Exception as err:  # malformed spool line or anything else: keep the lines, stop
+        except Exception as err:  # anything else: keep the lines for the next flush, stop
             _log_once("flush-error", "memfit: spool flush failed: %s: %s", type(err).__name__, err)
-            keep.extend(lines[start:])
+            keep.extend(ln for ln, _rec in records[start:])
             break
         sent += len(ans.get("stored", [])) + len(ans.get("duplicates", []))
-        if ans.get("rejected"):
-            _log_once("flush-rejected", "memfit: the service rejected %d spooled record(s): %s",
-                      len(ans["rejected"]), ans["rejected"][:3])
+        for r in list(ans.get("rejected", [])) + list(ans.get("quarantined", [])):
+            i = r.get("index")
+            if isinstance(i, int) and 0 <= i < len(chunk):
+                held.append((f"service: {r.get('reason')}", chunk[i][0]))
     try:
+        if held:
+            _quarantine(p, held)
+            _log_once("flush-quarantined", "memfit: %d spooled line(s) could not be sent; kept in %s",
+                      len(held), quarantine_path(p))
         if keep:
             with p.open("a", encoding="utf-8") as f:
                 f.write("\n".join(keep) + "\n")
         work.unlink()
     except OSError as err:
         _log_once("flush-io", "memfit: cannot rewrite the spool %s: %s", p, err)
-    log.info("memfit: flushed %d spooled record(s), %d kept", sent, len(keep))
+    log.info("memfit: flushed %d spooled record(s), %d kept, %d quarantined", sent, len(keep), len(held))
     return sent
 
 

@@ -7,9 +7,19 @@ Layout::
                              training-data fingerprint, library versions, created_at
     <root>/CURRENT           the current version's name (replaced atomically); rollback = point it back
 
-Loading checks the artifact before it is served: feature names and order must equal this code's
-:data:`model.features.FEATURE_NAMES` and the model file must parse; otherwise
-:class:`IncompatibleArtifact` is raised and the caller keeps its last good model.
+Loading checks the artifact before it is served, so a damaged file can never take the process down:
+
+1. the SHA-256 of ``model.txt`` (``meta["artifact_sha256"]``, written at registration) must match the
+   bytes read, before LightGBM parses one of them;
+2. those bytes are parsed, and the canary configurations (:data:`CANARY`) predicted, in a child
+   process first: a parser crash (LightGBM segfaults on some truncated files) kills the child only;
+3. the canary predictions must reproduce the ones stored at registration (relative tolerance
+   :data:`CANARY_RTOL`) and never fall below the model-state floor (weights + gradients + optimizer
+   states, :func:`model.analytic.model_state_bytes`), which no real training step goes under;
+4. feature names and order must equal this code's :data:`model.features.FEATURE_NAMES`.
+
+Any failure raises :class:`IncompatibleArtifact`; the caller keeps serving its last good model.
+Versions registered before checksums existed (no ``artifact_sha256``) still go through steps 2-4.
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import hashlib
 import json
 import os
 import platform
+import subprocess
+import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,8 +40,19 @@ import lightgbm as lgb
 from model.estimator import PeakMemoryRegressor
 from model.features import FEATURE_NAMES
 
-DEFAULT_ROOT = Path(__file__).resolve().parent.parent / "data" / "models"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ROOT = REPO_ROOT / "data" / "models"
 FORMAT_VERSION = 1
+MODEL_FILE = "model.txt"
+#: Fixed canary configurations: (catalog model, micro_batch_size, seq_len, sharding, data_parallel_size).
+CANARY: tuple[tuple[str, int, int, str, int], ...] = (
+    ("llama-3-8b", 1, 2048, "none", 1),
+    ("gpt2", 4, 1024, "none", 1),
+    ("qwen2.5-0.5b", 2, 4096, "zero3", 8),
+)
+CANARY_RTOL = 1e-3
+#: seconds the child process may take to parse and run the canary
+CHILD_TIMEOUT_S = 120
 
 
 class IncompatibleArtifact(ValueError):
@@ -41,6 +64,102 @@ class LoadedModel:
     version: str
     estimator: PeakMemoryRegressor
     meta: dict[str, Any]
+    warnings: list[str]
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _estimator(booster: lgb.Booster, meta: dict[str, Any]) -> PeakMemoryRegressor:
+    est = PeakMemoryRegressor(**meta["params"])
+    est.booster_ = booster
+    est.conformal_log_margin_ = float(meta.get("conformal_log_margin", 0.0))
+    est.calibration_coverage_ = float(meta.get("calibration_coverage", 0.0))
+    est.n_calibration_ = int(meta.get("n_calibration", 0))
+    est.feature_names_in_ = list(FEATURE_NAMES)
+    est.n_features_in_ = len(FEATURE_NAMES)
+    return est
+
+
+def canary_predictions(est: PeakMemoryRegressor) -> dict[str, dict[str, int]]:
+    """The estimator's raw predicted peak bytes (before any floor or envelope a curve adds) at k = 0 and
+    k = L for each :data:`CANARY` configuration, with the model-state floor
+    (:func:`model.analytic.model_state_bytes`) of each.
+
+    Returns:
+        ``{"<model>/mb<m>/s<seq>/<sharding>/dp<n>": {"k0_bytes", "kall_bytes", "floor_bytes"}}``.
+    """
+    import numpy as np
+
+    from data import catalog
+    from memfit.schema import TrainingConfig
+    from model.analytic import model_state_bytes
+    from model.features import curve_matrix
+
+    out = {}
+    for name, mb, seq, sharding, dp in CANARY:
+        spec = catalog.spec(name)
+        training = TrainingConfig(micro_batch_size=mb, seq_len=seq, sharding=sharding, data_parallel_size=dp)
+        base, ratio = est.predict_matrix(curve_matrix(spec, training))
+        raw = np.exp(base + ratio)
+        out[f"{name}/mb{mb}/s{seq}/{sharding}/dp{dp}"] = {
+            "k0_bytes": int(raw[0]), "kall_bytes": int(raw[-1]),
+            "floor_bytes": int(model_state_bytes(spec, training).total_bytes)}
+    return out
+
+
+def check_canary(got: dict[str, dict[str, int]], stored: dict[str, dict[str, int]] | None) -> None:
+    """Raise :class:`IncompatibleArtifact` when a canary prediction is under its model-state floor or
+    differs from the stored one by more than :data:`CANARY_RTOL` (``stored=None``: floor only)."""
+    for key, g in got.items():
+        for k in ("k0_bytes", "kall_bytes"):
+            if g[k] < g["floor_bytes"]:
+                raise IncompatibleArtifact(f"canary {key}: {k}={g[k]} is below the model-state floor "
+                                           f"{g['floor_bytes']} (weights + gradients + optimizer states)")
+            if stored is not None:
+                want = (stored.get(key) or {}).get(k)
+                if want is None or abs(g[k] - want) > CANARY_RTOL * max(abs(want), 1):
+                    raise IncompatibleArtifact(f"canary {key}: {k}={g[k]} does not reproduce the stored {want} "
+                                               f"(relative tolerance {CANARY_RTOL})")
+
+
+def _parse_in_child(model_text: bytes, meta: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Parse ``model_text`` and run the canary in a child process; returns its canary predictions.
+
+    Raises:
+        IncompatibleArtifact: the child crashed (e.g. a LightGBM segfault), timed out or refused.
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    payload = json.dumps({"params": meta.get("params", {})}).encode() + b"\n" + model_text
+    try:
+        done = subprocess.run([sys.executable, "-m", "model.registry"], input=payload, capture_output=True,
+                              timeout=CHILD_TIMEOUT_S, env=env, cwd=str(REPO_ROOT))
+    except subprocess.TimeoutExpired as err:
+        raise IncompatibleArtifact(f"parsing took over {CHILD_TIMEOUT_S} s") from err
+    if done.returncode != 0:
+        why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+        last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+        raise IncompatibleArtifact(f"the model file does not parse ({why}) {last[0][:300]}".rstrip())
+    return json.loads(done.stdout)
+
+
+def _child_main() -> int:
+    """Child side of :func:`_parse_in_child`: stdin = JSON header line + model text; stdout = canary JSON."""
+    data = sys.stdin.buffer.read()
+    header, _, text = data.partition(b"\n")
+    meta = json.loads(header)
+    booster = lgb.Booster(model_str=text.decode())
+    if booster.feature_name() != FEATURE_NAMES:
+        print("feature list differs from this code's", file=sys.stderr)
+        return 2
+    print(json.dumps(canary_predictions(_estimator(booster, meta))))
+    return 0
+
+
+#: SHA-256 digests of model files this process has already validated in a child (parsing is
+#: deterministic: the same bytes need not be re-checked)
+_validated: dict[str, dict[str, dict[str, int]]] = {}
 
 
 def fingerprint(df) -> str:
@@ -89,7 +208,8 @@ class Registry:
             except FileExistsError:
                 continue
         tmp = self.root / name
-        est.booster_.save_model(str(tmp / "model.txt"))
+        est.booster_.save_model(str(tmp / MODEL_FILE))
+        digest = sha256_hex((tmp / MODEL_FILE).read_bytes())
         import sklearn
         import torch
 
@@ -104,6 +224,8 @@ class Registry:
             "n_calibration": est.n_calibration_,
             "metrics": metrics,
             "data_fingerprint": data_fingerprint,
+            "artifact_sha256": {MODEL_FILE: digest},
+            "canary": canary_predictions(est),
             "versions": {"lightgbm": lgb.__version__, "sklearn": sklearn.__version__, "torch": torch.__version__,
                          "python": platform.python_version()},
             **(extra or {}),
@@ -112,9 +234,14 @@ class Registry:
         return name
 
     def promote(self, version: str) -> None:
-        """Point ``CURRENT`` at ``version`` atomically (also how rollback is done)."""
+        """Point ``CURRENT`` at ``version`` atomically (also how rollback is done).
+
+        Raises:
+            ValueError: unknown version. IncompatibleArtifact: the version fails :meth:`load`'s checks.
+        """
         if version not in self.versions():
             raise ValueError(f"unknown model version {version!r}; registered: {self.versions()}")
+        self.load(version)
         tmp = self.root / ".CURRENT.tmp"
         tmp.write_text(version + "\n")
         os.replace(tmp, self.root / "CURRENT")
@@ -123,11 +250,12 @@ class Registry:
         return json.loads((self.root / version / "meta.json").read_text())
 
     def load(self, version: str | None = None) -> LoadedModel:
-        """Load a version (default: current) and check it can be served.
+        """Load a version (default: current) and check it can be served (see the module docstring).
 
         Raises:
             FileNotFoundError: no such version / no current model.
-            IncompatibleArtifact: unreadable, wrong format or different feature list.
+            IncompatibleArtifact: checksum mismatch, unparsable file (even one that crashes the
+                parser), canary not reproduced or under the model-state floor, other format or features.
         """
         version = version or self.current()
         if version is None:
@@ -135,20 +263,36 @@ class Registry:
         d = self.root / version
         try:
             meta = json.loads((d / "meta.json").read_text())
-            booster = lgb.Booster(model_file=str(d / "model.txt"))
+            text = (d / MODEL_FILE).read_bytes()
         except FileNotFoundError:
             raise
-        except Exception as err:  # lightgbm raises LightGBMError, json ValueError
-            raise IncompatibleArtifact(f"model {version}: unreadable ({type(err).__name__}: {err})") from err
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise IncompatibleArtifact(f"model {version}: format {meta.get('format_version')} != {FORMAT_VERSION}")
-        if meta.get("feature_names") != FEATURE_NAMES or booster.feature_name() != FEATURE_NAMES:
+        except (OSError, ValueError) as err:
+            raise IncompatibleArtifact(f"model {version}: unreadable ({type(err).__name__})") from err
+        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+            got = meta.get("format_version") if isinstance(meta, dict) else None
+            raise IncompatibleArtifact(f"model {version}: format {got} != {FORMAT_VERSION}")
+        if meta.get("feature_names") != FEATURE_NAMES:
             raise IncompatibleArtifact(f"model {version}: feature list differs from this code's")
-        est = PeakMemoryRegressor(**meta["params"])
-        est.booster_ = booster
-        est.conformal_log_margin_ = float(meta["conformal_log_margin"])
-        est.calibration_coverage_ = float(meta["calibration_coverage"])
-        est.n_calibration_ = int(meta["n_calibration"])
-        est.feature_names_in_ = list(FEATURE_NAMES)
-        est.n_features_in_ = len(FEATURE_NAMES)
-        return LoadedModel(version, est, meta)
+        warnings = []
+        digest = sha256_hex(text)
+        want = (meta.get("artifact_sha256") or {}).get(MODEL_FILE)
+        if want is None:
+            warnings.append(f"model {version} has no artifact checksum (registered before checksums)")
+        elif want != digest:
+            raise IncompatibleArtifact(f"model {version}: {MODEL_FILE} sha256 {digest[:12]}... does not match "
+                                       f"the registered {str(want)[:12]}... (file changed after registration)")
+        try:
+            if digest not in _validated:
+                _validated[digest] = _parse_in_child(text, meta)
+            check_canary(_validated[digest], meta.get("canary"))
+        except IncompatibleArtifact as err:
+            _validated.pop(digest, None)
+            raise IncompatibleArtifact(f"model {version}: {err}") from err
+        if meta.get("canary") is None:
+            warnings.append(f"model {version} has no stored canary; checked against the model-state floor only")
+        booster = lgb.Booster(model_str=text.decode())  # the same bytes parsed cleanly in the child
+        return LoadedModel(version, _estimator(booster, meta), meta, warnings)
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

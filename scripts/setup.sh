@@ -14,3 +14,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints-dev.txt
   python -m pip install --quiet -c constraints-dev.txt -e ".[dev]"
   touch "$stamp"
 fi
+# The editable install maps only the memfit package; the server parts (data, model, service, training)
+# run from this checkout, which this .pth file puts on the venv's path.
+site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ "$(cat "$site/memfit-checkout.pth" 2>/dev/null)" != "$PWD" ]; then
+  echo "$PWD" > "$site/memfit-checkout.pth"
+fi

@@ -1,17 +1,15 @@
-"""problem+json responses, and the ASGI middleware limiting request bodies (size, JSON content type)."""
+"""The ASGI middleware limiting request bodies (size, JSON content type) before any route reads them."""
 
 from __future__ import annotations
 
-from http import HTTPStatus
-from typing import Any
-
-from starlette.responses import JSONResponse
-
-PROBLEM = "application/problem+json"
+from service.errors import problem
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over ``max_body_bytes`` (413) and non-JSON bodies on POST (415), as problem+json.
+    """Refuse bodies over ``max_body_bytes`` (413) and bodies that are not declared JSON (415), as problem+json.
+
+    A body without a ``Content-Type`` is refused with 415 too (it would otherwise reach validation
+    as a confusing 422).
 
     The size check reads the declared Content-Length and also counts the bytes of a chunked body as
     they arrive, so an undeclared body cannot exceed the limit either.
@@ -29,8 +27,10 @@ class BodyLimitMiddleware:
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return await problem(413, f"body must be at most {self.max_body_bytes} bytes")(scope, receive, send)
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype and ctype != "application/json" and not ctype.endswith("+json"):
-            return await problem(415, f"content-type must be application/json, got {ctype!r}")(scope, receive, send)
+        has_body = length not in (None, "0") or "chunked" in headers.get("transfer-encoding", "")
+        if (ctype or has_body) and ctype != "application/json" and not ctype.endswith("+json"):
+            got = repr(ctype) if ctype else "no content-type"
+            return await problem(415, f"content-type must be application/json, got {got}")(scope, receive, send)
         seen = 0
         limit = self.max_body_bytes
         responded = False
@@ -54,8 +54,3 @@ class BodyLimitMiddleware:
 
         await self.app(scope, guarded_receive, guarded_send)
 
-
-def problem(status: int, detail: str, **extra: Any) -> JSONResponse:
-    """An ``application/problem+json`` response (RFC 9457)."""
-    return JSONResponse({"type": "about:blank", "title": HTTPStatus(status).phrase, "status": status,
-                         "detail": detail, **extra}, status_code=status, media_type=PROBLEM)

@@ -6,6 +6,8 @@ import logging
 import threading
 from pathlib import Path
 
+from prometheus_client import Counter, Gauge
+
 from model.overhead import OverheadModel
 from model.registry import IncompatibleArtifact, Registry
 from model.terms import TermsCache
@@ -14,13 +16,20 @@ from service.tracing import BackgroundTracer
 
 log = logging.getLogger("memfit.service")
 
+MODEL_LOAD_FAILURES = Counter("memfit_model_load_failures_total",
+                              "Model versions refused at load (checksum, parse, canary, format)")
+MODEL_REFUSED = Gauge("memfit_model_refused", "1 while the registry's current version is refused and an older "
+                                              "(or no) model keeps serving")
+MODEL_LOADED = Gauge("memfit_model_loaded", "1 while a model is serving")
+
 
 class ModelHolder:
     """Keeps the last good :class:`Recommender`; :meth:`refresh` follows the registry's ``CURRENT``.
 
     ``refresh`` is cheap when nothing changed (one ``stat``), so it runs before each request.
-    A version that fails to load is logged and remembered in ``last_error``; the previous model keeps
-    serving.
+    A version that fails :meth:`model.registry.Registry.load`'s checks is refused: logged, counted in
+    ``memfit_model_load_failures_total``, kept in ``last_error`` (shown by ``/v2/health/ready``), and
+    the previous model keeps serving.
     """
 
     def __init__(self, registry: Registry, overhead: OverheadModel | None = None, terms: TermsCache | None = None,
@@ -31,6 +40,7 @@ class ModelHolder:
         self.tracer = tracer
         self.recommender: Recommender | None = None
         self.last_error: str | None = None
+        self.warnings: list[str] = []
         self._seen: tuple[str | None, float] | None = None
         self._lock = threading.Lock()
 
@@ -38,7 +48,7 @@ class ModelHolder:
         f = Path(self.registry.root) / "CURRENT"
         try:
             return f.read_text().strip(), f.stat().st_mtime
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None, 0.0
 
     def refresh(self, force: bool = False) -> bool:
@@ -54,13 +64,27 @@ class ModelHolder:
             try:
                 loaded = self.registry.load(version)
             except (IncompatibleArtifact, FileNotFoundError, OSError) as err:
-                self.last_error = f"model {version} refused: {err}"
+                self.last_error = f"model {version} refused: {_no_paths(str(err), self.registry.root)}"
                 log.error(self.last_error)
+                MODEL_LOAD_FAILURES.inc()
+                MODEL_REFUSED.set(1)
                 return False
-            meta = loaded.meta
             self.recommender = Recommender(loaded.estimator, loaded.version, self.overhead,
-                                           meta.get("telemetry_range", {}), terms=self.terms,
-                                           margins=meta.get("bound_margins"), tracer=self.tracer)
-            self.last_error = None
+                                           loaded.meta.get("telemetry_range", {}), terms=self.terms,
+                                           margins=loaded.meta.get("bound_margins"), tracer=self.tracer)
+            self.last_error, self.warnings = None, loaded.warnings
+            MODEL_REFUSED.set(0)
+            MODEL_LOADED.set(1)
             log.info("serving model %s", loaded.version)
             return True
+
+    def status(self) -> dict[str, object]:
+        """What ``/v2/health/ready`` reports about the model."""
+        return {"serving": self.recommender.version if self.recommender else None,
+                "current": self._seen[0] if self._seen else None, "refused": self.last_error,
+                "warnings": self.warnings}
+
+
+def _no_paths(text: str, root: Path) -> str:
+    """Server paths do not leave the server: the registry root becomes ``<registry>``."""
+    return text.replace(str(Path(root).resolve()), "<registry>").replace(str(root), "<registry>")

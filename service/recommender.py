@@ -9,8 +9,14 @@ with the same predictor.
 from __future__ import annotations
 
 import json
+import re
+import threading
+import time
+from collections import OrderedDict
 from functools import lru_cache
 from typing import Any
+
+from pydantic import ValidationError
 
 from memfit.api import (
     Alternative,
@@ -22,40 +28,130 @@ from memfit.api import (
     RecommendRequest,
     TrainingIn,
 )
+from memfit.errors import InvalidConfiguration, UnknownArchitecture
 from memfit.schema import FineTune, ModelSpec, Sharding, TrainingConfig
-from model.curve import Curve, MemoryPredictor
+from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.estimator import PeakMemoryRegressor
 from model.overhead import OverheadModel
 from model.recommend import Plan, plan
 from model.terms import TermsCache
 
 
-def _counted_spec(cfg_json: str) -> ModelSpec:
+@lru_cache(maxsize=1)
+def known_architectures() -> frozenset[str]:
+    """``model_type`` values memfit can build: transformers' configuration registry plus the catalog's."""
     from data import catalog
 
-    return catalog.spec(json.loads(cfg_json))
+    names = {e["hf_config"]["model_type"] for e in catalog.load_catalog().values()}
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - the service installs transformers
+        return frozenset(names)
+    return frozenset(names | set(CONFIG_MAPPING_NAMES))
 
 
-_counted_spec_cached = lru_cache(maxsize=256)(_counted_spec)
+@lru_cache(maxsize=512)
+def _counted_spec(cfg_json: str) -> ModelSpec:
+    """Spec of a HF config with its parameters counted by a ``meta``-device build (cached by content)."""
+    from memfit.hf import model_spec
+
+    cfg = json.loads(cfg_json)
+    try:
+        return model_spec(cfg)
+    except InvalidConfiguration:
+        raise
+    except Exception as err:  # transformers refused the config: the user's input, not our bug
+        raise InvalidConfiguration("hf_config", "a config transformers can build", message=(
+            f"hf_config: transformers cannot build this {cfg.get('model_type')!r} config "
+            f"({type(err).__name__}: {_no_paths(str(err))[:300]})")) from err
 
 
-def resolve_model(model: str | dict[str, Any] | ArchitectureIn) -> tuple[ModelSpec, dict[str, Any]]:
-    """ModelSpec and HF config dict for a catalog name, a HF config dict or explicit fields.
+def _no_paths(text: str) -> str:
+    return re.sub(r"(?:[A-Za-z]:)?(?:/[\w.\-]+){2,}", "<path>", text)
+
+
+def _spec(fields: dict[str, Any], **counts: int) -> ModelSpec:
+    try:
+        return ModelSpec(**fields, **counts)
+    except ValidationError as err:
+        e = err.errors()[0]
+        field = ".".join(map(str, e["loc"])) or "hf_config"
+        raise InvalidConfiguration(field, "consistent shapes", message=f"{field}: {e['msg']}".replace(
+            "Value error, ", "")) from err
+
+
+def resolve_model(model: str | dict[str, Any] | ArchitectureIn,
+                  architecture_fallback: str | None = None) -> tuple[ModelSpec, dict[str, Any], list[str]]:
+    """ModelSpec, HF config dict and warnings for a catalog name, a HF config dict or explicit fields.
+
+    A ``model_type`` outside :func:`known_architectures` is refused unless ``architecture_fallback``
+    names a known family; then the model is predicted as that family and a warning says so.
+    Resolved HF configs are cached by content (the ``meta`` build that counts parameters runs once).
 
     Raises:
-        KeyError: unknown catalog name. ValueError: invalid architecture (names the field).
+        InvalidConfiguration (``UnknownModel``, ``UnknownArchitecture``): the field is relative to
+        the request's ``model`` (e.g. ``num_key_value_heads``), with the allowed range.
     """
     from data import catalog
-    from memfit.hf import spec_fields_from_hf_config
 
     if isinstance(model, str):
-        return catalog.spec(model), catalog.get(model)["hf_config"]
+        return catalog.spec(model), catalog.get(model)["hf_config"], []
+    try:
+        return _resolve_config(model, architecture_fallback)
+    except UnknownArchitecture as err:
+        raise err if err.field == "architecture_fallback" else err.within("model") from err
+    except InvalidConfiguration as err:
+        raise err.within("model") from err
+
+
+def _resolve_config(model: dict[str, Any] | ArchitectureIn,
+                    architecture_fallback: str | None) -> tuple[ModelSpec, dict[str, Any], list[str]]:
+    from memfit.hf import spec_fields_from_hf_config
+
     cfg = model.hf_config() if isinstance(model, ArchitectureIn) else model
     fields = spec_fields_from_hf_config(cfg)
-    ModelSpec(**fields, total_params=1, trainable_params=1)  # validate shapes before any build
+    warnings = []
+    arch = fields["architecture"]
+    if arch not in known_architectures():
+        if architecture_fallback is None:
+            raise UnknownArchitecture(
+                "model_type" if isinstance(model, dict) else "architecture",
+                "a model_type transformers knows (e.g. 'llama', 'mistral', 'gpt2'), or give "
+                "architecture_fallback to predict it as one of those", arch)
+        if architecture_fallback not in known_architectures():
+            raise UnknownArchitecture("architecture_fallback", "a model_type transformers knows (e.g. 'llama')",
+                                      architecture_fallback)
+        warnings.append(f"model_type {arch!r} is unknown: predicted as {architecture_fallback!r} "
+                        "(architecture_fallback) with the same layer count, widths, heads and vocabulary")
+        cfg = {**cfg, "model_type": architecture_fallback}
+        fields["architecture"] = architecture_fallback
+    _spec(fields, total_params=1, trainable_params=1)  # validate shapes before any build
     if isinstance(model, ArchitectureIn) and model.total_params is not None:
-        return ModelSpec(**fields, total_params=model.total_params, trainable_params=model.total_params), cfg
-    return _counted_spec_cached(json.dumps(cfg, sort_keys=True)), cfg
+        return _spec(fields, total_params=model.total_params, trainable_params=model.total_params), cfg, warnings
+    if warnings:  # an unknown family is counted and traced as the fallback family
+        cfg = {k: v for k, v in cfg.items() if k in _SHAPE_KEYS}
+    return _counted_spec(json.dumps(cfg, sort_keys=True)), cfg, warnings
+
+
+_SHAPE_KEYS = frozenset({"model_type", "num_hidden_layers", "n_layer", "num_layers", "n_layers", "hidden_size",
+                         "n_embd", "d_model", "num_attention_heads", "n_head", "num_heads", "intermediate_size",
+                         "n_inner", "ffn_dim", "ffn_hidden_size", "vocab_size", "num_key_value_heads",
+                         "head_dim", "tie_word_embeddings"})
+
+
+def warm_up() -> int:
+    """Import transformers and resolve every catalog HF config once (fills the caches); returns how many."""
+    from data import catalog
+
+    known_architectures()
+    n = 0
+    for name in catalog.names():
+        try:
+            resolve_model(catalog.get(name)["hf_config"])
+            n += 1
+        except InvalidConfiguration:
+            pass
+    return n
 
 
 def lora_trainable_params(spec: ModelSpec, rank: int, target_modules: list[str] | None = None) -> int:
@@ -74,13 +170,21 @@ def lora_trainable_params(spec: ModelSpec, rank: int, target_modules: list[str] 
 
 
 def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[TrainingConfig, ModelSpec]:
-    """Full TrainingConfig (k = 0) and the spec with the trainable count this fine-tune implies."""
+    """Full TrainingConfig (k = 0) and the spec with the trainable count this fine-tune implies.
+
+    Raises:
+        InvalidConfiguration: parallel sizes beyond the cluster, frozen layers beyond the model.
+    """
     dp = t.data_parallel_size or max(1, gpu_count // (t.tensor_parallel_size * t.pipeline_parallel_size))
-    if dp * t.tensor_parallel_size * t.pipeline_parallel_size > gpu_count:
-        raise ValueError(f"data*tensor*pipeline parallel size = {dp * t.tensor_parallel_size * t.pipeline_parallel_size}"
-                         f" exceeds cluster.gpu_count={gpu_count}")
+    world = dp * t.tensor_parallel_size * t.pipeline_parallel_size
+    if world > gpu_count:
+        raise InvalidConfiguration("training.data_parallel_size", f"such that data*tensor*pipeline parallel size "
+                                   f"<= cluster.gpu_count={gpu_count}", message=(
+                                       f"training: data*tensor*pipeline parallel size = {world} exceeds "
+                                       f"cluster.gpu_count={gpu_count}"))
     if t.frozen_layers > spec.num_layers:
-        raise ValueError(f"training.frozen_layers={t.frozen_layers} must be in [0, num_layers={spec.num_layers}]")
+        raise InvalidConfiguration("training.frozen_layers", f"an integer in [0, num_layers={spec.num_layers}]",
+                                   t.frozen_layers)
     trainable = t.trainable_params
     if trainable is None:
         if t.finetune is FineTune.LORA:
@@ -95,7 +199,52 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[Tra
     fields["data_parallel_size"] = dp
     if t.finetune is FineTune.LORA and fields["lora_rank"] is None:
         fields["lora_rank"] = 8
-    return TrainingConfig(**fields), spec
+    try:
+        return TrainingConfig(**fields), spec
+    except ValidationError as err:  # pragma: no cover - TrainingIn has the same ranges
+        e = err.errors()[0]
+        raise InvalidConfiguration(f"training.{'.'.join(map(str, e['loc']))}", "see the schema",
+                                   message=f"training: {e['msg']}") from err
+
+
+class CurveCache:
+    """Memoises :meth:`model.curve.MemoryPredictor.curve` for one model version (same signature).
+
+    A curve is a pure function of the model version, the traced terms and the configuration, so
+    repeated configurations (the same job launched again, ``/recommend``'s alternatives) are answered
+    from here. A cached provisional curve is recomputed once its configuration's traced terms arrive
+    (looked for at most every ``recheck_s`` seconds). Least recently used entries go first beyond
+    ``maxsize``.
+    """
+
+    def __init__(self, predictor: MemoryPredictor, maxsize: int = 2048, recheck_s: float = 1.0) -> None:
+        self.predictor, self.maxsize, self.recheck_s = predictor, maxsize, recheck_s
+        self._curves: OrderedDict[tuple[str, str, str], tuple[Curve, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None) -> Curve:
+        key = (model.model_dump_json(), training.model_dump_json(exclude={"checkpoint_layers"}),
+               json.dumps(hf_config, sort_keys=True))
+        now = time.monotonic()
+        with self._lock:
+            hit = self._curves.get(key)
+            if hit is not None:
+                self._curves.move_to_end(key)
+        if hit is not None:
+            c, checked = hit
+            stale = (c.path == PROVISIONAL and c.terms_key is not None and now - checked > self.recheck_s
+                     and self.predictor.terms.get(c.terms_key) is not None)
+            if not stale:
+                if c.path == PROVISIONAL and now - checked > self.recheck_s:
+                    with self._lock:
+                        self._curves[key] = (c, now)
+                return c
+        c = self.predictor.curve(model, training, hf_config)
+        with self._lock:
+            self._curves[key] = (c, now)
+            while len(self._curves) > self.maxsize:
+                self._curves.popitem(last=False)
+        return c
 
 
 class Recommender:
@@ -108,24 +257,42 @@ class Recommender:
         self.overhead = overhead or OverheadModel()
         self.range = telemetry_range or {}
         self.predictor = MemoryPredictor(est, terms, margins, tracer)
+        self.curves = CurveCache(self.predictor)
 
     def _plan(self, spec: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any], req: RecommendRequest,
               gpu_count: int) -> Plan:
-        return plan(self.predictor, spec, training, hf_config=hf_config, capacity_bytes=req.cluster.memory_bytes,
+        return plan(self.curves, spec, training, hf_config=hf_config, capacity_bytes=req.cluster.memory_bytes,
                     headroom_fraction=req.headroom_fraction, device_name=req.cluster.gpu, gpu_count=gpu_count,
                     overhead_model=self.overhead, layout=req.layout)
 
     def curve(self, model: Any, training_in: TrainingIn, gpu_count: int = 1) -> tuple[Curve, ModelSpec, TrainingConfig]:
-        """The one curve (:meth:`model.curve.MemoryPredictor.curve`) for a request's model and training."""
-        spec, cfg = resolve_model(model)
+        """The one curve (:meth:`model.curve.MemoryPredictor.curve`) for a request's model and training.
+
+        Raises:
+            InvalidConfiguration: the model or training is invalid (field named).
+        """
+        c, spec, training, _ = self._curve(model, training_in, gpu_count)
+        return c, spec, training
+
+    def _curve(self, model: Any, training_in: TrainingIn, gpu_count: int,
+               architecture_fallback: str | None = None) -> tuple[Curve, ModelSpec, TrainingConfig, list[str]]:
+        spec, cfg, warnings = resolve_model(model, architecture_fallback)
         training, spec = training_config(training_in, spec, gpu_count)
-        return self.predictor.curve(spec, training, cfg), spec, training
+        return self.curves.curve(spec, training, cfg), spec, training, warnings
 
     def predict(self, item: PredictItem, index: int = 0) -> Prediction:
-        """One ``/predict`` item: the curve's point at ``item.k`` (the same curve ``/recommend`` uses)."""
-        c, spec, _ = self.curve(item.model, item.training, item.cluster.gpu_count if item.cluster else 1)
-        if item.k > spec.num_layers:
-            raise ValueError(f"items.{index}.k={item.k} must be in [0, num_layers={spec.num_layers}]")
+        """One ``/predict`` item: the curve's point at ``item.k`` (the same curve ``/recommend`` uses).
+
+        Raises:
+            InvalidConfiguration: the item is invalid; the field starts with ``items.<index>``.
+        """
+        try:
+            c, spec, _, warnings = self._curve(item.model, item.training, item.cluster.gpu_count if item.cluster
+                                               else 1, item.architecture_fallback)
+            if item.k > spec.num_layers:
+                raise InvalidConfiguration("k", f"an integer in [0, num_layers={spec.num_layers}]", item.k)
+        except InvalidConfiguration as err:
+            raise err.within(f"items.{index}") from err
         p = c.points[item.k]
         total = None
         if item.cluster is not None:
@@ -133,14 +300,19 @@ class Recommender:
                                                            item.cluster.gpu_count).total_bytes
         return Prediction(predicted_peak_bytes=p.predicted_bytes, upper_bound_bytes=p.upper_bytes,
                           total_upper_bytes=total, breakdown=p.breakdown, num_layers=spec.num_layers, k=item.k,
-                          peak_phase=p.peak_phase, path=c.path, notes=c.notes)
+                          peak_phase=p.peak_phase, path=c.path, notes=[*warnings, *c.notes])
 
     def recommend(self, req: RecommendRequest) -> Recommendation:
-        spec, cfg = resolve_model(req.model)
+        """The answer to one request.
+
+        Raises:
+            InvalidConfiguration: the request describes no valid model or training (field named).
+        """
+        spec, cfg, warnings = resolve_model(req.model, req.architecture_fallback)
         training, spec = training_config(req.training, spec, req.cluster.gpu_count)
         p = self._plan(spec, training, cfg, req, req.cluster.gpu_count)
         at = p.at
-        warnings = [*p.curve.notes, *self._warnings(spec, training, req, p)]
+        warnings = [*warnings, *p.curve.notes, *self._warnings(spec, training, req, p)]
         alternatives = [] if p.fits else self._alternatives(spec, training, cfg, req)
         return Recommendation(
             fits=p.fits, k=p.k, layers=p.layers, num_layers=spec.num_layers,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
@@ -21,6 +22,19 @@ from memfit.schema import TrainingConfig
 from model.terms import TermsCache
 
 log = logging.getLogger("memfit.service")
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Worker initializer: end this process when the server that spawned it is gone (SIGKILL included)."""
+    import os
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="memfit-parent-watch", daemon=True).start()
 
 
 def _trace(hf_config: dict[str, Any], training_json: str) -> dict[str, Any]:
@@ -48,9 +62,17 @@ class BackgroundTracer:
             if key in self.pending or key in self.failed or self.cache.get(key) is not None:
                 return
             if self._pool is None:
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_exit_with_parent, initargs=(os.getpid(),))
             self.pending.add(key)
-        fut = self._pool.submit(_trace, hf_config, training.model_dump_json())
+        try:
+            fut = self._pool.submit(_trace, hf_config, training.model_dump_json())
+        except Exception as err:  # noqa: BLE001 - a tracer that cannot start must not fail the request
+            with self._lock:
+                self.pending.discard(key)
+                self.failed[key] = f"could not start tracing: {type(err).__name__}: {err}"
+            log.warning("tracing %s not started: %s", key[:12], self.failed[key])
+            return
         fut.add_done_callback(lambda f, k=key: self._done(k, f))
 
     def _done(self, key: str, fut: Future) -> None:
@@ -64,5 +86,10 @@ class BackgroundTracer:
             log.warning("tracing %s failed: %s", key[:12], self.failed[key])
 
     def shutdown(self) -> None:
+        """Stop tracing: queued traces are cancelled and a running one is killed (a trace of a large
+        model can take minutes; it must not outlive the server)."""
         if self._pool is not None:
+            workers = list((self._pool._processes or {}).values())  # the executor has no public kill
             self._pool.shutdown(wait=False, cancel_futures=True)
+            for proc in workers:
+                proc.terminate()

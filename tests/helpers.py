@@ -46,8 +46,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_service(registry_dir, db_url: str, **env_extra: str):
-    """Start ``python -m service`` (real uvicorn) on a free loopback port; yields its base URL once ready."""
+def running_service(registry_dir, db_url: str | None, *, wait_for: str = "/v2/health/ready", **env_extra: str):
+    """Start ``python -m service`` (real uvicorn) on a free loopback port; yields its base URL once
+    ``wait_for`` answers 200 (``/v2/health/live`` for a server expected to start without a model)."""
     import os
     import subprocess
     import sys
@@ -57,8 +58,9 @@ def running_service(registry_dir, db_url: str, **env_extra: str):
     import httpx
 
     port = free_port()
-    env = {**os.environ, "MEMFIT_PORT": str(port), "MEMFIT_REGISTRY_DIR": str(registry_dir),
-           "MEMFIT_DB_URL": db_url, **env_extra}
+    env = {**os.environ, "MEMFIT_PORT": str(port), "MEMFIT_REGISTRY_DIR": str(registry_dir), **env_extra}
+    if db_url is not None:
+        env["MEMFIT_DB_URL"] = db_url
     proc = subprocess.Popen([sys.executable, "-m", "service"], env=env, cwd=Path(__file__).resolve().parent.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -66,7 +68,7 @@ def running_service(registry_dir, db_url: str, **env_extra: str):
         deadline = time.time() + 120
         while time.time() < deadline:
             try:
-                if httpx.get(base + "/v2/health/ready", timeout=1).status_code == 200:
+                if httpx.get(base + wait_for, timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

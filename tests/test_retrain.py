@@ -240,3 +240,18 @@ def test_splits_that_cannot_be_formed_are_skipped(db):
     assert "both sides" in s["skipped"]
     with pytest.raises(ValueError):
         cross_evaluate(two, lambda: None, "random")
+
+
+def test_a_version_refused_at_promotion_is_reported_not_raised(db, tmp_path, capsys, monkeypatch):
+    """Promotion re-runs the load checks (checksum, child-process parse, canary floor); a refusal is the
+    job's answer (not promoted, exit 3, the reason in the summary), and CURRENT does not move."""
+    from model.registry import IncompatibleArtifact
+
+    def refuse(self, version):
+        raise IncompatibleArtifact(f"model {version}: canary below the model-state floor (test)")
+
+    monkeypatch.setattr(Registry, "promote", refuse)
+    reg_dir = tmp_path / "models"
+    code, s = _run(capsys, "--db", db, "--registry", str(reg_dir), *FAST)
+    assert code == 3 and s["status"] == "not_promoted" and "below the model-state floor" in s["refused"]
+    assert Registry(reg_dir).versions() == ["0001"] and Registry(reg_dir).current() is None

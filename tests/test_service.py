@@ -60,3 +60,46 @@ def test_malformed_and_oversized_bodies_are_problems(client):
     big = b"[" + b" " * (70 * 1024) + b"]"
     r = client.post("/telemetry", content=big, headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 413 and r.json()["status"] == 413
+
+
+def test_curve_cache_reuses_curves_and_refreshes_a_provisional_one_once_traced():
+    from memfit.schema import TrainingConfig
+    from model.curve import PROVISIONAL, TRACED, Curve
+    from service.recommender import CurveCache
+    from data import catalog
+
+    class Predictor:
+        def __init__(self):
+            self.terms, self.calls = {}, 0
+
+        def curve(self, model, training, hf_config=None):
+            self.calls += 1
+            path = TRACED if "key" in self.terms else PROVISIONAL
+            return Curve(path=path, points=[], floor_bytes=1, terms_key="key")
+
+    pred = Predictor()
+    cache = CurveCache(pred, recheck_s=0.0)
+    spec, t = catalog.spec("gpt2"), TrainingConfig(micro_batch_size=1, seq_len=64)
+    first = cache.curve(spec, t, {"model_type": "gpt2"})
+    assert cache.curve(spec, t, {"model_type": "gpt2"}) is first and pred.calls == 1
+    assert cache.curve(spec, t.model_copy(update={"seq_len": 128}), {"model_type": "gpt2"}).path == PROVISIONAL
+    assert pred.calls == 2
+    pred.terms["key"] = {"coef": []}  # the background trace landed
+    assert cache.curve(spec, t, {"model_type": "gpt2"}).path == TRACED and pred.calls == 3
+    assert cache.curve(spec, t, {"model_type": "gpt2"}).path == TRACED and pred.calls == 3
+
+
+def test_dependencies_can_be_swapped(client):
+    """Routes take the recommender from service.deps: a test (or a deployment) swaps it in one place."""
+    from memfit.errors import ModelUnavailable
+    from service.deps import get_recommender
+
+    def unavailable():
+        raise ModelUnavailable("swapped out for the test", retry_after_s=7)
+
+    client.app.dependency_overrides[get_recommender] = unavailable
+    r = client.post("/recommend", json={"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64},
+                                        "cluster": {"gpu": "T4"}})
+    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    assert r.headers["content-type"].startswith("application/problem+json") and "swapped out" in r.json()["detail"]
+    client.app.dependency_overrides.clear()

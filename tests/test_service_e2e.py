@@ -7,6 +7,7 @@ import shutil
 import httpx
 import pytest
 
+from model.registry import IncompatibleArtifact
 from tests.helpers import record, running_service
 
 LLAMA8B_8xH100 = {"model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192, "sharding": "zero3"},
@@ -113,8 +114,13 @@ def test_models_hot_swap_and_refusal(server):
     # a corrupt one is refused and the last good keeps serving
     bad = reg.root / f"{int(first) + 2:04d}"
     shutil.copytree(reg.root / first, bad)
-    (bad / "model.txt").write_text("not a lightgbm model")
+    with pytest.raises(IncompatibleArtifact):  # promotion itself refuses a damaged version ...
+        (bad / "model.txt").write_text("not a lightgbm model")
+        reg.promote(bad.name)
+    shutil.copy(reg.root / first / "model.txt", bad / "model.txt")
     reg.promote(bad.name)
+    (bad / "model.txt").write_text("not a lightgbm model")  # ... and damage after promotion is refused at load
+    httpx.post(base + "/models/reload", headers={"Authorization": "Bearer tok"})
     j = httpx.get(base + "/models").json()
     assert j["serving"] == new_dir.name and "refused" in j["last_error"]
     assert httpx.post(base + "/recommend", json=LLAMA8B_8xH100).json()["model_version"] == new_dir.name

@@ -1,7 +1,13 @@
 import pandas as pd
 import pytest
 
-from data.store import TelemetryStore
+import math
+from pathlib import Path
+import sqlite3
+import time
+
+from data.store import CONFLICT, TelemetryStore
+from memfit.errors import StoreBusy
 from tests.helpers import record
 
 
@@ -26,8 +32,10 @@ def test_idempotent_never_overwrites_and_reports_everything(store):
     assert rep.duplicates == ["rec-aaaaaaaa"]
     assert rep.stored == ["rec-dddddddd"]
     reasons = {r["index"]: r["reason"] for r in rep.rejected}
-    assert set(reasons) == {1, 2, 3} and rep.total == 5
-    assert "never overwritten" in reasons[1]
+    assert set(reasons) == {2, 3} and rep.total == 5
+    assert rep.quarantined == [{"index": 1, "record_id": "rec-aaaaaaaa", "reason": CONFLICT}]
+    assert "never overwritten" in CONFLICT
+    assert store.quarantined()[0]["record"]["measurement"]["peak_allocated_bytes"] == 1  # kept, not dropped
     assert "checkpoint_layers" in reasons[2] and "[0, 3]" in reasons[2]
     assert store.count() == 3
     stored_a = next(r for r in store.records() if r.record_id == "rec-aaaaaaaa")
@@ -69,3 +77,45 @@ def test_import_reports_bad_rows(store, tmp_path):
 def test_bad_suffix(store, tmp_path):
     with pytest.raises(ValueError, match=".parquet or .csv"):
         store.export(tmp_path / "x.json")
+
+
+# -- issue 10, fault 7: implausible telemetry is quarantined with the reason, never trained on ------------
+def test_implausible_telemetry_is_quarantined_not_stored(store):
+    h100 = dict(device_name="NVIDIA H100 80GB HBM3", device_memory_bytes=80 * 10**9, method="cuda")
+    huge = record(record_id="rec-huge0001", peak_allocated_bytes=10**15, oom=False, **h100)
+    inf_step = record(record_id="rec-inf00001", step_time_s=math.inf, peak_allocated_bytes=10**9, **h100)
+    oom = record(record_id="rec-oom00001", peak_allocated_bytes=81 * 10**9, oom=True, **h100)
+    fake = record(record_id="rec-fake0001", peak_allocated_bytes=1 << 35)  # fake tracker: no real device
+    params = record(record_id="rec-parm0001", total_params=10**12, trainable_params=10**12)  # 4 layers of width 64
+    rep = store.add([huge, inf_step, oom, fake, params])
+    assert rep.stored == ["rec-oom00001", "rec-fake0001"]
+    assert [q["index"] for q in rep.quarantined] == [0, 1, 4]
+    assert "total_params=1000000000000 disagrees with the shapes (between 131072 and" in rep.quarantined[2]["reason"]
+    assert "exceeds device_memory_bytes=80000000000 without oom" in rep.quarantined[0]["reason"]
+    assert "step_time_s=inf is not a finite number" in rep.quarantined[1]["reason"]
+    training_ids = set(store.dataframe()["record_id"])  # what the retraining job reads
+    assert training_ids == {"rec-oom00001", "rec-fake0001"}
+    assert [q["record_id"] for q in store.quarantined()] == ["rec-huge0001", "rec-inf00001", "rec-parm0001"]
+
+
+def test_shipped_telemetry_is_all_plausible(store):
+    shipped = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
+    rep = store.import_file(shipped)
+    assert len(rep.stored) == len(pd.read_parquet(shipped)) > 5000 and not rep.quarantined and not rep.rejected
+
+
+# -- issue 10, fault 5: a locked database answers StoreBusy within the busy timeout, not after 30 s -------
+def test_locked_database_raises_store_busy_quickly(tmp_path):
+    store = TelemetryStore(f"sqlite:///{tmp_path / 't.db'}", busy_timeout_s=0.5)
+    locker = sqlite3.connect(tmp_path / "t.db", timeout=0)
+    locker.execute("BEGIN EXCLUSIVE")
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(StoreBusy) as info:
+            store.add([record(record_id="rec-locked01")])
+        assert time.perf_counter() - t0 < 3
+        assert info.value.retry_after_s >= 1
+    finally:
+        locker.rollback()
+        locker.close()
+    assert store.add([record(record_id="rec-locked01")]).stored == ["rec-locked01"]  # nothing was lost

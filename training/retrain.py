@@ -308,7 +308,14 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
     write_report(report_dir, results, df, *oof)
     summary["report_dir"] = str(report_dir)
     if promote:
-        registry.promote(version)
+        from model.registry import IncompatibleArtifact
+
+        try:  # promotion re-checks the written artifact: checksum, child-process parse, canary floor
+            registry.promote(version)
+        except IncompatibleArtifact as err:
+            log(f"      refused at promotion: {err}")
+            summary.update(status="not_promoted", refused=str(err))
+            return EXIT_NOT_PROMOTED
         log(f"      promoted {version} (was {current['version'] or 'none'})")
         summary["status"] = "promoted"
         return EXIT_OK

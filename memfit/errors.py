@@ -1,0 +1,67 @@
+"""memfit's domain exceptions. The service maps them to HTTP in one place (:mod:`service.errors`).
+
+Each carries the field it is about (dotted path, e.g. ``model.num_key_value_heads``) and, where one
+exists, the allowed range, so every answer to bad input names both.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class MemfitError(Exception):
+    """Base of memfit's domain exceptions."""
+
+
+class InvalidConfiguration(MemfitError, ValueError):
+    """A configuration value is out of range or of the wrong type.
+
+    Attributes:
+        field: dotted path of the offending field. allowed: the allowed range or values, in words.
+    """
+
+    def __init__(self, field: str, allowed: str, got: object = None, *, message: str | None = None) -> None:
+        self.field, self.allowed = field, allowed
+        shown = "NaN" if isinstance(got, float) and math.isnan(got) else repr(got)
+        self.message = message or f"{field}: must be {allowed}" + ("" if got is None else f", got {shown[:80]}")
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def within(self, prefix: str) -> InvalidConfiguration:
+        """The same error with ``prefix.`` in front of the field (e.g. ``model``)."""
+        return type(self)(f"{prefix}.{self.field}", self.allowed,
+                          message=f"{prefix}.{self.message}")
+
+
+class UnknownArchitecture(InvalidConfiguration):
+    """A ``model_type`` that neither transformers nor memfit knows; give ``architecture_fallback``
+    to have it predicted as a known family."""
+
+
+class UnknownModel(InvalidConfiguration, KeyError):
+    """A model name that is not in the catalog (also a ``KeyError`` for older callers)."""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Unavailable(MemfitError):
+    """Temporarily unable to answer; ``retry_after_s`` says when to try again (None: not soon)."""
+
+    def __init__(self, message: str, *, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class StoreBusy(Unavailable):
+    """The telemetry store is locked or saturated with writes."""
+
+
+class ReadOnly(Unavailable):
+    """The server runs read-only (its data directory cannot be written): it recommends, it does not store."""
+
+
+class ModelUnavailable(Unavailable):
+    """No model version passed its load checks yet."""

@@ -1,0 +1,156 @@
+"""Domain exceptions -> HTTP, in one place. Every error body is ``application/problem+json`` (RFC 9457).
+
+=================================================  ======  =========================================
+exception                                          status  body
+=================================================  ======  =========================================
+request validation (pydantic)                      422     each field, its problem, the allowed range
+:class:`memfit.errors.InvalidConfiguration`        422     the field and the allowed range
+(``UnknownArchitecture``, ``UnknownModel``)
+:class:`memfit.errors.ReadOnly`                    503     writes refused on a read-only server
+:class:`memfit.errors.StoreBusy`                   503     ``Retry-After`` header
+:class:`memfit.errors.ModelUnavailable`            503     why no model serves
+HTTP errors raised by routes (401, 404, 413, ...)  same    the detail
+anything else                                      500     the exception's type name only (a bug)
+=================================================  ======  =========================================
+
+Bodies never carry server paths or tracebacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import typing
+from enum import Enum
+from http import HTTPStatus
+from typing import Any
+
+import annotated_types as at
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from memfit.errors import InvalidConfiguration, Unavailable
+
+log = logging.getLogger("memfit.service")
+PROBLEM = "application/problem+json"
+
+
+def problem(status: int, detail: str, *, headers: dict[str, str] | None = None, **extra: Any) -> Response:
+    """An ``application/problem+json`` response."""
+    import json
+
+    body = {"type": "about:blank", "title": HTTPStatus(status).phrase, "status": status, "detail": detail, **extra}
+    return Response(json.dumps(body), status_code=status, media_type=PROBLEM, headers=headers)
+
+
+def _unwrap(annotation: Any) -> Any:
+    """``X | None`` -> X; ``Annotated[X, ...]`` -> X."""
+    while True:
+        if typing.get_origin(annotation) is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+            continue
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+            if len(args) == 1 or len(models) == 1:
+                annotation = models[0] if models else args[0]
+                continue
+        return annotation
+
+
+def allowed_range(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | None:
+    """The allowed values of the field at ``loc`` inside ``model`` in words, e.g. ``an integer in [1, 16384]``."""
+    info = None
+    for key in loc:
+        if isinstance(key, int) or model is None:  # list index
+            continue
+        info = model.model_fields.get(str(key))
+        if info is None:
+            return None
+        inner = _unwrap(info.annotation)
+        if typing.get_origin(inner) is list:
+            inner = _unwrap(typing.get_args(inner)[0])
+        model = inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
+    if info is None or model is not None:
+        return None
+    kind = _unwrap(info.annotation)
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return f"one of {[e.value for e in kind]}"
+    lo = hi = None
+    lo_open = hi_open = False
+    for m in info.metadata:
+        if isinstance(m, at.Ge):
+            lo = m.ge
+        elif isinstance(m, at.Gt):
+            lo, lo_open = m.gt, True
+        elif isinstance(m, at.Le):
+            hi = m.le
+        elif isinstance(m, at.Lt):
+            hi, hi_open = m.lt, True
+        elif isinstance(m, at.MaxLen):
+            return f"a string of at most {m.max_length} characters"
+    name = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(kind)
+    if lo is None and hi is None:
+        return name
+    return (f"{name or 'a number'} in {'(' if lo_open else '['}{'-inf' if lo is None else lo}, "
+            f"{'inf' if hi is None else hi}{')' if hi_open else ']'}")
+
+
+def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] | None) -> list[dict[str, Any]]:
+    out = []
+    for e in exc.errors():
+        loc = tuple(e["loc"])
+        if e.get("type") == "json_invalid":  # loc holds the character position, not a field
+            out.append({"field": "body", "message": f"invalid JSON at character {loc[-1]}: "
+                                                    f"{e.get('ctx', {}).get('error', e['msg'])}"})
+            continue
+        path = loc[1:] if loc and loc[0] == "body" else loc
+        field = ".".join(str(x) for x in path) or "body"
+        msg = e["msg"]
+        if e.get("type") == "finite_number":
+            msg = "must be a finite number (NaN and Infinity are not numbers)"
+        allowed = allowed_range(body_model, path)
+        item = {"field": field, "message": msg}
+        if allowed:
+            item["allowed"] = allowed
+        out.append(item)
+    return out
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers of the table above on ``app``."""
+
+    def body_model(request: Request) -> type[BaseModel] | None:
+        route = request.scope.get("route")
+        field = getattr(getattr(route, "body_field", None), "field_info", None)
+        ann = getattr(field, "annotation", None)
+        return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(request: Request, exc: RequestValidationError) -> Response:
+        errors = _validation_errors(exc, body_model(request))
+        detail = "; ".join(f"{e['field']}: {e['message']}" + (f" (allowed: {e['allowed']})" if "allowed" in e else "")
+                           for e in errors)
+        return problem(422, detail[:2000], errors=errors[:50])
+
+    @app.exception_handler(InvalidConfiguration)
+    async def invalid(_request: Request, exc: InvalidConfiguration) -> Response:
+        return problem(422, exc.message, errors=[{"field": exc.field, "message": exc.message,
+                                                  "allowed": exc.allowed}])
+
+    @app.exception_handler(Unavailable)
+    async def unavailable(_request: Request, exc: Unavailable) -> Response:
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
+        return problem(503, str(exc), headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http(_request: Request, exc: HTTPException) -> Response:
+        return problem(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def server(_request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return problem(500, f"internal error ({type(exc).__name__}); the server log has the details")

@@ -1,0 +1,1 @@
+"""One router per resource: recommend (reads), telemetry (writes), admin (models, health)."""
