@@ -93,7 +93,9 @@ class TermsCache:
         if url is not None:
             import sqlalchemy as sa
 
-            self._engine = sa.create_engine(url)
+            # a locked SQLite file must not hold a request for SQLite's default 5 s: wait 2 s like the store
+            args = {"timeout": 2} if url.startswith("sqlite") else {}
+            self._engine = sa.create_engine(url, connect_args=args)
             meta = sa.MetaData()
             self._table = sa.Table("phase_terms", meta, sa.Column("key", sa.String(64), primary_key=True),
                                    sa.Column("model_name", sa.String(128)), sa.Column("terms_json", sa.Text))
