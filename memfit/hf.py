@@ -32,6 +32,25 @@ def _get(cfg: dict[str, Any], field: str) -> Any:
     return None
 
 
+def _kv_heads(cfg: dict[str, Any], heads: int) -> int:
+    """Key/value heads the way transformers builds the attention.
+
+    Falcon (``FalconAttention``): ``num_kv_heads`` when ``new_decoder_architecture`` (Falcon-40B/180B)
+    or when not ``multi_query`` (Falcon-RW), else 1 (Falcon-7B); ``FalconConfig`` defaults are
+    ``multi_query=True``, ``new_decoder_architecture=False``, ``num_kv_heads=num_attention_heads``. So
+    ``new_decoder_architecture`` wins over ``multi_query``, which a full config dict sets to True.
+    GPT-BigCode: 1 when ``multi_query`` (its default). Every other family: ``num_key_value_heads``, else ``num_attention_heads``.
+    """
+    if cfg.get("model_type") == "falcon":
+        kv = cfg.get("num_kv_heads")
+        if cfg.get("new_decoder_architecture", False) or not cfg.get("multi_query", True):
+            return int(kv or heads)
+        return 1
+    if cfg.get("model_type") == "gpt_bigcode":  # GPTBigCodeConfig: multi_query=True by default
+        return 1 if cfg.get("multi_query", True) else heads
+    return int(cfg.get("num_key_value_heads") or heads)
+
+
 def spec_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Architecture fields of :class:`ModelSpec` from a HF ``config.json`` dict (parameter counts excluded).
 
@@ -47,12 +66,7 @@ def spec_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"hf_config lacks {field} (one of {list(_ALIASES[field])})")
         out[field] = int(value)
     heads = out["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads")
-    if kv is None and cfg.get("multi_query"):  # Falcon
-        kv = 1
-    if kv is None and cfg.get("num_kv_heads") is not None and cfg.get("new_decoder_architecture"):
-        kv = cfg["num_kv_heads"]
-    out["num_key_value_heads"] = int(kv or heads)
+    out["num_key_value_heads"] = _kv_heads(cfg, heads)
     ffn = _get(cfg, "intermediate_size")
     out["intermediate_size"] = int(ffn or 4 * out["hidden_size"])  # GPT-2/GPT-J/Falcon/BLOOM: 4h when unset
     head_dim = cfg.get("head_dim")
