@@ -88,6 +88,8 @@ class TrainingIn(_In):
     attention: Attention = Attention.SDPA
     finetune: FineTune = FineTune.FULL
     lora_rank: int | None = Field(None, ge=1, le=4096)
+    lora_target_modules: list[str] | None = Field(None, max_length=256,
+                                                  description="LoRA: adapted module names (PEFT target_modules)")
     trainable_params: int | None = Field(None, ge=0, le=MAX_PARAMS, description="LoRA/frozen: trainable count")
     frozen_layers: int = Field(0, ge=0, le=MAX_LAYERS)
     checkpoint_impl: CheckpointImpl = CheckpointImpl.NON_REENTRANT
