@@ -1,12 +1,15 @@
-"""Accuracy benchmark: memfit vs the analytic, DeepSpeed-model-states and accelerate baselines.
+"""Accuracy benchmark of the one curve (model.curve), per path, against the analytic and published baselines.
 
-    python -m benchmarks.accuracy                              # the live store
-    python -m benchmarks.accuracy --db sqlite:////tmp/x.db --files more.parquet --report-dir /tmp/acc
+    python -m benchmarks.accuracy --files data/telemetry/telemetry.parquet
+    python -m benchmarks.accuracy --db sqlite:////tmp/x.db --json out.json --report-dir /tmp/acc
 
-For each split (leave-architecture-out, small-to-large; see :mod:`model.evaluate`) every estimator is
-scored on the same held-out rows: MAPE (%) and its ratio to memfit's MAPE (> 1: that many times
-worse than memfit), then memfit's upper-bound coverage and its k recommendation against the measured
-oracle (exact-k, OOM and over-recomputation rates, %). Memory is per device, in bytes internally.
+For each split (leave-architecture-out, small-to-large; :mod:`model.evaluate`), every row is answered
+by :meth:`model.curve.MemoryPredictor.curve` as the service answers it (:class:`model.evaluate.CurveEstimator`:
+traced path where the configuration's phase terms are shipped, provisional LightGBM path otherwise),
+and a second time with the provisional path forced on every row. Printed per path: MAPE, p95 and max
+error (%), the error of the checkpointing saving peak(k=0) − peak(k=L) (median over families, %), the
+bound's coverage and mean excess (%), the k recommendation against the measured oracle, and the
+provisional path against our analytic formula per precision × optimizer slice.
 
 Exit codes: 0 done, 2 bad input (no rows, unreadable files, bad --params).
 """
@@ -18,42 +21,83 @@ import json
 import sys
 import time
 
-from model.evaluate import SPLITS, cross_evaluate, load_rows
+import numpy as np
+
+from model.evaluate import (
+    SPLITS, CurveEstimator, baseline_predictions, cross_evaluate, load_rows, metrics, oracle_eval, row_paths,
+    saving_errors,
+)
 
 
-def _table(summary: dict) -> list[str]:
-    m, o = summary["metrics"], summary["oracle"]
-    lines = [f"  {'estimator':<20} {'MAPE %':>9} {'p95 %':>9} {'x memfit':>9}",
-             f"  {'memfit':<20} {m['mape_pct']:>9.2f} {m['p95_rel_err_pct']:>9.2f} {1.0:>9.2f}"]
-    for name, b in summary["baselines"].items():
-        lines.append(f"  {name:<20} {b['mape_pct']:>9.2f} {b['p95_rel_err_pct']:>9.2f} {b['ratio_to_memfit']:>9.2f}")
-    lines.append(f"  memfit upper bound: coverage {100 * m['coverage']:.1f}% (n={m['n']}), "
-                 f"mean excess over measured {m['mean_upper_excess_pct']:.1f}%")
-    lines.append(f"  k recommendation over {o['n_cases']} (family, capacity) cases "
-                 f"({o['n_both_infeasible']} both infeasible, {o['n_families']} families): exact-k "
-                 f"{100 * o['exact_k_rate']:.1f}%, OOM {100 * o['oom_rate']:.1f}%, over {100 * o['over_rate']:.1f}% "
-                 f"(mean +{o['mean_extra_layers']:.1f} layers), false infeasible {100 * o['false_infeasible_rate']:.1f}%")
-    return lines
+def _line(name: str, y, pred, upper, df, sel) -> tuple[str, dict]:
+    m = metrics(y[sel], pred[sel], upper[sel])
+    se = saving_errors(df[sel], pred[sel]) if sel.any() else np.array([])
+    o = oracle_eval(df[sel], upper[sel]) if sel.any() else {"exact_k_rate": np.nan, "oom_rate": np.nan,
+                                                             "false_infeasible_rate": np.nan, "n_cases": 0}
+    med = 100 * float(np.median(se)) if se.size else float("nan")
+    row = (f"  {name:<26} {m['n']:>5} {m['mape_pct']:>8.3f} {m['p95_rel_err_pct']:>7.2f} {m['max_rel_err_pct']:>7.2f} "
+           f"{med:>8.3f} {100 * m['coverage']:>7.1f} {m['mean_upper_excess_pct']:>7.2f} "
+           f"{100 * o['exact_k_rate']:>7.1f} {100 * o['oom_rate']:>5.1f} {100 * o['false_infeasible_rate']:>6.1f}")
+    return row, {**m, "saving_median_err_pct": med, "saving_n": int(se.size), "oracle": o}
+
+
+HEADER = (f"  {'path (rows)':<26} {'n':>5} {'MAPE %':>8} {'p95 %':>7} {'max %':>7} {'saving%':>8} {'cover%':>7} "
+          f"{'excess%':>7} {'exactk%':>7} {'OOM%':>5} {'noFit%':>6}")
+
+
+def evaluate_split(df, split: str, make_served, make_provisional, paths) -> tuple[list[str], dict]:
+    """Both runs of one split; returns printable lines and the figures."""
+    y = df["peak_allocated_bytes"].to_numpy(dtype="float64")
+    t0 = time.perf_counter()
+    pred, upper, s = cross_evaluate(df, make_served, split)
+    if s.get("skipped"):
+        return [f"  skipped ({s['skipped']})"], {"skipped": s["skipped"]}
+    p_pred, p_upper, _ = cross_evaluate(df, make_provisional, split)
+    tested = np.isfinite(pred)
+    analytic = baseline_predictions(df)["analytic"]
+    lines = [f"  {int(tested.sum())} held-out rows of {len(s['test_architectures'])} architectures, "
+             f"{s['n_folds']} fold(s), {time.perf_counter() - t0:.0f}s", HEADER]
+    out: dict = {"n_test": int(tested.sum()), "test_architectures": s["test_architectures"]}
+    for name, pr, up, sel in [
+        ("served curve (all)", pred, upper, tested),
+        ("traced path", pred, upper, tested & (paths == "traced")),
+        ("served provisional rows", pred, upper, tested & (paths == "provisional")),
+        ("provisional on every row", p_pred, p_upper, tested),
+        ("analytic formula", analytic, analytic, tested),
+    ]:
+        line, figs = _line(name, y, pr, up, df, sel)
+        lines.append(line)
+        out[name] = figs
+    lines.append("  provisional vs analytic MAPE % per precision x optimizer slice:")
+    slices = {}
+    for (prec, opt), g in df[tested].groupby(["precision", "optimizer"]):
+        idx = g.index.to_numpy()
+        mp, ma = metrics(y[idx], p_pred[idx])["mape_pct"], metrics(y[idx], analytic[idx])["mape_pct"]
+        slices[f"{prec}/{opt}"] = {"provisional": mp, "analytic": ma, "n": len(idx)}
+        lines.append(f"    {prec + '/' + opt:<32} n={len(idx):>5}  provisional {mp:7.2f}  analytic {ma:7.2f}"
+                     f"  {'beats' if mp < ma else 'LOSES'}")
+    out["slices"] = slices
+    out["per_architecture"] = {a: m for a, m in s["per_architecture"].items()}
+    out["oof"] = (pred, upper)
+    return lines, out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__.split("\n\n")[0])
     p.add_argument("--db", help="SQLAlchemy URL of the telemetry store (default: data/telemetry.db)")
     p.add_argument("--files", nargs="*", default=[], help=".parquet/.csv telemetry files")
-    p.add_argument("--n-estimators", type=int, help="boosting rounds (default: the estimator's)")
-    p.add_argument("--params", default="{}", help="JSON object of PeakMemoryRegressor parameters, e.g. "
-                                                  "'{\"n_jobs\": 1}' on a busy machine")
+    p.add_argument("--params", default="{}", help="JSON object of PeakMemoryRegressor parameters (provisional "
+                                                  "path), e.g. '{\"n_estimators\": 300}'")
     p.add_argument("--json", help="also write all figures to this JSON file")
     p.add_argument("--report-dir", help="also write the full report (model.report) here")
     a = p.parse_args(argv)
 
     from model.estimator import PeakMemoryRegressor
+    from model.terms import TermsCache
 
     try:
         params = json.loads(a.params)
         PeakMemoryRegressor(**params)
-        if a.n_estimators:
-            params["n_estimators"] = a.n_estimators
         df, rejected = load_rows(a.db, a.files)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -61,32 +105,38 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty:
         print("error: no valid rows", file=sys.stderr)
         return 2
-    print(f"{len(df)} valid rows of {df['model_name'].nunique()} architectures from {df.attrs['sources']} "
-          f"({len(rejected)} rejected, {df.attrs['n_oom_dropped']} OOM rows dropped); params {params or 'default'}")
+    terms = TermsCache()
+    paths = row_paths(df, terms)
+    print(f"{len(df)} valid rows of {df['model_name'].nunique()} architectures ({len(rejected)} rejected, "
+          f"{df.attrs['n_oom_dropped']} OOM rows dropped); {len(terms)} traced term sets; "
+          f"{int((paths == 'traced').sum())} rows on the traced path; provisional params {params or 'default'}")
+
+    def make_served():
+        return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params))
+
+    def make_provisional():
+        return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params), force_path="provisional")
+
     results, oof = {}, None
     for split in SPLITS:
-        t0 = time.perf_counter()
-        pred, upper, s = cross_evaluate(df, lambda: PeakMemoryRegressor(**params), split)
-        results[split] = s
-        if split == "leave_architecture_out":
-            oof = (pred, upper)
-        print(f"\n{split}: ", end="")
-        if s.get("skipped"):
-            print(f"skipped ({s['skipped']})")
-            continue
-        print(f"{s['n_test']} held-out rows of {len(s['test_architectures'])} architectures, "
-              f"{s['n_folds']} fold(s), {time.perf_counter() - t0:.1f}s")
-        print("\n".join(_table(s)))
+        print(f"\n{split}:")
+        lines, figs = evaluate_split(df, split, make_served, make_provisional, paths)
+        print("\n".join(lines), flush=True)
+        if "oof" in figs:
+            pred_upper = figs.pop("oof")
+            if split == "leave_architecture_out":
+                oof = pred_upper
+        results[split] = figs
     if a.json:
         from model.report import json_safe
 
         with open(a.json, "w") as f:
             json.dump(json_safe(results), f, indent=1, default=str)
-    if a.report_dir:
-        from model.report import write_report
+    if a.report_dir and oof is not None:
+        from model.report import curves_figure
 
-        paths = write_report(a.report_dir, results, df, *oof)
-        print(f"\nreport: {paths['md']}")
+        path = curves_figure(a.report_dir, df, *oof)
+        print(f"\npredicted vs measured curves per held-out architecture: {path}")
     return 0
 
 

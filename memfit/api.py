@@ -16,17 +16,29 @@ from memfit.schema import (
 
 GIB = 1 << 30
 
-#: GPU name -> total device memory in bytes (nvidia-smi's "Total" in MiB for each board).
-GPUS: dict[str, int] = {
-    "H200": 143771 << 20, "H100-80GB": 81559 << 20, "H100-94GB": 95830 << 20, "A100-80GB": 81920 << 20,
-    "A100-40GB": 40960 << 20, "L40S": 46068 << 20, "A10G": 23028 << 20, "L4": 23034 << 20,
-    "RTX-4090": 24564 << 20, "RTX-3090": 24576 << 20, "V100-32GB": 32768 << 20, "V100-16GB": 16384 << 20,
-    "T4": 15360 << 20,
+#: Usable memory of a board as PyTorch sees it: the ``total`` of ``torch.cuda.mem_get_info()`` on an
+#: empty device, which PyTorch's out-of-memory message prints as "GPU 0 has a total capacity of …". It is
+#: below the marketed size and below nvidia-smi's "Total" (the driver keeps some). Figures read from
+#: public OOM reports are used as printed; for boards without one, nvidia-smi's "Total" (MiB) times the
+#: smallest usable/nvidia-smi ratio among the reported boards (A100-80GB: 79.15 GiB of 81920 MiB = 0.9894).
+#: Override either with ``cluster.gpu_memory_gib`` / ``gpu_memory_bytes``.
+GPU_USABLE_GIB: dict[str, tuple[float, str]] = {
+    "A100-80GB": (79.15, "PyTorch OOM message"), "H100-80GB": (79.10, "PyTorch OOM message"),
+    "V100-32GB": (31.75, "PyTorch OOM message"), "A100-40GB": (39.59, "PyTorch OOM message"),
+    "V100-16GB": (15.78, "PyTorch OOM message"), "T4": (14.75, "PyTorch OOM message"),
+    "RTX-4090": (23.65, "PyTorch OOM message"), "RTX-3090": (23.69, "PyTorch OOM message"),
 }
+_NVIDIA_SMI_TOTAL_MIB = {"H200": 143771, "H100-94GB": 95830, "L40S": 46068, "A10G": 23028, "L4": 23034}
+_USABLE_RATIO = 79.15 * 1024 / 81920
+for _name, _mib in _NVIDIA_SMI_TOTAL_MIB.items():
+    GPU_USABLE_GIB[_name] = (round(_mib * _USABLE_RATIO / 1024, 2), "nvidia-smi Total x 0.9894 (no public OOM figure)")
+
+#: GPU name -> usable device memory in bytes (see :data:`GPU_USABLE_GIB`).
+GPUS: dict[str, int] = {name: int(gib * GIB) for name, (gib, _src) in GPU_USABLE_GIB.items()}
 
 
 def gpu_memory_bytes(name: str) -> int:
-    """Total memory of a known GPU (case-insensitive; ``_``/space/``-`` alike).
+    """Usable memory of a known GPU as PyTorch reports it (case-insensitive; ``_``/space/``-`` alike).
 
     Raises:
         ValueError: unknown name; the message lists the known ones.
@@ -88,8 +100,8 @@ class TrainingIn(_In):
     attention: Attention = Attention.SDPA
     finetune: FineTune = FineTune.FULL
     lora_rank: int | None = Field(None, ge=1, le=4096)
-    lora_target_modules: list[str] | None = Field(None, max_length=256,
-                                                  description="LoRA: adapted module names (PEFT target_modules)")
+    lora_target_modules: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        None, max_length=64, description="LoRA-adapted linear layers (PEFT names); default: PEFT's for the family")
     trainable_params: int | None = Field(None, ge=0, le=MAX_PARAMS, description="LoRA/frozen: trainable count")
     frozen_layers: int = Field(0, ge=0, le=MAX_LAYERS)
     checkpoint_impl: CheckpointImpl = CheckpointImpl.NON_REENTRANT
@@ -135,6 +147,7 @@ class CurvePointOut(BaseModel):
     predicted_bytes: int
     upper_bytes: int
     total_upper_bytes: int
+    peak_phase: str | None = Field(None, description="phase of the step where the peak falls (traced path)")
 
 
 class Alternative(BaseModel):
@@ -160,7 +173,10 @@ class Recommendation(BaseModel):
     usable_bytes: int = Field(description="capacity x (1 - headroom)")
     shortfall_bytes: int = 0
     curve: list[CurvePointOut]
-    breakdown: dict[str, int]
+    breakdown: dict[str, int] = Field(description="parts of predicted_peak_bytes; they add up to it exactly")
+    peak_phase: str | None = Field(None, description="phase where the peak falls: fwd.layers, fwd.head, bwd.head, "
+                                                     "bwd.layers, bwd.emb or opt (traced path)")
+    path: str = Field("traced", description="traced (composed from traced phases) or provisional (learned model)")
     overhead: dict[str, Any]
     recompute_overhead_fraction: float = Field(description="extra compute per step, fraction of step compute")
     alternatives: list[Alternative] = []
@@ -192,6 +208,9 @@ class Prediction(BaseModel):
     breakdown: dict[str, int]
     num_layers: int
     k: int
+    peak_phase: str | None = None
+    path: str = "traced"
+    notes: list[str] = []
 
 
 class PredictResponse(BaseModel):

@@ -83,9 +83,14 @@ def spec_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _hf_config(cfg: dict[str, Any]):
     """A ``transformers.PretrainedConfig`` for the dict, falling back to Llama for unknown families."""
+    import copy
+
     from transformers import AutoConfig, LlamaConfig
 
-    kwargs = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
+    # deep copy: transformers normalises nested values (rope_scaling) in place, which would change the
+    # caller's dict (the catalog's cached entries, cache keys computed from it)
+    kwargs = {k: copy.deepcopy(v) for k, v in cfg.items()
+              if k not in ("model_type", "architectures", "transformers_version")}
     try:
         return AutoConfig.for_model(cfg["model_type"], **kwargs)
     except (KeyError, ValueError):

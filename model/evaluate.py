@@ -352,3 +352,141 @@ def cross_evaluate(df: pd.DataFrame, make_estimator: Callable[[], Any], split: s
         "per_architecture": per_arch,
     }
     return pred, upper, summary
+
+
+# -- the one curve as an estimator --------------------------------------------------------------------
+def row_configuration(row: dict[str, Any]):
+    """(ModelSpec, TrainingConfig with k = 0, HF config or None) of one flat telemetry row."""
+    import json
+
+    from data import catalog
+    from memfit.schema import ModelSpec, TrainingConfig
+
+    clean = {k: v for k, v in row.items() if not (isinstance(v, float) and v != v) and v is not None}
+    spec = ModelSpec.model_validate({k: clean[k] for k in ModelSpec.model_fields if k in clean})
+    t = {k: clean[k] for k in TrainingConfig.model_fields if k in clean}
+    if isinstance(t.get("lora_target_modules"), str):
+        t["lora_target_modules"] = json.loads(t["lora_target_modules"])
+    t["checkpoint_layers"] = []
+    training = TrainingConfig.model_validate(t)
+    hf = None
+    if spec.model_name:
+        try:
+            hf = catalog.get(spec.model_name)["hf_config"]
+        except KeyError:
+            hf = None
+    return spec, training, hf
+
+
+class CurveEstimator:
+    """:meth:`model.curve.MemoryPredictor.curve` wrapped for :func:`cross_evaluate` (fit / predict / predict_upper).
+
+    ``fit`` trains the provisional path's :class:`model.estimator.PeakMemoryRegressor` (unless
+    ``force_path == "traced"``) and calibrates each path's relative bound margin by split-conformal
+    on held-out architectures of the training rows (``alpha`` miscoverage). ``predict`` composes one
+    curve per configuration family and reads each row's k off it, so every row is answered by the
+    same function the service answers with.
+
+    Args:
+        terms: :class:`model.terms.TermsCache` of traced terms.
+        make_provisional: returns an unfitted provisional estimator.
+        force_path: None (traced when terms exist), ``"provisional"`` (never traced) or ``"traced"``.
+        alpha: bound miscoverage (0.05: 95 % coverage).
+
+    Attributes (after fit): ``margins_`` (path -> relative margin), ``path_`` (per row of the last
+    ``predict``: ``traced`` / ``provisional``).
+    """
+
+    def __init__(self, terms, make_provisional: Callable[[], Any] | None = None, force_path: str | None = None,
+                 alpha: float = 0.05, random_state: int = 0) -> None:
+        self.terms, self.make_provisional, self.force_path = terms, make_provisional, force_path
+        self.alpha, self.random_state = alpha, random_state
+
+    def _predictor(self, estimator, margins):
+        from model.curve import MemoryPredictor
+        from model.terms import TermsCache
+
+        terms = TermsCache(shipped_dir=None) if self.force_path == "provisional" else self.terms
+        return MemoryPredictor(estimator, terms, margins)
+
+    def _curves(self, predictor, X: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        cols = [c for c in FAMILY_COLUMNS if c in X.columns]
+        X = X.reset_index(drop=True)
+        pred = np.full(len(X), np.nan)
+        upper = np.full(len(X), np.nan)
+        path = [""] * len(X)
+        for _key, g in X.groupby(cols, dropna=False, sort=False):
+            spec, training, hf = row_configuration(g.iloc[0].to_dict())
+            c = predictor.curve(spec, training, hf)
+            for i, k in zip(g.index, g["num_checkpointed_layers"].astype(int)):
+                pred[i], upper[i], path[i] = c.points[k].predicted_bytes, c.points[k].upper_bytes, c.path
+        return pred, upper, path
+
+    def fit(self, X: pd.DataFrame, y, groups=None, provisional=None) -> "CurveEstimator":
+        """Fit the provisional estimator (or take ``provisional``, already fitted) and calibrate the margins."""
+        from sklearn.model_selection import GroupShuffleSplit
+
+        from model.curve import DEFAULT_MARGINS, PROVISIONAL, TRACED
+
+        y = np.asarray(y, dtype="float64")
+        groups = np.asarray(groups) if groups is not None else group_labels(X)
+        self.provisional_ = provisional
+        margins = dict(DEFAULT_MARGINS)
+        if provisional is None and self.force_path != "traced" and self.make_provisional is not None:
+            self.provisional_ = self.make_provisional().fit(X, y, groups=groups)
+        if self.provisional_ is not None:
+            margins[PROVISIONAL] = float(np.expm1(self.provisional_.conformal_log_margin_))
+        # traced margin: conformal quantile of relative residuals on held-out architectures
+        split = GroupShuffleSplit(n_splits=1, test_size=0.3, random_state=self.random_state)
+        _tr, cal = next(split.split(X, y, groups))
+        pred, _u, path = self._curves(self._predictor(self.provisional_, margins), X.iloc[cal])
+        traced = np.array([p == TRACED for p in path])
+        if traced.any():
+            resid = y[cal][traced] / pred[traced] - 1
+            n = resid.size
+            level = min(1.0, np.ceil((n + 1) * (1 - self.alpha)) / n)
+            margins[TRACED] = max(0.0, float(np.quantile(resid, level, method="higher")))
+        self.margins_ = margins
+        return self
+
+    def predict_both(self, X: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        pred, upper, self.path_ = self._curves(self._predictor(self.provisional_, self.margins_), X)
+        return pred, upper
+
+    def predict(self, X: pd.DataFrame) -> np.ndarray:
+        return self.predict_both(X)[0]
+
+    def predict_upper(self, X: pd.DataFrame) -> np.ndarray:
+        return self.predict_both(X)[1]
+
+
+def saving_errors(df: pd.DataFrame, pred) -> np.ndarray:
+    """Relative error of the predicted checkpointing saving, peak(k=0) − peak(k=L), per family that has
+    both ends measured and a measured saving of at least 1 MiB (shape (n_families,))."""
+    d = df.assign(_pred=np.asarray(pred, dtype="float64")).reset_index(drop=True)
+    cols = [c for c in FAMILY_COLUMNS if c in d.columns]
+    out = []
+    for _key, g in d.groupby(cols, dropna=False, sort=False):
+        L = int(g["num_layers"].iloc[0])
+        lo, hi = g[g["num_checkpointed_layers"] == 0], g[g["num_checkpointed_layers"] == L]
+        if lo.empty or hi.empty or not np.isfinite(lo["_pred"].iloc[0]) or not np.isfinite(hi["_pred"].iloc[0]):
+            continue
+        true = float(lo["peak_allocated_bytes"].iloc[0] - hi["peak_allocated_bytes"].iloc[0])
+        if true < (1 << 20):
+            continue
+        out.append(abs(float(lo["_pred"].iloc[0] - hi["_pred"].iloc[0]) - true) / true)
+    return np.asarray(out)
+
+
+def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
+    """``traced`` where the row's configuration has traced terms in ``terms``, else ``provisional``."""
+    from model.terms import not_traceable_reason, terms_key
+
+    cols = [c for c in FAMILY_COLUMNS if c in df.columns]
+    d = df.reset_index(drop=True)
+    out = np.full(len(d), "provisional", dtype=object)
+    for _key, g in d.groupby(cols, dropna=False, sort=False):
+        spec, training, hf = row_configuration(g.iloc[0].to_dict())
+        if hf is not None and not_traceable_reason(spec, training) is None and terms.get(terms_key(hf, training)):
+            out[g.index] = "traced"
+    return out

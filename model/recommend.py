@@ -1,7 +1,7 @@
 """Recommendation: the smallest number k of checkpointed layers whose bounded total fits.
 
-For one model and training configuration, the predictor is called once for all k = 0..L (one
-booster call), giving the predicted allocated peak and its calibrated upper bound; the overhead
+For one model and training configuration, :meth:`model.curve.MemoryPredictor.curve` gives the
+predicted allocated peak and its calibrated upper bound for all k = 0..L; the overhead
 (:mod:`model.overhead`) is added to the bound; the answer is the smallest k whose bound fits
 ``capacity × (1 − headroom)``. Recompute cost: re-running the forward of k of L layers costs about
 k/L of a forward pass, and a forward is about a third of a training step's compute (backward ≈ 2×
@@ -11,40 +11,38 @@ so the overhead fraction is ``k / (3 L)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 
 from memfit.schema import ModelSpec, TrainingConfig
-from model.analytic import analytic_estimate
-from model.estimator import PeakMemoryRegressor
-from model.features import curve_matrix
+from model.curve import Curve, CurvePoint, MemoryPredictor
 from model.overhead import Overhead, OverheadModel
-
-
-@dataclass(frozen=True)
-class CurvePoint:
-    k: int
-    predicted_bytes: int  # predicted peak allocated bytes
-    upper_bytes: int  # calibrated upper bound of allocated bytes
-    total_upper_bytes: int  # upper bound + overhead: what must fit on the device
 
 
 @dataclass
 class Plan:
-    """Answer for one configuration (bytes per device)."""
+    """Answer for one configuration (bytes per device).
+
+    ``curve`` is the predictor's whole curve; ``total_upper_bytes[k]`` is its bound at k plus the
+    overhead (CUDA context, cuBLAS, NCCL, fragmentation): what must fit in ``usable_bytes``.
+    """
 
     fits: bool
     k: int | None
     layers: list[int]
-    curve: list[CurvePoint]
+    curve: Curve
+    total_upper_bytes: list[int]
     capacity_bytes: int
     usable_bytes: int
     overhead: Overhead
-    breakdown: dict[str, int] = field(default_factory=dict)
     recompute_fraction: float = 0.0
     shortfall_bytes: int = 0
+
+    @property
+    def at(self) -> CurvePoint:
+        """The curve point at the recommended k (at k = L when nothing fits)."""
+        return self.curve.points[self.k if self.k is not None else len(self.curve.points) - 1]
 
 
 def layer_indices(k: int, num_layers: int, pipeline_parallel_size: int = 1, method: str = "block") -> list[int]:
@@ -69,16 +67,12 @@ def layer_indices(k: int, num_layers: int, pipeline_parallel_size: int = 1, meth
     return sorted(out)
 
 
-def curve_rows(model: ModelSpec, training: TrainingConfig) -> pd.DataFrame:
-    """Flat feature rows for k = 0..L (what :class:`PeakMemoryRegressor` takes)."""
-    base = {**model.model_dump(mode="json"), **training.model_dump(mode="json", exclude={"checkpoint_layers"})}
-    return pd.DataFrame([{**base, "num_checkpointed_layers": k} for k in range(model.num_layers + 1)])
-
-
-def plan(est: PeakMemoryRegressor, model: ModelSpec, training: TrainingConfig, *, capacity_bytes: int,
-         headroom_fraction: float = 0.05, device_name: str | None = None, gpu_count: int = 1,
-         overhead_model: OverheadModel | None = None, layout: str = "block") -> Plan:
+def plan(predictor: MemoryPredictor, model: ModelSpec, training: TrainingConfig, *, capacity_bytes: int,
+         hf_config: dict | None = None, headroom_fraction: float = 0.05, device_name: str | None = None,
+         gpu_count: int = 1, overhead_model: OverheadModel | None = None, layout: str = "block") -> Plan:
     """Smallest k whose upper bound plus overhead fits ``capacity_bytes × (1 − headroom_fraction)``.
+
+    The curve comes from :meth:`model.curve.MemoryPredictor.curve`, the one curve every caller uses.
 
     Raises:
         ValueError: headroom outside [0, 0.9] or capacity <= 0.
@@ -88,40 +82,17 @@ def plan(est: PeakMemoryRegressor, model: ModelSpec, training: TrainingConfig, *
     if capacity_bytes <= 0:
         raise ValueError("capacity_bytes must be > 0")
     overhead_model = overhead_model or OverheadModel()
-    base, ratio = est.predict_matrix(curve_matrix(model, training))
-    # Checkpointing one more layer never needs more memory (up to a recompute transient the telemetry
-    # tests bound): take the running max from the top, which only ever raises values (conservative).
-    pred = np.maximum.accumulate(np.exp(base + ratio)[::-1])[::-1]
-    upper = np.maximum.accumulate(np.exp(base + ratio + est.conformal_log_margin_)[::-1])[::-1]
+    c = predictor.curve(model, training, hf_config)
     usable = int(capacity_bytes * (1 - headroom_fraction))
-    curve = []
-    for k, (p, u) in enumerate(zip(pred, upper)):
-        ov = overhead_model.overhead(u, device_name, gpu_count)
-        curve.append(CurvePoint(k, int(p), int(u), int(u) + ov.total_bytes))
-    fitting = [c.k for c in curve if c.total_upper_bytes <= usable]
-    k = fitting[0] if fitting else None
-    at = curve[k if k is not None else model.num_layers]
-    ov = overhead_model.overhead(at.upper_bytes, device_name, gpu_count)
-    chosen = training.model_copy(update={"checkpoint_layers": list(range(at.k))})
+    totals = [p.upper_bytes + overhead_model.overhead(p.upper_bytes, device_name, gpu_count).total_bytes
+              for p in c.points]
+    k = next((i for i, t in enumerate(totals) if t <= usable), None)
+    at = k if k is not None else model.num_layers
     return Plan(
         fits=k is not None, k=k,
         layers=layer_indices(k, model.num_layers, training.pipeline_parallel_size, layout) if k is not None else [],
-        curve=curve, capacity_bytes=capacity_bytes, usable_bytes=usable, overhead=ov,
-        breakdown=breakdown(model, chosen, at.predicted_bytes),
+        curve=c, total_upper_bytes=totals, capacity_bytes=capacity_bytes, usable_bytes=usable,
+        overhead=overhead_model.overhead(c.points[at].upper_bytes, device_name, gpu_count),
         recompute_fraction=(k or 0) / (3 * model.num_layers),
-        shortfall_bytes=0 if k is not None else at.total_upper_bytes - usable,
+        shortfall_bytes=0 if k is not None else totals[at] - usable,
     )
-
-
-def breakdown(model: ModelSpec, training: TrainingConfig, predicted_bytes: int) -> dict[str, int]:
-    """Analytic parts of a predicted peak; ``other`` is what the prediction adds beyond them."""
-    e = analytic_estimate(model, training)
-    parts = {
-        "parameters_bytes": e.states.weights_bytes,
-        "gradients_bytes": e.states.gradients_bytes,
-        "optimizer_states_bytes": e.states.optimizer_bytes,
-        "activations_bytes": e.activations_bytes + e.checkpoint_inputs_bytes + e.recompute_bytes,
-        "logits_bytes": e.logits_bytes,
-    }
-    parts["other_bytes"] = max(0, int(predicted_bytes) - sum(parts.values()))
-    return parts

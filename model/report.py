@@ -214,26 +214,58 @@ def _figures(out: Path, df: pd.DataFrame, pred: np.ndarray, upper: np.ndarray | 
     ax.set(xlabel="relative error (predicted - measured) / measured, %", title="Error by held-out architecture")
     paths["error_by_architecture"] = _save(fig, out / "error_by_architecture.png")
 
-    fams = _pick_families(df[ok], arch[ok], [c for c in FAMILY_COLUMNS if c in df.columns], 3)
-    if fams:
-        fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 4), squeeze=False)
-        for ax, (name, idx) in zip(axes[0], fams):
-            idx = np.asarray(idx)
-            rows = df.loc[idx]
-            k = rows["num_checkpointed_layers"].to_numpy()
-            order = np.argsort(k)
-            pos = df.index.get_indexer(idx)[order]
-            ax.plot(k[order], y[pos] / GIB, "o-", label="measured")
-            ax.plot(k[order], pred[pos] / GIB, "s--", label="predicted")
-            if upper is not None:
-                ax.plot(k[order], upper[pos] / GIB, "^:", label="upper bound")
-            r = rows.iloc[0]
-            ax.set(xlabel="checkpointed layers k", ylabel="peak (GiB)",
-                   title=f"{name}\nmb={r['micro_batch_size']} seq={r['seq_len']} {r['precision']} {r['sharding']}")
-            ax.title.set_fontsize(8)
-            ax.legend(fontsize=7)
+    fig = _curves(df, pred, upper, ok, arch, [c for c in FAMILY_COLUMNS if c in df.columns])
+    if fig is not None:
         paths["memory_vs_k"] = _save(fig, out / "memory_vs_k.png")
     return paths
+
+
+def _curves(df: pd.DataFrame, pred: np.ndarray, upper: np.ndarray | None, ok: np.ndarray, arch: np.ndarray,
+            cols: list[str]):
+    """One panel per held-out architecture: measured and predicted peak (and bound) over k, side by side."""
+    import matplotlib.pyplot as plt
+
+    fams = _pick_families(df[ok], arch[ok], cols, 10_000)
+    if not fams:
+        return None
+    y = df["peak_allocated_bytes"].to_numpy(dtype="float64")
+    ncol = min(6, len(fams))
+    nrow = -(-len(fams) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.2 * ncol, 2.6 * nrow), squeeze=False)
+    for ax in axes.ravel()[len(fams):]:
+        ax.axis("off")
+    for ax, (name, idx) in zip(axes.ravel(), fams):
+        rows = df.loc[np.asarray(idx)]
+        k = rows["num_checkpointed_layers"].to_numpy()
+        order = np.argsort(k)
+        pos = df.index.get_indexer(np.asarray(idx))[order]
+        ax.plot(k[order], y[pos] / GIB, "o-", ms=3, label="measured")
+        ax.plot(k[order], pred[pos] / GIB, "s--", ms=3, label="predicted")
+        if upper is not None:
+            ax.plot(k[order], upper[pos] / GIB, ":", lw=0.8, label="bound")
+        r = rows.iloc[0]
+        ax.set_title(f"{name}\nmb={r['micro_batch_size']} s={r['seq_len']} {r['precision']} {r['sharding']}",
+                     fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.set_xlabel("checkpointed layers k", fontsize=6)
+        ax.set_ylabel("peak GiB", fontsize=6)
+    axes.ravel()[0].legend(fontsize=6)
+    return fig
+
+
+def curves_figure(out_dir: str | Path, df: pd.DataFrame, pred, upper=None) -> Path:
+    """Write ``memory_vs_k.png``: per held-out architecture, predicted vs measured curves over k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from model.evaluate import FAMILY_COLUMNS, group_labels
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pred = np.asarray(pred, dtype="float64")
+    fig = _curves(df, pred, None if upper is None else np.asarray(upper, dtype="float64"), np.isfinite(pred),
+                  group_labels(df), [c for c in FAMILY_COLUMNS if c in df.columns])
+    return _save(fig, out / "memory_vs_k.png")
 
 
 def _pick_families(df: pd.DataFrame, arch: np.ndarray, cols: list[str], n: int) -> list[tuple[str, list]]:

@@ -23,13 +23,14 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from data.store import TelemetryStore
-from memfit.api import PredictRequest, PredictResponse, Prediction, Recommendation, RecommendRequest
+from memfit.api import PredictRequest, PredictResponse, Recommendation, RecommendRequest
 from model.overhead import OverheadModel
 from model.registry import Registry
+from model.terms import TermsCache
 from service.limits import BodyLimitMiddleware, problem
 from service.models import ModelHolder
-from service.recommender import resolve_model, training_config
 from service.settings import Settings
+from service.tracing import BackgroundTracer
 
 log = logging.getLogger("memfit.service")
 
@@ -64,7 +65,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="memfit", version="0.1.0",
                   description="Fit LLM training into GPU memory with the least activation recomputation.")
     store = TelemetryStore(settings.db_url)
-    holder = ModelHolder(Registry(settings.registry_dir), _overhead_from(store))
+    terms = TermsCache(settings.db_url)
+    holder = ModelHolder(Registry(settings.registry_dir), _overhead_from(store), terms=terms,
+                         tracer=BackgroundTracer(terms))
     holder.refresh()
     app.state.settings, app.state.store, app.state.models = settings, store, holder
     Instrumentator(excluded_handlers=["/metrics"]).instrument(app).expose(app, include_in_schema=False)
@@ -124,33 +127,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.post("/predict", response_model=PredictResponse)
     def predict(req: PredictRequest) -> PredictResponse:
-        import pandas as pd
-
-        from model.recommend import breakdown, curve_rows
-
         rec = recommender()
-        rows, parts = [], []
         try:
-            for i, item in enumerate(req.items):
-                spec = resolve_model(item.model)
-                gpus = item.cluster.gpu_count if item.cluster else 1
-                training, spec = training_config(item.training, spec, gpus)
-                if item.k > spec.num_layers:
-                    raise ValueError(f"items.{i}.k={item.k} must be in [0, num_layers={spec.num_layers}]")
-                rows.append(curve_rows(spec, training).iloc[[item.k]])
-                parts.append((spec, training.model_copy(update={"checkpoint_layers": list(range(item.k))}), item))
+            out = [rec.predict(item, i) for i, item in enumerate(req.items)]
         except (KeyError, ValueError) as err:
             raise bad_input(err) from err
-        X = pd.concat(rows, ignore_index=True)
-        pred, upper = rec.est.predict(X), rec.est.predict_upper(X)  # one booster call each for the batch
-        out = []
-        for (spec, training, item), p, u in zip(parts, pred, upper):
-            total = None
-            if item.cluster is not None:
-                total = int(u) + rec.overhead.overhead(u, item.cluster.gpu, item.cluster.gpu_count).total_bytes
-            out.append(Prediction(predicted_peak_bytes=int(p), upper_bound_bytes=int(u), total_upper_bytes=total,
-                                  breakdown=breakdown(spec, training, int(p)), num_layers=spec.num_layers,
-                                  k=item.k))
         return PredictResponse(predictions=out, model_version=rec.version)
 
     @app.post("/telemetry", response_model=IngestResponse, dependencies=[Depends(require_token)])

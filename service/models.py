@@ -8,7 +8,9 @@ from pathlib import Path
 
 from model.overhead import OverheadModel
 from model.registry import IncompatibleArtifact, Registry
+from model.terms import TermsCache
 from service.recommender import Recommender
+from service.tracing import BackgroundTracer
 
 log = logging.getLogger("memfit.service")
 
@@ -21,9 +23,12 @@ class ModelHolder:
     serving.
     """
 
-    def __init__(self, registry: Registry, overhead: OverheadModel | None = None) -> None:
+    def __init__(self, registry: Registry, overhead: OverheadModel | None = None, terms: TermsCache | None = None,
+                 tracer: BackgroundTracer | None = None) -> None:
         self.registry = registry
         self.overhead = overhead or OverheadModel()
+        self.terms = terms if terms is not None else TermsCache()
+        self.tracer = tracer
         self.recommender: Recommender | None = None
         self.last_error: str | None = None
         self._seen: tuple[str | None, float] | None = None
@@ -54,7 +59,8 @@ class ModelHolder:
                 return False
             meta = loaded.meta
             self.recommender = Recommender(loaded.estimator, loaded.version, self.overhead,
-                                           meta.get("telemetry_range", {}))
+                                           meta.get("telemetry_range", {}), terms=self.terms,
+                                           margins=meta.get("bound_margins"), tracer=self.tracer)
             self.last_error = None
             log.info("serving model %s", loaded.version)
             return True

@@ -31,6 +31,7 @@ simulated: the collector requires both sizes to be 1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from typing import Any
@@ -261,6 +262,94 @@ def _cluster(device: str, training: TrainingConfig) -> ClusterSpec:
                        transformers_version=transformers.__version__, deepspeed_version=ds_version)
 
 
+
+@dataclasses.dataclass
+class PreparedModel:
+    """A model built, fine-tuned and sharded for measurement, with what a step needs (see :func:`prepared_model`)."""
+
+    model: Any
+    layers: Any
+    spec: Any
+    training: TrainingConfig
+    tracker: LiveStorageTracker | None
+    cluster: ClusterSpec
+    use_autocast: bool
+    amp_dtype: Any
+    on: str
+    zero1_group: Any
+    method: Method
+
+    def live(self) -> int:
+        """Live bytes now: the tracker's count, or CUDA's allocated bytes."""
+        return self.tracker.live_bytes if self.tracker else torch.cuda.memory_allocated()
+
+    def input_ids(self, micro_batch_size: int, seq_len: int):
+        """Random token ids of shape ``(micro_batch_size, seq_len)``."""
+        return torch.randint(0, self.spec.vocab_size, (micro_batch_size, seq_len), device=self.on)
+
+    def make_optimizer(self):
+        """A fresh optimizer over the trainable parameters (bf16 + fp32 master wrapper where set)."""
+        kind, group = self.training.optimizer, self.zero1_group
+        if self.training.precision is Precision.BF16_FP32_MASTER:
+            return MasterWeightsOptimizer(self.model.parameters(),
+                                          lambda ps: make_optimizer(kind, ps, process_group=group))
+        return make_optimizer(kind, self.model.parameters(), process_group=group)
+
+
+@contextlib.contextmanager
+def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model_name: str | None = None,
+                   device: str = "fake", seed: int = 0):
+    """Build the model of ``hf_config`` for ``training`` inside the measuring context and yield a
+    :class:`PreparedModel`: random weights, fine-tuning applied, no layer checkpointed yet, FSDP2
+    applied for ``zero2``/``zero3``/FSDP sharding over a fake process group of ``data_parallel_size``.
+
+    Raises:
+        ValueError: unsupported configuration (tensor/pipeline parallel > 1, Adafactor under FSDP2) or a
+            sequence longer than a learned position table.
+    """
+    _check_supported(training)
+    limit = max_seq_len(hf_config)
+    if limit is not None and training.seq_len > limit:
+        raise ValueError(f"seq_len={training.seq_len} exceeds this model's learned position embeddings: "
+                         f"allowed 1..{limit}")
+    torch.manual_seed(seed)
+    ctx, method = _device_context(device)
+    world = training.data_parallel_size
+    group = _fake_process_group(world) if training.sharding is not Sharding.NONE else None
+    mesh = None
+    if training.sharding in _FSDP_RESHARD:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda" if device == "cuda" else "cpu", (world,))  # outside the fake mode
+    tracker = LiveStorageTracker() if method is not Method.CUDA else None
+    amp_dtype = _HALF.get(training.precision)
+    on = "cuda" if device == "cuda" else "cpu"
+    cluster = _cluster(device, training)
+    sdpa_ctx = _cuda_sdpa_kernels() if device == "fake" else contextlib.nullcontext()
+    with quiet_transformers(), sdpa_ctx, ctx, (tracker or contextlib.nullcontext()):
+        model = build_causal_lm(hf_config, dtype=param_dtype(training.precision), attention=training.attention.value)
+        if model.config._attn_implementation == "eager" and training.attention is not Attention.EAGER:
+            training = training.model_copy(update={"attention": Attention.EAGER})  # family lacks SDPA
+        layers = decoder_layers(model)
+        model = _apply_finetune(model, training, layers)
+        spec = model_spec(hf_config, model, name=model_name)  # counts include LoRA adapters
+        reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
+        apply_activation_checkpointing(model, [], layers=layers, use_reentrant=reentrant)
+        if mesh is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": _FSDP_RESHARD[training.sharding]}
+            if amp_dtype is not None:
+                kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
+            for layer in layers:
+                fully_shard(layer, **kw)
+            fully_shard(model, **kw)
+        yield PreparedModel(model=model, layers=layers, spec=spec, training=training, tracker=tracker,
+                            cluster=cluster, use_autocast=amp_dtype is not None and mesh is None, amp_dtype=amp_dtype,
+                            on=on, zero1_group=group if training.sharding is Sharding.ZERO1 else None,
+                            method=method)
+
+
 def measure(
     hf_config: dict[str, Any],
     training: TrainingConfig,
@@ -313,60 +402,18 @@ def measure_family(
     sweep's time. ``warmup`` full steps run before the peak window opens (the GPU validation uses 1).
     On CUDA an out-of-memory step yields a record with ``oom=True`` and the device capacity as peak.
     """
-    _check_supported(training)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    limit = max_seq_len(hf_config)
-    if limit is not None and training.seq_len > limit:
-        raise ValueError(f"seq_len={training.seq_len} exceeds this model's learned position embeddings: "
-                         f"allowed 1..{limit}")
-    torch.manual_seed(seed)
-    ctx, method = _device_context(device)
-    world = training.data_parallel_size
-    group = _fake_process_group(world) if training.sharding is not Sharding.NONE else None
-    mesh = None
-    if training.sharding in _FSDP_RESHARD:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cuda" if device == "cuda" else "cpu", (world,))  # outside the fake mode
-    tracker = LiveStorageTracker() if method is not Method.CUDA else None
-    amp_dtype = _HALF.get(training.precision)
-    use_autocast = amp_dtype is not None and mesh is None
-    on = "cuda" if device == "cuda" else "cpu"
-    cluster = _cluster(device, training)
-
-    def live() -> int:
-        return tracker.live_bytes if tracker else torch.cuda.memory_allocated()
-
-    sdpa_ctx = _cuda_sdpa_kernels() if device == "fake" else contextlib.nullcontext()
-    with quiet_transformers(), sdpa_ctx, ctx, (tracker or contextlib.nullcontext()):
-        model = build_causal_lm(hf_config, dtype=param_dtype(training.precision), attention=training.attention.value)
-        if model.config._attn_implementation == "eager" and training.attention is not Attention.EAGER:
-            training = training.model_copy(update={"attention": Attention.EAGER})  # family lacks SDPA
-        layers = decoder_layers(model)
-        model = _apply_finetune(model, training, layers)
-        spec = model_spec(hf_config, model, name=model_name)  # counts include LoRA adapters
+    with prepared_model(hf_config, training, model_name=model_name, device=device, seed=seed) as run:
+        model, layers, spec, tracker, training = run.model, run.layers, run.spec, run.tracker, run.training
         reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
-        apply_activation_checkpointing(model, [], layers=layers, use_reentrant=reentrant)
-        if mesh is not None:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": _FSDP_RESHARD[training.sharding]}
-            if amp_dtype is not None:
-                kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
-            for layer in layers:
-                fully_shard(layer, **kw)
-            fully_shard(model, **kw)
-        ids = torch.randint(0, spec.vocab_size, (training.micro_batch_size, training.seq_len), device=on)
-        zero1_group = group if training.sharding is Sharding.ZERO1 else None
+        ids = run.input_ids(training.micro_batch_size, training.seq_len)
+        use_autocast, on, amp_dtype, cluster, live = run.use_autocast, run.on, run.amp_dtype, run.cluster, run.live
+        method = run.method
 
         for plan_layers in checkpoint_plans:
             plan = apply_activation_checkpointing(model, plan_layers, layers=layers, use_reentrant=reentrant)
-            if training.precision is Precision.BF16_FP32_MASTER:
-                opt = MasterWeightsOptimizer(
-                    model.parameters(), lambda ps: make_optimizer(training.optimizer, ps, process_group=zero1_group))
-            else:
-                opt = make_optimizer(training.optimizer, model.parameters(), process_group=zero1_group)
+            opt = run.make_optimizer()
             if prime:
                 _prime_optimizer(model, opt)
             oom = False

@@ -156,10 +156,13 @@ def _estimator_params(a: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
-def _load_current(registry, gate_df: pd.DataFrame, log: Callable[[str], None]) -> dict[str, Any]:
-    """The current model's identity and gate metrics, or why it counts as absent."""
-    from model.evaluate import metrics
+def _load_current(registry, gate_df: pd.DataFrame, log: Callable[[str], None], terms=None) -> dict[str, Any]:
+    """The current model's identity and gate metrics (through the same curve as the new one), or why it
+    counts as absent."""
+    from model.curve import PROVISIONAL
+    from model.evaluate import CurveEstimator, metrics
     from model.registry import IncompatibleArtifact
+    from model.terms import TermsCache
 
     out: dict[str, Any] = {"version": registry.current(), "status": "absent", "metrics": None}
     if out["version"] is None:
@@ -168,7 +171,11 @@ def _load_current(registry, gate_df: pd.DataFrame, log: Callable[[str], None]) -
         cur = registry.load()
         if len(gate_df):
             y = gate_df["peak_allocated_bytes"].to_numpy(dtype="float64")
-            out["metrics"] = metrics(y, cur.estimator.predict(gate_df), cur.estimator.predict_upper(gate_df))
+            ce = CurveEstimator(terms if terms is not None else TermsCache())
+            ce.provisional_ = cur.estimator
+            ce.margins_ = {PROVISIONAL: float(np.expm1(cur.estimator.conformal_log_margin_)),
+                           **cur.meta.get("bound_margins", {})}
+            out["metrics"] = metrics(y, *ce.predict_both(gate_df))
         else:
             out["metrics"] = metrics([], [], [])
         out["status"] = "loaded"
@@ -184,7 +191,8 @@ def _load_current(registry, gate_df: pd.DataFrame, log: Callable[[str], None]) -
 def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, Any]) -> int:
     """The retraining steps (see the module docstring); fills ``summary``; returns the exit code."""
     from model.estimator import PeakMemoryRegressor
-    from model.evaluate import SPLITS, cross_evaluate, gate_mask, group_labels, load_rows, metrics
+    from model.evaluate import SPLITS, CurveEstimator, cross_evaluate, gate_mask, group_labels, load_rows, metrics
+    from model.terms import TermsCache
     from model.registry import Registry, fingerprint
     from model.report import json_safe, write_report
 
@@ -214,12 +222,13 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
         raise BadInput(f"rows of {len(set(groups))} architecture(s); need >= {MIN_ARCHITECTURES} "
                        "(calibration holds out architectures)")
 
-    log(f"[2/6] evaluating ({', '.join(SPLITS)}) with {params or 'default parameters'}")
+    log(f"[2/6] evaluating the curve ({', '.join(SPLITS)}) with {params or 'default parameters'}")
+    terms = TermsCache()
     results: dict[str, Any] = {}
     oof: tuple[np.ndarray, np.ndarray] | None = None
     for split in SPLITS:
-        pred, upper, s = cross_evaluate(df, lambda: PeakMemoryRegressor(**params), split,
-                                        progress=lambda m: log(f"      {m}"))
+        pred, upper, s = cross_evaluate(df, lambda: CurveEstimator(terms, lambda: PeakMemoryRegressor(**params)),
+                                        split, progress=lambda m: log(f"      {m}"))
         results[split] = s
         if split == "leave_architecture_out":
             oof = (pred, upper)
@@ -248,11 +257,13 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
     log(f"      trained on {len(train_df)} rows in {train_s:.1f}s; conformal log margin "
         f"{est.conformal_log_margin_:.4f} (x{np.exp(est.conformal_log_margin_):.3f})")
 
+    curve_est = CurveEstimator(terms).fit(train_df, y_train, groups=group_labels(train_df), provisional=est)
+    log(f"      bound margins per path: {curve_est.margins_}")
+
     log("[5/6] comparing with the current model on the gate rows")
     y_gate = gate_df["peak_allocated_bytes"].to_numpy(dtype="float64")
-    new_gate = metrics(y_gate, est.predict(gate_df), est.predict_upper(gate_df)) if len(gate_df) else \
-        metrics([], [], [])
-    current = _load_current(registry, gate_df, log)
+    new_gate = metrics(y_gate, *curve_est.predict_both(gate_df)) if len(gate_df) else metrics([], [], [])
+    current = _load_current(registry, gate_df, log, terms)
     promote, reason = promotion_decision(new_gate, current["metrics"] if current["status"] == "loaded" else None)
     log(f"      new gate MAPE {new_gate['mape_pct']:.3f}% coverage {new_gate['coverage']:.3f}; current "
         f"{current['version'] or 'none'} ({current['status']}); "
@@ -286,7 +297,9 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
                             "architectures": sorted(set(group_labels(train_df))), "sources": at["sources"]},
                # the service warns when a request goes beyond what the telemetry covered
                "telemetry_range": {f"max_{c}": float(train_df[c].max())
-                                   for c in ("total_params", "seq_len", "micro_batch_size")}})
+                                   for c in ("total_params", "seq_len", "micro_batch_size")},
+               # relative bound margin per curve path (model.curve), calibrated on held-out architectures
+               "bound_margins": curve_est.margins_})
     summary["version"] = version
     results["promotion"] = {"version": version, "promoted": promote, "reason": reason,
                             "previous": current["version"]}

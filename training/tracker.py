@@ -60,8 +60,12 @@ class LiveStorageTracker(TorchDispatchMode):
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.phase: Phase = Phase.INIT
-        self.peak_phase: Phase = Phase.INIT
+        self.phase: Phase | str = Phase.INIT
+        self.peak_phase: Phase | str = Phase.INIT
+        self.phase_peaks: dict[str, int] = {}  # phase name -> peak live bytes inside that phase (see enter_phase)
+        self._phase_peak = 0
+        #: when a list, every allocation appends (phase, live bytes after it): the step's memory timeline
+        self.timeline: list[tuple[str, int]] | None = None
         self._bytes: dict[int, int] = {}  # id(storage) -> counted bytes
         self._refs: dict[int, weakref.ref] = {}
         self._orig_resize = None
@@ -72,9 +76,26 @@ class LiveStorageTracker(TorchDispatchMode):
     # -- bookkeeping -------------------------------------------------------------------------
     def _bump(self, delta: int) -> None:
         self.live_bytes += delta
-        if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
-            self.peak_phase = self.phase
+        if self.timeline is not None and delta > 0:
+            self.timeline.append((self.phase, self.live_bytes))
+        if self.live_bytes > self._phase_peak:
+            self._phase_peak = self.live_bytes
+            if self.live_bytes > self.peak_bytes:
+                self.peak_bytes = self.live_bytes
+                self.peak_phase = self.phase
+
+    def enter_phase(self, name: str) -> None:
+        """Close the current phase's peak into :attr:`phase_peaks` and open phase ``name``.
+
+        A phase's peak starts at the live bytes on entry, so a phase in which nothing is allocated
+        still reports what was alive in it. Re-entering a phase keeps the larger peak.
+        """
+        key = str(self.phase)
+        self.phase_peaks[key] = max(self.phase_peaks.get(key, 0), self._phase_peak)
+        self.phase = name
+        self._phase_peak = self.live_bytes
+        if self.timeline is not None:
+            self.timeline.append((name, self.live_bytes))
 
     def track_storage(self, st: torch.UntypedStorage) -> None:
         """Count a storage (idempotent); re-count it if its size changed since last seen."""
@@ -113,9 +134,11 @@ class LiveStorageTracker(TorchDispatchMode):
         self.track_storage(t.untyped_storage())
 
     def reset_peak(self) -> None:
-        """Start a new peak window at the current live bytes."""
+        """Start a new peak window at the current live bytes (phase peaks included)."""
         self.peak_bytes = self.live_bytes
         self.peak_phase = self.phase
+        self.phase_peaks = {}
+        self._phase_peak = self.live_bytes
 
     # -- mode ----------------------------------------------------------------------------------
     def __enter__(self):

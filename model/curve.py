@@ -1,0 +1,177 @@
+"""The one memory curve: peak, bound, breakdown and peak phase for every k, for every caller.
+
+``/predict``, ``/recommend``, the CLI, evaluation and the report all call
+:meth:`MemoryPredictor.curve`. Two paths produce it:
+
+* **traced**: the configuration's per-phase terms are in the :class:`model.terms.TermsCache` (shipped
+  for the catalog, or traced once for a new config); the peak over k is composed by
+  :func:`model.compose.compose` (0.04 % MAPE in ``shared/design/peak-composition.md``);
+* **provisional**: no terms yet (a never-seen config whose trace is pending, or a setup the tracer
+  does not cover — see :func:`model.terms.not_traceable_reason`); the LightGBM
+  :class:`model.estimator.PeakMemoryRegressor` answers, and the answer says so.
+
+Every curve is shaped the same way, by construction:
+
+* **monotone in k**: the point at k is the max over k' ≥ k of the path's raw values (checkpointing
+  more layers can only be answered with at most the memory of fewer; a rise from a recompute
+  transient is carried down to smaller k, which is conservative);
+* **never below the model-state floor**: weights + gradients + optimizer states
+  (:func:`model.analytic.model_state_bytes`), all live at the optimizer step;
+* **a breakdown that adds up exactly**: parameters, gradients and optimizer states as live in the
+  phase where the peak falls, and the rest as ``activations_bytes`` (forward/backward phases) or
+  ``optimizer_temporaries_bytes`` (optimizer phase);
+* **a bound whose width depends on the path**: ``upper = point × (1 + margin[path])``, each margin a
+  split-conformal quantile of relative residuals on held-out architectures (see
+  :mod:`benchmarks.accuracy`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from memfit.schema import ModelSpec, Sharding, TrainingConfig
+from model.analytic import model_state_bytes
+from model.compose import compose
+from model.terms import TermsCache, not_traceable_reason, terms_key
+
+TRACED, PROVISIONAL = "traced", "provisional"
+#: default relative bound margins per path until calibrated (measured in benchmarks/results/accuracy.txt)
+DEFAULT_MARGINS = {TRACED: 0.005, PROVISIONAL: 0.30}
+_STATE_PHASES_WITH_GRADS = {"bwd.emb", "opt"}
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """One k of a curve (bytes per device).
+
+    Attributes:
+        k: checkpointed decoder layers (the first k of each pipeline stage).
+        predicted_bytes: predicted peak allocated bytes.
+        upper_bytes: calibrated upper bound of the peak allocated bytes.
+        peak_phase: phase where the peak falls (``fwd.layers`` … ``opt``), None on the provisional path.
+        breakdown: parts of ``predicted_bytes``; they add up to it exactly.
+    """
+
+    k: int
+    predicted_bytes: int
+    upper_bytes: int
+    peak_phase: str | None
+    breakdown: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A configuration's whole curve, k = 0..L, and how it was made.
+
+    Attributes:
+        path: ``traced`` or ``provisional``.
+        points: one :class:`CurvePoint` per k, index = k.
+        floor_bytes: the model-state floor no point goes below.
+        terms_key: the traced-terms key of the configuration, None when not traceable.
+        reason: why the curve is provisional (None on the traced path).
+    """
+
+    path: str
+    points: list[CurvePoint]
+    floor_bytes: int
+    terms_key: str | None
+    reason: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def breakdown(model: ModelSpec, training: TrainingConfig, predicted_bytes: int, phase: str | None) -> dict[str, int]:
+    """Split a predicted peak into model states live in ``phase`` and the rest (adds up exactly).
+
+    Gradients are counted as live from the end of backward (``bwd.emb``) through the optimizer step;
+    before that they build up layer by layer and are part of ``activations_bytes``. On the
+    provisional path (``phase`` None) all states are counted.
+    """
+    s = model_state_bytes(model, training)
+    grads = s.gradients_bytes if phase is None or phase in _STATE_PHASES_WITH_GRADS else 0
+    parts = {"parameters_bytes": s.weights_bytes, "gradients_bytes": grads, "optimizer_states_bytes": s.optimizer_bytes}
+    rest = int(predicted_bytes) - sum(parts.values())
+    if rest < 0:  # cannot happen above the floor; keep the parts honest if it ever does
+        raise ValueError(f"predicted {predicted_bytes} B is below the model states {sum(parts.values())} B")
+    parts["optimizer_temporaries_bytes" if phase == "opt" else "activations_bytes"] = rest
+    return parts
+
+
+class MemoryPredictor:
+    """Answers :meth:`curve` from traced terms when it has them, else from the provisional estimator.
+
+    Args:
+        estimator: a fitted :class:`model.estimator.PeakMemoryRegressor` (the provisional path), or None.
+        terms: the traced-terms cache.
+        margins: relative bound margin per path (:data:`DEFAULT_MARGINS` when None).
+        tracer: optional callable ``(key, hf_config, training) -> None`` asked to trace a missing key
+            (e.g. in a background process); the curve is answered provisionally meanwhile.
+    """
+
+    def __init__(self, estimator: Any = None, terms: TermsCache | None = None,
+                 margins: dict[str, float] | None = None, tracer: Any = None) -> None:
+        self.estimator = estimator
+        self.terms = terms if terms is not None else TermsCache()
+        self.margins = {**DEFAULT_MARGINS, **(margins or {})}
+        self.tracer = tracer
+
+    def curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None) -> Curve:
+        """The whole curve over k = 0..``model.num_layers`` for one configuration (bytes per device).
+
+        Args:
+            model: the architecture with its total and trainable parameter counts.
+            training: the configuration; its ``checkpoint_layers`` are ignored.
+            hf_config: the HF config dict the model is built from (needed for the traced path).
+
+        Raises:
+            ValueError: no path can answer (no terms and no provisional estimator).
+        """
+        L = model.num_layers
+        floor = model_state_bytes(model, training).total_bytes
+        reason = not_traceable_reason(model, training)
+        key = None
+        raw = phases = None
+        if reason is None and hf_config is not None:
+            key = terms_key(hf_config, training)
+            terms = self.terms.get(key)
+            if terms is not None:
+                long = terms.get("long")
+                coef = long["coef"] if long and training.seq_len >= long["min_seq_len"] else terms["coef"]
+                c = compose(coef, L, training.micro_batch_size, training.seq_len, terms.get("period", 1))
+                raw, phases = c.peak_bytes.astype(np.float64), c.phase
+            else:
+                reason = "this configuration has not been traced yet"
+                if self.tracer is not None:
+                    self.tracer(key, hf_config, training)
+                    reason += "; tracing it now (about 10 s), ask again for the traced answer"
+        elif reason is None:
+            reason = "no HF config to trace"
+        path = TRACED if raw is not None else PROVISIONAL
+        if raw is None:
+            if self.estimator is None:
+                raise ValueError(f"no traced terms for this configuration ({reason}) and no provisional model loaded")
+            from model.features import curve_matrix
+
+            base, ratio = self.estimator.predict_matrix(curve_matrix(model, training))
+            raw, phases = np.exp(base + ratio), [None] * (L + 1)
+        # envelope over k' >= k (monotone, conservative), then the state floor
+        point = np.maximum(np.maximum.accumulate(raw[::-1])[::-1], floor)
+        margin = self.margins[path]
+        points = []
+        for k in range(L + 1):
+            p = int(math.ceil(point[k]))
+            phase = phases[int(np.argmax(raw[k:]) + k)] if path == TRACED else None
+            points.append(CurvePoint(k=k, predicted_bytes=p, upper_bytes=int(math.ceil(p * (1 + margin))),
+                                     peak_phase=phase, breakdown=breakdown(model, training, p, phase)))
+        notes = []
+        if path == PROVISIONAL:
+            notes.append(f"provisional answer (learned model): {reason}")
+        if model.num_experts is not None:
+            notes.append("MoE is approximate: expert routing is not traced; the learned model answers")
+        if training.sharding is not Sharding.NONE and path == TRACED:
+            notes.append(f"sharding traced over a fake process group of {training.data_parallel_size} ranks")
+        return Curve(path=path, points=points, floor_bytes=floor, terms_key=key, reason=reason if path ==
+                     PROVISIONAL else None, notes=notes)

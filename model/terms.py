@@ -1,0 +1,131 @@
+"""Traced phase terms: which configurations the traced path covers, their cache key, and the cache.
+
+A configuration's terms (:class:`training.phases.PhaseTerms`, stored as JSON) depend on the
+architecture's HF config and on everything in the training configuration except micro-batch size,
+sequence length and which layers are checkpointed: those three are composed
+(:mod:`model.compose`). :func:`terms_key` hashes exactly those inputs.
+
+:class:`TermsCache` holds terms by key: the terms shipped with memfit (``data/terms/*.jsonl``, traced
+for the catalog architectures by ``python -m training.terms``) plus an optional SQLAlchemy table for
+terms traced at run time (``phase_terms``, in the telemetry store's database). Entries are never
+overwritten: a key is traced once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from memfit.schema import Attention, FineTune, ModelSpec, Sharding, TrainingConfig
+
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "terms"
+
+# HF config keys that never change a training step's memory (provenance, inference-only settings).
+_IGNORED_KEYS = frozenset({"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
+                           "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "auto_map",
+                           "quantization_config", "_commit_hash", "output_attentions", "output_hidden_states"})
+
+
+def not_traceable_reason(model: ModelSpec, training: TrainingConfig) -> str | None:
+    """Why the traced path can't answer this configuration (None when it can).
+
+    Not covered: MoE (data-dependent routing under fake tensors), ``frozen`` fine-tuning (its layers
+    are not alike), ZeRO-1 (``ZeroRedundancyOptimizer`` assigns whole parameters to ranks greedily, so
+    rank 0's share of a 1- or 2-layer model does not compose), tensor/pipeline parallelism (not
+    simulated by the collector).
+    """
+    if model.num_experts is not None:
+        return "MoE routing is data-dependent under fake tensors"
+    if training.finetune is FineTune.FROZEN:
+        return "frozen fine-tuning mixes frozen and trainable layers"
+    if training.sharding is Sharding.ZERO1:
+        return "ZeRO-1 partitions whole parameters greedily per rank"
+    if training.tensor_parallel_size > 1 or training.pipeline_parallel_size > 1:
+        return "tensor/pipeline parallelism is not simulated"
+    return None
+
+
+def canonical_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The memory-relevant part of a HF config dict (provenance and inference-only keys dropped)."""
+    return {k: v for k, v in sorted(hf_config.items()) if k not in _IGNORED_KEYS}
+
+
+def training_key_fields(training: TrainingConfig) -> dict[str, Any]:
+    """Training fields the traced terms depend on (micro-batch, sequence length, k are composed)."""
+    attention = Attention.SDPA if training.attention is Attention.FLASH else training.attention
+    return {
+        "precision": training.precision.value, "optimizer": training.optimizer.value,
+        "sharding": training.sharding.value,
+        "data_parallel_size": training.data_parallel_size if training.sharding is not Sharding.NONE else 1,
+        "attention": attention.value, "finetune": training.finetune.value, "lora_rank": training.lora_rank,
+        "lora_target_modules": sorted(training.lora_target_modules) if training.lora_target_modules else None,
+        "frozen_layers": training.frozen_layers, "checkpoint_impl": training.checkpoint_impl.value,
+    }
+
+
+def terms_key(hf_config: dict[str, Any], training: TrainingConfig) -> str:
+    """SHA-256 (hex) of the canonical config and :func:`training_key_fields`."""
+    body = json.dumps({"config": canonical_config(hf_config), "training": training_key_fields(training)},
+                      sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+class TermsCache:
+    """Traced terms by :func:`terms_key`: shipped JSONL files plus an optional database table.
+
+    Args:
+        url: SQLAlchemy URL of the database holding the ``phase_terms`` table; None keeps run-time
+            entries in memory only.
+        shipped_dir: folder of shipped ``*.jsonl`` files (one JSON object per line with ``key`` and
+            ``terms``).
+    """
+
+    def __init__(self, url: str | None = None, shipped_dir: Path | None = SHIPPED_DIR) -> None:
+        self._mem: dict[str, dict[str, Any]] = {}
+        for path in sorted(Path(shipped_dir).glob("*.jsonl")) if shipped_dir and Path(shipped_dir).is_dir() else []:
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    entry = json.loads(line)
+                    self._mem.setdefault(entry["key"], entry["terms"])
+        self._engine = self._table = None
+        if url is not None:
+            import sqlalchemy as sa
+
+            self._engine = sa.create_engine(url)
+            meta = sa.MetaData()
+            self._table = sa.Table("phase_terms", meta, sa.Column("key", sa.String(64), primary_key=True),
+                                   sa.Column("model_name", sa.String(128)), sa.Column("terms_json", sa.Text))
+            meta.create_all(self._engine)
+
+    def __len__(self) -> int:
+        return len(self._mem)
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """Terms JSON for ``key``, or None when not traced yet."""
+        hit = self._mem.get(key)
+        if hit is None and self._engine is not None:
+            import sqlalchemy as sa
+
+            with self._engine.connect() as conn:
+                row = conn.execute(sa.select(self._table.c.terms_json).where(self._table.c.key == key)).first()
+            if row is not None:
+                hit = self._mem[key] = json.loads(row[0])
+        return hit
+
+    def put(self, key: str, terms: dict[str, Any], model_name: str | None = None) -> bool:
+        """Store terms once; returns False (and keeps the stored entry) when ``key`` exists."""
+        if self.get(key) is not None:
+            return False
+        self._mem[key] = terms
+        if self._engine is not None:
+            import sqlalchemy as sa
+
+            with self._engine.begin() as conn:
+                try:
+                    conn.execute(self._table.insert().values(key=key, model_name=model_name,
+                                                             terms_json=json.dumps(terms)))
+                except sa.exc.IntegrityError:
+                    return False
+        return True

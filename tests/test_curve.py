@@ -1,0 +1,130 @@
+"""The one curve (model.curve.MemoryPredictor.curve): its shape guarantees, and parity of every caller."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from data import catalog
+from memfit.api import PredictItem, RecommendRequest
+from memfit.schema import FineTune, TrainingConfig
+from model.analytic import model_state_bytes
+from model.curve import PROVISIONAL, TRACED, MemoryPredictor
+from model.terms import SHIPPED_DIR, TermsCache, terms_key
+from service.recommender import Recommender, lora_trainable_params
+
+GIB = 1 << 30
+
+
+def _shipped_entries() -> list[dict]:
+    out = []
+    for path in sorted(SHIPPED_DIR.glob("*.jsonl")):
+        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+ENTRIES = _shipped_entries()
+
+
+@pytest.fixture(scope="module")
+def predictor() -> MemoryPredictor:
+    return MemoryPredictor(None, TermsCache())
+
+
+def _config(entry: dict, mb: int, seq: int):
+    name = entry["model_name"]
+    spec = catalog.spec(name)
+    t = dict(entry["training"])
+    if t["sharding"] == "none":
+        t.pop("data_parallel_size")
+    training = TrainingConfig(micro_batch_size=mb, seq_len=seq, **{k: v for k, v in t.items() if v is not None})
+    if training.finetune is FineTune.LORA:
+        extra = lora_trainable_params(spec, training.lora_rank, training.lora_target_modules)
+        spec = spec.model_copy(update={"total_params": spec.total_params + extra, "trainable_params": extra})
+    return spec, training, catalog.get(name)["hf_config"]
+
+
+def test_shipped_terms_cover_every_catalog_architecture():
+    names = {e["model_name"] for e in ENTRIES}
+    dense = {n for n in catalog.names() if catalog.spec(n).num_experts is None}
+    assert dense <= names, f"catalog architectures without shipped terms: {sorted(dense - names)}"
+
+
+def test_property_curves_over_10000_random_configurations(predictor):
+    """Monotone in k (non-increasing), in micro-batch and in sequence length (non-decreasing), never below
+    the model-state floor, breakdown adding up exactly — on the traced path, for 10,000 random configs."""
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(10_000):
+        entry = ENTRIES[rng.integers(len(ENTRIES))]
+        cap = 1024 if entry["model_name"].startswith(("gpt2", "opt", "gpt-neo")) else 65536
+        mb, seq = int(rng.integers(1, 33)), int(rng.integers(16, cap // 2))
+        spec, training, hf = _config(entry, mb, seq)
+        c = predictor.curve(spec, training, hf)
+        assert c.path == TRACED
+        pts = np.array([p.predicted_bytes for p in c.points])
+        up = np.array([p.upper_bytes for p in c.points])
+        assert (np.diff(pts) <= 0).all() and (np.diff(up) <= 0).all()
+        floor = model_state_bytes(spec, training).total_bytes
+        assert c.floor_bytes == floor and (pts >= floor).all() and (up >= pts).all()
+        k = int(rng.integers(spec.num_layers + 1))
+        assert sum(c.points[k].breakdown.values()) == c.points[k].predicted_bytes
+        more_mb = predictor.curve(spec, training.model_copy(update={"micro_batch_size": mb + 1}), hf)
+        more_seq = predictor.curve(spec, training.model_copy(update={"seq_len": seq + int(rng.integers(1, 512))}), hf)
+        assert all(a.predicted_bytes <= b.predicted_bytes for a, b in zip(c.points, more_mb.points))
+        assert all(a.predicted_bytes <= b.predicted_bytes for a, b in zip(c.points, more_seq.points))
+        checked += 1
+    assert checked == 10_000
+
+
+@pytest.fixture(scope="module")
+def recommender(small_registry) -> Recommender:
+    loaded = small_registry.load()
+    return Recommender(loaded.estimator, loaded.version)
+
+
+@pytest.mark.parametrize("model,training", [
+    ("llama-3-8b", {"micro_batch_size": 2, "seq_len": 4096, "precision": "bf16"}),
+    ("qwen2.5-7b", {"micro_batch_size": 1, "seq_len": 8192}),
+    ("gpt2-xl", {"micro_batch_size": 8, "seq_len": 1024, "optimizer": "adamw_fused"}),
+    ("llama-2-13b", {"micro_batch_size": 1, "seq_len": 2048, "finetune": "frozen", "frozen_layers": 20}),  # provisional
+    ("mixtral-8x7b", {"micro_batch_size": 1, "seq_len": 2048, "finetune": "lora", "lora_rank": 16}),  # provisional
+])
+def test_predict_equals_recommend_at_every_k(recommender, model, training):
+    req = RecommendRequest.model_validate({"model": model, "training": training, "cluster": {"gpu": "H200"}})
+    rec = recommender.recommend(req)
+    for point in rec.curve:
+        p = recommender.predict(PredictItem.model_validate({"model": model, "training": training, "k": point.k,
+                                                            "cluster": {"gpu": "H200"}}))
+        assert p.predicted_peak_bytes == point.predicted_bytes and p.upper_bound_bytes == point.upper_bytes
+        assert p.total_upper_bytes == point.total_upper_bytes and p.path == rec.path
+    assert sum(rec.breakdown.values()) == rec.predicted_peak_bytes
+    expected = PROVISIONAL if training.get("finetune") == "frozen" or model.startswith("mixtral") else TRACED
+    assert rec.path == expected
+    if expected == PROVISIONAL:
+        assert any("provisional" in w for w in rec.warnings)
+
+
+def test_provisional_curve_keeps_the_shape(recommender):
+    """The learned path too: monotone in k and never below the state floor (the old /predict was not)."""
+    c, spec, training = recommender.curve("mistral-7b-v0.1", RecommendRequest.model_validate(
+        {"model": "x", "training": {"micro_batch_size": 2, "seq_len": 4096, "precision": "bf16", "finetune": "frozen",
+                                    "frozen_layers": 8}, "cluster": {"gpu": "H200"}}).training)
+    pts = [p.predicted_bytes for p in c.points]
+    assert c.path == PROVISIONAL and all(b <= a for a, b in zip(pts, pts[1:]))
+    assert min(pts) >= model_state_bytes(spec, training).total_bytes
+
+
+def test_untraced_config_is_provisional_then_traced_once():
+    calls = []
+    cache = TermsCache(shipped_dir=None)
+    p = MemoryPredictor(None, cache, tracer=lambda key, cfg, t: calls.append(key))
+    spec, training, hf = _config(ENTRIES[0], 1, 1024)
+    with pytest.raises(ValueError, match="no provisional model"):
+        p.curve(spec, training, hf)
+    assert calls == [terms_key(hf, training)]
+    entry_terms = TermsCache().get(calls[0])
+    assert cache.put(calls[0], entry_terms) and not cache.put(calls[0], entry_terms)  # stored once, never overwritten
+    assert p.curve(spec, training, hf).path == TRACED

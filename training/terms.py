@@ -1,0 +1,119 @@
+"""Trace and ship phase terms for catalog architectures: ``python -m training.terms``.
+
+For every distinct (architecture, training key) in the telemetry dataset, and for each catalog
+architecture under the default request settings, trace :func:`training.phases.trace_terms` once and
+append a line ``{"key", "model_name", "training", "terms"}`` to ``data/terms/<file>.jsonl``. Keys already
+in the file are skipped, so the job resumes where it stopped; lines are flushed one by one.
+
+    python -m training.terms --telemetry data/telemetry/telemetry.parquet --out data/terms/catalog.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from data import catalog
+from memfit.schema import FineTune, Optimizer, Precision, TrainingConfig
+from model.terms import not_traceable_reason, terms_key, training_key_fields
+
+#: the settings a request gets when it says nothing (memfit.api defaults), traced for every catalog model
+DEFAULT_SETTINGS = [
+    {"precision": Precision.AMP_BF16, "optimizer": Optimizer.ADAMW_FOREACH},
+    {"precision": Precision.BF16, "optimizer": Optimizer.ADAMW_FOREACH},
+    {"precision": Precision.AMP_BF16, "optimizer": Optimizer.ADAMW_FUSED},
+]
+
+
+def jobs_from_telemetry(path: str | Path) -> list[tuple[str, TrainingConfig]]:
+    """(model_name, training) for each distinct traced key in a telemetry Parquet file."""
+    import pandas as pd
+
+    from memfit.schema import TelemetryRecord
+
+    df = pd.read_parquet(path)
+    out, seen = [], set()
+    for _, row in df.iterrows():
+        rec = TelemetryRecord.from_row(row.to_dict())
+        if not_traceable_reason(rec.model, rec.training) or rec.model.model_name is None:
+            continue
+        sig = (rec.model.model_name, json.dumps(training_key_fields(rec.training), sort_keys=True))
+        if sig not in seen:
+            seen.add(sig)
+            out.append((rec.model.model_name, rec.training))
+    return out
+
+
+#: configurations of the public reports the tests pose (tests/test_cases.py), traced ahead like the catalog
+PUBLIC_CASE_JOBS = [
+    ("llama-2-7b", TrainingConfig(micro_batch_size=2, seq_len=512, precision=Precision.BF16,
+                                  sharding="fsdp_full_shard", data_parallel_size=4)),
+]
+
+
+def default_jobs() -> list[tuple[str, TrainingConfig]]:
+    """Every catalog architecture (MoE excluded) under :data:`DEFAULT_SETTINGS`, full fine-tune, and
+    :data:`PUBLIC_CASE_JOBS`."""
+    out = list(PUBLIC_CASE_JOBS)
+    for name in catalog.names():
+        if catalog.spec(name).num_experts is not None:
+            continue
+        for s in DEFAULT_SETTINGS:
+            out.append((name, TrainingConfig(micro_batch_size=1, seq_len=1024, finetune=FineTune.FULL, **s)))
+    return out
+
+
+def run(jobs: list[tuple[str, TrainingConfig]], out: Path) -> dict[str, Any]:
+    """Trace each job not yet in ``out``; returns counts and the slowest trace."""
+    from training.phases import trace_terms
+
+    done = set()
+    if out.exists():
+        done = {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stats: dict[str, Any] = {"traced": 0, "skipped": 0, "failed": [], "slowest_s": 0.0, "slowest": None}
+    with out.open("a") as fh:
+        for name, training in jobs:
+            cfg = catalog.get(name)["hf_config"]
+            key = terms_key(cfg, training)
+            if key in done:
+                stats["skipped"] += 1
+                continue
+            t0 = time.perf_counter()
+            try:
+                terms = trace_terms(cfg, training)
+            except Exception as err:  # noqa: BLE001 - one architecture's failure must not stop the job
+                stats["failed"].append(f"{name} {training_key_fields(training)}: {err}")
+                print(f"FAILED {name}: {err}", flush=True)
+                continue
+            dt = time.perf_counter() - t0
+            fh.write(json.dumps({"key": key, "model_name": name, "training": training_key_fields(training),
+                                 "terms": terms.to_json()}) + "\n")
+            fh.flush()
+            done.add(key)
+            stats["traced"] += 1
+            if dt > stats["slowest_s"]:
+                stats["slowest_s"], stats["slowest"] = round(dt, 2), name
+            print(f"{stats['traced']:4d} {name:24s} {dt:5.1f}s {training_key_fields(training)}", flush=True)
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.terms", description=__doc__.split("\n\n")[0])
+    p.add_argument("--telemetry", type=Path, help="trace every key of this telemetry Parquet file")
+    p.add_argument("--defaults", action="store_true", help="trace every catalog model under the default settings")
+    p.add_argument("--out", type=Path, default=Path("data/terms/catalog.jsonl"))
+    args = p.parse_args(argv)
+    jobs = (default_jobs() if args.defaults else []) + (jobs_from_telemetry(args.telemetry) if args.telemetry else [])
+    if not jobs:
+        p.error("give --telemetry PATH and/or --defaults")
+    stats = run(jobs, args.out)
+    print(json.dumps(stats, indent=1))
+    return 1 if stats["failed"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
