@@ -51,13 +51,17 @@ def unwrap(model):
     return model
 
 
+def clean_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A HF config dict without the keys that say nothing about memory (names, labels, dtype, ...)."""
+    return {k: v for k, v in cfg.items() if k not in _DROP_KEYS}
+
+
 def hf_config_dict(model) -> dict[str, Any] | None:
     """The model's HF config as a JSON-safe dict (memory-irrelevant keys dropped), or None."""
     config = getattr(unwrap(model), "config", None)
     if config is None or not hasattr(config, "to_dict") or not getattr(config, "model_type", None):
         return None
-    d = json.loads(json.dumps(config.to_dict(), default=str))
-    return {k: v for k, v in d.items() if k not in _DROP_KEYS}
+    return clean_hf_config(json.loads(json.dumps(config.to_dict(), default=str)))
 
 
 def parameter_counts(model) -> tuple[int, int]:
