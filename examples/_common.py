@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+
+
+def cpu_frameworks() -> None:
+    """Without CUDA, tell DeepSpeed (imported by transformers/accelerate when installed) to use its CPU
+    accelerator instead of logging a warning that it guessed so."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def parser(description: str) -> argparse.ArgumentParser:

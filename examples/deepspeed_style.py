@@ -15,8 +15,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from _common import parser, plan_source, print_plan, setup_logging
+from _common import cpu_frameworks, parser, plan_source, print_plan, setup_logging
 from torch import nn
+
+cpu_frameworks()
 
 import memfit
 from memfit.api import ArchitectureIn

@@ -3,6 +3,7 @@
     python examples/fsdp2.py --k 2
     python examples/fsdp2.py --url http://127.0.0.1:8000
 
+Question: which blocks must I checkpoint to fit, and does the plan survive FSDP2 sharding?
 Order matters: memfit.apply (checkpoint_wrapper on the chosen blocks) *before* fully_shard.
 """
 
@@ -49,10 +50,12 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, ids):
-        h = self.embed(ids)
+        """Next-token cross-entropy loss of ``ids`` (a scalar: FSDP2's root module then returns a fresh
+        tensor, not a view of the logits, which its pre-backward hook would warn about)."""
+        h = self.embed(ids[:, :-1])
         for block in self.blocks:
             h = block(h)
-        return self.head(h)
+        return nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
 def main() -> None:
@@ -83,8 +86,7 @@ def main() -> None:
         ids = torch.randint(0, VOCAB, (4, SEQ))
         verified = False
         for step in range(args.steps):
-            logits = model(ids[:, :-1])
-            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            loss = model(ids)
             loss.backward()
             opt.step()
             opt.zero_grad()

@@ -1,7 +1,11 @@
 """HF Trainer + MemfitTrainerCallback on a tiny random Llama (CPU, a few seconds).
 
+Question: which decoder layers must I checkpoint so this training fits the GPU memory I have?
+
     python examples/hf_trainer.py --k 2                     # no service: checkpoint the first 2 layers
-    python examples/hf_trainer.py --url http://127.0.0.1:8000 --gpu-memory-gib 0.25
+    python examples/hf_trainer.py --url http://127.0.0.1:8000   # ask the service; the capacity is read
+                                                                # off its curve so about half the layers
+                                                                # must be checkpointed
 
 The Trainer enables activation checkpointing on every layer inside train(); the callback re-applies
 the plan at on_train_begin and verifies after the first step that exactly those layers recomputed.
@@ -16,7 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from _common import parser, plan_source, print_plan, setup_logging
+from _common import cpu_frameworks, parser, plan_source, print_plan, setup_logging
+
+cpu_frameworks()
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import memfit

@@ -332,3 +332,4 @@ def test_examples_run_on_cpu(script, k):
                          text=True, timeout=300, cwd=ROOT, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"applied plan: k={k}" in out.stdout and "verified=True" in out.stdout, out.stdout
+    assert "warn" not in (out.stdout + out.stderr).lower(), out.stderr[-3000:]  # e.g. FSDP2's view-output warning
