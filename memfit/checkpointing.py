@@ -473,7 +473,8 @@ def verify(plan: AppliedCheckpointing, *, strict: bool = False) -> bool:
     """After the first backward: did exactly the planned layers recompute?
 
     Logs the outcome; on a mismatch warns (:class:`MemfitWarning`) or, with ``strict``, raises
-    ``RuntimeError``. Typical causes: no backward ran yet, ``gradient_checkpointing_enable()`` was
+    ``RuntimeError``. Typical causes: no backward ran yet, HF's ``activation_checkpointing_enable()``
+    (``gradient_checkpointing_enable()`` before transformers 5) was
     called after :func:`apply` (it overwrites the plan), or reentrant layers whose inputs do not
     require grad.
 
@@ -487,7 +488,8 @@ def verify(plan: AppliedCheckpointing, *, strict: bool = False) -> bool:
            f"recomputed (missing {plan.missing}, unexpected {plan.unexpected})")
     if not plan.recomputed and plan.k:
         msg += ("; nothing recomputed: no backward yet, checkpointing overwritten after memfit.apply "
-                "(e.g. gradient_checkpointing_enable), or inputs that do not require grad")
+                "(e.g. activation_checkpointing_enable / gradient_checkpointing_enable), or inputs that do not "
+                "require grad")
     if strict:
         raise RuntimeError(msg)
     _warn(msg)

@@ -83,12 +83,17 @@ def test_fallback_and_no_fit_checkpoint_every_layer():
         apply(model, rec_for([0], num_layers=8), strict=True)
 
 
-def test_verify_catches_a_plan_overwritten_after_apply():
+@pytest.mark.parametrize("enable", ["activation_checkpointing_enable", "gradient_checkpointing_enable"])
+def test_verify_catches_a_plan_overwritten_after_apply(enable):
+    """transformers 5's activation_checkpointing_enable (what the HF Trainer calls inside train()) and its
+    deprecated alias gradient_checkpointing_enable both overwrite the plan; verify says so."""
     model = llama()
+    if not hasattr(model, enable):
+        pytest.skip(f"{enable} is not in this transformers")
     plan = apply(model, rec_for([1]))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable()  # what the HF Trainer does inside train()
+        warnings.simplefilter("ignore", FutureWarning)  # the deprecated alias warns
+        getattr(model, enable)()
     step(model)
     assert plan.recomputed == set()
     with pytest.warns(MemfitWarning, match=r"missing \[1\].*nothing recomputed"):

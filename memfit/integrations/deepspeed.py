@@ -193,8 +193,8 @@ def _is_hf_model(model: Any) -> bool:
             return True
     except ImportError:
         pass
-    return hasattr(base, "config") and (hasattr(base, "gradient_checkpointing_enable")
-                                        or hasattr(base, "activation_checkpointing_enable"))
+    return hasattr(base, "config") and (hasattr(base, "activation_checkpointing_enable")
+                                        or hasattr(base, "gradient_checkpointing_enable"))
 
 
 def check_deepspeed_config(ds_config: dict[str, Any], model: Any) -> list[str]:
