@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +136,10 @@ class CheckpointPlan:
         return plan
 
 
+#: plans whose recomputation the compiled marker op reports to, by id (weak: a dropped plan is forgotten)
+_PLANS: weakref.WeakValueDictionary[int, AppliedCheckpointing] = weakref.WeakValueDictionary()
+
+
 @dataclass
 class AppliedCheckpointing:
     """What :func:`checkpoint_layers` did.
@@ -154,6 +159,10 @@ class AppliedCheckpointing:
     use_reentrant: bool = False
     recomputed: set[int] = field(default_factory=set)
     source: str | None = None
+
+    def __post_init__(self) -> None:
+        _PLANS[id(self)] = self  # found again by the compiled recompute marker,
+        _recompute_marker()  # which is defined here, outside any torch.compile tracing
 
     @property
     def k(self) -> int:
@@ -180,10 +189,42 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@functools.cache
+def _recompute_marker():
+    """``memfit::recompute_marker(x, plan_id, layer) -> copy of x``: an op opaque to ``torch.compile``.
+
+    Inside a compiled, checkpointed block the Python counter below would be traced away (or break the
+    graph, sending the block back to eager). This op instead stays a call in the compiled graphs; the
+    partitioner recomputes it with the rest of the checkpointed region, so when it runs inside a backward
+    pass the layer is recorded as recomputed. Used only while compiling; eager runs count in Python.
+    """
+    import torch
+
+    @torch.library.custom_op("memfit::recompute_marker", mutates_args=(),
+                             schema="(Tensor x, int plan_id, int layer) -> Tensor")
+    def marker(x, plan_id, layer):
+        if _in_backward() and (plan := _PLANS.get(plan_id)) is not None:
+            plan.recomputed.add(layer)
+        return x.clone()
+
+    @marker.register_fake
+    def _(x, plan_id, layer):
+        return torch.empty_like(x)
+
+    marker.register_autograd(lambda ctx, grad: (grad, None, None))
+    return marker
+
+
 def _counting(fn, plan: AppliedCheckpointing, index: int):
-    @functools.wraps(fn)
+    """``fn`` that records ``index`` in ``plan.recomputed`` when it runs inside a backward pass (the
+    recompute of a checkpointed layer), in eager mode and inside ``torch.compile``'d blocks."""
+    import torch
+
     def run(*args, **kwargs):
-        if _in_backward():
+        if torch.compiler.is_compiling():
+            if args and isinstance(args[0], torch.Tensor):
+                args = (torch.ops.memfit.recompute_marker(args[0], id(plan), index), *args[1:])
+        elif _in_backward():
             plan.recomputed.add(index)
         return fn(*args, **kwargs)
 
