@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import ModelSpec, Sharding, TrainingConfig
-from model.analytic import model_state_bytes
+from model.analytic import ModelStates, model_state_bytes
 from model.compose import compose
 from model.terms import TermsCache, not_traceable_reason, terms_key
 
@@ -83,14 +83,18 @@ class Curve:
     notes: list[str] = field(default_factory=list)
 
 
-def breakdown(model: ModelSpec, training: TrainingConfig, predicted_bytes: int, phase: str | None) -> dict[str, int]:
-    """Split a predicted peak into model states live in ``phase`` and the rest (adds up exactly).
+def breakdown(states: ModelStates, predicted_bytes: int, phase: str | None) -> dict[str, int]:
+    """Split a predicted peak into the model states (:func:`model.analytic.model_state_bytes`) live in
+    ``phase`` and the rest; the parts add up to ``predicted_bytes`` exactly.
 
     Gradients are counted as live from the end of backward (``bwd.emb``) through the optimizer step;
     before that they build up layer by layer and are part of ``activations_bytes``. On the
     provisional path (``phase`` None) all states are counted.
+
+    Raises:
+        ValueError: ``predicted_bytes`` below the states counted.
     """
-    s = model_state_bytes(model, training)
+    s = states
     grads = s.gradients_bytes if phase is None or phase in _STATE_PHASES_WITH_GRADS else 0
     parts = {"parameters_bytes": s.weights_bytes, "gradients_bytes": grads, "optimizer_states_bytes": s.optimizer_bytes}
     rest = int(predicted_bytes) - sum(parts.values())
@@ -130,7 +134,8 @@ class MemoryPredictor:
             ValueError: no path can answer (no terms and no provisional estimator).
         """
         L = model.num_layers
-        floor = model_state_bytes(model, training).total_bytes
+        states = model_state_bytes(model, training)
+        floor = states.total_bytes
         reason = not_traceable_reason(model, training)
         key = None
         raw = phases = None
@@ -165,7 +170,7 @@ class MemoryPredictor:
             p = int(math.ceil(point[k]))
             phase = phases[int(np.argmax(raw[k:]) + k)] if path == TRACED else None
             points.append(CurvePoint(k=k, predicted_bytes=p, upper_bytes=int(math.ceil(p * (1 + margin))),
-                                     peak_phase=phase, breakdown=breakdown(model, training, p, phase)))
+                                     peak_phase=phase, breakdown=breakdown(states, p, phase)))
         notes = []
         if path == PROVISIONAL:
             notes.append(f"provisional answer (learned model): {reason}")
