@@ -134,8 +134,10 @@ def _lora(model) -> tuple[int, list[str] | None] | None:
         return None
     targets = getattr(cfg, "target_modules", None)
     if isinstance(targets, str):  # a regex in PEFT: name the modules it matched instead
-        targets = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")})
-    return r, sorted(targets) if targets else None
+        targets = [name for name, m in model.named_modules() if hasattr(m, "lora_A")]
+    # module names as PEFT's list form matches them (by suffix): "all-linear" resolves to full paths
+    leaves = sorted({str(t).rsplit(".", 1)[-1] for t in targets or ()})
+    return r, leaves or None
 
 
 def _quantization(model) -> str | None:

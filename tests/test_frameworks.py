@@ -196,7 +196,8 @@ def llama(layers: int = 4, seed: int = 0):
 
 
 def lora(model, r: int = 4, targets=("q_proj", "v_proj"), **kw):
-    return peft.get_peft_model(model, peft.LoraConfig(r=r, target_modules=list(targets), **kw))
+    targets = targets if isinstance(targets, str) else list(targets)
+    return peft.get_peft_model(model, peft.LoraConfig(r=r, target_modules=targets, **kw))
 
 
 def test_describe_reads_rank_targets_and_trainable_count_from_peft():
@@ -212,6 +213,12 @@ def test_describe_reads_rank_targets_and_trainable_count_from_peft():
     # per layer: q (64->64), k (64->32), v (64->32), o (64->64); r x (in + out) each
     assert trainable == 4 * 8 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64))
     assert req.model["num_hidden_layers"] == 4  # the base model's HF config, through the PEFT wrapper
+
+    for targets in (r".*\.(q_proj|v_proj)", "all-linear"):  # a regex; PEFT resolves all-linear to full paths
+        req = describe(lora(llama(), targets=targets), seq_len=64, micro_batch_size=2, gpu="L4")
+        assert req.training.lora_target_modules == (
+            ["q_proj", "v_proj"] if "|" in targets else
+            ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]), targets
 
     model.add_adapter("wide", peft.LoraConfig(r=16, target_modules=["gate_proj"]))
     model.set_adapter("wide")
