@@ -52,8 +52,8 @@ class CheckpointPlan:
 
     Attributes:
         layer_indices: sorted indices into the decoder-layer list, or None for **every layer** (the
-            safe plan, used when the layer count is not known, e.g. the client's fallback for a
-            catalog name).
+            safe plan: the client's fallback, nothing fits, or an answer for another layer count),
+            which every reader can carry out without knowing the layer count.
         num_layers: L the plan was made for, or None when unknown.
         source: the recommendation's ``model_version`` (``"fallback"`` for the client's safe plan),
             None for a plain list of indices.
@@ -117,7 +117,7 @@ class CheckpointPlan:
             version = getattr(rec, "model_version", None)
             n = getattr(rec, "num_layers", 0) or None
             if version == FALLBACK_VERSION:
-                return cls(None, n or num_layers, version, "memfit service gave no answer (client fallback)")
+                return cls(None, num_layers or n, version, "memfit service gave no answer (client fallback)")
             if n is not None and num_layers is not None and n != num_layers:
                 msg = f"recommendation is for {n} layers but the model has {num_layers}: it was made for another model"
                 if strict:
@@ -129,7 +129,7 @@ class CheckpointPlan:
                 if strict:
                     raise ValueError(msg)
                 _warn(f"memfit: {msg}; checkpointing every layer, the most memory it can save", stacklevel=stacklevel)
-                return cls(None, n or num_layers, version, msg)
+                return cls(None, num_layers or n, version, msg)
             plan = cls(tuple(sorted(int(i) for i in rec.layers)), n, version)
         if num_layers is not None and plan.num_layers is None:
             plan = CheckpointPlan(plan.layer_indices, num_layers, plan.source, plan.adjusted)

@@ -55,6 +55,27 @@ def grads(model) -> dict[str, torch.Tensor | None]:
     return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
 
 
+# -- the plan: one reader of a recommendation --------------------------------------------------------
+def test_checkpoint_plan_reads_answers_fallbacks_and_lists():
+    from memfit import CheckpointPlan
+
+    plan = CheckpointPlan.from_recommendation(rec_for([2, 0], num_layers=4))
+    assert (plan.layer_indices, plan.num_layers, plan.source, plan.every_layer) == ((0, 2), 4, "0007", False)
+    assert plan.indices(4) == [0, 2] and plan.k() == 2
+    fb = CheckpointPlan.from_recommendation(fallback_recommendation(None, "down"), num_layers=6)
+    assert fb.every_layer and fb.indices(6) == list(range(6)) and fb.k() == 6 and fb.source == "fallback"
+    assert CheckpointPlan.from_recommendation(fallback_recommendation(None, "down")).k() is None  # count unknown
+    with pytest.warns(MemfitWarning, match="made for another model"):
+        assert CheckpointPlan.from_recommendation(rec_for([0], num_layers=8), num_layers=4).every_layer
+    with pytest.raises(ValueError, match="no k fits"):
+        CheckpointPlan.from_recommendation(rec_for([], k=None), strict=True)
+    assert CheckpointPlan.from_recommendation([3, 1, 1]).layer_indices == (1, 3)
+    with pytest.raises(ValueError, match="out of range: allowed \\[0, 1\\]"):
+        CheckpointPlan.from_recommendation([3]).indices(2)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        CheckpointPlan.from_recommendation([-1])
+
+
 # -- apply + verify -------------------------------------------------------------------------------------
 def test_apply_checkpoints_exactly_the_recommended_layers_and_keeps_gradients():
     ref = llama()
