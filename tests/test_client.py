@@ -336,3 +336,7 @@ def test_examples_run_on_cpu(script, k):
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"applied plan: k={k}" in out.stdout and "verified=True" in out.stdout, out.stdout
     assert "warn" not in (out.stdout + out.stderr).lower(), out.stderr[-3000:]  # e.g. FSDP2's view-output warning
+    line = next(x for x in out.stdout.splitlines() if x.startswith(f"peak at k={k}: measured"))
+    measured = float(line.split("measured ")[1].split(" MiB")[0])
+    assert measured > 1.0  # MiB: at least the tiny model's weights, gradients and Adam states
+    assert "predicted" in line
