@@ -6,7 +6,10 @@
     ...                                      # first training step
     memfit.verify(plan)                      # exactly those layers recomputed?
 
-The core needs only httpx and pydantic; torch, transformers and deepspeed are imported when used.
+A recommendation is read once into a :class:`CheckpointPlan`, which ``apply``, the DeepSpeed patch
+(:mod:`memfit.integrations.deepspeed`) and the Megatron-Core settings (:mod:`memfit.integrations.megatron`)
+all take. The core needs only httpx and pydantic; torch, transformers, peft and deepspeed are imported
+when used.
 HF Trainer callbacks (``MemfitTrainerCallback``, ``MemfitReporterCallback``) load transformers on first access.
 """
 
