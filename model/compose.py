@@ -72,12 +72,13 @@ def phase_values(coef: dict[Any, dict[str, list[float]]], micro_batch_size: int,
 
 
 def compose(coef: dict[Any, dict[str, list[float]]], num_layers: int, micro_batch_size: int, seq_len: int,
-            period: int = 1) -> ComposedCurve:
+            depths: tuple[int, int] = (1, 2)) -> ComposedCurve:
     """Peak over k = 0..``num_layers`` by the per-phase rules in this module's docstring.
 
-    ``period`` > 1: the small models held one and two whole patterns of ``period`` layer types
-    (e.g. sliding-window + full attention); each layer is charged the pattern's average increment, and
-    what the patterns share once (masks) stays in the one-layer base.
+    ``depths``: the layers of the "one" and "two" small models. Other than (1, 2) — whole patterns of
+    layer types (sliding-window + full attention), or deeper models past FSDP's prefetch edge effects —
+    each layer is charged the average increment (P(d2) − P(d1)) / (d2 − d1) and the one-layer base is
+    P(d1) − (d1 − 1) × that increment, so what the small models share once (masks) stays in the base.
 
     Raises:
         ValueError: ``num_layers`` < 1 or a small model missing from ``coef``.
@@ -88,11 +89,12 @@ def compose(coef: dict[Any, dict[str, list[float]]], num_layers: int, micro_batc
     missing = [nc for nc in VARIANTS if nc not in v]
     if missing:
         raise ValueError(f"small models {missing} missing from the traced terms")
-    if period > 1:
+    d1, d2 = depths
+    if (d1, d2) != (1, 2):
         for one, two in (((1, 0), (2, 0)), ((1, 1), (2, 2))):
             for p in PHASES:
-                d = (v[two][p] - v[one][p]) / period
-                v[one][p] -= (period - 1) * d
+                d = (v[two][p] - v[one][p]) / (d2 - d1)
+                v[one][p] -= (d1 - 1) * d
                 v[two][p] = v[one][p] + d
     L = num_layers
     k = np.arange(L + 1, dtype=np.float64)

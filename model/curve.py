@@ -145,7 +145,8 @@ class MemoryPredictor:
             if terms is not None:
                 long = terms.get("long")
                 coef = long["coef"] if long and training.seq_len >= long["min_seq_len"] else terms["coef"]
-                c = compose(coef, L, training.micro_batch_size, training.seq_len, terms.get("period", 1))
+                p = terms.get("period", 1)
+                c = compose(coef, L, training.micro_batch_size, training.seq_len, tuple(terms.get("depths", (p, 2 * p))))
                 raw, phases = c.peak_bytes.astype(np.float64), c.phase
             else:
                 reason = "this configuration has not been traced yet"

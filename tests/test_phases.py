@@ -18,7 +18,7 @@ from model.compose import PEAK_PHASES, compose
 from training.collect import measure_family
 from training.phases import PHASES, envelope_pieces, small_config, token_points, trace_terms
 
-L = 4
+L = 6
 
 
 def small_width(name: str, **over) -> dict:
@@ -59,13 +59,13 @@ def test_composed_peak_equals_full_measurement(name, fields):
         ks = [0, 1, L // 2, L]
         measured = [r.measurement.peak_allocated_bytes
                     for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)]
-        curve = compose(terms.coef, L, b, s, terms.period)
+        curve = compose(terms.coef, L, b, s, terms.depths)
         for k, m in zip(ks, measured):
             got = int(curve.peak_bytes[k])
             if terms.period == 1:  # layers alike: exact up to 512-byte rounding of tensors not traced
                 assert abs(got - m) / m < 2e-3, f"k={k} b={b} s={s}: composed {got} vs measured {m}"
-            else:  # a sliding/full pattern, k cutting through it: the average layer is charged, never less
-                assert 0 <= (got - m) / m < 1e-2, f"k={k} b={b} s={s}: composed {got} vs measured {m}"
+            else:  # a sliding/full pattern, k cutting through it: the average layer is charged (rounding aside)
+                assert -1e-4 <= (got - m) / m < 1e-2, f"k={k} b={b} s={s}: composed {got} vs measured {m}"
             assert curve.phase[k] in PEAK_PHASES
 
 
@@ -84,7 +84,7 @@ def test_sliding_window_regimes_compose_on_both_sides():
     spec = catalog.spec(cfg)
     for b, s in [(2, 1000), (1, 1024), (1, 3000)]:
         t = training.model_copy(update={"micro_batch_size": b, "seq_len": s})
-        measured = [r.measurement.peak_allocated_bytes for r in measure_family(cfg, t, [[], [0, 1, 2, 3]], prime=True,
+        measured = [r.measurement.peak_allocated_bytes for r in measure_family(cfg, t, [[], list(range(L))], prime=True,
                                                                                steps=1)]
         c = MemoryPredictor(None, cache).curve(spec, t, cfg)
         for k, m in zip((0, L), measured):

@@ -37,9 +37,11 @@ import numpy as np
 import torch
 
 from memfit.checkpointing import apply_activation_checkpointing
-from memfit.schema import CheckpointImpl, TrainingConfig
+from memfit.schema import CheckpointImpl, Sharding, TrainingConfig
 from training.collect import _prime_optimizer, max_seq_len, prepared_model
 
+#: sharding modes whose parameters FSDP2 gathers layer by layer
+SHARDED_PARAMETERS = frozenset({Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP_FULL_SHARD, Sharding.FSDP_SHARD_GRAD_OP})
 PHASES = ("rest", "fwd.layers", "fwd.head", "bwd.head", "bwd.layers", "bwd.emb", "opt")
 #: the four small models: (decoder layers, checkpointed layers)
 VARIANTS = ((1, 0), (2, 0), (1, 1), (2, 2))
@@ -133,9 +135,11 @@ class PhaseTerms:
     ``coef[(n, c)][phase]`` is a list of pieces, each a coefficient vector over :data:`BASIS_NAMES`
     (bytes), so that the phase's peak live bytes at micro-batch b and sequence length s are
     ``max(basis(b, s) @ piece for piece in pieces)``.
-    ``trace_s`` is the wall time the traces took. With layers of several types in a repeating pattern
-    of ``period`` layers (sliding-window / full attention), the "one and two layer" models hold one and
-    two whole patterns, and :func:`model.compose.compose` divides their difference by ``period``. With a
+    ``trace_s`` is the wall time the traces took. The "one and two layer" models have ``depths`` layers:
+    (1, 2) when layers are alike; with layers of several types in a repeating pattern of ``period``
+    layers (sliding-window / full attention) they hold one and two whole patterns; with FSDP-gathered
+    parameters they are (3, 4), past the edge effects of prefetching. :func:`model.compose.compose`
+    divides their difference by the depth difference. With a
     sliding window, ``coef`` holds for sequences shorter than ``long_min_seq_len`` and ``long_coef`` from
     it on (the mask exists only there).
     """
@@ -147,11 +151,12 @@ class PhaseTerms:
     period: int = 1
     long_coef: dict[tuple[int, int], dict[str, list[list[float]]]] | None = None
     long_min_seq_len: int | None = None
+    depths: tuple[int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"coef": {f"{n},{c}": v for (n, c), v in self.coef.items()}, "points": self.points,
                 "attention": self.attention, "trace_s": round(self.trace_s, 3), "basis": list(BASIS_NAMES),
-                "period": self.period,
+                "period": self.period, "depths": list(self.depths or (self.period, 2 * self.period)),
                 "long": None if self.long_coef is None else {
                     "min_seq_len": self.long_min_seq_len,
                     "coef": {f"{n},{c}": v for (n, c), v in self.long_coef.items()}}}
@@ -163,7 +168,8 @@ class PhaseTerms:
         long_coef = None if not long else {tuple(int(x) for x in k.split(",")): v for k, v in long["coef"].items()}
         return cls(coef=coef, points=[tuple(p) for p in d["points"]], attention=d["attention"],
                    trace_s=d.get("trace_s", 0.0), period=d.get("period", 1), long_coef=long_coef,
-                   long_min_seq_len=long["min_seq_len"] if long else None)
+                   long_min_seq_len=long["min_seq_len"] if long else None,
+                   depths=tuple(d["depths"]) if d.get("depths") else None)
 
 
 def _first_tensor(x):
@@ -301,13 +307,20 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     probe = training.model_copy(update={"micro_batch_size": 1, "seq_len": min(p[1] for p in regimes[0][0]),
                                         "checkpoint_layers": []})
     period = layer_period(hf_config)
-    for n in (1, 2):
-        with prepared_model(small_config(hf_config, n * period), probe) as run:
+    depths = (period, 2 * period)
+    if training.sharding in SHARDED_PARAMETERS:
+        # FSDP gathers a layer's parameters just in time, prefetches the next and reduce-scatters gradients
+        # behind: models of one or two layers hold these edge effects in other proportions than deep ones.
+        # From three layers on each layer adds the same (measured on Llama-2-7B at world size 4).
+        d1 = period * -(-3 // period)
+        depths = (d1, d1 + period)
+    for n, depth in zip((1, 2), depths):
+        with prepared_model(small_config(hf_config, depth), probe) as run:
             attention = run.training.attention.value
             opt = run.make_optimizer()
             _prime_optimizer(run.model, opt)
             for c in (0, n):
-                apply_activation_checkpointing(run.model, list(range(c * period)), layers=run.layers,
+                apply_activation_checkpointing(run.model, list(range(depth if c else 0)), layers=run.layers,
                                                use_reentrant=reentrant)
                 for (pts, grid), coef in zip(regimes, coefs):
                     timelines = []
@@ -318,4 +331,5 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
                     coef[(n, c)] = envelope_pieces(timelines, pts, grid)
             del opt
     return PhaseTerms(coef=coefs[0], points=regimes[0][0], attention=attention, trace_s=time.perf_counter() - t0,
-                      period=period, long_coef=coefs[1] if w is not None else None, long_min_seq_len=w)
+                      period=period, long_coef=coefs[1] if w is not None else None, long_min_seq_len=w,
+                      depths=depths)
