@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+
+
+def cpu_frameworks() -> None:
+    """Without CUDA, tell DeepSpeed (imported by transformers/accelerate when installed) to use its CPU
+    accelerator instead of logging a warning that it guessed so."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -14,7 +25,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gib", type=float,
                    help="device memory to plan for with --url (GiB); default: a capacity read off the served "
                         "curve so that about half the layers must be checkpointed")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2, help="training steps (default 2: the peak is in the first two)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -58,3 +69,52 @@ def plan_source(args, describe_request, num_layers: int):
 def print_plan(plan, verified: bool) -> None:
     print(f"applied plan: k={plan.k}, layers={plan.layer_indices}, mechanism={plan.mechanism}, "
           f"recomputed={sorted(plan.recomputed)}, verified={verified}")
+
+
+@contextlib.contextmanager
+def peak_meter(model):
+    """Measure the peak allocated bytes of what runs inside (``meter["bytes"]`` afterwards).
+
+    On a GPU: CUDA's allocator statistics. On CPU: the live-storage tracker memfit's telemetry is
+    collected with (``training.tracker.LiveStorageTracker``: tensor storages, 512-byte blocks), with
+    the model's parameters counted from the start.
+    """
+    import torch
+
+    meter: dict = {}
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        yield meter
+        meter.update(bytes=torch.cuda.max_memory_allocated(), method="cuda")
+        return
+    from training.tracker import LiveStorageTracker
+
+    tracker = LiveStorageTracker()
+    with tracker:
+        tracker.track_tensors(list(model.parameters()))
+        yield meter
+    meter.update(bytes=tracker.peak_bytes, method="cpu tracker")
+
+
+def predicted_peak(rec, describe_request, k: int):
+    """(predicted peak bytes at ``k``, source) from the service's curve (``--url``), else from the local
+    model registry (needs memfit[service]); (None, why) when neither answers."""
+    if rec is not None and hasattr(rec, "curve") and rec.curve:
+        return rec.curve[k].predicted_bytes, f"service, predictor {rec.model_version}"
+    try:
+        from service.cli import recommend_local
+
+        local = recommend_local(describe_request(80 << 30), None)
+    except Exception as err:  # no registry / service extra: say so instead of failing the example
+        return None, f"no local predictor ({type(err).__name__}: {err})"
+    return local.curve[k].predicted_bytes, f"local registry, predictor {local.model_version}"
+
+
+def print_measured_vs_predicted(meter: dict, predicted: tuple, k: int) -> None:
+    measured = meter.get("bytes")
+    value, source = predicted
+    line = f"peak at k={k}: measured {measured / 2**20:.2f} MiB ({meter.get('method')})"
+    if value is None:
+        print(f"{line}; predicted: n/a ({source})")
+    else:
+        print(f"{line}; predicted {value / 2**20:.2f} MiB ({source}); measured/predicted {measured / value:.2f}")

@@ -3,6 +3,9 @@
 memfit patches that function so only the chosen layers recompute. Without deepspeed installed the
 example uses memfit's stand-in (same call convention: ``checkpoint(function, *args)``).
 
+Question: which of my 6 layers must recompute so seq 32 x batch 4 fits, in a model that calls
+DeepSpeed's checkpoint for every layer?
+
     python examples/deepspeed_style.py --k 3
     python examples/deepspeed_style.py --url http://127.0.0.1:8000
 """
@@ -15,8 +18,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from _common import parser, plan_source, print_plan, setup_logging
+from _common import (
+    cpu_frameworks,
+    parser,
+    peak_meter,
+    plan_source,
+    predicted_peak,
+    print_measured_vs_predicted,
+    print_plan,
+    setup_logging,
+)
 from torch import nn
+
+cpu_frameworks()
 
 import memfit
 from memfit.api import ArchitectureIn
@@ -78,26 +92,29 @@ def main() -> None:
     model = GPTModel()
     arch = ArchitectureIn(num_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS, intermediate_size=FFN,
                           vocab_size=VOCAB)
-    rec = plan_source(args, lambda cap: memfit.describe(model, micro_batch_size=4, seq_len=SEQ, architecture=arch,
-                                                    gpu_memory_bytes=cap), LAYERS)
-    k = len(rec) if isinstance(rec, list) else rec.k
-    print("DeepSpeed JSON block:", deepspeed_activation_checkpointing_config(k if k is not None else LAYERS))
+    def request(cap):
+        return memfit.describe(model, micro_batch_size=4, seq_len=SEQ, architecture=arch, gpu_memory_bytes=cap)
+
+    rec = plan_source(args, request, LAYERS)
+    print("DeepSpeed JSON block:", deepspeed_activation_checkpointing_config(rec, num_layers=LAYERS))
     patch = patch_deepspeed_checkpointing(rec, num_layers=LAYERS, module=ds_checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, VOCAB, (4, SEQ))
+    ids = torch.randint(0, VOCAB, (4, SEQ + 1))
     verified = False
-    for step in range(args.steps):
-        patch.reset()  # one forward = LAYERS calls, in order
-        logits = model(ids[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if step == 0:
-            verified = memfit.verify(patch.plan)
-        print(f"step {step}: loss {loss.item():.4f}")
+    with peak_meter(model) as meter:
+        for step in range(args.steps):
+            patch.reset()  # one forward = LAYERS calls, in order
+            logits = model(ids[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                verified = memfit.verify(patch.plan)
+            print(f"step {step}: loss {loss.item():.4f}")
     patch.undo()
     print_plan(patch.plan, verified)
+    print_measured_vs_predicted(meter, predicted_peak(rec, request, patch.plan.k), patch.plan.k)
 
 
 if __name__ == "__main__":

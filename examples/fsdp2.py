@@ -3,6 +3,7 @@
     python examples/fsdp2.py --k 2
     python examples/fsdp2.py --url http://127.0.0.1:8000
 
+Question: which blocks must I checkpoint to fit, and does the plan survive FSDP2 sharding?
 Order matters: memfit.apply (checkpoint_wrapper on the chosen blocks) *before* fully_shard.
 """
 
@@ -17,7 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from _common import parser, plan_source, print_plan, setup_logging
+from _common import (
+    parser,
+    peak_meter,
+    plan_source,
+    predicted_peak,
+    print_measured_vs_predicted,
+    print_plan,
+    setup_logging,
+)
 from torch import nn
 
 import memfit
@@ -49,10 +58,12 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, ids):
-        h = self.embed(ids)
+        """Next-token cross-entropy loss of ``ids`` (a scalar: FSDP2's root module then returns a fresh
+        tensor, not a view of the logits, which its pre-backward hook would warn about)."""
+        h = self.embed(ids[:, :-1])
         for block in self.blocks:
             h = block(h)
-        return self.head(h)
+        return nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
 def main() -> None:
@@ -72,26 +83,30 @@ def main() -> None:
         model = TinyLM()
         arch = ArchitectureIn(num_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS, intermediate_size=FFN,
                               vocab_size=VOCAB)  # a plain model has no HF config: say what it is
-        rec = plan_source(args, lambda cap: memfit.describe(model, micro_batch_size=4, seq_len=SEQ, architecture=arch,
-                                                        gpu_memory_bytes=cap), LAYERS)
+
+        def request(cap):
+            return memfit.describe(model, micro_batch_size=4, seq_len=SEQ, architecture=arch, gpu_memory_bytes=cap)
+
+        rec = plan_source(args, request, LAYERS)
         plan = memfit.apply(model, rec, layers=model.blocks)  # 1) checkpoint the chosen blocks
         mesh = init_device_mesh("cpu", (1,))
         for block in model.blocks:  # 2) then shard
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ids = torch.randint(0, VOCAB, (4, SEQ))
+        ids = torch.randint(0, VOCAB, (4, SEQ + 1))
         verified = False
-        for step in range(args.steps):
-            logits = model(ids[:, :-1])
-            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if step == 0:
-                verified = memfit.verify(plan)
-            print(f"step {step}: loss {loss.item():.4f}")
+        with peak_meter(model) as meter:
+            for step in range(args.steps):
+                loss = model(ids)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if step == 0:
+                    verified = memfit.verify(plan)
+                print(f"step {step}: loss {loss.item():.4f}")
         print_plan(plan, verified)
+        print_measured_vs_predicted(meter, predicted_peak(rec, request, plan.k), plan.k)
     finally:
         dist.destroy_process_group()
 

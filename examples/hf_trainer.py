@@ -1,7 +1,11 @@
 """HF Trainer + MemfitTrainerCallback on a tiny random Llama (CPU, a few seconds).
 
+Question: which decoder layers must I checkpoint so this training fits the GPU memory I have?
+
     python examples/hf_trainer.py --k 2                     # no service: checkpoint the first 2 layers
-    python examples/hf_trainer.py --url http://127.0.0.1:8000 --gpu-memory-gib 0.25
+    python examples/hf_trainer.py --url http://127.0.0.1:8000   # ask the service; the capacity is read
+                                                                # off its curve so about half the layers
+                                                                # must be checkpointed
 
 The Trainer enables activation checkpointing on every layer inside train(); the callback re-applies
 the plan at on_train_begin and verifies after the first step that exactly those layers recomputed.
@@ -16,7 +20,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from _common import parser, plan_source, print_plan, setup_logging
+from _common import (
+    cpu_frameworks,
+    parser,
+    peak_meter,
+    plan_source,
+    predicted_peak,
+    print_measured_vs_predicted,
+    print_plan,
+    setup_logging,
+)
+
+cpu_frameworks()
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import memfit
@@ -47,14 +62,20 @@ def main() -> None:
     targs = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=2, use_cpu=True,
                               activation_checkpointing=True, report_to=[], save_strategy="no",
                               logging_strategy="no", disable_tqdm=True)
-    rec = plan_source(args, lambda cap: memfit.describe(model, seq_len=SEQ, training_args=targs,
-                                                        gpu_memory_bytes=cap), config.num_hidden_layers)
+    def request(cap):
+        return memfit.describe(model, seq_len=SEQ, training_args=targs, gpu_memory_bytes=cap)
+
+    rec = plan_source(args, request, config.num_hidden_layers)
     callbacks = [memfit.MemfitTrainerCallback(rec)]
     if args.url:  # on a GPU this reports the measured peak; on CPU it logs that it skipped
         callbacks.append(memfit.MemfitReporterCallback(args.url, callbacks[0], steps=2, seq_len=SEQ,
                                                        token=args.token, gpu_memory_bytes=rec.capacity_bytes))
-    Trainer(model=model, args=targs, train_dataset=RandomTokens(config.vocab_size), callbacks=callbacks).train()
-    print_plan(callbacks[0].plan, bool(callbacks[0].verified))
+    trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(config.vocab_size), callbacks=callbacks)
+    with peak_meter(model) as meter:
+        trainer.train()
+    plan = callbacks[0].plan
+    print_plan(plan, bool(callbacks[0].verified))
+    print_measured_vs_predicted(meter, predicted_peak(rec, request, plan.k), plan.k)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@
     ...                                      # first training step
     memfit.verify(plan)                      # exactly those layers recomputed?
 
-The core needs only httpx and pydantic; torch, transformers and deepspeed are imported when used.
+A recommendation is read once into a :class:`CheckpointPlan`, which ``apply``, the DeepSpeed patch
+(:mod:`memfit.integrations.deepspeed`) and the Megatron-Core settings (:mod:`memfit.integrations.megatron`)
+all take. The core needs only httpx and pydantic; torch, transformers, peft and deepspeed are imported
+when used.
 HF Trainer callbacks (``MemfitTrainerCallback``, ``MemfitReporterCallback``) load transformers on first access.
 """
 
@@ -15,13 +18,14 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.api import Recommendation, RecommendRequest
-from memfit.checkpointing import AppliedCheckpointing, MemfitWarning, apply, apply_activation_checkpointing, verify
+from memfit.checkpointing import AppliedCheckpointing, CheckpointPlan, MemfitWarning, apply, checkpoint_layers, verify
 from memfit.client import Client, FallbackRecommendation, ServiceError, is_fallback
 from memfit.describe import describe
 from memfit.reporter import flush_spool, report_peak
 
 __all__ = [
     "AppliedCheckpointing",
+    "CheckpointPlan",
     "Client",
     "FallbackRecommendation",
     "MemfitReporterCallback",
@@ -31,7 +35,7 @@ __all__ = [
     "Recommendation",
     "ServiceError",
     "apply",
-    "apply_activation_checkpointing",
+    "checkpoint_layers",
     "describe",
     "flush_spool",
     "is_fallback",
@@ -45,4 +49,8 @@ def __getattr__(name: str) -> Any:
         from memfit.integrations import hf
 
         return getattr(hf, name)
+    if name == "apply_activation_checkpointing":  # the earlier name of checkpoint_layers
+        from memfit import checkpointing
+
+        return checkpointing.apply_activation_checkpointing
     raise AttributeError(f"module 'memfit' has no attribute {name!r}")

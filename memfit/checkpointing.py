@@ -1,7 +1,10 @@
 """Apply activation checkpointing to exactly the chosen decoder layers, and count what recomputed.
 
-This is the one function both the collector and the client use, so the telemetry measures the
-checkpointing that users get.
+A recommendation is read once, into a :class:`CheckpointPlan` (which layers, for how many, from
+which model version, and why it was adjusted); :func:`apply`, the DeepSpeed patch
+(:mod:`memfit.integrations.deepspeed`) and the Megatron-Core settings (:mod:`memfit.integrations.megatron`)
+all take that plan. :func:`checkpoint_layers` is the one mechanism both the collector and the client use,
+so the telemetry measures the checkpointing that users get.
 
 * HF transformers with ``GradientCheckpointingLayer`` (>= 4.52, all of 5.x): every decoder layer has
   its own ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``; we set them per layer.
@@ -13,7 +16,9 @@ checkpointing that users get.
 
 :func:`apply` is the user-facing entry (``memfit.apply``): it applies a service recommendation and
 guards against known traps — reentrant checkpointing behind frozen embeddings (no gradients, silently),
-``torch.compile`` (can erase or invert the savings) and PEFT LoRA + ZeRO-3 + reentrant checkpointing.
+frozen (LoRA) parameters + ZeRO-3 + non-reentrant checkpointing on DeepSpeed without the recompute fix,
+whole-model ``torch.compile`` around non-reentrant checkpointing (can erase or invert the savings; per-block
+compile applied after :func:`apply`, the torchtitan way, is fine).
 :func:`verify` checks after the first backward that exactly the planned layers recomputed.
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,9 +39,110 @@ class MemfitWarning(UserWarning):
     """A memfit plan was adjusted, or may not do what it promises."""
 
 
+FALLBACK_VERSION = "fallback"
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Which decoder layers to activation-checkpoint, read once from a recommendation.
+
+    The one reader of a recommendation: :func:`apply`, :func:`memfit.integrations.deepspeed.patch_deepspeed_checkpointing`
+    and :func:`memfit.integrations.megatron.megatron_recompute_config` all take a plan (or build one
+    with :meth:`from_recommendation`).
+
+    Attributes:
+        layer_indices: sorted indices into the decoder-layer list, or None for **every layer** (the
+            safe plan: the client's fallback, nothing fits, or an answer for another layer count),
+            which every reader can carry out without knowing the layer count.
+        num_layers: L the plan was made for, or None when unknown.
+        source: the recommendation's ``model_version`` (``"fallback"`` for the client's safe plan),
+            None for a plain list of indices.
+        adjusted: why the plan differs from the recommendation's ``layers`` (fallback, nothing fits,
+            layer-count mismatch), else None.
+    """
+
+    layer_indices: tuple[int, ...] | None
+    num_layers: int | None = None
+    source: str | None = None
+    adjusted: str | None = None
+
+    @property
+    def every_layer(self) -> bool:
+        return self.layer_indices is None
+
+    def indices(self, num_layers: int) -> list[int]:
+        """The checkpointed indices for a model with ``num_layers`` decoder layers.
+
+        Raises:
+            ValueError: an index outside ``[0, num_layers)``.
+        """
+        if self.layer_indices is None:
+            return list(range(num_layers))
+        bad = [i for i in self.layer_indices if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"layer_indices {bad} out of range: allowed [0, {num_layers - 1}]")
+        return list(self.layer_indices)
+
+    def k(self, num_layers: int | None = None) -> int | None:
+        """Checkpointed layers; None for an every-layer plan whose layer count is unknown."""
+        if self.layer_indices is not None:
+            return len(self.layer_indices)
+        return num_layers if num_layers is not None else self.num_layers
+
+    @classmethod
+    def from_recommendation(cls, rec: Any, *, num_layers: int | None = None, strict: bool = False,
+                            stacklevel: int = 3) -> CheckpointPlan:
+        """Read a :class:`memfit.api.Recommendation`, a plan or a list of layer indices.
+
+        Args:
+            rec: the service's answer, the client's fallback, a :class:`CheckpointPlan`, or indices.
+            num_layers: decoder layers of the live model when known (checked against the answer's).
+            strict: raise instead of adjusting the plan with a :class:`MemfitWarning`.
+
+        The client's fallback (``model_version == "fallback"``) is every layer, silently (the client
+        already warned). A ``k=None`` answer (nothing fits) and an answer made for another layer count
+        become every layer, with a warning.
+
+        Raises:
+            ValueError: with ``strict``, for nothing fits or a layer-count mismatch; an index < 0.
+        """
+        if isinstance(rec, CheckpointPlan):
+            plan = rec
+        elif not hasattr(rec, "layers"):
+            chosen = tuple(sorted({int(i) for i in rec}))
+            if any(i < 0 for i in chosen):
+                raise ValueError(f"layer indices {[i for i in chosen if i < 0]} must be >= 0")
+            plan = cls(chosen, num_layers)
+        else:
+            version = getattr(rec, "model_version", None)
+            n = getattr(rec, "num_layers", 0) or None
+            if version == FALLBACK_VERSION:
+                return cls(None, num_layers or n, version, "memfit service gave no answer (client fallback)")
+            if n is not None and num_layers is not None and n != num_layers:
+                msg = f"recommendation is for {n} layers but the model has {num_layers}: it was made for another model"
+                if strict:
+                    raise ValueError(msg)
+                _warn(f"memfit: {msg}; checkpointing every layer instead", stacklevel=stacklevel)
+                return cls(None, num_layers, version, msg)
+            if rec.k is None:
+                msg = "recommendation says no k fits (see its alternatives)"
+                if strict:
+                    raise ValueError(msg)
+                _warn(f"memfit: {msg}; checkpointing every layer, the most memory it can save", stacklevel=stacklevel)
+                return cls(None, num_layers or n, version, msg)
+            plan = cls(tuple(sorted(int(i) for i in rec.layers)), n, version)
+        if num_layers is not None and plan.num_layers is None:
+            plan = CheckpointPlan(plan.layer_indices, num_layers, plan.source, plan.adjusted)
+        return plan
+
+
+#: plans whose recomputation the compiled marker op reports to, by id (weak: a dropped plan is forgotten)
+_PLANS: weakref.WeakValueDictionary[int, AppliedCheckpointing] = weakref.WeakValueDictionary()
+
+
 @dataclass
 class AppliedCheckpointing:
-    """What :func:`apply_activation_checkpointing` did.
+    """What :func:`checkpoint_layers` did.
 
     Attributes:
         layer_indices: indices (into the decoder-layer list) that are checkpointed, sorted.
@@ -52,6 +159,10 @@ class AppliedCheckpointing:
     use_reentrant: bool = False
     recomputed: set[int] = field(default_factory=set)
     source: str | None = None
+
+    def __post_init__(self) -> None:
+        _PLANS[id(self)] = self  # found again by the compiled recompute marker,
+        _recompute_marker()  # which is defined here, outside any torch.compile tracing
 
     @property
     def k(self) -> int:
@@ -78,10 +189,42 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@functools.cache
+def _recompute_marker():
+    """``memfit::recompute_marker(x, plan_id, layer) -> copy of x``: an op opaque to ``torch.compile``.
+
+    Inside a compiled, checkpointed block the Python counter below would be traced away (or break the
+    graph, sending the block back to eager). This op instead stays a call in the compiled graphs; the
+    partitioner recomputes it with the rest of the checkpointed region, so when it runs inside a backward
+    pass the layer is recorded as recomputed. Used only while compiling; eager runs count in Python.
+    """
+    import torch
+
+    @torch.library.custom_op("memfit::recompute_marker", mutates_args=(),
+                             schema="(Tensor x, int plan_id, int layer) -> Tensor")
+    def marker(x, plan_id, layer):
+        if _in_backward() and (plan := _PLANS.get(plan_id)) is not None:
+            plan.recomputed.add(layer)
+        return x.clone()
+
+    @marker.register_fake
+    def _(x, plan_id, layer):
+        return torch.empty_like(x)
+
+    marker.register_autograd(lambda ctx, grad: (grad, None, None))
+    return marker
+
+
 def _counting(fn, plan: AppliedCheckpointing, index: int):
-    @functools.wraps(fn)
+    """``fn`` that records ``index`` in ``plan.recomputed`` when it runs inside a backward pass (the
+    recompute of a checkpointed layer), in eager mode and inside ``torch.compile``'d blocks."""
+    import torch
+
     def run(*args, **kwargs):
-        if _in_backward():
+        if torch.compiler.is_compiling():
+            if args and isinstance(args[0], torch.Tensor):
+                args = (torch.ops.memfit.recompute_marker(args[0], id(plan), index), *args[1:])
+        elif _in_backward():
             plan.recomputed.add(index)
         return fn(*args, **kwargs)
 
@@ -97,10 +240,14 @@ def _checkpoint_func(plan: AppliedCheckpointing, index: int):
     return checkpointed
 
 
-def apply_activation_checkpointing(
+def checkpoint_layers(
     model, layer_indices: Sequence[int], *, layers=None, use_reentrant: bool = False
 ) -> AppliedCheckpointing:
     """Checkpoint exactly ``layer_indices`` of the model's decoder layers; un-checkpoint the others.
+
+    The mechanism under :func:`apply` (which reads a recommendation and guards the traps). Not
+    ``torch.distributed``'s ``apply_activation_checkpointing``, which wraps every module a predicate
+    selects; here the indices say which of the blocks are checkpointed and the rest are un-wrapped.
 
     Args:
         model: a HF ``PreTrainedModel`` (PEFT-wrapped is fine) or any ``nn.Module``.
@@ -132,9 +279,10 @@ def apply_activation_checkpointing(
     except ImportError:
         GradientCheckpointingLayer = None
 
-    if GradientCheckpointingLayer is not None and isinstance(layers[0], GradientCheckpointingLayer):
+    blocks = [getattr(layer, "_orig_mod", layer) for layer in layers]  # through per-block torch.compile
+    if GradientCheckpointingLayer is not None and isinstance(blocks[0], GradientCheckpointingLayer):
         plan = AppliedCheckpointing(chosen, L, "hf_per_layer", use_reentrant)
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(blocks):
             layer.gradient_checkpointing = i in chosen
             layer._gradient_checkpointing_func = _checkpoint_func(plan, i)
         _disable_cache(model)
@@ -142,7 +290,8 @@ def apply_activation_checkpointing(
 
     hf_owner = next((m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")
                      or hasattr(m, "gradient_checkpointing")), None)
-    if hf_owner is not None and hasattr(model, "gradient_checkpointing_enable"):
+    if hf_owner is not None and (hasattr(model, "activation_checkpointing_enable")
+                                 or hasattr(model, "gradient_checkpointing_enable")):
         plan = AppliedCheckpointing(chosen, L, "hf_shared_func", use_reentrant)
         index_of = {id(layer): i for i, layer in enumerate(layers)}
         funcs = {i: _checkpoint_func(plan, i) for i in chosen}
@@ -182,6 +331,11 @@ def apply_activation_checkpointing(
     return plan
 
 
+#: The earlier name of :func:`checkpoint_layers` (kept for existing callers such as training/collect.py).
+#: It is not ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing``.
+apply_activation_checkpointing = checkpoint_layers
+
+
 def _disable_cache(model) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
@@ -198,8 +352,25 @@ def _is_compiled(model) -> bool:
     return hasattr(model, "_orig_mod") or type(model).__name__ == "OptimizedModule"
 
 
-def _is_peft(model) -> bool:
-    return hasattr(model, "peft_config")
+def _has_frozen_params(model) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def zero3_recompute_keeps_frozen_params() -> bool:
+    """The installed DeepSpeed keeps frozen ZeRO-3 parameters gathered through a checkpoint recompute.
+
+    Older DeepSpeed re-partitions a frozen parameter (``param.data = empty(0)``) when the recompute
+    re-runs the forward hooks, so non-reentrant ``torch.utils.checkpoint`` finds a saved tensor of shape
+    ``[0]`` and raises ``CheckpointError`` (transformers issue 47254, DeepSpeed PR 8130). Fixed versions
+    attribute recompute parameters to the backward module (``update_recompute_parameters`` in
+    ``deepspeed.runtime.zero.partitioned_param_coordinator``); that is what this checks. False without
+    deepspeed.
+    """
+    try:
+        from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
+    except ImportError:
+        return False
+    return hasattr(coordinator, "update_recompute_parameters")
 
 
 def _zero3_active(model, deepspeed_config: dict[str, Any] | None) -> bool:
@@ -259,38 +430,16 @@ def frozen_input_trap(model, layers, chosen: Sequence[int]) -> int | None:
     return first if first is not None and first in set(chosen) else None
 
 
-def _planned_layers(rec: Any, L: int, strict: bool) -> tuple[list[int], str | None]:
-    """Layer indices to checkpoint for a recommendation (or a plain list of indices)."""
-    if not hasattr(rec, "layers"):
-        return [int(i) for i in rec], None
-    version = getattr(rec, "model_version", None)
-    if version == "fallback":
-        return list(range(L)), version
-    n = getattr(rec, "num_layers", L)
-    if n != L:
-        msg = f"recommendation is for {n} layers but the model has {L}: it was made for another model"
-        if strict:
-            raise ValueError(msg)
-        _warn(f"memfit: {msg}; checkpointing every layer instead", stacklevel=4)
-        return list(range(L)), version
-    if rec.k is None:
-        msg = "recommendation says no k fits (see its alternatives)"
-        if strict:
-            raise ValueError(msg)
-        _warn(f"memfit: {msg}; checkpointing every layer, the most memory it can save", stacklevel=4)
-        return list(range(L)), version
-    return list(rec.layers), version
-
-
 def apply(model, recommendation, *, strict: bool = False, use_reentrant: bool = False, layers=None,
           deepspeed_config: dict[str, Any] | None = None) -> AppliedCheckpointing:
     """Checkpoint exactly the recommended layers of ``model``; the others keep their activations.
 
     Args:
         model: HF model (PEFT-wrapped or ``torch.compile``'d is fine) or any module with a block list.
-        recommendation: a :class:`memfit.api.Recommendation` (its ``layers``), or a list of indices.
-            The client's fallback (``model_version == "fallback"``), a ``k=None`` answer (nothing
-            fits) and a layer-count mismatch checkpoint every layer, with a warning (raise if strict).
+        recommendation: a :class:`memfit.api.Recommendation` (its ``layers``), a :class:`CheckpointPlan`
+            or a list of indices, read by :meth:`CheckpointPlan.from_recommendation`: the client's
+            fallback (``model_version == "fallback"``) checkpoints every layer; a ``k=None`` answer
+            (nothing fits) and a layer-count mismatch do too, with a warning (raise if strict).
         strict: raise ``ValueError`` instead of adjusting the plan with a warning.
         use_reentrant: ``torch.utils.checkpoint`` flavour (non-reentrant recommended).
         layers: the block list, when it cannot be found automatically.
@@ -302,8 +451,14 @@ def apply(model, recommendation, *, strict: bool = False, use_reentrant: bool = 
       require grad (frozen embeddings / leading layers, LoRA): gradients would silently be None.
       Fixed with ``model.enable_input_require_grads()`` when available, else by switching to
       non-reentrant; with ``strict`` it raises ``ValueError``.
-    * ``torch.compile``'d models: compile can erase or invert the checkpointing savings.
-    * PEFT + ZeRO-3 + reentrant: always ``ValueError`` (use ``use_reentrant=False``).
+    * whole-model ``torch.compile`` around non-reentrant checkpointing: compile traces the checkpointed
+      regions and its partitioner decides what is saved, which can erase or invert the savings (and
+      :func:`verify` sees no recomputation). Compile each block *after* :func:`apply` instead (the
+      torchtitan order: ``layers[i] = torch.compile(layers[i])``).
+    * frozen parameters (PEFT LoRA) + DeepSpeed ZeRO-3 + non-reentrant checkpointing, on a DeepSpeed
+      without the recompute fix (:func:`zero3_recompute_keeps_frozen_params`): the backward fails with
+      ``CheckpointError``; switched to reentrant (then the frozen-input trap below applies), or
+      ``ValueError`` with ``strict``.
 
     Returns:
         :class:`AppliedCheckpointing`; call :func:`verify` after the first backward.
@@ -313,21 +468,28 @@ def apply(model, recommendation, *, strict: bool = False, use_reentrant: bool = 
     """
     from memfit.hf import decoder_layers
 
-    target = model
-    if _is_compiled(model):
-        _warn("memfit: model is torch.compile'd; compile can erase or invert activation-checkpointing savings "
-              "(the prediction assumes eager mode). Apply memfit before torch.compile and check the peak.")
-        target = getattr(model, "_orig_mod", model)
+    target = getattr(model, "_orig_mod", model)
     layers = layers if layers is not None else decoder_layers(target)
     if layers is None:
         raise ValueError("model has no nn.ModuleList of decoder layers; pass layers=...")
-    chosen, version = _planned_layers(recommendation, len(layers), strict)
+    checkpoint_plan = CheckpointPlan.from_recommendation(recommendation, num_layers=len(layers), strict=strict,
+                                                         stacklevel=4)
+    chosen = checkpoint_plan.indices(len(layers))
+    if _is_compiled(model) and chosen and not use_reentrant:
+        _warn("memfit: the whole model is torch.compile'd around non-reentrant checkpointing: compile decides what "
+              "the checkpointed layers save, which can erase or invert the savings the prediction assumes (and "
+              "verify() sees no recompute). Compile each block after memfit.apply instead: "
+              "layers[i] = torch.compile(layers[i]).")
 
-    if use_reentrant and chosen and _is_peft(target) and _zero3_active(target, deepspeed_config):
-        raise ValueError("PEFT (LoRA) + DeepSpeed ZeRO-3 + reentrant activation checkpointing fails deep inside "
-                         "the backward (partitioned parameters are not gathered for the reentrant recompute); "
-                         "use non-reentrant checkpointing: memfit.apply(..., use_reentrant=False) / "
-                         "gradient_checkpointing_kwargs={'use_reentrant': False}")
+    if (not use_reentrant and chosen and _has_frozen_params(target) and _zero3_active(target, deepspeed_config)
+            and not zero3_recompute_keeps_frozen_params()):
+        why = ("frozen parameters (LoRA base weights) + DeepSpeed ZeRO-3 + non-reentrant checkpointing fails in the "
+               "backward with torch's CheckpointError (ZeRO-3 re-partitions frozen parameters before the recompute "
+               "is checked; fixed in newer DeepSpeed)")
+        if strict:
+            raise ValueError(f"{why}; upgrade deepspeed, or use use_reentrant=True with model.enable_input_require_grads()")
+        use_reentrant = True
+        _warn(f"memfit: {why}; switched to reentrant checkpointing")
     if use_reentrant and (j := frozen_input_trap(target, layers, chosen)) is not None:
         why = (f"reentrant checkpointing of layer {j}, whose inputs do not require grad (frozen embeddings/"
                "earlier layers), silently produces no gradients")
@@ -340,10 +502,11 @@ def apply(model, recommendation, *, strict: bool = False, use_reentrant: bool = 
             use_reentrant = False
             _warn(f"memfit: {why}; switched to non-reentrant checkpointing")
 
-    plan = apply_activation_checkpointing(target, chosen, layers=layers, use_reentrant=use_reentrant)
-    plan.source = version
+    plan = checkpoint_layers(target, chosen, layers=layers, use_reentrant=use_reentrant)
+    plan.source = checkpoint_plan.source
     log.info("memfit: checkpointing %d of %d layers %s (%s, %s, recommendation %s)", plan.k, plan.num_layers,
-             plan.layer_indices, plan.mechanism, "reentrant" if use_reentrant else "non-reentrant", version)
+             plan.layer_indices, plan.mechanism, "reentrant" if use_reentrant else "non-reentrant",
+             checkpoint_plan.source)
     return plan
 
 
@@ -351,7 +514,8 @@ def verify(plan: AppliedCheckpointing, *, strict: bool = False) -> bool:
     """After the first backward: did exactly the planned layers recompute?
 
     Logs the outcome; on a mismatch warns (:class:`MemfitWarning`) or, with ``strict``, raises
-    ``RuntimeError``. Typical causes: no backward ran yet, ``gradient_checkpointing_enable()`` was
+    ``RuntimeError``. Typical causes: no backward ran yet, HF's ``activation_checkpointing_enable()``
+    (``gradient_checkpointing_enable()`` before transformers 5) was
     called after :func:`apply` (it overwrites the plan), or reentrant layers whose inputs do not
     require grad.
 
@@ -365,7 +529,8 @@ def verify(plan: AppliedCheckpointing, *, strict: bool = False) -> bool:
            f"recomputed (missing {plan.missing}, unexpected {plan.unexpected})")
     if not plan.recomputed and plan.k:
         msg += ("; nothing recomputed: no backward yet, checkpointing overwritten after memfit.apply "
-                "(e.g. gradient_checkpointing_enable), or inputs that do not require grad")
+                "(e.g. activation_checkpointing_enable / gradient_checkpointing_enable), or inputs that do not "
+                "require grad")
     if strict:
         raise RuntimeError(msg)
     _warn(msg)

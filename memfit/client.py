@@ -32,10 +32,10 @@ from memfit.api import (
     RecommendRequest,
     TrainingIn,
 )
+from memfit.checkpointing import FALLBACK_VERSION
 
 log = logging.getLogger("memfit")
 
-FALLBACK_VERSION = "fallback"
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 
 
@@ -57,9 +57,10 @@ class FallbackRecommendation(Recommendation):
     The plan is **checkpoint every layer**: the most memory-saving layout activation checkpointing
     offers, at about 1/3 of a forward pass of extra compute per step. Nothing was predicted:
     ``fits`` is True only in the sense that this is the plan to run; all byte figures are 0.
-    ``layers`` lists every layer when the layer count was known from the request (HF config dict or
-    explicit architecture); for a catalog name it is empty and ``num_layers`` is 0 —
-    :func:`memfit.apply` checkpoints every layer of the live model for any fallback.
+    ``layers`` lists every layer when the layer count is known (HF config dict, explicit architecture
+    or a catalog name); otherwise (an unknown name) it is empty and ``num_layers`` is 0. Every
+    consumer reads a fallback as "every layer" (:class:`memfit.CheckpointPlan`): :func:`memfit.apply`,
+    the DeepSpeed patch and the Megatron-Core settings need no layer count for it.
     """
 
     fallback: bool = True
@@ -67,9 +68,19 @@ class FallbackRecommendation(Recommendation):
 
 
 def _layer_count(model: Any) -> int:
-    """Layers of the requested model when the request itself says (0 for a catalog name)."""
+    """Layers of the requested model: from the request itself, or the catalog entry of a name (read
+    from the ``data/architectures`` files installed with memfit); 0 when unknown."""
     if isinstance(model, ArchitectureIn):
         return model.num_layers
+    if isinstance(model, str):
+        try:
+            from data.catalog import get
+        except ImportError:
+            return 0
+        try:
+            model = get(model)["hf_config"]
+        except KeyError:
+            return 0
     if isinstance(model, dict):
         for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
             if isinstance(model.get(key), int) and model[key] > 0:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
 from memfit.api import GPUS, ArchitectureIn, ClusterIn, RecommendRequest, TrainingIn
+from memfit.checkpointing import MemfitWarning
 from memfit.schema import Attention, CheckpointImpl, FineTune, Optimizer, Precision, Sharding
 
 log = logging.getLogger("memfit")
@@ -49,13 +51,17 @@ def unwrap(model):
     return model
 
 
+def clean_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A HF config dict without the keys that say nothing about memory (names, labels, dtype, ...)."""
+    return {k: v for k, v in cfg.items() if k not in _DROP_KEYS}
+
+
 def hf_config_dict(model) -> dict[str, Any] | None:
     """The model's HF config as a JSON-safe dict (memory-irrelevant keys dropped), or None."""
     config = getattr(unwrap(model), "config", None)
     if config is None or not hasattr(config, "to_dict") or not getattr(config, "model_type", None):
         return None
-    d = json.loads(json.dumps(config.to_dict(), default=str))
-    return {k: v for k, v in d.items() if k not in _DROP_KEYS}
+    return clean_hf_config(json.loads(json.dumps(config.to_dict(), default=str)))
 
 
 def parameter_counts(model) -> tuple[int, int]:
@@ -110,13 +116,39 @@ def _frozen_leading_layers(model) -> int:
     return n
 
 
-def _lora_rank(model) -> int | None:
+def _active_lora_config(model) -> Any:
+    """The active adapter's PEFT config (``model.peft_config[model.active_adapter]``), or None."""
     cfgs = getattr(model, "peft_config", None)
     if not isinstance(cfgs, dict) or not cfgs:
         return None
-    cfg = cfgs.get(getattr(model, "active_adapter", "default")) or next(iter(cfgs.values()))
+    active = getattr(model, "active_adapter", "default")
+    active = active[0] if isinstance(active, (list, tuple)) and active else active
+    return cfgs.get(active) or next(iter(cfgs.values()))
+
+
+def _lora(model) -> tuple[int, list[str] | None] | None:
+    """(rank, target module names) of the active LoRA adapter, or None when the model has none."""
+    cfg = _active_lora_config(model)
     r = getattr(cfg, "r", None)
-    return int(r) if isinstance(r, int) and r > 0 else None
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        return None
+    targets = getattr(cfg, "target_modules", None)
+    if isinstance(targets, str):  # a regex in PEFT: name the modules it matched instead
+        targets = [name for name, m in model.named_modules() if hasattr(m, "lora_A")]
+    # module names as PEFT's list form matches them (by suffix): "all-linear" resolves to full paths
+    leaves = sorted({str(t).rsplit(".", 1)[-1] for t in targets or ()})
+    return r, leaves or None
+
+
+def _quantization(model) -> str | None:
+    """The quantization method of the base weights (HF ``config.quantization_config``), or None."""
+    base = unwrap(model)
+    q = getattr(getattr(base, "config", None), "quantization_config", None)
+    if q is None:
+        return "bitsandbytes" if getattr(base, "is_loaded_in_4bit", False) or getattr(
+            base, "is_loaded_in_8bit", False) else None
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return str(getattr(method, "value", method) or "unknown")
 
 
 def _find_int_attr(modules, names: tuple[str, ...]) -> int | None:
@@ -230,7 +262,9 @@ def describe(
     * model: its HF config dict when it has one (``model.config``), else :func:`detect_architecture`
       (or ``architecture=`` to override: catalog name, HF config dict or :class:`ArchitectureIn`).
     * parameters: trainable count from ``requires_grad`` (LoRA adapters, frozen layers); PEFT LoRA
-      sets ``finetune="lora"`` with its rank; fully frozen leading layers set ``finetune="frozen"``.
+      sets ``finetune="lora"`` with the active adapter's rank and target modules; fully frozen
+      leading layers set ``finetune="frozen"``. Quantized base weights (HF ``quantization_config``,
+      e.g. bitsandbytes 4-bit) are not modelled: a :class:`MemfitWarning` says so.
     * precision: DeepSpeed bf16/fp16 -> ``bf16_fp32_master`` (half weights + fp32 master copy);
       TrainingArguments bf16/fp16 -> ``amp_bf16``/``amp_fp16`` (autocast over fp32 weights);
       otherwise half-precision parameters -> ``bf16``, fp32 parameters -> ``fp32``.
@@ -316,12 +350,16 @@ def describe(
         sharding=sharding, attention=attention, checkpoint_impl=checkpoint_impl,
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         trainable_params=trainable)
-    rank = _lora_rank(model)
-    if rank is not None:
-        training.update(finetune=FineTune.LORA, lora_rank=rank)
+    adapter = _lora(model)
+    if adapter is not None:
+        training.update(finetune=FineTune.LORA, lora_rank=adapter[0], lora_target_modules=adapter[1])
     elif trainable < total and (frozen := _frozen_leading_layers(base)):
         training.update(finetune=FineTune.FROZEN, frozen_layers=frozen)
 
+    if (method := _quantization(model)) is not None:
+        warnings.warn(f"memfit: the base weights are quantized ({method}); quantization is not modelled, so the "
+                      "prediction counts them at the training precision (an over-estimate: the plan errs on the "
+                      "safe side)", MemfitWarning, stacklevel=2)
     if architecture is None:
         architecture = hf_config_dict(model) or detect_architecture(model, layers)
     cluster = ClusterIn(**_gpu_memory(gpu, gpu_memory_gib, gpu_memory_bytes), gpu_count=gpu_count)

@@ -49,6 +49,26 @@ def _get(cfg: dict[str, Any], field: str) -> int | None:
     return None
 
 
+def _kv_heads(cfg: dict[str, Any], heads: int) -> int:
+    """Key/value heads the way transformers builds the attention.
+
+    Falcon (``FalconAttention``): ``num_kv_heads`` when ``new_decoder_architecture`` (Falcon-40B/180B)
+    or when not ``multi_query`` (Falcon-RW), else 1 (Falcon-7B); ``FalconConfig`` defaults are
+    ``multi_query=True``, ``new_decoder_architecture=False``, ``num_kv_heads=num_attention_heads``. So
+    ``new_decoder_architecture`` wins over ``multi_query``, which a full config dict sets to True.
+    GPT-BigCode: 1 when ``multi_query`` (its default). Every other family: ``num_key_value_heads``, else ``num_attention_heads``.
+    """
+    if cfg.get("model_type") == "falcon":
+        if cfg.get("new_decoder_architecture", False) or not cfg.get("multi_query", True):
+            return _int(cfg, "num_kv_heads", "num_key_value_heads") if cfg.get("num_kv_heads") is not None else heads
+        return 1
+    if cfg.get("model_type") == "gpt_bigcode":  # GPTBigCodeConfig: multi_query=True by default
+        return 1 if cfg.get("multi_query", True) else heads
+    if cfg.get("num_key_value_heads") is not None:
+        return _int(cfg, "num_key_value_heads", "num_key_value_heads")
+    return heads
+
+
 def spec_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Architecture fields of :class:`ModelSpec` from a HF ``config.json`` dict (parameter counts excluded).
 
@@ -75,14 +95,7 @@ def spec_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
                                                              f"the keys {list(_ALIASES[field])}")
         out[field] = value
     heads = out["num_attention_heads"]
-    kv = None
-    if cfg.get("num_key_value_heads") is not None:
-        kv = _int(cfg, "num_key_value_heads", "num_key_value_heads")
-    elif cfg.get("multi_query"):  # Falcon
-        kv = 1
-    elif cfg.get("num_kv_heads") is not None and cfg.get("new_decoder_architecture"):
-        kv = _int(cfg, "num_kv_heads", "num_key_value_heads")
-    out["num_key_value_heads"] = kv or heads
+    out["num_key_value_heads"] = _kv_heads(cfg, heads)
     ffn = _get(cfg, "intermediate_size")
     out["intermediate_size"] = ffn or 4 * out["hidden_size"]  # GPT-2/GPT-J/Falcon/BLOOM: 4h when unset
     if cfg.get("head_dim") is not None:

@@ -1,147 +1,430 @@
-"""``memfit`` terminal command: the /recommend answer as a table, from a server or locally.
+"""``memfit`` terminal command: which layers to activation-checkpoint, for any model.
 
     memfit recommend --model llama-3-8b --gpu H100-80GB --gpus 8 --zero 3 --micro-batch 2 --seq-len 8192
-    memfit recommend ... --url http://127.0.0.1:8000      # ask a running service instead
-    memfit recommend ... --json                           # the raw JSON answer
+    memfit recommend --config path/to/config.json --gpu RTX-4090 --micro-batch 1 --seq-len 4096
+    memfit recommend --config path/to/model_folder/ ...          # the folder's config.json
+    memfit recommend --model Qwen/Qwen3-0.6B ...                 # a HF id in the local HF cache (offline)
+    memfit recommend ... --explain                               # + breakdown and the curve as a chart
+    memfit recommend ... --json                                  # the answer as JSON (bytes)
+    memfit recommend ... --url http://127.0.0.1:8000             # ask a running service
 
-Exit codes: 0 fits, 3 infeasible (alternatives printed), 2 bad input, 1 service unreachable / no model.
+The model is a catalog name (``memfit models``), a HF id whose ``config.json`` is in the local HF cache
+(never downloaded), or ``--config`` (a ``config.json`` or a folder holding one). A config is sent as the
+request's model; the answer comes from :class:`service.recommender.Recommender` over the local model
+registry, or from the service at ``--url`` (:class:`memfit.Client`, strict). Sizes stay in bytes until
+printed (GiB, 1 GiB = 2**30 bytes); ``--json`` prints bytes.
+
+Exit codes:
+    0  a k fits: the plan is printed
+    1  no answer: the service is unreachable, timed out or answered 5xx (e.g. 503 while it loads),
+       or no local model is registered
+    2  bad input: unknown model, unreadable config, a value out of range (named with its flag and
+       the allowed range), or the service rejected the request (4xx)
+    3  nothing fits at any k: the alternatives are printed
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
-from memfit.api import Recommendation, RecommendRequest
+from memfit.api import GPUS, Recommendation, RecommendRequest, TrainingIn
+from memfit.schema import Attention, CheckpointImpl, Optimizer, Precision, Sharding
 
 GIB = 1 << 30
-ZERO = {0: "none", 1: "zero1", 2: "zero2", 3: "zero3"}
+EXIT_FITS, EXIT_NO_ANSWER, EXIT_BAD_INPUT, EXIT_NO_FIT = 0, 1, 2, 3
+ZERO = {0: Sharding.NONE, 1: Sharding.ZERO1, 2: Sharding.ZERO2, 3: Sharding.ZERO3}
+
+#: request field -> the flag that sets it, so errors name what the user typed
+FLAG_OF = {
+    "model": "--model/--config", "training.micro_batch_size": "--micro-batch", "training.seq_len": "--seq-len",
+    "training.precision": "--precision", "training.optimizer": "--optimizer", "training.sharding": "--zero/--sharding",
+    "training.data_parallel_size": "--data-parallel", "training.tensor_parallel_size": "--tensor-parallel",
+    "training.pipeline_parallel_size": "--pipeline-parallel", "training.attention": "--attention",
+    "training.lora_rank": "--lora-rank", "training.checkpoint_impl": "--checkpoint-impl",
+    "cluster.gpu": "--gpu", "cluster.gpu_memory_gib": "--gpu-memory-gib", "cluster.gpu_count": "--gpus",
+    "cluster": "--gpu/--gpu-memory-gib", "headroom_fraction": "--headroom", "layout": "--layout",
+}
 
 
-def _request(a: argparse.Namespace) -> RecommendRequest:
-    cluster: dict = {"gpu_count": a.gpus}
+class InputError(ValueError):
+    """Bad command-line input (exit code 2); the message names the flag."""
+
+
+# -- parser ----------------------------------------------------------------------------------------------
+def _default(field: str) -> Any:
+    """The request schema's default for a training field: defaults live once, in :class:`TrainingIn`."""
+    value = TrainingIn.model_fields[field].default
+    return getattr(value, "value", value)
+
+
+def _gpu_name(text: str) -> str:
+    key = text.strip().upper().replace("_", "-").replace(" ", "-")
+    for name in GPUS:
+        if name.upper() == key:
+            return name
+    raise argparse.ArgumentTypeError(f"unknown GPU {text!r}; choose from {', '.join(GPUS)} or give --gpu-memory-gib")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``memfit`` argument parser (subcommands ``recommend``, ``models``, ``gpus``)."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="memfit", description="Fit LLM training into GPU memory: which decoder layers "
+                                "to activation-checkpoint.", epilog=__doc__.split("Exit codes:")[1].join(
+                                    ["exit codes (memfit recommend):", ""]), formatter_class=fmt)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{recommend,models,gpus}")
+    r = sub.add_parser("recommend", help="how many (and which) layers to checkpoint", formatter_class=fmt,
+                       description="The smallest number of checkpointed layers k whose predicted peak fits the GPU.",
+                       epilog="exit codes:" + __doc__.split("Exit codes:")[1])
+
+    m = r.add_argument_group("model (one of)")
+    which = m.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="NAME",
+                       help="catalog name or alias (see `memfit models`), or a HF id (org/name) whose config.json "
+                            "is in the local HF cache; never downloaded")
+    which.add_argument("--config", metavar="PATH", type=Path,
+                       help="a HF config.json, or a model folder holding one (any architecture)")
+
+    t = r.add_argument_group("training (per GPU)")
+    t.add_argument("--micro-batch", type=_positive_int, required=True, metavar="N", help="sequences per GPU per step")
+    t.add_argument("--seq-len", type=_positive_int, required=True, metavar="TOKENS", help="tokens per sequence")
+    t.add_argument("--precision", choices=[x.value for x in Precision],
+                   help=f"training numerics (default: {_default('precision')})")
+    t.add_argument("--optimizer", choices=[x.value for x in Optimizer],
+                   help=f"optimizer (default: {_default('optimizer')})")
+    shard = t.add_mutually_exclusive_group()
+    shard.add_argument("--zero", type=int, choices=sorted(ZERO), help="DeepSpeed ZeRO stage (default: 0, no sharding)")
+    shard.add_argument("--sharding", choices=[x.value for x in Sharding],
+                       help="sharding by name, e.g. fsdp_full_shard (instead of --zero)")
+    t.add_argument("--data-parallel", type=_positive_int, metavar="N",
+                   help="data-parallel size (default: GPUs / (tensor x pipeline parallel))")
+    t.add_argument("--tensor-parallel", type=_positive_int, metavar="N",
+                   help=f"tensor-parallel size (default: {_default('tensor_parallel_size')})")
+    t.add_argument("--pipeline-parallel", type=_positive_int, metavar="N",
+                   help=f"pipeline stages (default: {_default('pipeline_parallel_size')})")
+    t.add_argument("--attention", choices=[x.value for x in Attention],
+                   help=f"attention kernel (default: {_default('attention')})")
+    t.add_argument("--lora-rank", type=_positive_int, metavar="R", help="LoRA fine-tune with this rank (default: full)")
+    t.add_argument("--checkpoint-impl", choices=[x.value for x in CheckpointImpl],
+                   help=f"torch.utils.checkpoint flavour (default: {_default('checkpoint_impl')})")
+
+    c = r.add_argument_group("cluster (one of --gpu / --gpu-memory-gib)")
+    mem = c.add_mutually_exclusive_group(required=True)
+    mem.add_argument("--gpu", type=_gpu_name, metavar="NAME", help=f"GPU model, one of: {', '.join(GPUS)}")
+    mem.add_argument("--gpu-memory-gib", type=float, metavar="GIB", help="device memory in GiB (instead of --gpu)")
+    c.add_argument("--gpus", type=_positive_int, default=1, metavar="N", help="GPUs in the job (default: 1)")
+    c.add_argument("--headroom", type=float, default=0.05, metavar="FRACTION",
+                   help="share of device memory kept free, 0..0.9 (default: 0.05)")
+    c.add_argument("--layout", choices=["block", "even"], default="block",
+                   help="which layers: the first k of each pipeline stage (Megatron's block) or spread evenly "
+                        "(default: block)")
+
+    o = r.add_argument_group("answer")
+    o.add_argument("--url", help="ask the memfit service at this URL instead of the local model registry")
+    o.add_argument("--registry", type=Path, metavar="DIR", help="local model registry folder (default: the shipped data/models)")
+    o.add_argument("--timeout-s", type=float, default=10.0, metavar="SECONDS", help="service timeout in seconds (default: 10)")
+    out = o.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the answer as JSON (bytes)")
+    out.add_argument("--explain", action="store_true",
+                     help="also print the memory breakdown and the curve over k as a chart")
+
+    sub.add_parser("models", help="list the catalog's model names")
+    sub.add_parser("gpus", help="list the known GPUs and their memory")
+    return p
+
+
+# -- gather ----------------------------------------------------------------------------------------------
+def read_config(path: Path) -> dict[str, Any]:
+    """A HF ``config.json`` dict from a file or a model folder.
+
+    Raises:
+        InputError: missing file, not JSON, or no ``model_type``.
+    """
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise InputError(f"--config: {file} does not exist" + (" (the folder has no config.json)"
+                                                               if path.is_dir() else ""))
+    try:
+        cfg = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"--config: {file} is not a JSON file: {err}") from None
+    if not isinstance(cfg, dict) or not cfg.get("model_type"):
+        raise InputError(f"--config: {file} has no 'model_type': not a HF transformers config.json")
+    from memfit.describe import clean_hf_config
+
+    return clean_hf_config(cfg)
+
+
+def cached_hf_config(repo_id: str) -> Path | None:
+    """``config.json`` of ``repo_id`` in the local HF cache (``HF_HUB_CACHE``/``HF_HOME``), or None. Offline."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return Path(found) if isinstance(found, str) else None
+
+
+def resolve_model_arg(a: argparse.Namespace) -> str | dict[str, Any]:
+    """The request's model: a catalog name, or a HF config dict (``--config`` or the HF cache).
+
+    Raises:
+        InputError: unknown everywhere; the message says where it looked and what to do.
+    """
+    if a.config is not None:
+        return read_config(a.config)
+    from data import catalog
+
+    try:
+        return catalog.get(a.model)["name"]
+    except KeyError as err:
+        close = str(err).strip("'\"")
+    if Path(a.model).expanduser().exists():
+        return read_config(Path(a.model).expanduser())
+    if "/" in a.model:
+        found = cached_hf_config(a.model)
+        if found is not None:
+            return read_config(found)
+        cache = os.environ.get("HF_HUB_CACHE") or os.path.join(os.environ.get("HF_HOME", "~/.cache/huggingface"),
+                                                               "hub")
+        raise InputError(f"--model: {a.model!r} is not in the catalog and its config.json is not in the local HF "
+                         f"cache ({cache}); memfit never downloads. Fetch it with `hf download {a.model} config.json` "
+                         "or pass --config PATH")
+    raise InputError(f"--model: {close}; or pass --config PATH for a model outside the catalog")
+
+
+def request_from_args(a: argparse.Namespace) -> RecommendRequest:
+    """The :class:`RecommendRequest` the flags describe; unset flags take the schema's defaults.
+
+    Raises:
+        InputError: an unknown model or unreadable config. ValidationError: a value out of range.
+    """
+    training: dict[str, Any] = {"micro_batch_size": a.micro_batch, "seq_len": a.seq_len}
+    for flag, field in (("precision", "precision"), ("optimizer", "optimizer"), ("attention", "attention"),
+                        ("data_parallel", "data_parallel_size"), ("tensor_parallel", "tensor_parallel_size"),
+                        ("pipeline_parallel", "pipeline_parallel_size"), ("checkpoint_impl", "checkpoint_impl")):
+        if getattr(a, flag) is not None:
+            training[field] = getattr(a, flag)
+    if a.sharding is not None or a.zero is not None:
+        training["sharding"] = a.sharding or ZERO[a.zero].value
+    if a.lora_rank is not None:
+        training.update(finetune="lora", lora_rank=a.lora_rank)
+    cluster: dict[str, Any] = {"gpu_count": a.gpus}
     if a.gpu_memory_gib is not None:
         cluster["gpu_memory_gib"] = a.gpu_memory_gib
     else:
         cluster["gpu"] = a.gpu
-    training = {"micro_batch_size": a.micro_batch, "seq_len": a.seq_len, "precision": a.precision,
-                "optimizer": a.optimizer, "sharding": a.sharding or ZERO[a.zero], "attention": a.attention,
-                "finetune": "lora" if a.lora_rank else "full"}
-    if a.lora_rank:
-        training["lora_rank"] = a.lora_rank
-    if a.data_parallel is not None:
-        training["data_parallel_size"] = a.data_parallel
-    return RecommendRequest.model_validate({"model": a.model, "training": training, "cluster": cluster,
+    return RecommendRequest.model_validate({"model": resolve_model_arg(a), "training": training, "cluster": cluster,
                                             "headroom_fraction": a.headroom, "layout": a.layout})
 
 
-def _local(req: RecommendRequest, registry: str | None) -> Recommendation:
+def describe_validation_error(err: ValidationError) -> str:
+    """One line per problem, named by the flag that set it: ``--seq-len: must be ... (got 0)``."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith(("function-", "dict[", "str")))
+        flag = FLAG_OF.get(loc) or FLAG_OF.get(loc.split(".")[0]) or loc or "request"
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+        lines.append(f"{flag}: {msg}{shown}")
+    return "\n".join(dict.fromkeys(lines))
+
+
+# -- answer ----------------------------------------------------------------------------------------------
+class NoAnswer(RuntimeError):
+    """No recommendation could be had (exit code 1)."""
+
+
+def recommend_local(req: RecommendRequest, registry: Path | None) -> Recommendation:
+    """The answer of the registry's current model (:class:`service.recommender.Recommender`)."""
     from model.registry import Registry
     from service.models import ModelHolder
 
-    holder = ModelHolder(Registry(registry))
+    holder = ModelHolder(Registry(registry) if registry is not None else Registry())
     holder.refresh()
     if holder.recommender is None:
-        raise RuntimeError(f"no model registered ({holder.last_error or 'run: python -m training.retrain'})")
+        raise NoAnswer(f"no model registered ({holder.last_error or 'train one: python -m training.retrain'})")
     return holder.recommender.recommend(req)
 
 
-def _remote(req: RecommendRequest, url: str, timeout_s: float) -> Recommendation:
-    import httpx
+def recommend_remote(req: RecommendRequest, url: str, timeout_s: float) -> Recommendation:
+    """The service's answer (strict :class:`memfit.Client`: no fallback plan on the command line).
 
-    r = httpx.post(url.rstrip("/") + "/recommend", json=req.model_dump(mode="json"), timeout=timeout_s)
-    if r.status_code >= 400:
-        detail = r.json().get("detail", r.text) if r.headers.get("content-type", "").endswith("json") else r.text
-        raise ValueError(f"service answered {r.status_code}: {detail}")
-    return Recommendation.model_validate(r.json())
+    Raises:
+        NoAnswer: unreachable, timed out or 5xx after retries. InputError: the service rejected it (4xx).
+    """
+    from memfit.client import Client, ServiceError
+
+    with Client(url, timeout_s=timeout_s, strict=True) as client:
+        try:
+            return client.recommend(req)
+        except ServiceError as err:
+            raise NoAnswer(str(err)) from None
+        except ValueError as err:
+            raise InputError(str(err)) from None
 
 
-def render(rec: Recommendation) -> None:
-    """Print the answer as tables (rich)."""
+# -- present ---------------------------------------------------------------------------------------------
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def curve_rows(rec: Recommendation, max_rows: int = 12) -> list:
+    """Curve points to show: about ``max_rows`` evenly spaced, always k = 0, L and the chosen k."""
+    if not rec.curve:
+        return []
+    step = max(1, -(-len(rec.curve) // max_rows))
+    keep = set(range(0, len(rec.curve), step)) | {len(rec.curve) - 1}
+    if rec.k is not None:
+        keep.add(rec.k)
+    return [rec.curve[i] for i in sorted(keep)]
+
+
+def render(rec: Recommendation, *, explain: bool = False, label: str | None = None, console: Any = None) -> None:
+    """Print the answer: verdict, the curve table with the chosen k marked, alternatives and warnings;
+    with ``explain`` also the breakdown at k and the curve as a bar chart."""
     from rich.console import Console
     from rich.table import Table
 
-    con = Console()
-    head = Table(title=f"memfit recommendation — {rec.model_name or 'model'} (model {rec.model_version})")
+    con = console or Console()
+    title = f"memfit: {rec.model_name or label or 'model'} — {rec.num_layers} layers (predictor {rec.model_version})"
+    head = Table(title=title, show_header=False)
     head.add_column("")
-    head.add_column("value", justify="right")
-    verdict = f"checkpoint {rec.k} of {rec.num_layers} layers" if rec.fits else "does not fit at any k"
-    head.add_row("answer", verdict)
+    head.add_column("", justify="right")
     if rec.fits:
-        head.add_row("layers", ", ".join(map(str, rec.layers)) or "none")
+        head.add_row("answer", f"[bold green]checkpoint {rec.k} of {rec.num_layers} layers[/]")
+        head.add_row("layers", layer_ranges(rec.layers) or "none")
         head.add_row("recompute overhead", f"{rec.recompute_overhead_fraction:.1%} of step compute")
-    head.add_row("predicted peak (allocated)", f"{rec.predicted_peak_bytes / GIB:.2f} GiB")
-    head.add_row("upper bound + overhead", f"{rec.total_upper_bytes / GIB:.2f} GiB")
-    head.add_row("usable / capacity", f"{rec.usable_bytes / GIB:.2f} / {rec.capacity_bytes / GIB:.2f} GiB")
+    else:
+        head.add_row("answer", "[bold red]does not fit at any k[/] (even checkpointing every layer)")
+    head.add_row("predicted peak (allocated)", f"{gib(rec.predicted_peak_bytes)} GiB")
+    head.add_row("upper bound + overhead", f"{gib(rec.total_upper_bytes)} GiB")
+    head.add_row("usable / capacity", f"{gib(rec.usable_bytes)} / {gib(rec.capacity_bytes)} GiB")
     if not rec.fits:
-        head.add_row("shortfall", f"{rec.shortfall_bytes / GIB:.2f} GiB")
+        head.add_row("shortfall", f"{gib(rec.shortfall_bytes)} GiB")
     con.print(head)
-    parts = Table(title="breakdown at k")
-    parts.add_column("part")
-    parts.add_column("GiB", justify="right")
-    for k, v in {**rec.breakdown, "overhead_bytes": rec.overhead["total_bytes"]}.items():
-        parts.add_row(k.removesuffix("_bytes"), f"{v / GIB:.2f}")
-    con.print(parts)
-    curve = Table(title="memory over k (GiB)")
-    for col in ("k", "predicted", "bound+overhead", "fits"):
-        curve.add_column(col, justify="right")
-    step = max(1, len(rec.curve) // 12)
-    for c in rec.curve[::step] + ([rec.curve[-1]] if (len(rec.curve) - 1) % step else []):
-        curve.add_row(str(c.k), f"{c.predicted_bytes / GIB:.2f}", f"{c.total_upper_bytes / GIB:.2f}",
-                      "yes" if c.total_upper_bytes <= rec.usable_bytes else "no")
+
+    curve = Table(title="memory over k (GiB; k = checkpointed layers)")
+    for col in ("k", "predicted", "bound+overhead", "fits", ""):
+        curve.add_column(col, justify="right" if col else "left")
+    for c in curve_rows(rec):
+        chosen = c.k == rec.k
+        fits = c.total_upper_bytes <= rec.usable_bytes
+        curve.add_row(str(c.k), gib(c.predicted_bytes), gib(c.total_upper_bytes), "yes" if fits else "no",
+                      "[bold]◀ chosen k[/]" if chosen else "", style="bold green" if chosen else None)
     con.print(curve)
+
+    if explain:
+        parts = Table(title=f"breakdown at k={rec.k if rec.k is not None else rec.num_layers}")
+        parts.add_column("part")
+        parts.add_column("GiB", justify="right")
+        for name, v in {**rec.breakdown, "overhead_bytes": rec.overhead.get("total_bytes", 0)}.items():
+            parts.add_row(name.removesuffix("_bytes").replace("_", " "), gib(v))
+        con.print(parts)
+        con.print(curve_chart(rec))
+
     if rec.alternatives:
         alt = Table(title="alternatives")
         for col in ("change", "fits", "k", "bound+overhead GiB"):
             alt.add_column(col)
         for a in rec.alternatives:
-            alt.add_row(a.description, "yes" if a.fits else "no", str(a.k), f"{a.total_upper_bytes / GIB:.2f}")
+            alt.add_row(a.description, "yes" if a.fits else "no", str(a.k), gib(a.total_upper_bytes))
         con.print(alt)
     for w in rec.warnings:
         con.print(f"[yellow]warning:[/yellow] {w}")
 
 
+def curve_chart(rec: Recommendation, width: int = 40) -> Any:
+    """The curve as horizontal bars (bound + overhead per k), ``│`` at usable memory, the chosen k marked.
+
+    Bars start at 80 % of the smallest value shown, so the differences between k stay visible.
+    """
+    from rich.text import Text
+
+    rows = curve_rows(rec, max_rows=16)
+    values = [rec.usable_bytes, *(c.total_upper_bytes for c in rows)]
+    lo, hi = 0.8 * min(values), max(values)
+    span = (hi - lo) or 1.0
+
+    def col(v: float) -> int:
+        return min(width - 1, max(0, round((v - lo) / span * (width - 1))))
+
+    usable_col = col(rec.usable_bytes)
+    text = Text(f"bound + overhead over k: bars from {lo / GIB:.1f} GiB, │ = usable {gib(rec.usable_bytes)} GiB\n",
+                style="bold")
+    for c in rows:
+        n = col(c.total_upper_bytes) + 1
+        bar = ["█" if i < n else " " for i in range(width)]
+        bar[usable_col] = "│"
+        fits = c.total_upper_bytes <= rec.usable_bytes
+        text.append(f"k={c.k:>4} ")
+        text.append("".join(bar), style="green" if fits else "red")
+        text.append(f" {gib(c.total_upper_bytes):>8} GiB")
+        if c.k == rec.k:
+            text.append("  ◀ chosen k", style="bold green")
+        text.append("\n")
+    return text
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+
+
+# -- main ------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="memfit", description="Fit LLM training into GPU memory.")
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("recommend", help="how many layers to checkpoint")
-    r.add_argument("--model", required=True, help="catalog name, e.g. llama-3-8b")
-    r.add_argument("--gpu", default="H100-80GB", help="known GPU name (default H100-80GB)")
-    r.add_argument("--gpu-memory-gib", type=float, help="device memory instead of --gpu")
-    r.add_argument("--gpus", type=int, default=1, help="GPU count")
-    r.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
-    r.add_argument("--sharding", help="explicit sharding (fsdp_full_shard, ...) instead of --zero")
-    r.add_argument("--data-parallel", type=int, help="data-parallel size (default: all GPUs)")
-    r.add_argument("--micro-batch", type=int, required=True)
-    r.add_argument("--seq-len", type=int, required=True)
-    r.add_argument("--precision", default="amp_bf16")
-    r.add_argument("--optimizer", default="adamw_foreach")
-    r.add_argument("--attention", default="sdpa")
-    r.add_argument("--lora-rank", type=int)
-    r.add_argument("--headroom", type=float, default=0.05)
-    r.add_argument("--layout", default="block", choices=["block", "even"])
-    r.add_argument("--url", help="ask this memfit service instead of the local registry")
-    r.add_argument("--registry", help="local model registry (default data/models)")
-    r.add_argument("--timeout-s", type=float, default=10.0)
-    r.add_argument("--json", action="store_true", help="print the JSON answer")
-    a = p.parse_args(argv)
+    """Run the command; returns the exit code (see the module docstring)."""
+    a = build_parser().parse_args(argv)  # argparse itself exits 2 on bad flags
+    if a.command == "models":
+        from data import catalog
+
+        print("\n".join(catalog.names()))
+        return EXIT_FITS
+    if a.command == "gpus":
+        for name, size in GPUS.items():
+            print(f"{name:<12} {size / GIB:7.2f} GiB")
+        return EXIT_FITS
     try:
-        req = _request(a)
-        rec = _remote(req, a.url, a.timeout_s) if a.url else _local(req, a.registry)
-    except (ValidationError, ValueError, KeyError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:  # unreachable service, missing model: say so plainly
-        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
+        req = request_from_args(a)
+        rec = recommend_remote(req, a.url, a.timeout_s) if a.url else recommend_local(req, a.registry)
+    except ValidationError as err:
+        print(f"memfit: error: {describe_validation_error(err)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (InputError, ValueError, KeyError) as err:
+        text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        print(f"memfit: error: {text}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except NoAnswer as err:
+        print(f"memfit: no answer: {err}", file=sys.stderr)
+        return EXIT_NO_ANSWER
     if a.json:
         print(json.dumps(rec.model_dump(mode="json"), indent=1))
     else:
-        render(rec)
-    return 0 if rec.fits else 3
+        render(rec, explain=a.explain, label=str(a.config) if a.config is not None else a.model)
+    return EXIT_FITS if rec.fits else EXIT_NO_FIT
 
 
 if __name__ == "__main__":

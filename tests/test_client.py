@@ -91,8 +91,11 @@ def test_unreachable_gives_the_fallback_with_one_warning(caplog):
     assert "checkpoint every layer" in rec.warnings[0] and "unreachable" in rec.warnings[0]
     warnings_logged = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings_logged) == 1 and "checkpoint every layer" in warnings_logged[0].getMessage()
-    # a catalog name: layer count unknown here, apply() checkpoints every layer of the live model
+    # a catalog name: the layer count comes from the installed catalog (llama-3-8b: 32 layers)
     rec = mock_client(handler, retries=0).recommend(**REQ)
+    assert rec.num_layers == 32 and rec.layers == list(range(32)) and rec.k == 32
+    # a name memfit does not know: layer count unknown, every consumer reads it as "every layer"
+    rec = mock_client(handler, retries=0).recommend(**{**REQ, "model": "my-private-model"})
     assert rec.num_layers == 0 and rec.layers == [] and rec.k is None
 
 
@@ -332,3 +335,8 @@ def test_examples_run_on_cpu(script, k):
                          text=True, timeout=300, cwd=ROOT, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"applied plan: k={k}" in out.stdout and "verified=True" in out.stdout, out.stdout
+    assert "warn" not in (out.stdout + out.stderr).lower(), out.stderr[-3000:]  # e.g. FSDP2's view-output warning
+    line = next(x for x in out.stdout.splitlines() if x.startswith(f"peak at k={k}: measured"))
+    measured = float(line.split("measured ")[1].split(" MiB")[0])
+    assert measured > 1.0  # MiB: at least the tiny model's weights, gradients and Adam states
+    assert "predicted" in line

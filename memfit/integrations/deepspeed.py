@@ -17,7 +17,8 @@ Call convention (what the patch relies on):
   bound ``from deepspeed.checkpointing import checkpoint`` before patching keeps the original.
 
 deepspeed is never required: without it, pass ``module=`` (for instance :func:`standin_checkpointing`,
-a ``torch.utils.checkpoint``-based stand-in with the same convention, used by the examples and tests).
+a ``torch.utils.checkpoint``-based stand-in with the same convention). The tests run the patch against
+the real ``deepspeed.checkpointing`` on CPU (``pip install memfit[frameworks]``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from memfit.checkpointing import AppliedCheckpointing, MemfitWarning, _counting
+from memfit.checkpointing import AppliedCheckpointing, CheckpointPlan, MemfitWarning, _counting
 
 log = logging.getLogger("memfit")
 
@@ -49,14 +50,16 @@ def standin_checkpointing() -> types.ModuleType:
 
 
 def checkpointing_module() -> types.ModuleType:
-    """``deepspeed.checkpointing``.
+    """``deepspeed.checkpointing`` (an attribute of the ``deepspeed`` package, not an importable submodule:
+    it is ``deepspeed.runtime.activation_checkpointing.checkpointing``).
 
     Raises:
         ImportError: deepspeed is not installed (the message says what to do instead).
     """
     try:
-        return importlib.import_module("deepspeed.checkpointing")
-    except ImportError as err:
+        deepspeed = importlib.import_module("deepspeed")
+        return deepspeed.checkpointing
+    except (ImportError, AttributeError) as err:
         raise ImportError("deepspeed is not installed: pip install deepspeed, or pass module=... (e.g. "
                           "memfit.integrations.deepspeed.standin_checkpointing() for a CPU test)") from err
 
@@ -64,18 +67,20 @@ def checkpointing_module() -> types.ModuleType:
 class DeepSpeedCheckpointPatch:
     """The installed patch: ``plan`` counts recomputed layers; :meth:`undo` restores the original.
 
-    Usable as a context manager (undo on exit).
+    Usable as a context manager (undo on exit). For an every-layer plan whose layer count is unknown
+    (the client's fallback for a catalog name) every call is checkpointed and ``plan.layer_indices``
+    fills with the call positions seen in the first forward.
     """
 
     def __init__(self, module: Any, plan: AppliedCheckpointing, layer_index: Callable[..., int | None] | None,
-                 layers: Sequence[Any] | None) -> None:
+                 layers: Sequence[Any] | None, every_layer: bool = False) -> None:
         self.module, self.plan = module, plan
         self.original = module.checkpoint
         self.calls = 0
         self._layer_index = layer_index
         self._index_of = {id(m): i for i, m in enumerate(layers)} if layers is not None else {}
         self._chosen = set(plan.layer_indices)
-        self._funcs: dict[int, Any] = {}
+        self._every_layer = every_layer
         module.checkpoint = self._checkpoint
 
     def reset(self) -> None:
@@ -90,12 +95,19 @@ class DeepSpeedCheckpointPatch:
         owner = getattr(function, "__self__", None)
         if owner is not None and id(owner) in self._index_of:
             return self._index_of[id(owner)]
-        i = self.calls % self.plan.num_layers
+        if not self.plan.num_layers and self.plan.recomputed:  # every-layer plan: the first backward ran,
+            self.plan.num_layers, self.calls = len(self.plan.layer_indices), 0  # so the first forward gave L
+        i = self.calls % self.plan.num_layers if self.plan.num_layers else self.calls
         self.calls += 1
         return i
 
     def _checkpoint(self, function, *args, **kwargs):
         i = self._index(function, args)
+        if self._every_layer:
+            if i not in self._chosen:
+                self._chosen.add(i)
+                self.plan.layer_indices.append(i)
+            return self.original(_counting(function, self.plan, i), *args, **kwargs)
         if i in self._chosen:
             return self.original(_counting(function, self.plan, i), *args, **kwargs)
         return function(*args)
@@ -114,59 +126,60 @@ class DeepSpeedCheckpointPatch:
 
 def patch_deepspeed_checkpointing(rec: Any, *, num_layers: int | None = None, module: Any = None,
                                   layers: Sequence[Any] | None = None,
-                                  layer_index: Callable[..., int | None] | None = None) -> DeepSpeedCheckpointPatch:
+                                  layer_index: Callable[..., int | None] | None = None,
+                                  strict: bool = False) -> DeepSpeedCheckpointPatch:
     """Make ``module.checkpoint`` (default ``deepspeed.checkpointing.checkpoint``) recompute only the
     recommended layers; see the module docstring for the call convention.
 
     Args:
-        rec: :class:`memfit.api.Recommendation` (its ``layers``; the client fallback or ``k=None``
-            means every layer) or a list of layer indices.
-        num_layers: decoder layers per forward (default ``rec.num_layers``; required for a list or a
-            fallback without a layer count).
+        rec: :class:`memfit.api.Recommendation`, :class:`memfit.CheckpointPlan` or a list of layer
+            indices, read by :meth:`CheckpointPlan.from_recommendation` (the client's fallback and a
+            ``k=None`` answer mean every layer).
+        num_layers: decoder layers per forward (default: the recommendation's, else ``len(layers)``).
+            Not needed for an every-layer plan: then every call is checkpointed.
         module: the object whose ``checkpoint`` is patched (default ``deepspeed.checkpointing``).
         layers: the layer modules, to index calls by ``function.__self__``.
         layer_index: ``f(function, *args) -> index or None`` for other conventions.
+        strict: raise instead of adjusting the plan (nothing fits, layer-count mismatch).
 
     Raises:
         ImportError: deepspeed is not installed and no ``module`` was given.
-        ValueError: the layer count is unknown, or an index is outside ``[0, num_layers)``.
+        ValueError: the layer count is unknown for a plan of chosen layers, or an index is outside
+            ``[0, num_layers)``.
     """
     module = module if module is not None else checkpointing_module()
-    L = num_layers or getattr(rec, "num_layers", 0) or (len(layers) if layers is not None else 0)
-    if not L:
-        raise ValueError("num_layers is required (the recommendation does not say how many layers the model has)")
-    if not hasattr(rec, "layers"):
-        chosen = sorted({int(i) for i in rec})
-    elif getattr(rec, "model_version", None) == "fallback" or rec.k is None:
-        chosen = list(range(L))
+    given = num_layers or (len(layers) if layers is not None else None)
+    plan = CheckpointPlan.from_recommendation(rec, num_layers=given, strict=strict)
+    # An every-layer plan needs no count (every call is checkpointed); the recommendation's count is
+    # only trusted for a plan of chosen layers.
+    L = given or (None if plan.every_layer else plan.num_layers)
+    if plan.every_layer:
+        chosen = list(range(L)) if L else []
+    elif not L:
+        raise ValueError("num_layers is required: the model's decoder-layer count (to index the checkpoint calls)")
     else:
-        chosen = list(rec.layers)
-    bad = [i for i in chosen if not 0 <= i < L]
-    if bad:
-        raise ValueError(f"layer indices {bad} out of range: allowed [0, {L - 1}]")
-    plan = AppliedCheckpointing(chosen, L, "deepspeed_patch", use_reentrant=True,
-                                source=getattr(rec, "model_version", None))
-    log.info("memfit: deepspeed checkpoint patched: %d of %d layers %s recompute", plan.k, L, chosen)
-    return DeepSpeedCheckpointPatch(module, plan, layer_index, layers)
+        chosen = plan.indices(L)
+    applied = AppliedCheckpointing(chosen, L or 0, "deepspeed_patch", use_reentrant=True, source=plan.source)
+    log.info("memfit: deepspeed checkpoint patched: %s of %s layers %s recompute", applied.k if L else "every",
+             L or "?", chosen if L else "(all)")
+    return DeepSpeedCheckpointPatch(module, applied, layer_index, layers, every_layer=plan.every_layer and not L)
 
 
-def deepspeed_activation_checkpointing_config(rec: Any) -> dict[str, Any]:
+def deepspeed_activation_checkpointing_config(rec: Any, *, num_layers: int | None = None) -> dict[str, Any]:
     """The DeepSpeed JSON ``activation_checkpointing`` block matching a recommendation.
 
     ``number_checkpoints`` is k: DeepSpeed uses it to size the contiguous buffer of checkpointed
     activations; *which* layers recompute is decided by the model's calls (see
-    :func:`patch_deepspeed_checkpointing`, or Megatron's ``--recompute-num-layers``). Merge it with
-    ``ds_config.update(...)``.
-
-    Raises:
-        ValueError: k is None (nothing fits).
+    :func:`patch_deepspeed_checkpointing`, or Megatron's ``--recompute-num-layers``). For an
+    every-layer plan (the client's fallback, or nothing fits) it is the layer count, or DeepSpeed's
+    default ``None`` (no buffer sizing) when the count is unknown. Merge it with ``ds_config.update(...)``;
+    DeepSpeed's ``DeepSpeedActivationCheckpointingConfig`` parses it to the same values.
     """
-    k = getattr(rec, "k", rec)
-    if k is None:
-        raise ValueError("recommendation has k=None (nothing fits): see its alternatives")
+    plan = CheckpointPlan.from_recommendation(rec if not isinstance(rec, int) else range(rec), num_layers=num_layers)
+    k = plan.k(num_layers)
     return {"activation_checkpointing": {
         "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
-        "number_checkpoints": int(k), "synchronize_checkpoint_boundary": False, "profile": False}}
+        "number_checkpoints": k, "synchronize_checkpoint_boundary": False, "profile": False}}
 
 
 def _is_hf_model(model: Any) -> bool:
@@ -180,8 +193,8 @@ def _is_hf_model(model: Any) -> bool:
             return True
     except ImportError:
         pass
-    return hasattr(base, "config") and (hasattr(base, "gradient_checkpointing_enable")
-                                        or hasattr(base, "activation_checkpointing_enable"))
+    return hasattr(base, "config") and (hasattr(base, "activation_checkpointing_enable")
+                                        or hasattr(base, "gradient_checkpointing_enable"))
 
 
 def check_deepspeed_config(ds_config: dict[str, Any], model: Any) -> list[str]:

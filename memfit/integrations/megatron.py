@@ -1,43 +1,98 @@
-"""Megatron-LM command-line flags for a recommendation.
+"""Megatron-Core ``TransformerConfig`` recompute fields (and Megatron-LM flags) for a recommendation.
 
-Megatron's ``--recompute-method block`` checkpoints the first ``--recompute-num-layers`` layers of
-each pipeline stage — memfit's ``block`` layout — with ``--recompute-granularity full`` (whole layers).
-With pipeline parallelism the count is per stage: pass the per-stage k.
+Megatron's ``recompute_method="block"`` with ``recompute_granularity="full"`` checkpoints whole layers:
+the first ``recompute_num_layers`` layers *of each pipeline stage* — memfit's ``block`` layout
+(``megatron.core.transformer.transformer_config.TransformerConfig``, field docs). A stage may need a
+different count (k not divisible by the stages: the first stages take one more), so the settings are
+given per stage; each pipeline rank builds its ``TransformerConfig`` with its own stage's fields::
+
+    fields = megatron_recompute_config(rec, pipeline_parallel_size=pp)[pp_rank]
+    config = TransformerConfig(num_layers=..., hidden_size=..., ..., **fields)
+
+An every-layer plan (the client's fallback, or nothing fits) whose layer count is unknown is
+``recompute_method="uniform", recompute_num_layers=1``: each layer its own recompute unit, i.e. every
+layer checkpointed, without knowing how many there are. Nothing here imports megatron.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from memfit.checkpointing import CheckpointPlan
 
-def megatron_flags(rec: Any, *, pipeline_parallel_size: int = 1, num_layers: int | None = None) -> list[str]:
-    """Flags that recompute the recommended layers: ``["--recompute-granularity", "full",
-    "--recompute-method", "block", "--recompute-num-layers", str(k)]``; ``[]`` when k == 0.
+NO_RECOMPUTE: dict[str, Any] = {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
+EVERY_LAYER: dict[str, Any] = {"recompute_granularity": "full", "recompute_method": "uniform",
+                               "recompute_num_layers": 1}
+
+
+def _stages(rec: Any, pipeline_parallel_size: int | None) -> int:
+    if pipeline_parallel_size is not None:
+        return pipeline_parallel_size
+    training = getattr(rec, "training", None) or {}
+    return int(training.get("pipeline_parallel_size", 1)) if isinstance(training, dict) else 1
+
+
+def megatron_recompute_config(rec: Any, *, pipeline_parallel_size: int | None = None,
+                              num_layers: int | None = None, strict: bool = False) -> list[dict[str, Any]]:
+    """``TransformerConfig`` recompute fields for each pipeline stage (index = pipeline rank).
 
     Args:
-        rec: a :class:`memfit.api.Recommendation` (or anything with ``k``), or k itself. The client's
-            fallback means every layer: its ``num_layers``, or ``num_layers`` given here.
-        pipeline_parallel_size: stages; the per-stage count is ``ceil(k / stages)``.
+        rec: :class:`memfit.api.Recommendation`, :class:`memfit.CheckpointPlan` or layer indices
+            (read by :meth:`CheckpointPlan.from_recommendation`; fallback / nothing fits = every layer).
+        pipeline_parallel_size: stages (default: the recommendation's resolved training, else 1).
+        num_layers: the model's layer count, when the recommendation does not carry it.
+        strict: raise instead of adjusting the plan (nothing fits, layer-count mismatch).
+
+    Returns:
+        One dict per stage with ``recompute_granularity``, ``recompute_method`` and
+        ``recompute_num_layers``: ``full``/``block``/k_s where the stage checkpoints k_s >= 1 layers,
+        all None where it checkpoints none, ``full``/``uniform``/1 for an every-layer plan of
+        unknown size.
 
     Raises:
-        ValueError: k is None (nothing fits) or negative; the layers are not the block layout; a
-            fallback without a layer count.
+        ValueError: stages < 1 or not dividing the layers; a stage whose chosen layers are not its
+            first ones (layout ``even``: ask for ``layout='block'``); a plan of chosen layers with no
+            layer count.
     """
-    if getattr(rec, "model_version", None) == "fallback":
-        L = getattr(rec, "num_layers", 0) or num_layers
-        if not L:
-            raise ValueError("fallback recommendation (checkpoint every layer) without a layer count: pass num_layers=")
-        rec = L
-    k = rec if isinstance(rec, int) else getattr(rec, "k", None)
-    if k is None:
-        raise ValueError("recommendation has k=None (nothing fits): see its alternatives")
-    if k < 0:
-        raise ValueError(f"k={k} must be >= 0")
-    layers = getattr(rec, "layers", None)
-    if layers and pipeline_parallel_size == 1 and list(layers) != list(range(k)):
-        raise ValueError(f"layers {list(layers)} are not the first k={k} (layout 'even'?): Megatron's block method "
-                         "checkpoints the first layers; ask for layout='block'")
-    if k == 0:
+    stages = _stages(rec, pipeline_parallel_size)
+    if stages < 1:
+        raise ValueError(f"pipeline_parallel_size={stages} must be >= 1")
+    plan = CheckpointPlan.from_recommendation(rec, num_layers=num_layers, strict=strict)
+    L = num_layers or plan.num_layers
+    if plan.every_layer and not L:
+        return [dict(EVERY_LAYER) for _ in range(stages)]
+    if not L:
+        raise ValueError("num_layers is required: the model's layer count (the plan does not carry it)")
+    if L % stages:
+        raise ValueError(f"num_layers={L} must be divisible by pipeline_parallel_size={stages}")
+    chosen = set(plan.indices(L))
+    per_stage = L // stages
+    out = []
+    for s in range(stages):
+        mine = sorted(i - s * per_stage for i in chosen if s * per_stage <= i < (s + 1) * per_stage)
+        if mine != list(range(len(mine))):
+            raise ValueError(f"stage {s} checkpoints layers {[i + s * per_stage for i in mine]}, not its first "
+                             f"{len(mine)} (layout 'even'?): Megatron's block method checkpoints the first layers "
+                             "of each stage; ask for layout='block'")
+        out.append({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": len(mine)}
+                   if mine else dict(NO_RECOMPUTE))
+    return out
+
+
+def megatron_flags(rec: Any, *, pipeline_parallel_size: int | None = None, num_layers: int | None = None) -> list[str]:
+    """Megatron-LM command-line flags for the same plan: ``["--recompute-granularity", "full",
+    "--recompute-method", "block", "--recompute-num-layers", str(k)]``; ``[]`` when nothing recomputes.
+
+    The command line sets one count for every stage, so stages that differ (k not divisible by the
+    stages) get the largest per-stage count: at least the planned layers recompute.
+
+    Raises:
+        ValueError: as :func:`megatron_recompute_config`.
+    """
+    stages = megatron_recompute_config(rec, pipeline_parallel_size=pipeline_parallel_size, num_layers=num_layers)
+    active = [s for s in stages if s["recompute_granularity"] is not None]
+    if not active:
         return []
-    per_stage = -(-k // max(1, pipeline_parallel_size))
-    return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(per_stage)]
+    widest = max(active, key=lambda s: s["recompute_num_layers"])
+    return ["--recompute-granularity", "full", "--recompute-method", widest["recompute_method"],
+            "--recompute-num-layers", str(widest["recompute_num_layers"])]

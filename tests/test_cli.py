@@ -1,0 +1,203 @@
+"""``memfit recommend``: any model (catalog, --config file or folder, HF cache), output, errors, exit codes.
+
+Answers come from the test registry (``small_registry``) through :class:`service.recommender.Recommender`,
+or from a stand-in HTTP server for ``--url`` (503, 422, unreachable).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+from memfit.api import GPUS
+from service.cli import EXIT_BAD_INPUT, EXIT_FITS, EXIT_NO_ANSWER, EXIT_NO_FIT, layer_ranges, main
+from tests.helpers import free_port
+
+DATA = Path(__file__).resolve().parent / "data"
+QWEN3 = DATA / "qwen3-0.6b.json"  # Qwen/Qwen3-0.6B's config.json: not in the catalog
+BASE = ["--micro-batch", "1", "--seq-len", "512"]
+
+
+@pytest.fixture()
+def run(small_registry, capsys):
+    """``run(*argv) -> (exit code, stdout, stderr)`` against the test registry."""
+
+    def _run(*argv: str, registry: bool = True):
+        extra = ["--registry", str(small_registry.root)] if registry and argv and argv[0] == "recommend" else []
+        code = main([*argv, *extra])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return _run
+
+
+def test_config_file_outside_the_catalog_gets_a_plan(run):
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "H200", *BASE, "--json")
+    assert code == EXIT_FITS, err
+    rec = json.loads(out)
+    assert rec["num_layers"] == 28 and rec["fits"] is True
+    assert rec["capacity_bytes"] == GPUS["H200"]  # bytes in JSON: units only at the edges
+    assert [c["k"] for c in rec["curve"]] == list(range(29))
+
+
+def test_config_folder_and_file_give_the_same_answer(run, tmp_path):
+    shutil.copy(QWEN3, tmp_path / "config.json")
+    args = ("--gpu", "RTX-4090", "--micro-batch", "1", "--seq-len", "2048", "--json")
+    code_file, out_file, _ = run("recommend", "--config", str(QWEN3), *args)
+    code_dir, out_dir, _ = run("recommend", "--config", str(tmp_path), *args)
+    assert code_file == code_dir
+    a, b = json.loads(out_file), json.loads(out_dir)
+    assert (a["k"], a["total_upper_bytes"], a["curve"]) == (b["k"], b["total_upper_bytes"], b["curve"])
+
+
+def test_hf_id_is_resolved_from_the_local_cache_only(run, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Qwen--Qwen3-0.6B" / "snapshots" / "c1899de289a04d12100db370d81485cdf75e47ca"
+    snapshot.mkdir(parents=True)
+    shutil.copy(QWEN3, snapshot / "config.json")
+    (cache / "models--Qwen--Qwen3-0.6B" / "refs").mkdir()
+    (cache / "models--Qwen--Qwen3-0.6B" / "refs" / "main").write_text(snapshot.name)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+
+    code, out, err = run("recommend", "--model", "Qwen/Qwen3-0.6B", "--gpu", "H200", *BASE, "--json")
+    assert code == EXIT_FITS, err
+    assert json.loads(out)["num_layers"] == 28
+
+    code, out, err = run("recommend", "--model", "Qwen/Qwen3-8B", "--gpu", "H200", *BASE)
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert "not in the catalog" in err and "local HF cache" in err and str(cache) in err and "--config" in err
+
+
+def test_catalog_name_and_unknown_name(run):
+    code, out, err = run("recommend", "--model", "meta-llama/Meta-Llama-3-8B", "--gpu", "H200", *BASE, "--json")
+    assert code in (EXIT_FITS, EXIT_NO_FIT), err
+    assert json.loads(out)["model_name"] == "llama-3-8b"
+    code, out, err = run("recommend", "--model", "llama-3-9b", "--gpu", "H200", *BASE)
+    assert code == EXIT_BAD_INPUT and "close matches" in err and "llama-3-8b" in err and "--config" in err
+
+
+def test_table_marks_the_chosen_k_and_explain_draws_the_curve(run):
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "200", *BASE)
+    assert code == EXIT_FITS, err
+    assert "◀ chosen k" in out and "checkpoint" in out
+    assert "breakdown" not in out  # only with --explain
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "200", *BASE, "--explain")
+    assert code == EXIT_FITS, err
+    assert "breakdown at k=" in out and "bars from" in out and "usable" in out
+    chart = [line for line in out.splitlines() if line.startswith("k=")]
+    assert chart and sum("◀ chosen k" in line for line in chart) == 1
+
+
+def test_nothing_fits_exits_3_with_alternatives(run):
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8",
+                         "--seq-len", "4096")
+    assert code == EXIT_NO_FIT, err
+    assert "does not fit at any k" in out and "alternatives" in out
+
+
+@pytest.mark.parametrize("argv, flag, words", [
+    (["--headroom", "2"], "--headroom", "less than or equal to 0.9"),
+    (["--gpu-memory-gib", "-1"], "--gpu-memory-gib", "greater than 0"),
+    (["--pipeline-parallel", "2"], "", "exceeds cluster.gpu_count=1"),
+])
+def test_out_of_range_values_name_the_flag_not_a_pydantic_dump(run, argv, flag, words):
+    gpu = [] if "--gpu-memory-gib" in argv else ["--gpu", "L4"]
+    code, out, err = run("recommend", "--config", str(QWEN3), *gpu, *BASE, *argv)
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert flag in err and words in err
+    assert "validation error for" not in err and "pydantic" not in err and "Traceback" not in err
+
+
+def test_unreadable_configs_are_bad_input(run, tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "nomodel.json").write_text(json.dumps({"hidden_size": 64}))
+    for path, words in ((tmp_path / "bad.json", "is not a JSON file"), (tmp_path / "nomodel.json", "no 'model_type'"),
+                        (tmp_path / "missing.json", "does not exist"), (tmp_path, "has no config.json")):
+        code, _, err = run("recommend", "--config", str(path), "--gpu", "L4", *BASE)
+        assert code == EXIT_BAD_INPUT and f"--config: {path}" in err and words in err, err
+
+
+def test_argparse_rejects_bad_flags_with_exit_2(capsys):
+    for argv in (["recommend", "--model", "gpt2", "--gpu", "B300", *BASE],
+                 ["recommend", "--model", "gpt2", "--gpu", "L4", "--micro-batch", "0", "--seq-len", "8"],
+                 ["recommend", "--model", "gpt2", "--config", "x.json", "--gpu", "L4", *BASE],
+                 ["recommend", "--model", "gpt2", *BASE]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "unknown GPU 'B300'" in err and "RTX-4090" in err and "must be >= 1" in err
+    assert "not allowed with argument" in err and "one of the arguments --gpu --gpu-memory-gib is required" in err
+
+
+def test_help_has_text_choices_defaults_and_exit_codes(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["recommend", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in ("--config PATH", "HF id", "(default: amp_bf16)", "{fp32,amp_fp16,amp_bf16,bf16,bf16_fp32_master}",
+                   "(default: block)", "RTX-4090", "exit codes", "503", "3 nothing fits"):
+        assert needle in text, needle
+
+
+class _Stub(BaseHTTPRequestHandler):
+    status = 503
+    body = {"detail": "model loading"}
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        payload = json.dumps(self.body).encode()
+        self.send_response(self.status)
+        self.send_header("content-type", "application/problem+json")
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("status, body, code, words", [
+    (503, {"detail": "model loading"}, EXIT_NO_ANSWER, "HTTP 503"),
+    (422, {"detail": "training.seq_len=9999999 must be in [1, 4194304]"}, EXIT_BAD_INPUT, "seq_len=9999999"),
+])
+def test_service_answers_map_to_documented_exit_codes(capsys, status, body, code, words):
+    handler = type("Handler", (_Stub,), {"status": status, "body": body})
+    server = HTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        got = main(["recommend", "--model", "gpt2", "--gpu", "L4", *BASE, "--url",
+                    f"http://127.0.0.1:{server.server_port}", "--timeout-s", "5"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got == code
+    assert words in capsys.readouterr().err
+
+
+def test_unreachable_service_exits_1(capsys):
+    got = main(["recommend", "--model", "gpt2", "--gpu", "L4", *BASE, "--url", f"http://127.0.0.1:{free_port()}",
+                "--timeout-s", "2"])
+    assert got == EXIT_NO_ANSWER
+    assert "no answer" in capsys.readouterr().err
+
+
+def test_models_and_gpus_lists(run):
+    code, out, _ = run("models")
+    assert code == EXIT_FITS and "llama-3-8b" in out.split()
+    code, out, _ = run("gpus")
+    assert code == EXIT_FITS and f"RTX-4090     {GPUS['RTX-4090'] / 2**30:7.2f} GiB" in out
+
+
+def test_layer_ranges():
+    assert layer_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert layer_ranges([]) == "" and layer_ranges([3]) == "3" and layer_ranges([4, 0, 2]) == "0, 2, 4"
