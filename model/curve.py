@@ -39,8 +39,12 @@ from model.compose import compose
 from model.terms import TermsCache, not_traceable_reason, terms_key
 
 TRACED, PROVISIONAL = "traced", "provisional"
+#: the traced path's bound never sits closer than this to the point: the composition is exact up to 512-byte
+#: rounding on most configurations, but misses by up to ~3 % on a few FSDP + LoRA ones
+#: (benchmarks/results/accuracy.txt), which a calibrated quantile of mostly-zero residuals would not cover
+TRACED_MARGIN_FLOOR = 0.005
 #: default relative bound margins per path until calibrated (measured in benchmarks/results/accuracy.txt)
-DEFAULT_MARGINS = {TRACED: 0.005, PROVISIONAL: 0.30}
+DEFAULT_MARGINS = {TRACED: TRACED_MARGIN_FLOOR, PROVISIONAL: 0.30}
 _STATE_PHASES_WITH_GRADS = {"bwd.emb", "opt"}
 
 

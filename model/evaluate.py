@@ -426,7 +426,7 @@ class CurveEstimator:
         """Fit the provisional estimator (or take ``provisional``, already fitted) and calibrate the margins."""
         from sklearn.model_selection import GroupShuffleSplit
 
-        from model.curve import DEFAULT_MARGINS, PROVISIONAL, TRACED
+        from model.curve import DEFAULT_MARGINS, PROVISIONAL, TRACED, TRACED_MARGIN_FLOOR
 
         y = np.asarray(y, dtype="float64")
         groups = np.asarray(groups) if groups is not None else group_labels(X)
@@ -445,7 +445,7 @@ class CurveEstimator:
             resid = y[cal][traced] / pred[traced] - 1
             n = resid.size
             level = min(1.0, np.ceil((n + 1) * (1 - self.alpha)) / n)
-            margins[TRACED] = max(0.0, float(np.quantile(resid, level, method="higher")))
+            margins[TRACED] = max(TRACED_MARGIN_FLOOR, float(np.quantile(resid, level, method="higher")))
         self.margins_ = margins
         return self
 
