@@ -115,8 +115,10 @@ class MemoryPredictor:
         estimator: a fitted :class:`model.estimator.PeakMemoryRegressor` (the provisional path), or None.
         terms: the traced-terms cache.
         margins: relative bound margin per path (:data:`DEFAULT_MARGINS` when None).
-        tracer: optional callable ``(key, hf_config, training) -> None`` asked to trace a missing key
-            (e.g. in a background process); the curve is answered provisionally meanwhile.
+        tracer: optional callable ``(key, hf_config, training) -> str`` asked to trace a missing key (in
+            the background: :class:`service.tracing.BackgroundTracer`, or at once:
+            :class:`service.tracing.InlineTracer`); it returns what the answer should say. Until the
+            terms exist the curve is answered provisionally.
     """
 
     def __init__(self, estimator: Any = None, terms: TermsCache | None = None,
@@ -146,17 +148,20 @@ class MemoryPredictor:
         if reason is None and hf_config is not None:
             key = terms_key(hf_config, training)
             terms = self.terms.get(key)
+            if terms is None and self.tracer is not None:
+                status = self.tracer(key, hf_config, training)
+                terms = self.terms.get(key)  # a synchronous tracer has stored them already
+                if terms is None:
+                    reason = f"this configuration has not been traced yet: {status}"
+            elif terms is None:
+                reason = "this configuration has not been traced yet"
             if terms is not None:
                 long = terms.get("long")
                 coef = long["coef"] if long and training.seq_len >= long["min_seq_len"] else terms["coef"]
                 p = terms.get("period", 1)
-                c = compose(coef, L, training.micro_batch_size, training.seq_len, tuple(terms.get("depths", (p, 2 * p))))
+                depths = tuple(terms.get("depths", (p, 2 * p)))
+                c = compose(coef, L, training.micro_batch_size, training.seq_len, depths)
                 raw, phases = c.peak_bytes.astype(np.float64), c.phase
-            else:
-                reason = "this configuration has not been traced yet"
-                if self.tracer is not None:
-                    self.tracer(key, hf_config, training)
-                    reason += "; tracing it now (about 10 s), ask again for the traced answer"
         elif reason is None:
             reason = "no HF config to trace"
         path = TRACED if raw is not None else PROVISIONAL

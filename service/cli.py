@@ -255,9 +255,19 @@ class NoAnswer(RuntimeError):
 def recommend_local(req: RecommendRequest, registry: Path | None) -> Recommendation:
     """The answer of the registry's current model (:class:`service.recommender.Recommender`)."""
     from model.registry import Registry
+    from model.terms import TermsCache
     from service.models import ModelHolder
+    from service.settings import Settings
+    from service.tracing import InlineTracer
 
-    holder = ModelHolder(Registry(registry) if registry is not None else Registry())
+    # the service's terms cache (shared with a running service on the same data directory); a configuration
+    # traced by neither is traced here once, so the command line gives the service's traced answer
+    try:
+        terms = TermsCache(Settings().db_url)
+    except Exception:  # noqa: BLE001 - a read-only or missing data directory: keep traced terms in memory
+        terms = TermsCache()
+    tracer = InlineTracer(terms, announce=lambda msg: print(f"memfit: {msg}", file=sys.stderr))
+    holder = ModelHolder(Registry(registry) if registry is not None else Registry(), terms=terms, tracer=tracer)
     holder.refresh()
     if holder.recommender is None:
         raise NoAnswer(f"no model registered ({holder.last_error or 'train one: python -m training.retrain'})")

@@ -1,12 +1,16 @@
-"""Trace never-seen configurations once, in a background process, and cache their terms.
+"""Trace never-seen configurations once, in a child process with a time limit, and cache their terms.
 
-:class:`BackgroundTracer` is the ``tracer`` of :class:`model.curve.MemoryPredictor`: when a curve is
-asked for a configuration whose traced terms are missing, the request is answered on the provisional
-path at once and the key is queued here. One spawned worker process runs
-:func:`training.phases.trace_terms` (fake tensors; about 5 s for an 8B-class model on 2 cores) and
-the result lands in the :class:`model.terms.TermsCache`, so the next request for that configuration
-is answered on the traced path. Torch never runs in the serving process, and a key is traced at most
-once per process (failures are remembered with their reason).
+:class:`BackgroundTracer` is the ``tracer`` of :class:`model.curve.MemoryPredictor` in the service: when
+a curve is asked for a configuration whose traced terms are missing, the request is answered on the
+provisional path at once and the key is queued here. A worker thread traces the queue one key at a
+time, each in a fresh spawned process (:func:`trace_in_subprocess`: fake tensors, about 5 s for an
+8B-class model on 2 cores) that is killed after ``timeout_s`` — a model whose code is slow under fake
+tensors must not stall the queue. The result lands in the :class:`model.terms.TermsCache`, so the next
+request for that configuration is answered on the traced path. Torch never runs in the serving
+process; a key is traced at most once per process, and failures are remembered with their reason
+and reported in the answer.
+
+:class:`InlineTracer` does the same synchronously, for the command line (one request, one process).
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import queue
 import threading
-from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 from memfit.schema import TrainingConfig
@@ -23,10 +27,12 @@ from model.terms import TermsCache
 
 log = logging.getLogger("memfit.service")
 
+#: a trace slower than this is abandoned (an 8B-class model takes about 5-15 s on 2 busy cores)
+TRACE_TIMEOUT_S = 120.0
+
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """Worker initializer: end this process when the server that spawned it is gone (SIGKILL included)."""
-    import os
+    """End this process when the process that spawned it is gone (SIGKILL included)."""
     import time
 
     def watch() -> None:
@@ -37,59 +43,112 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="memfit-parent-watch", daemon=True).start()
 
 
-def _trace(hf_config: dict[str, Any], training_json: str) -> dict[str, Any]:
-    from training.phases import trace_terms
+def _trace_child(conn, parent_pid: int, hf_config: dict[str, Any], training_json: str) -> None:
+    _exit_with_parent(parent_pid)
+    try:
+        from training.phases import trace_terms
 
-    return trace_terms(hf_config, TrainingConfig.model_validate_json(training_json)).to_json()
+        conn.send(("ok", trace_terms(hf_config, TrainingConfig.model_validate_json(training_json)).to_json()))
+    except Exception as err:  # noqa: BLE001 - reported to the parent with its reason
+        conn.send(("error", f"{type(err).__name__}: {err}"))
+    finally:
+        conn.close()
+
+
+def trace_in_subprocess(hf_config: dict[str, Any], training: TrainingConfig,
+                        timeout_s: float = TRACE_TIMEOUT_S) -> dict[str, Any]:
+    """:func:`training.phases.trace_terms` in a spawned process, killed after ``timeout_s``; its JSON.
+
+    Raises:
+        RuntimeError: the trace failed (with the child's reason) or took longer than ``timeout_s``.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_trace_child, args=(child, os.getpid(), hf_config, training.model_dump_json()),
+                       daemon=True, name="memfit-trace")
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            raise RuntimeError(f"tracing took longer than {timeout_s:.0f} s")
+        status, payload = parent.recv()
+    except EOFError as err:
+        raise RuntimeError(f"the tracing process died (exit code {proc.exitcode})") from err
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+        proc.join(5)
+        parent.close()
+    if status != "ok":
+        raise RuntimeError(payload)
+    return payload
 
 
 class BackgroundTracer:
-    """Queue traces of missing terms keys in one worker process.
+    """Trace missing terms keys one at a time in a worker thread, each in a child process.
 
     Attributes:
-        pending: keys being traced now. failed: key -> reason of a failed trace (not retried).
+        pending: keys queued or being traced. failed: key -> reason of a failed trace (not retried).
+        timeout_s: per-trace time limit.
     """
 
-    def __init__(self, cache: TermsCache) -> None:
-        self.cache = cache
+    def __init__(self, cache: TermsCache, timeout_s: float = TRACE_TIMEOUT_S) -> None:
+        self.cache, self.timeout_s = cache, timeout_s
         self.pending: set[str] = set()
         self.failed: dict[str, str] = {}
+        self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._pool: ProcessPoolExecutor | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
-    def __call__(self, key: str, hf_config: dict[str, Any], training: TrainingConfig) -> None:
+    def __call__(self, key: str, hf_config: dict[str, Any], training: TrainingConfig) -> str:
+        """Queue ``key`` unless known; returns what the answer should say about it."""
         with self._lock:
-            if key in self.pending or key in self.failed or self.cache.get(key) is not None:
-                return
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_exit_with_parent, initargs=(os.getpid(),))
+            if key in self.failed:
+                return f"tracing it failed ({self.failed[key]}), so the learned model answers"
+            if key in self.pending:
+                return f"tracing is queued or running ({len(self.pending)} in the queue); ask again shortly"
+            if self.cache.get(key) is not None:
+                return "traced meanwhile; ask again"
             self.pending.add(key)
-        try:
-            fut = self._pool.submit(_trace, hf_config, training.model_dump_json())
-        except Exception as err:  # noqa: BLE001 - a tracer that cannot start must not fail the request
-            with self._lock:
-                self.pending.discard(key)
-                self.failed[key] = f"could not start tracing: {type(err).__name__}: {err}"
-            log.warning("tracing %s not started: %s", key[:12], self.failed[key])
-            return
-        fut.add_done_callback(lambda f, k=key: self._done(k, f))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="memfit-tracer", daemon=True)
+                self._thread.start()
+        self._queue.put((key, hf_config, training))
+        return f"tracing it now (usually 5-30 s, at most {self.timeout_s:.0f} s); ask again for the traced answer"
 
-    def _done(self, key: str, fut: Future) -> None:
-        with self._lock:
-            self.pending.discard(key)
-        try:
-            self.cache.put(key, fut.result())
-            log.info("traced terms %s", key[:12])
-        except Exception as err:  # noqa: BLE001 - a config the tracer can't run stays provisional
-            self.failed[key] = f"{type(err).__name__}: {err}"
-            log.warning("tracing %s failed: %s", key[:12], self.failed[key])
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                key, hf_config, training = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                self.cache.put(key, trace_in_subprocess(hf_config, training, self.timeout_s))
+                log.info("traced terms %s", key[:12])
+            except Exception as err:  # noqa: BLE001 - a config the tracer can't run stays provisional
+                self.failed[key] = str(err)[:300]
+                log.warning("tracing %s failed: %s", key[:12], self.failed[key])
+            finally:
+                with self._lock:
+                    self.pending.discard(key)
 
     def shutdown(self) -> None:
-        """Stop tracing: queued traces are cancelled and a running one is killed (a trace of a large
-        model can take minutes; it must not outlive the server)."""
-        if self._pool is not None:
-            workers = list((self._pool._processes or {}).values())  # the executor has no public kill
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            for proc in workers:
-                proc.terminate()
+        """Stop after the trace in progress (its child process exits with the server)."""
+        self._stop.set()
+
+
+class InlineTracer:
+    """Trace a missing key synchronously (command line): the curve is then answered on the traced path."""
+
+    def __init__(self, cache: TermsCache, timeout_s: float = TRACE_TIMEOUT_S, announce=None) -> None:
+        self.cache, self.timeout_s, self.announce = cache, timeout_s, announce
+
+    def __call__(self, key: str, hf_config: dict[str, Any], training: TrainingConfig) -> str:
+        if self.announce is not None:
+            self.announce("tracing this configuration once (usually 5-30 s) ...")
+        try:
+            self.cache.put(key, trace_in_subprocess(hf_config, training, self.timeout_s))
+        except RuntimeError as err:
+            return f"tracing it failed ({err}), so the learned model answers"
+        return "traced now"

@@ -50,6 +50,8 @@ def jobs_from_telemetry(path: str | Path) -> list[tuple[str, TrainingConfig]]:
 
 #: configurations of the public reports the tests pose (tests/test_cases.py), traced ahead like the catalog
 PUBLIC_CASE_JOBS = [
+    # the README's and the main job's example request (llama-3-8b, ZeRO-3 over 8 GPUs, seq 8192, mb 2)
+    ("llama-3-8b", TrainingConfig(micro_batch_size=2, seq_len=8192, sharding="zero3", data_parallel_size=8)),
     ("llama-2-7b", TrainingConfig(micro_batch_size=2, seq_len=512, precision=Precision.BF16,
                                   sharding="fsdp_full_shard", data_parallel_size=4)),
 ]

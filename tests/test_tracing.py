@@ -1,0 +1,49 @@
+"""Tracing never-seen configurations: a time limit per trace, failures remembered and said in the answer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from data import catalog
+from memfit.schema import TrainingConfig
+from model.curve import MemoryPredictor
+from model.terms import TermsCache, terms_key
+from service.tracing import BackgroundTracer, InlineTracer, trace_in_subprocess
+
+SMALL = {**catalog.get("llama-3-8b")["hf_config"], "hidden_size": 256, "intermediate_size": 512,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096,
+         "num_hidden_layers": 4}
+TRAINING = TrainingConfig(micro_batch_size=1, seq_len=512)
+
+
+def test_a_trace_over_its_time_limit_is_abandoned():
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="longer than"):
+        trace_in_subprocess(SMALL, TRAINING, timeout_s=0.2)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_background_tracer_reports_failure_and_does_not_retry():
+    cache = TermsCache(shipped_dir=None)
+    tracer = BackgroundTracer(cache, timeout_s=0.2)
+    key = terms_key(SMALL, TRAINING)
+    assert "tracing it now" in tracer(key, SMALL, TRAINING)
+    assert "queued or running" in tracer(key, SMALL, TRAINING)
+    for _ in range(100):
+        if key in tracer.failed:
+            break
+        time.sleep(0.1)
+    assert "longer than" in tracer.failed[key]
+    assert "failed" in tracer(key, SMALL, TRAINING) and cache.get(key) is None
+    tracer.shutdown()
+
+
+def test_inline_tracer_answers_on_the_traced_path():
+    cache = TermsCache(shipped_dir=None)
+    said = []
+    p = MemoryPredictor(None, cache, tracer=InlineTracer(cache, announce=said.append))
+    spec = catalog.spec(SMALL)
+    c = p.curve(spec, TRAINING, SMALL)
+    assert c.path == "traced" and said and cache.get(terms_key(SMALL, TRAINING)) is not None
