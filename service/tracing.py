@@ -45,6 +45,11 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def _trace_child(conn, parent_pid: int, hf_config: dict[str, Any], training_json: str) -> None:
     _exit_with_parent(parent_pid)
+    # the libraries' import-time chatter (DeepSpeed's accelerator notice, transformers' warnings) must not
+    # reach the user's terminal or the server's log: the outcome goes back through the pipe
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
     try:
         from training.phases import trace_terms
 
