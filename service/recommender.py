@@ -185,6 +185,13 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[Tra
     if t.frozen_layers > spec.num_layers:
         raise InvalidConfiguration("training.frozen_layers", f"an integer in [0, num_layers={spec.num_layers}]",
                                    t.frozen_layers)
+    # Megatron-style tensor parallelism splits attention heads, pipeline parallelism splits layers
+    if spec.num_attention_heads % t.tensor_parallel_size:
+        raise InvalidConfiguration("training.tensor_parallel_size", f"a divisor of num_attention_heads="
+                                   f"{spec.num_attention_heads}", t.tensor_parallel_size)
+    if t.pipeline_parallel_size > spec.num_layers:
+        raise InvalidConfiguration("training.pipeline_parallel_size", f"an integer in [1, num_layers="
+                                   f"{spec.num_layers}]", t.pipeline_parallel_size)
     trainable = t.trainable_params
     if trainable is None:
         if t.finetune is FineTune.LORA:

@@ -128,3 +128,17 @@ def test_untraced_config_is_provisional_then_traced_once():
     entry_terms = TermsCache().get(calls[0])
     assert cache.put(calls[0], entry_terms) and not cache.put(calls[0], entry_terms)  # stored once, never overwritten
     assert p.curve(spec, training, hf).path == TRACED
+
+
+@pytest.mark.parametrize("training,field", [
+    ({"micro_batch_size": 1, "seq_len": 512, "tensor_parallel_size": 7}, "training.tensor_parallel_size"),
+    ({"micro_batch_size": 1, "seq_len": 512, "pipeline_parallel_size": 16}, "training.pipeline_parallel_size"),
+])
+def test_parallel_sizes_must_fit_the_model(recommender, training, field):
+    from memfit.errors import InvalidConfiguration
+
+    req = RecommendRequest.model_validate({"model": "gpt2", "training": training, "cluster": {"gpu": "H200",
+                                                                                          "gpu_count": 16}})
+    with pytest.raises(InvalidConfiguration) as err:
+        recommender.recommend(req)
+    assert err.value.field == field
