@@ -32,13 +32,18 @@ import numpy as np
 PHASES = ("rest", "fwd.layers", "fwd.head", "bwd.head", "bwd.layers", "bwd.emb", "opt")
 #: phases a step's peak can fall in (``rest`` is the start of the step, a lower bound of every phase)
 PEAK_PHASES = PHASES[1:]
+#: the four small models: (decoder layers, checkpointed layers)
 VARIANTS = ((1, 0), (2, 0), (1, 1), (2, 2))
+#: the monomials of :func:`token_basis`
+BASIS_NAMES = ("1", "b*s", "s", "b*s^2", "s^2")
 
 
-def token_basis(micro_batch_size: float, seq_len: float) -> np.ndarray:
-    """``(1, b·s, s, b·s², s²)``, the basis the traced coefficients are fitted on (float64, shape (5,))."""
-    b, s = float(micro_batch_size), float(seq_len)
-    return np.array([1.0, b * s, s, b * s * s, s * s])
+def token_basis(micro_batch_size, seq_len) -> np.ndarray:
+    """``(1, b·s, s, b·s², s²)``, the basis the traced coefficients are fitted on: float64, shape
+    ``(..., 5)`` for scalar or array micro-batch sizes b and sequence lengths s."""
+    b = np.asarray(micro_batch_size, dtype=np.float64)
+    s = np.asarray(seq_len, dtype=np.float64)
+    return np.stack(np.broadcast_arrays(np.ones_like(b * s), b * s, s, b * s * s, s * s), axis=-1)
 
 
 @dataclass(frozen=True)

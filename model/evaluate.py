@@ -356,25 +356,21 @@ def cross_evaluate(df: pd.DataFrame, make_estimator: Callable[[], Any], split: s
 
 # -- the one curve as an estimator --------------------------------------------------------------------
 def row_configuration(row: dict[str, Any]):
-    """(ModelSpec, TrainingConfig with k = 0, HF config or None) of one flat telemetry row."""
-    import json
-
+    """(ModelSpec, TrainingConfig with k = 0, HF config or None) of one flat telemetry row
+    (:func:`model.features.row_specs`, plus the catalog's HF config for the row's ``model_name``)."""
     from data import catalog
     from memfit.schema import ModelSpec, TrainingConfig
+    from model.features import row_specs
 
-    clean = {k: v for k, v in row.items() if not (isinstance(v, float) and v != v) and v is not None}
-    spec = ModelSpec.model_validate({k: clean[k] for k in ModelSpec.model_fields if k in clean})
-    t = {k: clean[k] for k in TrainingConfig.model_fields if k in clean}
-    if isinstance(t.get("lora_target_modules"), str):
-        t["lora_target_modules"] = json.loads(t["lora_target_modules"])
-    t["checkpoint_layers"] = []
-    training = TrainingConfig.model_validate(t)
-    hf = None
-    if spec.model_name:
-        try:
-            hf = catalog.get(spec.model_name)["hf_config"]
-        except KeyError:
-            hf = None
+    spec, training = row_specs({k: v for k, v in row.items() if not (isinstance(v, float) and v != v)})
+    # validated copies: Parquet hands integer columns with gaps back as floats (lora_rank 16.0), and the
+    # traced-terms key must see the same values a request gives
+    spec = ModelSpec.model_validate(dict(spec))
+    training = TrainingConfig.model_validate({**dict(training), "checkpoint_layers": []})
+    try:
+        hf = catalog.get(spec.model_name)["hf_config"] if getattr(spec, "model_name", None) else None
+    except KeyError:
+        hf = None
     return spec, training, hf
 
 

@@ -8,6 +8,7 @@ its structure is (gated MLP, GQA ratio, learned-dropout families, widths).
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -53,7 +54,8 @@ def row_specs(row: dict) -> tuple[ModelSpec, TrainingConfig]:
     trusted (validated on ingestion), so no pydantic validation runs here."""
     m = {k: row[k] for k in ModelSpec.model_fields if k in row and row[k] is not None}
     t = {k: row[k] for k in TrainingConfig.model_fields if k in row and row[k] is not None}
-    t.pop("lora_target_modules", None)
+    if isinstance(t.get("lora_target_modules"), str):  # JSON text in flat rows
+        t["lora_target_modules"] = json.loads(t["lora_target_modules"])
     for c, enum in _ENUMS.items():
         if c in t:
             t[c] = enum(t[c])

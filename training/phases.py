@@ -19,7 +19,7 @@ checkpointed layers do not move them). The phases and the composition rules are 
 ``shared/design/peak-composition.md`` (measured there at 0.04 % MAPE on 14 unseen architectures).
 
 Each phase's live bytes are, per model variant, a linear function of the token-shape basis
-:data:`BASIS` = (1, b·s, s, b·s², s²) with b = micro-batch size and s = sequence length: activations
+:func:`model.compose.token_basis` = (1, b·s, s, b·s², s²) with b = micro-batch size and s = sequence length: activations
 and logits grow with b·s, rotary tables and position ids with s, eager attention scores with b·s²,
 masks with s². Five traced (b, s) points per variant determine the five coefficients exactly; the
 fit is checked against other token counts in ``tests/test_phases.py``.
@@ -38,23 +38,13 @@ import torch
 
 from memfit.checkpointing import apply_activation_checkpointing
 from memfit.schema import CheckpointImpl, Sharding, TrainingConfig
+from model.compose import BASIS_NAMES, PHASES, token_basis
 from training.collect import _prime_optimizer, max_seq_len, prepared_model
 
 #: sharding modes whose parameters FSDP2 gathers layer by layer
 SHARDED_PARAMETERS = frozenset({Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP_FULL_SHARD, Sharding.FSDP_SHARD_GRAD_OP})
-PHASES = ("rest", "fwd.layers", "fwd.head", "bwd.head", "bwd.layers", "bwd.emb", "opt")
-#: the four small models: (decoder layers, checkpointed layers)
-VARIANTS = ((1, 0), (2, 0), (1, 1), (2, 2))
-BASIS_NAMES = ("1", "b*s", "s", "b*s^2", "s^2")
 #: the longest sequence the pruning grid covers
 MAX_TRACED_SEQ_LEN = 1 << 17
-
-
-def basis(micro_batch_size: int | np.ndarray, seq_len: int | np.ndarray) -> np.ndarray:
-    """Token-shape basis ``(1, b·s, s, b·s², s²)`` as float64, shape ``(..., 5)``."""
-    b = np.asarray(micro_batch_size, dtype=np.float64)
-    s = np.asarray(seq_len, dtype=np.float64)
-    return np.stack(np.broadcast_arrays(np.ones_like(b * s), b * s, s, b * s * s, s * s), axis=-1)
 
 
 def sliding_window_threshold(hf_config: dict[str, Any]) -> int | None:
@@ -71,7 +61,7 @@ def sliding_window_threshold(hf_config: dict[str, Any]) -> int | None:
 
 
 def token_points(hf_config: dict[str, Any], long: bool = False) -> list[tuple[int, int]]:
-    """Five (micro_batch_size, seq_len) points that determine the :func:`basis` coefficients exactly.
+    """Five (micro_batch_size, seq_len) points that determine the :func:`model.compose.token_basis` coefficients exactly.
 
     Three sequence lengths at b = 2 fix the constant, (2·b·s + s) and (2·b·s² + s²); two points at b = 4
     separate b·s from s and b·s² from s². Micro-batches of 1 are avoided: some reshapes are views there
@@ -134,7 +124,7 @@ class PhaseTerms:
 
     ``coef[(n, c)][phase]`` is a list of pieces, each a coefficient vector over :data:`BASIS_NAMES`
     (bytes), so that the phase's peak live bytes at micro-batch b and sequence length s are
-    ``max(basis(b, s) @ piece for piece in pieces)``.
+    ``max(token_basis(b, s) @ piece for piece in pieces)``.
     ``trace_s`` is the wall time the traces took. The "one and two layer" models have ``depths`` layers:
     (1, 2) when layers are alike; with layers of several types in a repeating pattern of ``period``
     layers (sliding-window / full attention) they hold one and two whole patterns; with FSDP-gathered
@@ -250,12 +240,12 @@ def _pruning_grid(hf_config: dict[str, Any], lo: int = 16, hi: int | None = None
     seqs = sorted({lo, hi, *(int(s) for s in np.geomspace(lo, hi, 43))})
     bs = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256]
     b, s = np.meshgrid(np.array(bs, float), np.array(seqs, float))
-    return basis(b.ravel(), s.ravel())
+    return token_basis(b.ravel(), s.ravel())
 
 
 def envelope_pieces(timelines: list[list[tuple[str, int]]], points: list[tuple[int, int]], grid: np.ndarray
                     ) -> dict[str, list[list[float]]]:
-    """Fit every timeline event's live bytes on :func:`basis` and keep, per phase, the events on the
+    """Fit every timeline event's live bytes on :func:`model.compose.token_basis` and keep, per phase, the events on the
     upper envelope over ``grid``.
 
     The op sequence of a training step does not depend on b and s, so event i of each timeline is the
@@ -271,7 +261,7 @@ def envelope_pieces(timelines: list[list[tuple[str, int]]], points: list[tuple[i
     if len(lengths) != 1 or len(phases_seq) != 1:
         raise RuntimeError(f"timelines of the traced token points differ (lengths {sorted(lengths)}): "
                            "the step's op sequence depends on the input shape")
-    X = np.stack([basis(b, s) for b, s in points])
+    X = np.stack([token_basis(b, s) for b, s in points])
     Y = np.array([[v for _, v in t] for t in timelines], dtype=np.float64)  # (points, events)
     theta = np.linalg.solve(X, Y)  # (5, events)
     phase_of = np.array(next(iter(phases_seq)))
