@@ -13,8 +13,8 @@ context, cuBLAS workspace, NCCL buffers). Defaults, each sourced:
 
 **What the fake tracker does not see.** On one H200 (torch 2.11, 26 pairs, ``gpu_validate``) the CUDA
 peak allocated bytes were the tracker's plus 66 MiB (median; cuBLAS/cuBLASLt workspaces, which PyTorch
-allocates through its caching allocator) in 24 of 26 pairs; GPT-2 with attention dropout under SDPA was
-0.5–0.9 GiB higher at k = 0 (no longer at k = L). :meth:`OverheadModel.fit` uses that median in place of
+allocates through its caching allocator) in 21 of 26 pairs; GPT-2 (attention dropout, SDPA and eager)
+was 0.5–0.9 GiB higher at k = 0, only the workspace higher at k = L. :meth:`OverheadModel.fit` uses that median in place of
 the 32 MiB cuBLAS default.
 
 **Fragmentation is measured under pressure, not read from reserved bytes.** The peak *reserved* bytes of
