@@ -222,6 +222,10 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
         raise InvalidConfiguration("training.pipeline_parallel_size", f"an integer in [1, num_layers="
                                    f"{spec.num_layers}]", t.pipeline_parallel_size)
     trainable = t.trainable_params
+    if trainable is not None and trainable > spec.total_params + (spec.total_params if t.finetune is FineTune.LORA
+                                                                   else 0):
+        raise InvalidConfiguration("training.trainable_params", f"an integer in [0, total_params="
+                                   f"{spec.total_params}] (LoRA adapters may add at most as many again)", trainable)
     if trainable is None:
         if t.finetune is FineTune.LORA:
             trainable = lora_trainable_params(spec, t.lora_rank or 8, t.lora_target_modules, hf_config)
