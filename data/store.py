@@ -256,6 +256,20 @@ class TelemetryStore:
         return [{"record_id": r["record_id"], "received_at": r["received_at"], "reason": r["reason"],
                  "record": json.loads(r["record_json"])} for r in rows]
 
+    def lookup(self, record_id: str) -> tuple[TelemetryRecord | None, list[dict[str, Any]]]:
+        """What the store keeps under ``record_id``: the stored record (None when none is) and every
+        quarantined copy, oldest first (``{record_id, received_at, reason, record}``, as :meth:`quarantined`).
+
+        A record id that was never received, or only rejected, gives ``(None, [])``.
+        """
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(self.table).where(self.table.c.record_id == record_id)).mappings().first()
+            held = conn.execute(sa.select(self.quarantine).where(self.quarantine.c.record_id == record_id)
+                                .order_by(self.quarantine.c.id)).mappings().all()
+        stored = TelemetryRecord.from_row(dict(row)) if row is not None else None
+        return stored, [{"record_id": r["record_id"], "received_at": r["received_at"], "reason": r["reason"],
+                         "record": json.loads(r["record_json"])} for r in held]
+
     def count(self) -> int:
         with self.engine.connect() as conn:
             return conn.execute(sa.select(sa.func.count()).select_from(self.table)).scalar_one()

@@ -47,6 +47,45 @@ def test_telemetry_ingest_idempotent_with_reasons(client):
     assert client.get("/v2/health/ready").json()["telemetry_records"] == 1
 
 
+def test_telemetry_read_back_stored_quarantined_and_unknown(client):
+    good = record(record_id="job-00000011").model_dump(mode="json")
+    r = client.post("/telemetry", json=[good], headers=AUTH)
+    assert r.json()["stored"] == ["job-00000011"]
+    conflict = record(record_id="job-00000011", peak_allocated_bytes=999_999_488).model_dump(mode="json")
+    implausible = record(record_id="job-00000012", method="cuda", oom=False,
+                         peak_allocated_bytes=(1 << 34) + 4096).model_dump(mode="json")
+    r = client.post("/telemetry", json=[conflict, implausible], headers=AUTH)
+    assert [q["record_id"] for q in r.json()["quarantined"]] == ["job-00000011", "job-00000012"]
+
+    kept = client.get("/telemetry/job-00000011", headers=AUTH)
+    assert kept.status_code == 200
+    j = kept.json()
+    assert j["record"]["measurement"]["peak_allocated_bytes"] == 123_456_512  # the first one: never overwritten
+    assert len(j["quarantined"]) == 1 and "different content" in j["quarantined"][0]["reason"]
+    assert j["quarantined"][0]["record"]["measurement"]["peak_allocated_bytes"] == 999_999_488
+
+    j = client.get("/telemetry/job-00000012", headers=AUTH).json()
+    assert j["record"] is None and "exceeds device_memory_bytes" in j["quarantined"][0]["reason"]
+
+    missing = client.get("/telemetry/job-99999999", headers=AUTH)
+    assert missing.status_code == 404 and missing.headers["content-type"].startswith("application/problem+json")
+    assert "job-99999999" in missing.json()["detail"]
+    bad = client.get("/telemetry/has%20space", headers=AUTH)
+    assert bad.status_code == 422 and bad.json()["errors"][0]["field"].endswith("record_id")
+    assert client.get("/telemetry/job-00000011").status_code == 401  # reading telemetry needs the token too
+
+
+def test_telemetry_post_links_to_the_read_back():
+    """The ingestion answer's OpenAPI links name the read-back, so stateful clients can follow them."""
+    from service.app import create_app as make
+
+    spec = make(Settings(db_url="sqlite:///:memory:", registry_dir="/nonexistent", warm_up=False)).openapi()
+    links = spec["paths"]["/telemetry"]["post"]["responses"]["200"]["links"]
+    assert {v["operationId"] for v in links.values()} == {"read_telemetry_record"}
+    assert spec["paths"]["/telemetry/{record_id}"]["get"]["operationId"] == "read_telemetry_record"
+    assert links["ReadStored"]["parameters"] == {"record_id": "$response.body#/stored/0"}
+
+
 def test_token_required(client):
     r = client.post("/telemetry", json=[], headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.headers["content-type"].startswith("application/problem+json")
