@@ -18,7 +18,7 @@ from data.store import TelemetryStore
 from memfit.schema import TelemetryRecord
 from service.deps import (WriteQueue, get_settings, get_write_queue, readable_store, require_token,
                           writable_store)
-from service.errors import PROBLEM
+from service.errors import problem_responses
 from service.settings import Settings
 
 router = APIRouter(tags=["telemetry"], dependencies=[Depends(require_token)])
@@ -59,7 +59,7 @@ def _link(pointer: str, what: str) -> dict[str, Any]:
 @router.post("/telemetry", response_model=IngestResponse, responses={200: {"links": {
     "ReadStored": _link("/stored/0", "stored"),
     "ReadDuplicate": _link("/duplicates/0", "duplicate"),
-    "ReadQuarantined": _link("/quarantined/0/record_id", "quarantined")}}})
+    "ReadQuarantined": _link("/quarantined/0/record_id", "quarantined")}}, **problem_responses(503)})
 async def ingest(records: list[TelemetryRecord | dict[str, Any]], settings: Annotated[Settings, Depends(get_settings)],
                  store: Annotated[TelemetryStore, Depends(writable_store)],
                  writes: Annotated[WriteQueue, Depends(get_write_queue)]) -> IngestResponse:
@@ -73,8 +73,7 @@ async def ingest(records: list[TelemetryRecord | dict[str, Any]], settings: Anno
 
 
 @router.get("/telemetry/{record_id}", response_model=KeptTelemetry, operation_id=READ_OPERATION,
-            responses={404: {"description": "nothing is kept under this id (never received, or rejected)",
-                             "content": {PROBLEM: {}}}})
+            responses=problem_responses(404, 503, s404="nothing is kept under this id (never received, or rejected)"))
 def read(record_id: Annotated[RecordId, Path()],
          store: Annotated[TelemetryStore, Depends(readable_store)]) -> KeptTelemetry:
     """The stored record under ``record_id`` and any quarantined copies; 404 when there is neither."""
