@@ -18,6 +18,7 @@ bytes (median) per device name; the defaults stay for devices never seen.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,6 +72,14 @@ class OverheadModel:
                 self.outside_by_device[device] = int(outside.median())
             self.rows_by_device[device] = len(g)
         return self
+
+    def total_bytes(self, allocated_bytes: Sequence[int], device_name: str | None, gpu_count: int) -> list[int]:
+        """``allocated + overhead(allocated).total_bytes`` for each allocated peak (e.g. a whole curve
+        over k) in one pass: the overhead is a fixed part plus a fraction of the allocated bytes."""
+        ratio = self.ratio_by_device.get(device_name or "", FRAGMENTATION_RATIO)
+        o = self.overhead(0, device_name, gpu_count)
+        fixed = o.cuda_context_bytes + o.cublas_workspace_bytes + o.nccl_bytes
+        return [a + int(a * (ratio - 1)) + fixed for a in allocated_bytes]
 
     def overhead(self, allocated_bytes: float, device_name: str | None, gpu_count: int) -> Overhead:
         """Overhead for a predicted allocated peak on ``device_name`` in a job of ``gpu_count`` GPUs."""

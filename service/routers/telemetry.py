@@ -16,8 +16,7 @@ from starlette.exceptions import HTTPException
 
 from data.store import TelemetryStore
 from memfit.schema import TelemetryRecord
-from service.deps import (WriteQueue, get_settings, get_write_queue, readable_store, require_token,
-                          writable_store)
+from service.deps import WriteQueue, get_settings, get_write_queue, readable_store, require_token, writable_store
 from service.errors import problem_responses
 from service.settings import Settings
 
