@@ -168,7 +168,7 @@ def test_curve_totals_in_one_pass_equal_the_per_point_overhead():
     """/recommend's hot path adds the overhead to the whole curve at once; it must equal the per-point sum."""
     from model.overhead import OverheadModel
 
-    learned = OverheadModel({"H100-80GB": 1.08}, {"H100-80GB": 700 << 20}, {"H100-80GB": 12})
+    learned = OverheadModel(1.08, "test", 66 << 20, {"H100-80GB": 700 << 20}, {"H100-80GB": 12})
     allocated = [0, 1, 3 << 30, 77_777_777_777, 193_747_599_037]
     for m in (OverheadModel(), learned):
         for device, gpus in (("H100-80GB", 1), ("H100-80GB", 64), ("A100-40GB", 8), (None, 1)):
