@@ -177,3 +177,11 @@ def test_curve_totals_in_one_pass_equal_the_per_point_overhead():
         for device, gpus in (("H100-80GB", 1), ("H100-80GB", 64), ("A100-40GB", 8), (None, 1)):
             assert m.total_bytes(allocated, device, gpus) == [
                 a + m.overhead(a, device, gpus).total_bytes for a in allocated]
+
+
+def test_read_back_on_a_read_only_server_is_503(tmp_path, small_registry):
+    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 'r.db'}", registry_dir=str(small_registry.root),
+                              read_only=True, warm_up=False))
+    r = TestClient(app).get("/telemetry/job-00000001")
+    assert r.status_code == 503 and "read-only" in r.json()["detail"]
+    assert r.headers["content-type"].startswith("application/problem+json")
