@@ -2,7 +2,8 @@
 :mod:`service.deps`, the mapping of domain exceptions to problem+json in :mod:`service.errors`.
 
 * ``POST /recommend``, ``POST /predict`` — answers from the serving model (never wait on the store).
-* ``POST /telemetry`` — idempotent ingestion on its own bounded executor (token; see :class:`Settings`).
+* ``POST /telemetry`` — idempotent ingestion on its own bounded executor (token; see :class:`Settings`);
+  ``GET /telemetry/{record_id}`` — the stored record and quarantined copies under an id (token).
 * ``GET /models``, ``POST /models/reload`` (token), ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /metrics``.
 
 Start-up never fails on a damaged model (it is refused; ready says why) or on a read-only data

@@ -159,6 +159,9 @@ def test_openapi_documents_error_answers_as_sent(tmp_path):
     assert "404" in with_token["paths"]["/telemetry/{record_id}"]["get"]["responses"]
     assert "503" in with_token["paths"]["/recommend"]["post"]["responses"]
     assert "Problem" in with_token["components"]["schemas"]
+    items = post["requestBody"]["content"]["application/json"]["schema"]["items"]["anyOf"]
+    assert items[0] == {"$ref": "#/components/schemas/TelemetryRecord"}
+    assert "TelemetryRecord" in with_token["components"]["schemas"]  # the reference resolves
     assert "HTTPValidationError" not in with_token["components"]["schemas"]
     open_post = spec()["paths"]["/telemetry"]["post"]
     assert open_post["security"] == [{"HTTPBearer": []}, {}] and "401" not in open_post["responses"]
@@ -168,9 +171,17 @@ def test_curve_totals_in_one_pass_equal_the_per_point_overhead():
     """/recommend's hot path adds the overhead to the whole curve at once; it must equal the per-point sum."""
     from model.overhead import OverheadModel
 
-    learned = OverheadModel(1.08, "test", 66 << 20, {"H100-80GB": 700 << 20}, {"H100-80GB": 12})
+    learned = OverheadModel(1.08, "test", 3 << 20, {"H100-80GB": 700 << 20}, {"H100-80GB": 12})
     allocated = [0, 1, 3 << 30, 77_777_777_777, 193_747_599_037]
     for m in (OverheadModel(), learned):
         for device, gpus in (("H100-80GB", 1), ("H100-80GB", 64), ("A100-40GB", 8), (None, 1)):
             assert m.total_bytes(allocated, device, gpus) == [
                 a + m.overhead(a, device, gpus).total_bytes for a in allocated]
+
+
+def test_read_back_on_a_read_only_server_is_503(tmp_path, small_registry):
+    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 'r.db'}", registry_dir=str(small_registry.root),
+                              read_only=True, warm_up=False))
+    r = TestClient(app).get("/telemetry/job-00000001")
+    assert r.status_code == 503 and "read-only" in r.json()["detail"]
+    assert r.headers["content-type"].startswith("application/problem+json")

@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, WithJsonSchema
 from starlette.exceptions import HTTPException
 
 from data.store import TelemetryStore
@@ -21,6 +21,12 @@ from service.errors import problem_responses
 from service.settings import Settings
 
 router = APIRouter(tags=["telemetry"], dependencies=[Depends(require_token)])
+
+#: one posted record: documented as a :class:`TelemetryRecord` (or a flat row), checked as a plain object
+#: here and validated by the store on the write executor, so a large batch never holds the event loop
+TelemetryIn = Annotated[dict[str, Any], WithJsonSchema({"anyOf": [
+    {"$ref": "#/components/schemas/TelemetryRecord"},  # in the schema through KeptTelemetry
+    {"type": "object", "description": "a flat row: the columns of TelemetryRecord.to_row"}]})]
 
 #: the record id as the schema defines it (length and characters), for the path parameter
 RecordId = Annotated[str, *TelemetryRecord.model_fields["record_id"].metadata]
@@ -59,7 +65,7 @@ def _link(pointer: str, what: str) -> dict[str, Any]:
     "ReadStored": _link("/stored/0", "stored"),
     "ReadDuplicate": _link("/duplicates/0", "duplicate"),
     "ReadQuarantined": _link("/quarantined/0/record_id", "quarantined")}}, **problem_responses(503)})
-async def ingest(records: list[TelemetryRecord | dict[str, Any]], settings: Annotated[Settings, Depends(get_settings)],
+async def ingest(records: list[TelemetryIn], settings: Annotated[Settings, Depends(get_settings)],
                  store: Annotated[TelemetryStore, Depends(writable_store)],
                  writes: Annotated[WriteQueue, Depends(get_write_queue)]) -> IngestResponse:
     """Store records (nested :class:`TelemetryRecord` objects or flat rows); every input index comes
