@@ -21,6 +21,7 @@ from typing import Any
 
 from memfit.api import GPUS, ArchitectureIn, ClusterIn, RecommendRequest, TrainingIn
 from memfit.checkpointing import MemfitWarning
+from memfit.hf import logical_numel
 from memfit.schema import Attention, CheckpointImpl, FineTune, Optimizer, Precision, Sharding
 
 log = logging.getLogger("memfit")
@@ -73,7 +74,7 @@ def parameter_counts(model) -> tuple[int, int]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        n = int(getattr(p, "ds_numel", 0) or p.numel())
+        n = int(getattr(p, "ds_numel", 0) or logical_numel(p))
         total += n
         trainable += n if p.requires_grad else 0
     return total, trainable

@@ -171,16 +171,27 @@ def build_causal_lm(cfg: dict[str, Any], *, dtype=None, attention: str = "sdpa")
 
 
 def count_params(model) -> tuple[int, int]:
-    """(total, trainable) parameter counts of a module; shared (tied) tensors are counted once."""
+    """(total, trainable) parameter counts of a module; shared (tied) tensors are counted once, and a
+    bitsandbytes 4-bit weight (packed two codes per byte) as the weights it holds (its ``quant_state.shape``)."""
     seen: set[int] = set()
     total = trainable = 0
     for p in model.parameters():  # nn.Module.parameters() already de-duplicates shared Parameters
         if id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
+        n = logical_numel(p)
+        total += n
+        trainable += n if p.requires_grad else 0
     return total, trainable
+
+
+def logical_numel(p) -> int:
+    """Weights a parameter holds: ``numel()``, or for a bitsandbytes 4-bit weight (``Params4bit``, two
+    codes per byte) the product of its ``quant_state.shape``."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    if shape is not None and p.dtype.itemsize == 1 and len(shape) == 2:
+        return int(shape[0]) * int(shape[1])
+    return p.numel()
 
 
 def count_params_from_config(cfg: dict[str, Any]) -> int:
