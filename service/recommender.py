@@ -29,7 +29,7 @@ from memfit.api import (
     TrainingIn,
 )
 from memfit.errors import InvalidConfiguration, UnknownArchitecture
-from memfit.schema import FineTune, ModelSpec, Sharding, TrainingConfig
+from memfit.schema import FineTune, ModelSpec, Quantization, Sharding, TrainingConfig
 from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.estimator import PeakMemoryRegressor
 from model.overhead import OverheadModel
@@ -169,12 +169,21 @@ def lora_trainable_params(spec: ModelSpec, rank: int, target_modules: list[str] 
     return spec.num_layers * rank * sum(sum(dims.get(t, (h, h))) for t in targets)
 
 
-def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[TrainingConfig, ModelSpec]:
+def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
+                    quantization_config: Any = None) -> tuple[TrainingConfig, ModelSpec]:
     """Full TrainingConfig (k = 0) and the spec with the trainable count this fine-tune implies.
 
+    ``quantization_config`` is the model's HF ``quantization_config`` (bitsandbytes); it sets
+    ``quantization`` when the request leaves it out (:func:`memfit.hf.quantization_from_hf`).
+
     Raises:
-        InvalidConfiguration: parallel sizes beyond the cluster, frozen layers beyond the model.
+        InvalidConfiguration: parallel sizes beyond the cluster, frozen layers beyond the model, a
+            quantization without LoRA or one that contradicts the model's ``quantization_config``.
     """
+    quantization = t.resolved_quantization(quantization_config)
+    if quantization is not Quantization.NONE and t.finetune is not FineTune.LORA:
+        raise InvalidConfiguration("training.quantization", "'none' unless finetune='lora' (with LoRA: one of "
+                                   f"{', '.join(q.value for q in Quantization)})", quantization.value)
     dp = t.data_parallel_size or max(1, gpu_count // (t.tensor_parallel_size * t.pipeline_parallel_size))
     world = dp * t.tensor_parallel_size * t.pipeline_parallel_size
     if world > gpu_count:
@@ -204,6 +213,7 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[Tra
     spec = spec.model_copy(update={"total_params": total, "trainable_params": min(trainable, total)})
     fields = t.model_dump(exclude={"trainable_params"})
     fields["data_parallel_size"] = dp
+    fields["quantization"] = quantization
     if t.finetune is FineTune.LORA and fields["lora_rank"] is None:
         fields["lora_rank"] = 8
     try:
@@ -284,7 +294,7 @@ class Recommender:
     def _curve(self, model: Any, training_in: TrainingIn, gpu_count: int,
                architecture_fallback: str | None = None) -> tuple[Curve, ModelSpec, TrainingConfig, list[str]]:
         spec, cfg, warnings = resolve_model(model, architecture_fallback)
-        training, spec = training_config(training_in, spec, gpu_count)
+        training, spec = training_config(training_in, spec, gpu_count, cfg.get("quantization_config"))
         return self.curves.curve(spec, training, cfg), spec, training, warnings
 
     def predict(self, item: PredictItem, index: int = 0) -> Prediction:
@@ -316,7 +326,7 @@ class Recommender:
             InvalidConfiguration: the request describes no valid model or training (field named).
         """
         spec, cfg, warnings = resolve_model(req.model, req.architecture_fallback)
-        training, spec = training_config(req.training, spec, req.cluster.gpu_count)
+        training, spec = training_config(req.training, spec, req.cluster.gpu_count, cfg.get("quantization_config"))
         p = self._plan(spec, training, cfg, req, req.cluster.gpu_count)
         at = p.at
         warnings = [*warnings, *p.curve.notes, *self._warnings(spec, training, req, p)]
