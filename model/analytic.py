@@ -59,7 +59,8 @@ def quantized_linear_bytes(out_features: int, in_features: int, quantization: Qu
     * ``nf4`` (``Linear4bit``, ``quantize_4bit(blocksize=64)``): ceil(n/2) bytes of packed codes, an
       fp32 absmax per 64 weights and the 16-value fp32 NF4 code;
     * ``nf4_double_quant`` (``compress_statistics=True``): the absmax values as uint8 with an fp32
-      absmax per 256 of them (``quantize_blockwise(blocksize=256)``) and an fp32 offset (their mean);
+      absmax per 256 of them (``quantize_blockwise(blocksize=256)``), an fp32 offset (their mean) and the
+      layer's own copy of the 256-value fp32 8-bit code (``code.to(device, copy=True)``);
       QLoRA, Dettmers et al. 2023, arXiv 2305.14314, Sec. 3 "Double Quantization";
     * ``int8`` (``Linear8bitLt``, LLM.int8, arXiv 2208.07339): int8 weights and an fp32 scale per row.
 
@@ -77,7 +78,7 @@ def quantized_linear_bytes(out_features: int, in_features: int, quantization: Qu
     packed = _blocks(-(-n // 2)) + _blocks(16 * 4)
     if quantization is Quantization.NF4:
         return packed + _blocks(4 * blocks)
-    return packed + _blocks(blocks) + _blocks(4 * -(-blocks // 256)) + _blocks(4)
+    return packed + _blocks(blocks) + _blocks(4 * -(-blocks // 256)) + _blocks(4) + _blocks(256 * 4)
 
 
 def decoder_linear_shapes(model: ModelSpec) -> list[tuple[int, int]]:
