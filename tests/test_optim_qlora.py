@@ -10,6 +10,7 @@ What is checked here:
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -255,6 +256,16 @@ def test_service_answers_422_naming_the_field(tmp_path, small_registry):
         r = client.post("/recommend", json=body)
         assert r.status_code == 422, r.text
         assert "training.quantization" in r.text and "finetune='lora'" in r.text
+        # valid settings are answered (provisionally until traced), and more cheaply than fp32 AdamW
+        peaks = {}
+        for setting in ({"optimizer": "adamw_foreach"}, {"optimizer": "paged_adamw_8bit", "optimizer_in_backward": True},
+                        {"finetune": "lora", "lora_rank": 8, "quantization": "nf4"}):
+            body["training"] = {"micro_batch_size": 1, "seq_len": 512, "precision": "bf16", **setting}
+            r = client.post("/recommend", json=body)
+            assert r.status_code == 200, r.text
+            peaks[json.dumps(setting)] = r.json()["predicted_peak_bytes"]
+        full, low, qlora = peaks.values()
+        assert qlora < low < full, peaks
 
 
 def test_describe_picks_up_a_qlora_model_and_bitsandbytes_optim_names():

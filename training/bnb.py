@@ -204,10 +204,15 @@ def quantize_base_linears(model, quantization: Quantization, *, storage_dtype, c
     ``compute_dtype`` ``bnb_4bit_compute_dtype``. Returns the number of layers replaced.
 
     Raises:
-        ValueError: ``quantization`` is ``none``.
+        ValueError: ``quantization`` is ``none``, or the decoder's matrices are not ``nn.Linear``
+            (GPT-2's ``Conv1D``: not modelled).
     """
     if quantization is Quantization.NONE:
         raise ValueError("quantization='none' quantizes nothing")
+    conv = [name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    if conv:
+        raise ValueError(f"quantization={quantization.value} is modelled for decoders of nn.Linear layers; this "
+                         f"model's {conv[0]} is a Conv1D")
     out_emb = model.get_output_embeddings()
     targets = [(name, m) for name, m in model.named_modules()
                if type(m) is torch.nn.Linear and m is not out_emb]
