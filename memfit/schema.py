@@ -25,7 +25,8 @@ mode                          weights  grads  notes
 
 Optimizer state bytes per trainable parameter, in the dtype of the parameters the optimizer owns
 (fp32 unless ``bf16``): AdamW 2 states (8 B fp32), SGD with momentum 1 (4 B), Adafactor factored
-second moment (~0 per parameter for matrices). With mixed-precision Adam this gives the ZeRO paper's
+second moment (~0 per parameter for matrices); bitsandbytes ones whatever the parameters' dtype:
+AdamW8bit 2 B + 8 B per 256 (paged: device holds only the 8/256), Lion 4 B. With mixed-precision Adam this gives the ZeRO paper's
 2 + 2 + 12 = 16 bytes per parameter (Rajbhandari et al. 2020, arXiv 1910.02054, Sec. 3.1).
 """
 
