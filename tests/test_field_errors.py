@@ -33,6 +33,8 @@ def _errors(client, training=None, cluster=None, model="llama-3-8b"):
     ({}, {"gpu": "H100-80GB", "gpu_memory_gib": 80}, "cluster.gpu", "exactly one of"),
     ({"finetune": "lora", "lora_target_modules": ["q_proj", "qproj"]}, None, "training.lora_target_modules",
      "'gate_proj'"),
+    ({"finetune": "frozen", "frozen_layers": 4, "trainable_params": 10**12}, None, "training.trainable_params",
+     "total_params=8030261248"),
 ])
 def test_model_level_checks_name_their_field(client, training, cluster, field, words):
     (err,) = _errors(client, training, cluster)
