@@ -290,16 +290,21 @@ class TelemetryStore:
 
     # -- files --------------------------------------------------------------------------------
     def export(self, path: str | Path) -> int:
-        """Write all rows to ``.parquet`` or ``.csv``; returns the row count."""
+        """Write all rows to ``.parquet`` or ``.csv``, or ``.jsonl`` (one :class:`TelemetryRecord` JSON per
+        line, the format of ``data/telemetry/incoming/``); returns the row count."""
         path = Path(path)
-        df = self.dataframe().drop(columns=["content_hash"])
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".jsonl":
+            records = self.records()
+            path.write_text("".join(r.model_dump_json() + "\n" for r in records))
+            return len(records)
+        df = self.dataframe().drop(columns=["content_hash"])
         if path.suffix == ".parquet":
             df.to_parquet(path, index=False)
         elif path.suffix == ".csv":
             df.to_csv(path, index=False)
         else:
-            raise ValueError(f"path must end in .parquet or .csv, got {path.name!r}")
+            raise ValueError(f"path must end in .parquet, .csv or .jsonl, got {path.name!r}")
         return len(df)
 
     def import_file(self, path: str | Path) -> IngestReport:

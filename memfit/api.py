@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Self
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, model_validator
 
 from memfit.errors import InvalidConfiguration
 from memfit.schema import (
     MAX_DEVICE_MEMORY_BYTES, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WORLD, Attention, CheckpointImpl,
-    FineTune, Optimizer, Precision, Sharding,
+    FineTune, Optimizer, Precision, Quantization, Sharding,
 )
 
 GIB = 1 << 30
@@ -110,6 +110,30 @@ class TrainingIn(_In):
     trainable_params: StrictInt | None = Field(None, ge=0, le=MAX_PARAMS, description="LoRA/frozen: trainable count")
     frozen_layers: StrictInt = Field(0, ge=0, le=MAX_LAYERS)
     checkpoint_impl: CheckpointImpl = CheckpointImpl.NON_REENTRANT
+    optimizer_in_backward: StrictBool = Field(False, description="optimizer step fused into backward per parameter "
+                                              "(torchtune optimizer_in_bwd): no full gradient buffer")
+    quantization: Quantization | None = Field(None, description="frozen base weights' storage (QLoRA), only with "
+                                              "finetune='lora'; default: the model's HF quantization_config, else "
+                                              "'none'")
+
+    def resolved_quantization(self, quantization_config: Any = None) -> Quantization:
+        """``quantization`` as given, else the one the model's HF ``quantization_config`` describes, else
+        ``none`` (:func:`memfit.hf.quantization_from_hf`).
+
+        Raises:
+            InvalidConfiguration: a given value contradicts ``quantization_config`` (field
+                ``training.quantization``), or the latter is not bitsandbytes (``model.quantization_config``).
+        """
+        from memfit.errors import InvalidConfiguration
+        from memfit.hf import quantization_from_hf
+
+        if quantization_config is None:
+            return self.quantization or Quantization.NONE
+        from_model = quantization_from_hf(quantization_config, field="model.quantization_config")
+        if self.quantization is not None and self.quantization is not from_model:
+            raise InvalidConfiguration("training.quantization", f"{from_model.value!r} as the model's "
+                                       "quantization_config says, or left out", self.quantization.value)
+        return from_model
 
 
 class ClusterIn(_In):

@@ -21,15 +21,20 @@ from typing import Any
 
 from memfit.api import GPUS, ArchitectureIn, ClusterIn, RecommendRequest, TrainingIn
 from memfit.checkpointing import MemfitWarning
-from memfit.schema import Attention, CheckpointImpl, FineTune, Optimizer, Precision, Sharding
+from memfit.errors import InvalidConfiguration
+from memfit.hf import logical_numel, quantization_from_hf
+from memfit.schema import Attention, CheckpointImpl, FineTune, Optimizer, Precision, Quantization, Sharding
 
 log = logging.getLogger("memfit")
 
 #: HF config keys that say nothing about memory and only bloat the request.
 _DROP_KEYS = {"architectures", "transformers_version", "_name_or_path", "id2label", "label2id", "dtype",
               "torch_dtype", "quantization_config", "auto_map", "task_specific_params", "_commit_hash"}
+#: HF ``TrainingArguments.optim`` names memfit models; any other name is refused (never taken as AdamW)
 _HF_OPTIM = {"adamw_torch": Optimizer.ADAMW_FOREACH, "adamw_hf": Optimizer.ADAMW_FOREACH,
-             "adamw_torch_fused": Optimizer.ADAMW_FUSED, "adafactor": Optimizer.ADAFACTOR, "sgd": Optimizer.SGD_MOMENTUM}
+             "adamw_torch_fused": Optimizer.ADAMW_FUSED, "adafactor": Optimizer.ADAFACTOR, "sgd": Optimizer.SGD_MOMENTUM,
+             "adamw_bnb_8bit": Optimizer.ADAMW_8BIT, "adamw_8bit": Optimizer.ADAMW_8BIT,
+             "paged_adamw_8bit": Optimizer.PAGED_ADAMW_8BIT, "lion_32bit": Optimizer.LION}
 _DS_OPTIM = {"adam": Optimizer.ADAMW_FOREACH, "adamw": Optimizer.ADAMW_FOREACH, "sgd": Optimizer.SGD_MOMENTUM}
 _ATTN = {"sdpa": Attention.SDPA, "eager": Attention.EAGER, "flash_attention_2": Attention.FLASH,
          "flash_attention_3": Attention.FLASH, "flex_attention": Attention.FLASH}
@@ -73,7 +78,7 @@ def parameter_counts(model) -> tuple[int, int]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        n = int(getattr(p, "ds_numel", 0) or p.numel())
+        n = int(getattr(p, "ds_numel", 0) or logical_numel(p))
         total += n
         trainable += n if p.requires_grad else 0
     return total, trainable
@@ -140,15 +145,27 @@ def _lora(model) -> tuple[int, list[str] | None] | None:
     return r, leaves or None
 
 
-def _quantization(model) -> str | None:
-    """The quantization method of the base weights (HF ``config.quantization_config``), or None."""
+def _quantization(model) -> Quantization | str:
+    """How the base weights are stored: a :class:`Quantization` read from the HF ``quantization_config``
+    (:func:`memfit.hf.quantization_from_hf`) or, without one, from bitsandbytes' weights themselves
+    (a ``quant_state`` on a 4-bit weight, nested with double quantization; ``SCB`` scales on an int8
+    one); or the name of a quantization memfit does not model (GPTQ, AWQ, ...)."""
     base = unwrap(model)
     q = getattr(getattr(base, "config", None), "quantization_config", None)
-    if q is None:
-        return "bitsandbytes" if getattr(base, "is_loaded_in_4bit", False) or getattr(
-            base, "is_loaded_in_8bit", False) else None
-    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
-    return str(getattr(method, "value", method) or "unknown")
+    if q is not None:
+        try:
+            return quantization_from_hf(q)
+        except InvalidConfiguration:
+            method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+            return str(getattr(method, "value", method) or "unknown")
+    for m in base.modules():
+        w = getattr(m, "weight", None)
+        state = getattr(w, "quant_state", None)
+        if state is not None:
+            return Quantization.NF4_DOUBLE_QUANT if getattr(state, "nested", False) else Quantization.NF4
+        if getattr(w, "SCB", None) is not None:
+            return Quantization.INT8
+    return Quantization.NONE
 
 
 def _find_int_attr(modules, names: tuple[str, ...]) -> int | None:
@@ -244,6 +261,7 @@ def describe(
     sharding: Sharding | str | None = None,
     attention: Attention | str | None = None,
     checkpoint_impl: CheckpointImpl | str | None = None,
+    optimizer_in_backward: bool = False,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     architecture: ArchitectureIn | dict[str, Any] | str | None = None,
@@ -263,8 +281,12 @@ def describe(
       (or ``architecture=`` to override: catalog name, HF config dict or :class:`ArchitectureIn`).
     * parameters: trainable count from ``requires_grad`` (LoRA adapters, frozen layers); PEFT LoRA
       sets ``finetune="lora"`` with the active adapter's rank and target modules; fully frozen
-      leading layers set ``finetune="frozen"``. Quantized base weights (HF ``quantization_config``,
-      e.g. bitsandbytes 4-bit) are not modelled: a :class:`MemfitWarning` says so.
+      leading layers set ``finetune="frozen"``. A bitsandbytes-quantized base under LoRA (QLoRA) sets
+      ``quantization`` (from ``config.quantization_config``, else from the quantized weights); other
+      quantization methods are not modelled: a :class:`MemfitWarning` says so.
+    * optimizer: DeepSpeed's ``optimizer.type``, else ``TrainingArguments.optim`` (bitsandbytes names
+      included: ``adamw_bnb_8bit``, ``paged_adamw_8bit``, ``lion_32bit``); an ``optim`` memfit does not
+      model raises. ``optimizer_in_backward=True`` for a step fused into backward (torchtune).
     * precision: DeepSpeed bf16/fp16 -> ``bf16_fp32_master`` (half weights + fp32 master copy);
       TrainingArguments bf16/fp16 -> ``amp_bf16``/``amp_fp16`` (autocast over fp32 weights);
       otherwise half-precision parameters -> ``bf16``, fp32 parameters -> ``fp32``.
@@ -312,6 +334,9 @@ def describe(
     if optimizer is None:
         ds_opt = str(((ds or {}).get("optimizer") or {}).get("type", "")).lower()
         hf_opt = getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None))
+        if not ds_opt and hf_opt is not None and str(hf_opt) not in _HF_OPTIM:
+            raise ValueError(f"training_args.optim={hf_opt!r} is not modelled; allowed: {', '.join(_HF_OPTIM)} "
+                             f"(or pass optimizer=, one of {', '.join(o.value for o in Optimizer)})")
         optimizer = _DS_OPTIM.get(ds_opt) or _HF_OPTIM.get(str(hf_opt)) or Optimizer.ADAMW_FOREACH
 
     if gpu_count is None:
@@ -356,10 +381,16 @@ def describe(
     elif trainable < total and (frozen := _frozen_leading_layers(base)):
         training.update(finetune=FineTune.FROZEN, frozen_layers=frozen)
 
-    if (method := _quantization(model)) is not None:
-        warnings.warn(f"memfit: the base weights are quantized ({method}); quantization is not modelled, so the "
-                      "prediction counts them at the training precision (an over-estimate: the plan errs on the "
-                      "safe side)", MemfitWarning, stacklevel=2)
+    if optimizer_in_backward:
+        training["optimizer_in_backward"] = True
+    quantization = _quantization(model)
+    if isinstance(quantization, Quantization) and quantization is not Quantization.NONE and adapter is not None:
+        training["quantization"] = quantization
+    elif quantization is not Quantization.NONE:
+        warnings.warn(f"memfit: the base weights are quantized ({getattr(quantization, 'value', quantization)}) "
+                      "without LoRA adapters or by a method memfit does not model (it models bitsandbytes 4/8-bit "
+                      "under LoRA); the prediction counts them at the training precision (an over-estimate: the "
+                      "plan errs on the safe side)", MemfitWarning, stacklevel=2)
     if architecture is None:
         architecture = hf_config_dict(model) or detect_architecture(model, layers)
     cluster = ClusterIn(**_gpu_memory(gpu, gpu_memory_gib, gpu_memory_bytes), gpu_count=gpu_count)

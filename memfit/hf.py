@@ -14,7 +14,7 @@ import contextlib
 from typing import Any
 
 from memfit.errors import InvalidConfiguration
-from memfit.schema import MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, ModelSpec
+from memfit.schema import MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, ModelSpec, Quantization
 
 # HF config key aliases across families -> our field name
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -171,16 +171,27 @@ def build_causal_lm(cfg: dict[str, Any], *, dtype=None, attention: str = "sdpa")
 
 
 def count_params(model) -> tuple[int, int]:
-    """(total, trainable) parameter counts of a module; shared (tied) tensors are counted once."""
+    """(total, trainable) parameter counts of a module; shared (tied) tensors are counted once, and a
+    bitsandbytes 4-bit weight (packed two codes per byte) as the weights it holds (its ``quant_state.shape``)."""
     seen: set[int] = set()
     total = trainable = 0
     for p in model.parameters():  # nn.Module.parameters() already de-duplicates shared Parameters
         if id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
+        n = logical_numel(p)
+        total += n
+        trainable += n if p.requires_grad else 0
     return total, trainable
+
+
+def logical_numel(p) -> int:
+    """Weights a parameter holds: ``numel()``, or for a bitsandbytes 4-bit weight (``Params4bit``, two
+    codes per byte) the product of its ``quant_state.shape``."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    if shape is not None and p.dtype.itemsize == 1 and len(shape) == 2:
+        return int(shape[0]) * int(shape[1])
+    return p.numel()
 
 
 def count_params_from_config(cfg: dict[str, Any]) -> int:
@@ -278,3 +289,32 @@ def quiet_transformers():
         yield
     finally:
         hf_logging.set_verbosity(prev)
+
+
+def quantization_from_hf(quantization_config: Any, *, field: str = "quantization_config") -> Quantization:
+    """The :class:`~memfit.schema.Quantization` a HF ``quantization_config`` (dict or
+    ``transformers.BitsAndBytesConfig``) describes: ``load_in_4bit`` with ``bnb_4bit_use_double_quant`` ->
+    ``nf4_double_quant``, without -> ``nf4`` (``bnb_4bit_quant_type`` ``nf4`` or ``fp4``: the same bytes),
+    ``load_in_8bit`` -> ``int8``, neither -> ``none``.
+
+    Raises:
+        InvalidConfiguration: another quantization method (GPTQ, AWQ, ...) or a 4-bit type other than
+            nf4/fp4; the error names ``field`` and the allowed values.
+    """
+    def get(key: str, default: Any = None) -> Any:
+        if isinstance(quantization_config, dict):
+            return quantization_config.get(key, default)
+        return getattr(quantization_config, key, default)
+
+    method = get("quant_method", "bitsandbytes")
+    method = str(getattr(method, "value", method))
+    if method != "bitsandbytes":
+        raise InvalidConfiguration(f"{field}.quant_method", "'bitsandbytes' (load_in_4bit / load_in_8bit)", method)
+    if get("load_in_4bit", False):
+        kind = str(get("bnb_4bit_quant_type", "fp4") or "fp4")
+        if kind not in ("nf4", "fp4"):
+            raise InvalidConfiguration(f"{field}.bnb_4bit_quant_type", "one of 'nf4', 'fp4'", kind)
+        return Quantization.NF4_DOUBLE_QUANT if get("bnb_4bit_use_double_quant", False) else Quantization.NF4
+    if get("load_in_8bit", False):
+        return Quantization.INT8
+    return Quantization.NONE

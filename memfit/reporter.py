@@ -128,6 +128,7 @@ def build_record(model: Any, plan: Any, request: RecommendRequest, *, peak_alloc
     else:
         layers = list(getattr(plan, "layer_indices", None) or getattr(plan, "layers", None) or [])
     fields = t.model_dump(exclude={"trainable_params", "data_parallel_size"})
+    fields["quantization"] = t.resolved_quantization()
     if t.finetune is FineTune.LORA:
         fields["lora_rank"] = t.lora_rank or 8
         fields["lora_target_modules"] = _lora_targets(model)

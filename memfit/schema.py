@@ -25,7 +25,8 @@ mode                          weights  grads  notes
 
 Optimizer state bytes per trainable parameter, in the dtype of the parameters the optimizer owns
 (fp32 unless ``bf16``): AdamW 2 states (8 B fp32), SGD with momentum 1 (4 B), Adafactor factored
-second moment (~0 per parameter for matrices). With mixed-precision Adam this gives the ZeRO paper's
+second moment (~0 per parameter for matrices); bitsandbytes ones whatever the parameters' dtype:
+AdamW8bit 2 B + 8 B per 256 (paged: device holds only the 8/256), Lion 4 B. With mixed-precision Adam this gives the ZeRO paper's
 2 + 2 + 12 = 16 bytes per parameter (Rajbhandari et al. 2020, arXiv 1910.02054, Sec. 3.1).
 """
 
@@ -66,12 +67,40 @@ class Precision(StrEnum):
 
 
 class Optimizer(StrEnum):
-    """Optimizer and its kernel flavour (``torch.optim`` names)."""
+    """Optimizer and its kernel flavour (``torch.optim`` and bitsandbytes names).
+
+    ``adamw_8bit`` is ``bitsandbytes.optim.AdamW8bit`` (block-wise 8-bit states: two uint8 tensors of
+    the parameter's shape plus an fp32 absmax per 256-element block each; parameters under 4096
+    elements keep two fp32 states; Dettmers et al. 2022, arXiv 2110.02861). ``paged_adamw_8bit`` is
+    ``bitsandbytes.optim.PagedAdamW8bit``: the same states, but those of parameters with >= 1e5
+    elements live in CUDA unified memory (``cudaMallocManaged``) outside PyTorch's allocator, so they
+    are not in the peak allocated bytes and page out to host RAM under memory pressure. ``lion`` is
+    ``bitsandbytes.optim.Lion`` (one fp32 state; Chen et al. 2023, arXiv 2302.06675).
+    """
 
     ADAMW_FOREACH = "adamw_foreach"
     ADAMW_FUSED = "adamw_fused"
     SGD_MOMENTUM = "sgd_momentum"
     ADAFACTOR = "adafactor"
+    ADAMW_8BIT = "adamw_8bit"
+    PAGED_ADAMW_8BIT = "paged_adamw_8bit"
+    LION = "lion"
+
+
+class Quantization(StrEnum):
+    """Storage of a LoRA model's frozen base linear weights (QLoRA, Dettmers et al. 2023, arXiv 2305.14314).
+
+    bitsandbytes layouts: ``nf4`` packs two 4-bit NormalFloat codes per byte with an fp32 absmax per
+    64-weight block (``Linear4bit``); ``nf4_double_quant`` quantizes those absmax values again to
+    uint8 with an fp32 absmax per 256 of them ("double quantization"); ``int8`` is LLM.int8()
+    (``Linear8bitLt``: int8 weights plus an fp32 scale per output row; Dettmers et al. 2022,
+    arXiv 2208.07339). Embeddings, norms and ``lm_head`` stay unquantized.
+    """
+
+    NONE = "none"
+    NF4 = "nf4"
+    NF4_DOUBLE_QUANT = "nf4_double_quant"
+    INT8 = "int8"
 
 
 class Sharding(StrEnum):
@@ -194,6 +223,10 @@ class TrainingConfig(_Part):
     frozen_layers: int = Field(0, ge=0, le=MAX_LAYERS, description="leading layers (and embeddings) frozen")
     checkpoint_layers: list[int] = Field(default_factory=list, description="indices of checkpointed layers")
     checkpoint_impl: CheckpointImpl = CheckpointImpl.NON_REENTRANT
+    optimizer_in_backward: bool = Field(False, description="optimizer step fused into backward per parameter "
+                                        "(post-accumulate-grad hooks): no full gradient buffer")
+    quantization: Quantization = Field(Quantization.NONE, description="frozen base weights' storage (QLoRA); "
+                                       "only with finetune='lora'")
 
     @property
     def num_checkpointed_layers(self) -> int:
@@ -216,6 +249,10 @@ class TrainingConfig(_Part):
         if self.sharding is not Sharding.NONE and self.data_parallel_size < 2:
             raise InvalidConfiguration("sharding", "'none' when data_parallel_size is 1 (sharding needs >= 2 ranks)",
                                        self.sharding.value)
+        if self.quantization is not Quantization.NONE and self.finetune is not FineTune.LORA:
+            raise InvalidConfiguration("quantization", "'none' unless finetune='lora' (a quantized base is frozen; "
+                                       "with LoRA: one of " + ", ".join(q.value for q in Quantization) + ")",
+                                       self.quantization.value)
         return self
 
 

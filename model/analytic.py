@@ -6,13 +6,17 @@ Parameter Models", arXiv 1910.02054, Sec. 3.1 and 5 (Fig. 1): mixed-precision Ad
 momentum, variance); ZeRO stage 1 divides the optimizer states by the data-parallel degree N_d,
 stage 2 also the gradients, stage 3 also the weights. FSDP full-shard is stage 3; shard-grad-op
 keeps the gathered parameters from forward to backward, and is counted like stage 2.
+
+8-bit optimizers, Lion, the optimizer step in backward and quantized (QLoRA) bases follow the layouts of
+bitsandbytes 0.50.2, read from its source and checked against it in ``tests/test_optim_qlora.py``
+(see :mod:`training.bnb`): :func:`optimizer_state_bytes_per_param`, :func:`quantized_linear_bytes`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.schema import ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
+from memfit.schema import FineTune, ModelSpec, Optimizer, Precision, Quantization, Sharding, TrainingConfig
 
 _WEIGHT_BYTES = {Precision.FP32: 4, Precision.AMP_FP16: 4, Precision.AMP_BF16: 4, Precision.BF16: 2,
                  Precision.BF16_FP32_MASTER: 2}
@@ -20,6 +24,78 @@ _WEIGHT_BYTES = {Precision.FP32: 4, Precision.AMP_FP16: 4, Precision.AMP_BF16: 4
 _MASTER_BYTES = {Precision.BF16_FP32_MASTER: 4}
 # optimizer state tensors per trainable parameter (Adafactor's factored moments are O(rows + cols): 0 here)
 _STATES = {Optimizer.ADAMW_FOREACH: 2, Optimizer.ADAMW_FUSED: 2, Optimizer.SGD_MOMENTUM: 1, Optimizer.ADAFACTOR: 0}
+#: bitsandbytes optimizers: state bytes per parameter whatever the parameters' dtype. AdamW8bit: two uint8
+#: states plus two fp32 absmax per 256-element block (2 + 8/256); parameters under 4096 elements keep two
+#: fp32 states (8 B), which this lower bound does not count. Lion (32-bit): one fp32 state.
+_BNB_STATE_BYTES = {Optimizer.ADAMW_8BIT: 2 + 8 / 256, Optimizer.PAGED_ADAMW_8BIT: 2 + 8 / 256, Optimizer.LION: 4.0}
+#: bytes of PagedAdamW8bit's states that live in CUDA unified memory, outside PyTorch's allocator
+_PAGED_STATE_BYTES = {Optimizer.PAGED_ADAMW_8BIT: 2.0}
+BLOCK_BYTES = 512
+
+
+def _blocks(nbytes: int | float) -> int:
+    """Bytes the CUDA caching allocator gives a tensor of ``nbytes`` (512-byte blocks)."""
+    return -(-int(nbytes) // BLOCK_BYTES) * BLOCK_BYTES
+
+
+def optimizer_state_bytes_per_param(training: TrainingConfig) -> tuple[float, float]:
+    """(device, paged) optimizer-state bytes per trainable parameter, fp32 master copy included.
+
+    torch optimizers keep their states in the parameters' dtype (fp32 unless pure ``bf16``);
+    bitsandbytes ones as in ``_BNB_STATE_BYTES``; ``paged_adamw_8bit``'s uint8 states are paged (the
+    second number) and only the fp32 absmax values stay in device memory.
+    """
+    master = _MASTER_BYTES.get(training.precision, 0)
+    if training.optimizer in _BNB_STATE_BYTES:
+        paged = _PAGED_STATE_BYTES.get(training.optimizer, 0.0)
+        return _BNB_STATE_BYTES[training.optimizer] - paged + master, paged
+    state_dtype = 2 if training.precision is Precision.BF16 else 4
+    return float(_STATES[training.optimizer] * state_dtype + master), 0.0
+
+
+def quantized_linear_bytes(out_features: int, in_features: int, quantization: Quantization) -> int:
+    """Device bytes of one bitsandbytes-quantized linear weight of shape (out, in), constants included.
+
+    * ``nf4`` (``Linear4bit``, ``quantize_4bit(blocksize=64)``): ceil(n/2) bytes of packed codes, an
+      fp32 absmax per 64 weights and the 16-value fp32 NF4 code;
+    * ``nf4_double_quant`` (``compress_statistics=True``): the absmax values as uint8 with an fp32
+      absmax per 256 of them (``quantize_blockwise(blocksize=256)``), an fp32 offset (their mean) and the
+      layer's own copy of the 256-value fp32 8-bit code (``code.to(device, copy=True)``);
+      QLoRA, Dettmers et al. 2023, arXiv 2305.14314, Sec. 3 "Double Quantization";
+    * ``int8`` (``Linear8bitLt``, LLM.int8, arXiv 2208.07339): int8 weights and an fp32 scale per row.
+
+    Each tensor is rounded to the allocator's 512-byte blocks.
+
+    Raises:
+        ValueError: ``quantization`` is ``none``.
+    """
+    n = out_features * in_features
+    if quantization is Quantization.INT8:
+        return _blocks(n) + _blocks(4 * out_features)
+    if quantization is Quantization.NONE:
+        raise ValueError("quantization='none' has no quantized layout")
+    blocks = -(-n // 64)
+    packed = _blocks(-(-n // 2)) + _blocks(16 * 4)
+    if quantization is Quantization.NF4:
+        return packed + _blocks(4 * blocks)
+    return packed + _blocks(blocks) + _blocks(4 * -(-blocks // 256)) + _blocks(4) + _blocks(256 * 4)
+
+
+def decoder_linear_shapes(model: ModelSpec) -> list[tuple[int, int]]:
+    """(out, in) of the linear layers of one decoder layer: q, k, v, o and the MLP (gate, up, down for
+    gated families; up, down otherwise). Biases are not weights of these shapes and stay unquantized."""
+    h = model.hidden_size
+    d = model.head_dim or h // model.num_attention_heads
+    q, kv, f = model.num_attention_heads * d, model.num_key_value_heads * d, model.intermediate_size
+    mlp = [(f, h), (f, h), (h, f)] if model.architecture in GATED_MLP_FAMILIES else [(f, h), (h, f)]
+    return [(q, h), (kv, h), (kv, h), (h, q), *mlp]
+
+
+def quantized_base_bytes(model: ModelSpec, quantization: Quantization) -> tuple[int, int]:
+    """(weights quantized, their device bytes) over all decoder layers (:func:`quantized_linear_bytes`)."""
+    shapes = decoder_linear_shapes(model)
+    n = sum(o * i for o, i in shapes) * model.num_layers
+    return n, sum(quantized_linear_bytes(o, i, quantization) for o, i in shapes) * model.num_layers
 
 
 @dataclass(frozen=True)
@@ -47,15 +123,25 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
 
     Returns:
         :class:`ModelStates` in bytes. Gradients and optimizer states exist for trainable parameters
-        only; gradients have the weights' dtype, optimizer states are fp32 except in pure ``bf16``.
+        only; gradients have the weights' dtype, optimizer states are fp32 except in pure ``bf16``
+        (:func:`optimizer_state_bytes_per_param`; paged states are not device memory and not counted).
+        With ``optimizer_in_backward`` no gradient outlives its parameter's step: gradients count 0.
+        A quantized base counts its decoder linears by :func:`quantized_base_bytes` and the LoRA adapters
+        in fp32 (PEFT does not cast adapters to a uint8 base weight's dtype).
     """
     total, trainable = model.total_params, model.trainable_params
     w = _WEIGHT_BYTES[training.precision]
-    state_dtype = 2 if training.precision is Precision.BF16 else 4
-    states_per_param = _STATES[training.optimizer] * state_dtype + _MASTER_BYTES.get(training.precision, 0)
-    weights = total * w
-    grads = trainable * w
-    opt = trainable * states_per_param
+    states_per_param, _paged = optimizer_state_bytes_per_param(training)
+    if training.quantization is not Quantization.NONE and training.finetune is FineTune.LORA:
+        n_q, q_bytes = quantized_base_bytes(model, training.quantization)
+        weights = (total - n_q - trainable) * w + q_bytes + trainable * 4
+        grads = trainable * 4
+    else:
+        weights = total * w
+        grads = trainable * w
+    if training.optimizer_in_backward:
+        grads = 0
+    opt = int(trainable * states_per_param)
     n = training.data_parallel_size
     s = training.sharding
     if s in (Sharding.ZERO3, Sharding.FSDP_FULL_SHARD):
@@ -140,6 +226,7 @@ class AnalyticEstimate:
     recompute_bytes: int  # one layer re-materialised in backward (k > 0)
     logits_bytes: int
     optimizer_temp_bytes: int  # foreach optimizer temporaries in the step
+    dequant_bytes: int = 0  # one quantized linear's weight dequantized for its matmul (QLoRA)
 
     @property
     def backward_peak_bytes(self) -> int:
@@ -148,7 +235,8 @@ class AnalyticEstimate:
         (one layer) only matters when it exceeds what those layers held — never for k < L."""
         saved = self.activations_bytes + self.checkpoint_inputs_bytes
         return (self.states.weights_bytes + self.states.optimizer_bytes + self.states.gradients_bytes
-                + max(saved, self.checkpoint_inputs_bytes + self.recompute_bytes) + self.logits_bytes)
+                + max(saved, self.checkpoint_inputs_bytes + self.recompute_bytes) + self.logits_bytes
+                + self.dequant_bytes)
 
     @property
     def optimizer_peak_bytes(self) -> int:
@@ -165,7 +253,10 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     The k checkpointed layers each keep only their input ``s·b·h`` (activation dtype); in backward
     one of them is re-materialised at a time (Chen et al. 2016, arXiv 1604.06174, Sec. 3). A foreach
     AdamW step allocates about one fp32 copy of the trainable parameters in temporaries
-    (``torch/optim/adamw.py``, ``_multi_tensor_adamw``: ``_foreach_sqrt`` of the variance, etc.).
+    (``torch/optim/adamw.py``, ``_multi_tensor_adamw``: ``_foreach_sqrt`` of the variance, etc.);
+    bitsandbytes optimizers update in place in one fused kernel (no temporaries), and a step fused into
+    backward holds one parameter's temporaries at a time (counted 0). A quantized base adds the largest
+    decoder linear dequantized to 16 bits (``gemm_4bit``'s dequantize-then-``F.linear`` path).
     """
     states = model_state_bytes(model, training)
     k = training.num_checkpointed_layers
@@ -175,6 +266,11 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     n = training.data_parallel_size if training.sharding is not Sharding.NONE else 1
     temp_per_param = {Optimizer.ADAMW_FOREACH: 4, Optimizer.SGD_MOMENTUM: 4, Optimizer.ADAFACTOR: 4}.get(
         training.optimizer, 0)
+    if training.optimizer_in_backward:
+        temp_per_param = 0
+    dequant = 0
+    if training.quantization is not Quantization.NONE and training.finetune is FineTune.LORA:
+        dequant = max(o * i for o, i in decoder_linear_shapes(model)) * 2
     return AnalyticEstimate(
         states=states,
         activations_bytes=(L - k) * per_layer,
@@ -184,4 +280,5 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
         # bf16 + fp32 master: the optimizer step also holds fp32 copies of the gradients (4 B/param)
         optimizer_temp_bytes=model.trainable_params * (temp_per_param + (4 if training.precision is
                                                                           Precision.BF16_FP32_MASTER else 0)) // n,
+        dequant_bytes=dequant,
     )

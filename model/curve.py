@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import ModelSpec, Sharding, TrainingConfig
-from model.analytic import ModelStates, model_state_bytes
+from model.analytic import ModelStates, model_state_bytes, optimizer_state_bytes_per_param
 from model.compose import compose
 from model.terms import TermsCache, not_traceable_reason, terms_key
 
@@ -203,5 +203,10 @@ class MemoryPredictor:
             notes.append("MoE is approximate: expert routing is not traced; the learned model answers")
         if training.sharding is not Sharding.NONE and path == TRACED:
             notes.append(f"sharding traced over a fake process group of {training.data_parallel_size} ranks")
+        paged = optimizer_state_bytes_per_param(training)[1] * model.trainable_params
+        if paged:
+            notes.append(f"{training.optimizer.value}: about {paged / 1e9:.2f} GB of optimizer states live in CUDA "
+                         "unified memory (cudaMallocManaged), outside PyTorch's allocator: not in the peak allocated "
+                         "bytes; the driver pages them to host RAM when the device is full")
         return Curve(path=path, points=points, floor_bytes=floor, terms_key=key, reason=reason if path ==
                      PROVISIONAL else None, notes=notes)

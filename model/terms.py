@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memfit.schema import Attention, FineTune, ModelSpec, Sharding, TrainingConfig
+from memfit.schema import Attention, FineTune, ModelSpec, Quantization, Sharding, TrainingConfig
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "terms"
 
@@ -44,6 +44,10 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig) -> str | No
         return "ZeRO-1 partitions whole parameters greedily per rank"
     if training.tensor_parallel_size > 1 or training.pipeline_parallel_size > 1:
         return "tensor/pipeline parallelism is not simulated"
+    if training.optimizer_in_backward and training.sharding is not Sharding.NONE:
+        return "an optimizer step in backward is traced without sharding only"
+    if training.quantization is not Quantization.NONE and training.sharding is not Sharding.NONE:
+        return "a quantized base is traced without sharding only"
     return None
 
 
@@ -62,6 +66,9 @@ def training_key_fields(training: TrainingConfig) -> dict[str, Any]:
         "attention": attention.value, "finetune": training.finetune.value, "lora_rank": training.lora_rank,
         "lora_target_modules": sorted(training.lora_target_modules) if training.lora_target_modules else None,
         "frozen_layers": training.frozen_layers, "checkpoint_impl": training.checkpoint_impl.value,
+        # settings added later join the key only when set, so the keys of shipped terms stay valid
+        **({"optimizer_in_backward": True} if training.optimizer_in_backward else {}),
+        **({"quantization": training.quantization.value} if training.quantization is not Quantization.NONE else {}),
     }
 
 

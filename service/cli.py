@@ -35,7 +35,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memfit.api import GPUS, Recommendation, RecommendRequest, TrainingIn
-from memfit.schema import Attention, CheckpointImpl, Optimizer, Precision, Sharding
+from memfit.schema import Attention, CheckpointImpl, Optimizer, Precision, Quantization, Sharding
 
 GIB = 1 << 30
 EXIT_FITS, EXIT_NO_ANSWER, EXIT_BAD_INPUT, EXIT_NO_FIT = 0, 1, 2, 3
@@ -44,7 +44,9 @@ ZERO = {0: Sharding.NONE, 1: Sharding.ZERO1, 2: Sharding.ZERO2, 3: Sharding.ZERO
 #: request field -> the flag that sets it, so errors name what the user typed
 FLAG_OF = {
     "model": "--model/--config", "training.micro_batch_size": "--micro-batch", "training.seq_len": "--seq-len",
-    "training.precision": "--precision", "training.optimizer": "--optimizer", "training.sharding": "--zero/--sharding",
+    "training.precision": "--precision", "training.optimizer": "--optimizer",
+    "training.quantization": "--quantization", "training.optimizer_in_backward": "--optimizer-in-backward",
+    "training.sharding": "--zero/--sharding",
     "training.data_parallel_size": "--data-parallel", "training.tensor_parallel_size": "--tensor-parallel",
     "training.pipeline_parallel_size": "--pipeline-parallel", "training.attention": "--attention",
     "training.lora_rank": "--lora-rank", "training.checkpoint_impl": "--checkpoint-impl",
@@ -123,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lora-rank", type=_positive_int, metavar="R", help="LoRA fine-tune with this rank (default: full)")
     t.add_argument("--checkpoint-impl", choices=[x.value for x in CheckpointImpl],
                    help=f"torch.utils.checkpoint flavour (default: {_default('checkpoint_impl')})")
+    t.add_argument("--optimizer-in-backward", action="store_true", default=None,
+                   help="optimizer step fused into backward per parameter (torchtune optimizer_in_bwd)")
+    t.add_argument("--quantization", choices=[x.value for x in Quantization],
+                   help="QLoRA base weights, with --lora-rank (default: the config's quantization_config, else none)")
 
     c = r.add_argument_group("cluster (one of --gpu / --gpu-memory-gib)")
     mem = c.add_mutually_exclusive_group(required=True)
@@ -218,7 +224,8 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
     training: dict[str, Any] = {"micro_batch_size": a.micro_batch, "seq_len": a.seq_len}
     for flag, field in (("precision", "precision"), ("optimizer", "optimizer"), ("attention", "attention"),
                         ("data_parallel", "data_parallel_size"), ("tensor_parallel", "tensor_parallel_size"),
-                        ("pipeline_parallel", "pipeline_parallel_size"), ("checkpoint_impl", "checkpoint_impl")):
+                        ("pipeline_parallel", "pipeline_parallel_size"), ("checkpoint_impl", "checkpoint_impl"),
+                        ("optimizer_in_backward", "optimizer_in_backward"), ("quantization", "quantization")):
         if getattr(a, flag) is not None:
             training[field] = getattr(a, flag)
     if a.sharding is not None or a.zero is not None:

@@ -29,7 +29,7 @@ from memfit.api import (
     TrainingIn,
 )
 from memfit.errors import InvalidConfiguration, UnknownArchitecture, pydantic_error_field
-from memfit.schema import FineTune, ModelSpec, Sharding, TrainingConfig
+from memfit.schema import FineTune, ModelSpec, Quantization, Sharding, TrainingConfig
 from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.estimator import PeakMemoryRegressor
 from model.overhead import OverheadModel
@@ -211,9 +211,17 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
                     hf_config: dict[str, Any] | None = None) -> tuple[TrainingConfig, ModelSpec]:
     """Full TrainingConfig (k = 0) and the spec with the trainable count this fine-tune implies.
 
+    The HF config's ``quantization_config`` (bitsandbytes) sets ``quantization`` when the request leaves
+    it out (:meth:`memfit.api.TrainingIn.resolved_quantization`).
+
     Raises:
-        InvalidConfiguration: parallel sizes beyond the cluster, frozen layers beyond the model.
+        InvalidConfiguration: parallel sizes beyond the cluster, frozen layers beyond the model, a
+            quantization without LoRA or one that contradicts the model's ``quantization_config``.
     """
+    quantization = t.resolved_quantization((hf_config or {}).get("quantization_config"))
+    if quantization is not Quantization.NONE and t.finetune is not FineTune.LORA:
+        raise InvalidConfiguration("training.quantization", "'none' unless finetune='lora' (with LoRA: one of "
+                                   f"{', '.join(q.value for q in Quantization)})", quantization.value)
     dp = t.data_parallel_size or max(1, gpu_count // (t.tensor_parallel_size * t.pipeline_parallel_size))
     world = dp * t.tensor_parallel_size * t.pipeline_parallel_size
     if world > gpu_count:
@@ -247,6 +255,7 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
     spec = spec.model_copy(update={"total_params": total, "trainable_params": min(trainable, total)})
     fields = t.model_dump(exclude={"trainable_params"})
     fields["data_parallel_size"] = dp
+    fields["quantization"] = quantization
     if t.finetune is FineTune.LORA and fields["lora_rank"] is None:
         fields["lora_rank"] = 8
     try:

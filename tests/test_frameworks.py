@@ -226,13 +226,24 @@ def test_describe_reads_rank_targets_and_trainable_count_from_peft():
     assert (req.training.lora_rank, req.training.lora_target_modules) == (16, ["gate_proj"])
 
 
-def test_describe_warns_that_quantized_base_weights_are_not_modelled():
+def test_describe_models_a_bitsandbytes_base_and_warns_for_other_quantization():
+    """Issue 9: a bitsandbytes 4-bit base under LoRA is QLoRA (``quantization``), no longer a warning; methods
+    memfit does not model (GPTQ) still warn."""
+    import warnings
+
     from memfit.describe import describe
+    from memfit.schema import Quantization
 
     model = llama()
     model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
-    with pytest.warns(MemfitWarning, match="quantized.*bitsandbytes.*not modelled"):
-        describe(lora(model), seq_len=64, micro_batch_size=1, gpu="L4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemfitWarning)
+        req = describe(lora(model), seq_len=64, micro_batch_size=1, gpu="L4")
+    assert req.training.quantization is Quantization.NF4
+    other = llama()
+    other.config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    with pytest.warns(MemfitWarning, match="quantized \\(gptq\\).*does not model"):
+        describe(lora(other), seq_len=64, micro_batch_size=1, gpu="L4")
 
 
 def test_reentrant_checkpointing_of_a_real_lora_model_loses_gradients_and_apply_fixes_it():

@@ -75,8 +75,19 @@ def test_import_reports_bad_rows(store, tmp_path):
 
 
 def test_bad_suffix(store, tmp_path):
-    with pytest.raises(ValueError, match=".parquet or .csv"):
+    with pytest.raises(ValueError, match=r"\.parquet, \.csv or \.jsonl"):
         store.export(tmp_path / "x.json")
+
+
+def test_jsonl_export_one_record_per_line(store, tmp_path):
+    from memfit.schema import TelemetryRecord
+
+    recs = [record(record_id=f"rec-jsonl{i:04d}", seq_len=128 * (i + 1)) for i in range(3)]
+    store.add([r.model_dump(mode="json") for r in recs])
+    path = tmp_path / "incoming" / "x.jsonl"
+    assert store.export(path) == 3
+    back = [TelemetryRecord.model_validate_json(line) for line in path.read_text().splitlines()]
+    assert {r.record_id: r.content_hash() for r in back} == {r.record_id: r.content_hash() for r in recs}
 
 
 # -- issue 10, fault 7: implausible telemetry is quarantined with the reason, never trained on ------------

@@ -41,8 +41,8 @@ import torch
 from memfit.checkpointing import apply_activation_checkpointing
 from memfit.hf import build_causal_lm, decoder_layers, model_spec, quiet_transformers
 from memfit.schema import (
-    Attention, CheckpointImpl, ClusterSpec, FineTune, Measurement, Method, Optimizer, Phase, Precision, Sharding,
-    TelemetryRecord, TrainingConfig,
+    Attention, CheckpointImpl, ClusterSpec, FineTune, Measurement, Method, Optimizer, Phase, Precision, Quantization,
+    Sharding, TelemetryRecord, TrainingConfig,
 )
 from training.tracker import LiveStorageTracker
 
@@ -86,8 +86,16 @@ class MasterWeightsOptimizer:
             p.grad = None
 
 
-def make_optimizer(kind: Optimizer, params, *, lr: float = 1e-4, process_group=None):
-    """A ``torch.optim`` optimizer of the given kind (wrapped in ZeroRedundancyOptimizer for ZeRO-1)."""
+def make_optimizer(kind: Optimizer, params, *, lr: float = 1e-4, process_group=None, tracker=None):
+    """A ``torch.optim`` or bitsandbytes optimizer of the given kind (wrapped in ZeroRedundancyOptimizer for
+    ZeRO-1; bitsandbytes ones through :func:`training.bnb.make_bnb_optimizer`, ``tracker`` for paged states)."""
+    from training.bnb import BNB_OPTIMIZERS, make_bnb_optimizer
+
+    if kind in BNB_OPTIMIZERS:
+        if process_group is not None:
+            raise ValueError(f"optimizer={kind.value} cannot run with sharding=zero1 in the collector "
+                             "(ZeroRedundancyOptimizer over a bitsandbytes optimizer)")
+        return make_bnb_optimizer(kind, [p for p in params if p.requires_grad], lr=lr, tracker=tracker)
     table: dict[Optimizer, tuple[type, dict[str, Any]]] = {
         Optimizer.ADAMW_FOREACH: (torch.optim.AdamW, {"lr": lr, "foreach": True}),
         Optimizer.ADAMW_FUSED: (torch.optim.AdamW, {"lr": lr, "fused": True}),
@@ -223,6 +231,12 @@ def max_seq_len(hf_config: dict[str, Any]) -> int | None:
 def _check_supported(training: TrainingConfig) -> None:
     if training.tensor_parallel_size != 1 or training.pipeline_parallel_size != 1:
         raise ValueError("the collector simulates tensor_parallel_size=1 and pipeline_parallel_size=1 only")
+    if training.optimizer_in_backward and training.sharding is not Sharding.NONE:
+        raise ValueError(f"optimizer_in_backward=True is collected with sharding='none' only "
+                         f"(got sharding={training.sharding.value!r})")
+    if training.quantization is not Quantization.NONE and training.sharding is not Sharding.NONE:
+        raise ValueError(f"quantization={training.quantization.value} is collected with sharding='none' only "
+                         f"(got sharding={training.sharding.value!r})")
     if training.optimizer is Optimizer.ADAFACTOR and training.sharding in _FSDP_RESHARD:
         # torch.optim.Adafactor squares its row/column means in place; on FSDP2's DTensor parameters those
         # are _NormPartial placements, and DTensor refuses in-place ops that change placement (torch 2.13).
@@ -288,12 +302,28 @@ class PreparedModel:
         return torch.randint(0, self.spec.vocab_size, (micro_batch_size, seq_len), device=self.on)
 
     def make_optimizer(self):
-        """A fresh optimizer over the trainable parameters (bf16 + fp32 master wrapper where set)."""
-        kind, group = self.training.optimizer, self.zero1_group
-        if self.training.precision is Precision.BF16_FP32_MASTER:
-            return MasterWeightsOptimizer(self.model.parameters(),
-                                          lambda ps: make_optimizer(kind, ps, process_group=group))
-        return make_optimizer(kind, self.model.parameters(), process_group=group)
+        """A fresh optimizer over the trainable parameters (bf16 + fp32 master wrapper where set; one per
+        parameter stepped in backward with ``optimizer_in_backward``: close it with :func:`close_optimizer`)."""
+        kind, group, tracker = self.training.optimizer, self.zero1_group, self.tracker
+
+        def make(params):
+            if self.training.precision is Precision.BF16_FP32_MASTER:
+                return MasterWeightsOptimizer(params, lambda ps: make_optimizer(kind, ps, process_group=group,
+                                                                                tracker=tracker))
+            return make_optimizer(kind, params, process_group=group, tracker=tracker)
+
+        if self.training.optimizer_in_backward:
+            from training.bnb import OptimizerInBackward
+
+            return OptimizerInBackward(self.model.parameters(), make)
+        return make(self.model.parameters())
+
+
+def close_optimizer(opt) -> None:
+    """Remove what an optimizer registered on the parameters (the hooks of an optimizer in backward)."""
+    close = getattr(opt, "close", None)
+    if close is not None:
+        close()
 
 
 @contextlib.contextmanager
@@ -326,10 +356,22 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
     on = "cuda" if device == "cuda" else "cpu"
     cluster = _cluster(device, training)
     sdpa_ctx = _cuda_sdpa_kernels() if device == "fake" else contextlib.nullcontext()
-    with quiet_transformers(), sdpa_ctx, ctx, (tracker or contextlib.nullcontext()):
+    quantized = training.quantization is not Quantization.NONE
+    if quantized and device != "cuda":
+        from training.bnb import cuda_kernel_choices
+
+        kernel_ctx = cuda_kernel_choices()
+    else:
+        kernel_ctx = contextlib.nullcontext()
+    with quiet_transformers(), sdpa_ctx, ctx, (tracker or contextlib.nullcontext()), kernel_ctx:
         model = build_causal_lm(hf_config, dtype=param_dtype(training.precision), attention=training.attention.value)
         if model.config._attn_implementation == "eager" and training.attention is not Attention.EAGER:
             training = training.model_copy(update={"attention": Attention.EAGER})  # family lacks SDPA
+        if quantized:
+            from training.bnb import quantize_base_linears
+
+            half = _HALF.get(training.precision, param_dtype(training.precision))
+            quantize_base_linears(model, training.quantization, storage_dtype=half, compute_dtype=half)
         layers = decoder_layers(model)
         model = _apply_finetune(model, training, layers)
         spec = model_spec(hf_config, model, name=model_name)  # counts include LoRA adapters
@@ -431,6 +473,7 @@ def measure_family(
             except torch.OutOfMemoryError:
                 oom, after_init, after_forward, step_times = True, None, None, []
                 model.zero_grad(set_to_none=True)
+            close_optimizer(opt)
             del opt
             extra: dict[str, Any] = {}
             if tracker:

@@ -39,7 +39,7 @@ import torch
 from memfit.checkpointing import apply_activation_checkpointing
 from memfit.schema import CheckpointImpl, Sharding, TrainingConfig
 from model.compose import BASIS_NAMES, PHASES, token_basis
-from training.collect import _prime_optimizer, max_seq_len, prepared_model
+from training.collect import _prime_optimizer, close_optimizer, max_seq_len, prepared_model
 
 #: sharding modes whose parameters FSDP2 gathers layer by layer
 SHARDED_PARAMETERS = frozenset({Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP_FULL_SHARD, Sharding.FSDP_SHARD_GRAD_OP})
@@ -319,6 +319,7 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
                         timelines.append(_traced_step(run, opt, ids))
                         del ids
                     coef[(n, c)] = envelope_pieces(timelines, pts, grid)
+            close_optimizer(opt)
             del opt
     return PhaseTerms(coef=coefs[0], points=regimes[0][0], attention=attention, trace_s=time.perf_counter() - t0,
                       period=period, long_coef=coefs[1] if w is not None else None, long_min_seq_len=w,

@@ -44,6 +44,8 @@ class Family:
     finetune: str = FineTune.FULL.value
     lora_rank: int | None = None
     frozen_layers: int = 0
+    optimizer_in_backward: bool = False
+    quantization: str = "none"
 
     def training(self) -> TrainingConfig:
         d = asdict(self)
@@ -51,8 +53,14 @@ class Family:
         return TrainingConfig(**d)
 
     def record_id(self, k: int, device: str) -> str:
-        key = json.dumps([SCHEMA_TAG, device, asdict(self), k], sort_keys=True)
+        # fields added after records were shipped join the id only when set, so existing ids stay valid
+        d = {k_: v for k_, v in asdict(self).items() if _ADDED_FIELDS.get(k_, object()) != v}
+        key = json.dumps([SCHEMA_TAG, device, d, k], sort_keys=True)
         return "c" + hashlib.sha256(key.encode()).hexdigest()[:31]
+
+
+#: Family fields added later, with their defaults
+_ADDED_FIELDS: dict[str, Any] = {"optimizer_in_backward": False, "quantization": "none"}
 
 
 def k_values(num_layers: int, max_points: int) -> list[int]:
@@ -166,7 +174,27 @@ def _acceptance_families() -> list[Family]:
     return fams
 
 
+def optim_qlora_families() -> list[Family]:
+    """Issue 9 items 1-2 on small catalog models: bitsandbytes AdamW8bit / PagedAdamW8bit / Lion, the step in
+    backward, and QLoRA bases (nf4, nf4 + double quantization, int8) under LoRA, in bf16 and amp_bf16."""
+    out = []
+    for model in ("pythia-160m", "gpt2"):
+        for i, (opt, fused) in enumerate([("adamw_8bit", False), ("paged_adamw_8bit", False), ("lion", False),
+                                          ("adamw_8bit", True), ("adamw_foreach", True), ("paged_adamw_8bit", True)]):
+            precision = ("bf16", "amp_bf16")[i % 2]
+            out.append(Family(model=model, micro_batch_size=2, seq_len=512, precision=precision, optimizer=opt,
+                              optimizer_in_backward=fused))
+    # GPT-2's attention and MLP are Conv1D, which bitsandbytes does not quantize
+    for model, settings in (("pythia-160m", (("bf16", 8), ("amp_bf16", 16))), ("qwen2.5-0.5b", (("bf16", 8),))):
+        for i, q in enumerate(("nf4", "nf4_double_quant", "int8")):
+            for precision, rank in settings:
+                out.append(Family(model=model, micro_batch_size=1 + i % 2, seq_len=512, precision=precision,
+                                  finetune="lora", lora_rank=rank, quantization=q))
+    return out
+
+
 GRIDS: dict[str, Any] = {
+    "optim_qlora": lambda: SweepGrid(models=[], fixed=optim_qlora_families(), k_points=3),
     "smoke": lambda: SweepGrid(models=["gpt2"], families_per_model=2, seq_lens=[128, 256], micro_batches=[1, 2],
                                k_points=3, shardings=[("none", [1]), ("fsdp_full_shard", [2])],
                                sharding_weights=[1, 1]),

@@ -72,6 +72,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self._orig_prop = None
         self._in_sharding_prop = 0
         self._fake_mode_on_entry: FakeTensorMode | None = None
+        self._untracked: set[int] = set()  # storages that exist but are not PyTorch-allocator memory
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _bump(self, delta: int) -> None:
@@ -102,6 +103,8 @@ class LiveStorageTracker(TorchDispatchMode):
         new = round_block(st.nbytes())
         key = id(st)
         ref = self._refs.get(key)
+        if key in self._untracked and ref is not None and ref() is st:
+            return
         if ref is None or ref() is not st:
             self._bytes[key] = new
             self._refs[key] = weakref.ref(st, lambda _r, k=key: self._freed(k))
@@ -112,7 +115,18 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def _freed(self, key: int) -> None:
         self._refs.pop(key, None)
+        self._untracked.discard(key)
         self.live_bytes -= self._bytes.pop(key, 0)
+
+    def untrack(self, t: torch.Tensor) -> None:
+        """Stop counting ``t``'s storage from now on: memory the step holds outside PyTorch's allocator
+        (bitsandbytes' paged optimizer states live in CUDA unified memory, ``cudaMallocManaged``)."""
+        st = t.untyped_storage()
+        self.track_storage(st)
+        key = id(st)
+        self.live_bytes -= self._bytes[key]
+        self._bytes[key] = 0
+        self._untracked.add(key)
 
     def is_tracked(self, st: torch.UntypedStorage) -> bool:
         ref = self._refs.get(id(st))
