@@ -9,7 +9,7 @@ import pytest
 
 from data import catalog
 from data.store import TelemetryStore
-from training.sweep import GRIDS, Family, JsonlSink, k_values, load_spec, main, measure_family_records
+from training.sweep import GRIDS, Family, JsonlSink, k_values, load_spec, main, measure_family_records, record_ids_in
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "data" / "telemetry" / "telemetry.parquet"
@@ -81,6 +81,13 @@ def test_jsonl_sink_appends_each_record_once(tmp_path):
     assert JsonlSink(tmp_path / "r.jsonl").ids == {"a", "b"}
     assert sink.write([{"record_id": "a", "x": 1}, {"record_id": "c", "x": 3}]) == 1
     assert [json.loads(x)["record_id"] for x in (tmp_path / "r.jsonl").read_text().splitlines()] == ["a", "b", "c"]
+    # a run killed in the middle of a line: the line is cut off on reopening, its family measured again
+    with (tmp_path / "r.jsonl").open("a") as fh:
+        fh.write('{"record_id": "d", "x"')
+    assert record_ids_in(tmp_path / "r.jsonl") == {"a", "b", "c"}
+    reopened = JsonlSink(tmp_path / "r.jsonl")
+    assert reopened.ids == {"a", "b", "c"} and reopened.write([{"record_id": "d", "x": 4}]) == 1
+    assert [json.loads(x)["record_id"] for x in (tmp_path / "r.jsonl").read_text().splitlines()] == list("abcd")
 
 
 SPEC = """

@@ -422,6 +422,9 @@ def _local_results(todo: list[tuple[Family, list[int], str]], workers: int,
         pool.terminate()
 
 
+_DASK_BATCH = 32
+
+
 def _dask_results(todo: list[tuple[Family, list[int], str]], workers: int, scheduler: str | None,
                   deadline: float | None) -> Iterator[FamilyResult]:
     """Results from Dask ``distributed`` workers, as they complete.
@@ -429,7 +432,7 @@ def _dask_results(todo: list[tuple[Family, list[int], str]], workers: int, sched
     With ``scheduler`` (``tcp://host:8786``) the sweep uses that cluster's workers; without it a
     ``LocalCluster`` of ``workers`` processes with one thread each (the collector patches process-wide
     state: the default dtype, SDPA, the fake process group, so two measurements must never share a
-    process). Tasks keep the sweep's order as their priority. Leaving early (budget, Ctrl-C) cancels
+    process). Tasks keep the sweep's order as their priority, batch by batch. Leaving early (budget, Ctrl-C) cancels
     what has not completed and closes the client and any cluster this function started.
     """
     from distributed import Client, LocalCluster, wait
@@ -445,8 +448,13 @@ def _dask_results(todo: list[tuple[Family, list[int], str]], workers: int, sched
         client = Client(cluster)
     pending: set = set()
     try:
-        futures = [client.submit(measure_family_records, fam, ks, device, pure=False, priority=len(todo) - i)
-                   for i, (fam, ks, device) in enumerate(todo)]
+        # one graph per batch (a submit per family costs the scheduler one graph update each); earlier
+        # batches get the higher priority, so the sweep's order holds batch by batch
+        futures = []
+        for start in range(0, len(todo), _DASK_BATCH):
+            batch = todo[start:start + _DASK_BATCH]
+            futures += client.map(measure_family_records, [t[0] for t in batch], [t[1] for t in batch],
+                                  [t[2] for t in batch], pure=False, priority=len(todo) - start)
         family_of = {fut.key: fam for fut, (fam, _ks, _dev) in zip(futures, todo)}
         pending = set(futures)
         while pending:
@@ -480,7 +488,7 @@ def record_ids_in(path: str | Path) -> set[str]:
     """
     path = Path(path)
     if path.suffix == ".jsonl":
-        return {json.loads(line)["record_id"] for line in path.read_text().splitlines() if line.strip()}
+        return {json.loads(line)["record_id"] for line in _complete_lines(path.read_text()) if line.strip()}
     import pandas as pd
 
     if path.suffix == ".parquet":
@@ -494,7 +502,9 @@ class JsonlSink:
     """Append-only JSON-lines copy of the sweep's records (one :class:`TelemetryRecord` JSON per line).
 
     The ids already in the file count as done, so a sweep that writes here resumes where it stopped even
-    with a fresh store; a record is appended once. Lines are flushed as each family completes.
+    with a fresh store; a record is appended once. Each family's lines go out in one write as it completes.
+    A last line cut short (a run killed while writing) is cut off when the file is opened: its family is
+    not complete in the file, so it is measured again.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -502,17 +512,25 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.ids: set[str] = set()
         if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                if line.strip():
-                    self.ids.add(json.loads(line)["record_id"])
+            text = self.path.read_text()
+            lines = _complete_lines(text)
+            kept = "".join(line + "\n" for line in lines)
+            if len(kept) != len(text):
+                print(f"{self.path}: cut off an incomplete last line ({len(text) - len(kept)} bytes)", file=sys.stderr)
+                self.path.write_text(kept)
+            self.ids = {json.loads(line)["record_id"] for line in lines if line.strip()}
 
     def write(self, records: list[dict[str, Any]]) -> int:
         new = [r for r in records if r["record_id"] not in self.ids]
         with self.path.open("a") as fh:
-            for r in new:
-                fh.write(json.dumps(r, sort_keys=True) + "\n")
+            fh.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in new))
         self.ids.update(r["record_id"] for r in new)
         return len(new)
+
+
+def _complete_lines(text: str) -> list[str]:
+    """Lines of a JSON-lines text, without a last line that has no newline yet (being written, or cut)."""
+    return text.split("\n")[:-1]
 
 
 def run_sweep(families: list[Family], *, store, device: str = "fake", workers: int = 1, k_points: int = 13,
