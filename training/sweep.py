@@ -348,7 +348,7 @@ def load_spec(path: str | Path) -> SweepPlan:
             except ValidationError as err:
                 report["dropped"] += 1
                 report["why"] = report["why"] or "; ".join(
-                    f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())[:300]
+                    ": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"]))) for e in err.errors())[:300]
                 continue
             fams.append(fam)
             report["families"] += 1
