@@ -426,14 +426,16 @@ _DASK_BATCH = 32
 
 
 def _dask_results(todo: list[tuple[Family, list[int], str]], workers: int, scheduler: str | None,
-                  deadline: float | None) -> Iterator[FamilyResult]:
+                  deadline: float | None, drain_s: float = 0.0) -> Iterator[FamilyResult]:
     """Results from Dask ``distributed`` workers, as they complete.
 
     With ``scheduler`` (``tcp://host:8786``) the sweep uses that cluster's workers; without it a
     ``LocalCluster`` of ``workers`` processes with one thread each (the collector patches process-wide
     state: the default dtype, SDPA, the fake process group, so two measurements must never share a
-    process). Tasks keep the sweep's order as their priority, batch by batch. Leaving early (budget, Ctrl-C) cancels
-    what has not completed and closes the client and any cluster this function started.
+    process). Tasks keep the sweep's order as their priority, batch by batch. At ``deadline`` the families
+    not yet on a worker are cancelled and those on a worker get ``drain_s`` more seconds to finish. Leaving
+    (budget, Ctrl-C) cancels what has not completed and closes the client and any cluster this function
+    started.
     """
     from distributed import Client, LocalCluster, wait
 
@@ -457,14 +459,24 @@ def _dask_results(todo: list[tuple[Family, list[int], str]], workers: int, sched
                                   [t[2] for t in batch], pure=False, priority=len(todo) - start)
         family_of = {fut.key: fam for fut, (fam, _ks, _dev) in zip(futures, todo)}
         pending = set(futures)
+        draining = False
         while pending:
             timeout = None if deadline is None else deadline - time.perf_counter()
             if timeout is not None and timeout <= 0:
-                return
+                if draining or drain_s <= 0:
+                    return
+                on_workers = {key for keys in client.processing().values() for key in keys}
+                queued = [f for f in pending if f.key not in on_workers]
+                client.cancel(queued)
+                pending -= set(queued)
+                print(f"budget spent: {len(queued)} families cancelled, {len(pending)} running get {drain_s:g} s",
+                      file=sys.stderr)
+                draining, deadline = True, time.perf_counter() + drain_s
+                continue
             try:
                 done, pending = wait(pending, timeout=timeout, return_when="FIRST_COMPLETED")
             except TimeoutError:
-                return
+                continue  # the deadline: cancel or drain at the top of the loop
             for fut in done:
                 if fut.status == "finished":
                     yield fut.result()
@@ -535,7 +547,7 @@ def _complete_lines(text: str) -> list[str]:
 
 def run_sweep(families: list[Family], *, store, device: str = "fake", workers: int = 1, k_points: int = 13,
               progress: bool = True, engine: str = "local", scheduler: str | None = None,
-              budget_s: float | None = None, jsonl: JsonlSink | None = None,
+              budget_s: float | None = None, drain_s: float = 0.0, jsonl: JsonlSink | None = None,
               skip_ids: set[str] | None = None) -> dict[str, Any]:
     """Measure all families not yet in ``store`` (nor in ``jsonl``); returns counts and failures.
 
@@ -543,6 +555,8 @@ def run_sweep(families: list[Family], *, store, device: str = "fake", workers: i
         engine: ``local`` (process pool) or ``dask`` (see :func:`_dask_results`).
         scheduler: Dask scheduler address; None starts a LocalCluster of ``workers``.
         budget_s: stop after this many seconds (families not finished by then are left for a rerun).
+        drain_s: after the budget, families already running get this long to finish (Dask: nothing new
+            starts; the local pool simply runs ``budget_s + drain_s``).
         jsonl: also append every stored (or already stored) record there.
         skip_ids: record ids measured elsewhere (the shipped dataset): families holding all of them are skipped.
 
@@ -570,10 +584,12 @@ def run_sweep(families: list[Family], *, store, device: str = "fake", workers: i
                                "stopped_on_budget": False, "family_seconds": 0.0}
     t0 = time.perf_counter()
     deadline = None if budget_s is None else t0 + budget_s
+    if drain_s < 0:
+        raise ValueError(f"drain_s must be >= 0, got {drain_s}")
     bar = tqdm(total=len(todo), unit="family", disable=not progress, file=sys.stderr)
     results = (iter(()) if not todo  # nothing to do: start no pool or cluster
-               else _dask_results(todo, workers, scheduler, deadline) if engine == "dask"
-               else _local_results(todo, workers, deadline))
+               else _dask_results(todo, workers, scheduler, deadline, drain_s) if engine == "dask"
+               else _local_results(todo, workers, None if deadline is None else deadline + drain_s))
     try:
         for res in results:
             summary["done"] += 1
@@ -643,6 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scheduler", help="Dask scheduler address (tcp://host:8786); default: a LocalCluster")
     p.add_argument("--workers", type=int, default=1, help="pool processes, or LocalCluster workers")
     p.add_argument("--budget-s", type=float, help="stop cleanly after this many seconds (resumable)")
+    p.add_argument("--drain-s", type=float, default=0.0,
+                   help="after --budget-s, give the families already running this many seconds to finish")
     p.add_argument("--device", choices=["fake", "cpu", "cuda"], default="fake")
     p.add_argument("--db", help="SQLAlchemy URL of the telemetry store (default sqlite:///data/telemetry.db)")
     p.add_argument("--jsonl", type=Path, help="also append the records to this JSON-lines file (resumes from it)")
@@ -665,6 +683,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.budget_s is not None and a.budget_s <= 0:
         print("error: --budget-s must be > 0", file=sys.stderr)
+        return 2
+    if a.drain_s < 0 or (a.drain_s and a.budget_s is None):
+        print("error: --drain-s must be >= 0 and needs --budget-s", file=sys.stderr)
         return 2
     try:
         if a.spec:
@@ -703,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     sink = JsonlSink(a.jsonl) if a.jsonl else None
     summary = run_sweep(families, store=store, device=a.device, workers=a.workers, k_points=k_points,
                         progress=not a.quiet, engine=a.engine, scheduler=a.scheduler, budget_s=a.budget_s,
+                        drain_s=a.drain_s,
                         jsonl=sink, skip_ids=skip)
     summary["rows_in_store"] = store.count()
     if sink is not None:
