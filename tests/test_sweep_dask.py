@@ -39,7 +39,7 @@ def test_extra_fields_reach_the_training_config_and_the_id():
         Family("gpt2", 1, 128, extra=(("no_such_field", 1),)).training()
 
 
-def test_dask_local_cluster_sweep_is_resumable_and_matches_the_local_path(tmp_path, capsys):
+def test_dask_sweep_is_resumable_stops_on_budget_and_matches_the_local_path(tmp_path, capsys):
     url, out = f"sqlite:///{tmp_path / 'd.db'}", tmp_path / "out" / "records.jsonl"
     args = ["--grid", "smoke", "--engine", "dask", "--workers", "2", "--db", url, "--jsonl", str(out), "--quiet"]
     # a budget spent before any family completes: nothing stored, nothing failed, a clean stop (exit 0)
@@ -48,7 +48,12 @@ def test_dask_local_cluster_sweep_is_resumable_and_matches_the_local_path(tmp_pa
     assert stopped["stopped_on_budget"] and stopped["done"] == 0 and stopped["rows_in_store"] == 0
     assert not out.exists() or out.read_text() == ""
 
-    assert main(args) == 0
+    # measured on a running scheduler's workers (--scheduler ADDR): a LocalCluster of 2 worker processes
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit=0,
+                      dashboard_address=None) as cluster:
+        assert main([*args, "--scheduler", cluster.scheduler_address]) == 0
     first = _last_json(capsys)
     assert first["to_run"] == first["done"] == 2 and first["failed"] == 0 and not first["stopped_on_budget"]
     assert first["stored"] == 6 == first["rows_in_store"] == first["rows_in_jsonl"]
