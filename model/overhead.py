@@ -33,6 +33,7 @@ outside-PyTorch bytes (median) per device name from ``method = cuda`` telemetry.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,6 +123,13 @@ class OverheadModel:
         if residuals:
             self.cublas_workspace_bytes = int(np.median(residuals))
         return self
+
+    def total_bytes(self, allocated_bytes: Sequence[int], device_name: str | None, gpu_count: int) -> list[int]:
+        """``allocated + overhead(allocated).total_bytes`` for each allocated peak (e.g. a whole curve
+        over k) in one pass: the overhead is a fixed part plus a fraction of the allocated bytes."""
+        o = self.overhead(0, device_name, gpu_count)
+        fixed = o.cuda_context_bytes + o.cublas_workspace_bytes + o.nccl_bytes
+        return [a + int(a * (self.fragmentation_ratio - 1)) + fixed for a in allocated_bytes]
 
     def overhead(self, allocated_bytes: float, device_name: str | None, gpu_count: int) -> Overhead:
         """Overhead for a predicted allocated peak on ``device_name`` in a job of ``gpu_count`` GPUs."""

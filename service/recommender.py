@@ -22,7 +22,6 @@ from pydantic import ValidationError
 from memfit.api import (
     Alternative,
     ArchitectureIn,
-    CurvePointOut,
     Prediction,
     PredictItem,
     Recommendation,
@@ -96,16 +95,27 @@ def resolve_model(model: str | dict[str, Any] | ArchitectureIn,
         InvalidConfiguration (``UnknownModel``, ``UnknownArchitecture``): the field is relative to
         the request's ``model`` (e.g. ``num_key_value_heads``), with the allowed range.
     """
-    from data import catalog
-
     if isinstance(model, str):
-        return catalog.spec(model), catalog.get(model)["hf_config"], []
+        spec, cfg = _catalog_model(model)
+        return spec, cfg, []
     try:
         return _resolve_config(model, architecture_fallback)
     except UnknownArchitecture as err:
         raise err if err.field == "architecture_fallback" else err.within("model") from err
     except InvalidConfiguration as err:
         raise err.within("model") from err
+
+
+@lru_cache(maxsize=256)
+def _catalog_model(name: str) -> tuple[ModelSpec, dict[str, Any]]:
+    """Spec and HF config of a catalog name (cached: built once per name, like resolved HF configs).
+
+    Raises:
+        UnknownModel: not in the catalog (not cached).
+    """
+    from data import catalog
+
+    return catalog.spec(name), catalog.get(name)["hf_config"]
 
 
 def _resolve_config(model: dict[str, Any] | ArchitectureIn,
@@ -358,8 +368,8 @@ class Recommender:
             predicted_peak_bytes=at.predicted_bytes, upper_bound_bytes=at.upper_bytes,
             total_upper_bytes=p.total_upper_bytes[at.k], capacity_bytes=p.capacity_bytes, usable_bytes=p.usable_bytes,
             shortfall_bytes=p.shortfall_bytes,
-            curve=[CurvePointOut(k=c.k, predicted_bytes=c.predicted_bytes, upper_bytes=c.upper_bytes,
-                                 total_upper_bytes=t, peak_phase=c.peak_phase)
+            curve=[{"k": c.k, "predicted_bytes": c.predicted_bytes, "upper_bytes": c.upper_bytes,  # CurvePointOut,
+                    "total_upper_bytes": t, "peak_phase": c.peak_phase}  # validated in one pass with the answer
                    for c, t in zip(p.curve.points, p.total_upper_bytes)],
             breakdown=at.breakdown, peak_phase=at.peak_phase, path=p.curve.path,
             overhead={**p.overhead.__dict__, "total_bytes": p.overhead.total_bytes},
