@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Collect telemetry at scale: a sweep specification on a Dask LocalCluster, records written as JSON lines.
+# Collect telemetry at scale: a sweep specification on a Dask LocalCluster (the process pool where dask is not
+# installed), records written as JSON lines.
 #
 #   bash scripts/collect_many.sh OUT_DIR [--budget-s 390] [--drain-s 45] [--workers N] [--spec FILE] [sweep flags]
 #
@@ -39,10 +40,15 @@ done
 "$PY" -m training.sweep --spec "$spec" --workers "$workers" "${skip[@]}" --plan > "$out/plan.txt" 2> "$out/sweep.log" \
   || { echo "collect_many: the spec does not load; see $out/sweep.log" >&2; cat "$out/sweep.log" >&2; exit 2; }
 echo "collect_many: $(tail -n 1 "$out/plan.txt")"
-echo "collect_many: $workers Dask workers, budget ${budget}s + ${drain}s drain, records -> $out/records.jsonl"
+engine=dask
+if ! "$PY" -c "import distributed" 2>/dev/null; then  # no dask here: the same sweep on the process pool
+  engine=local
+  echo "collect_many: distributed is not installed; using --engine local (a process pool of $workers)" >&2
+fi
+echo "collect_many: $workers $engine workers, budget ${budget}s + ${drain}s drain, records -> $out/records.jsonl"
 start=$(date +%s)
 timeout --signal=INT --kill-after=30 $(( ${budget%.*} + ${drain%.*} + 90 )) \
-  "$PY" -m training.sweep --spec "$spec" --engine dask --workers "$workers" --budget-s "$budget" --drain-s "$drain" \
+  "$PY" -m training.sweep --spec "$spec" --engine "$engine" --workers "$workers" --budget-s "$budget" --drain-s "$drain" \
     --db "sqlite:///$(cd "$out" && pwd)/telemetry.db" --jsonl "$out/records.jsonl" "${skip[@]}" --quiet "$@" \
     > "$out/summary.json" 2>> "$out/sweep.log"
 rc=$?
