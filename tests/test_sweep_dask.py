@@ -1,6 +1,7 @@
 """The sweep at scale: the Dask engine (a LocalCluster of 2 worker processes), resuming from the store or a
 JSON-lines file, the time budget, and sweep specifications gated on what the schema supports."""
 
+import itertools
 import json
 from pathlib import Path
 
@@ -172,3 +173,31 @@ def test_grow_spec_reaches_15000_rows_over_45_architectures():
     assert len(moe) >= 3
     moe_part = next(p for p in plan.parts if p["name"] == "moe")
     assert moe_part["skipped"] or {f.model for f in plan.families} >= moe
+
+
+def test_collected_dense_new_records_are_valid_new_and_monotone_in_k():
+    """data/telemetry/incoming/dense_new.jsonl (training/sweeps/dense-new-local.toml, collected here)."""
+    from memfit.schema import TelemetryRecord
+
+    path = ROOT / "data" / "telemetry" / "incoming" / "dense_new.jsonl"
+    recs = [TelemetryRecord.model_validate(json.loads(line)) for line in path.read_text().splitlines()]
+    assert len(recs) >= 13
+    ids = [r.record_id for r in recs]
+    assert len(set(ids)) == len(ids)
+    assert not set(ids) & set(pd.read_parquet(SHIPPED, columns=["record_id"])["record_id"])
+    new_dense = {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "gemma-3-1b", "olmo-2-1b", "olmo-2-7b",
+                 "smollm3-3b", "granite-3.3-2b", "granite-3.3-8b", "glm-4-9b-0414", "phi-4"}
+    assert {r.model.model_name for r in recs} <= new_dense
+    families: dict = {}
+    for r in recs:
+        assert r.measurement.method.value == "fake_tracker"
+        if r.training.finetune.value != "lora":  # built from the catalog config: the published count exactly
+            assert r.model.total_params == catalog.spec(r.model.model_name).total_params
+        key = (r.model.model_name, r.training.model_copy(update={"checkpoint_layers": []}).model_dump_json())
+        families.setdefault(key, []).append(r)
+    for fam in families.values():
+        ks = sorted(fam, key=lambda r: r.training.num_checkpointed_layers)
+        assert ks[0].training.num_checkpointed_layers == 0 and ks[-1].training.num_checkpointed_layers == ks[
+            -1].model.num_layers
+        peaks = [r.measurement.peak_allocated_bytes for r in ks]
+        assert all(b <= a + (4 << 20) for a, b in itertools.pairwise(peaks)), peaks  # as tests/test_dataset.py
