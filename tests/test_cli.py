@@ -19,7 +19,7 @@ from service.cli import EXIT_BAD_INPUT, EXIT_FITS, EXIT_NO_ANSWER, EXIT_NO_FIT, 
 from tests.helpers import free_port
 
 DATA = Path(__file__).resolve().parent / "data"
-QWEN3 = DATA / "qwen3-0.6b.json"  # Qwen/Qwen3-0.6B's config.json: not in the catalog
+QWEN3 = DATA / "qwen3-0.6b.json"  # Qwen/Qwen3-0.6B's config.json, read as a file (--config) or from a local HF cache under another id
 BASE = ["--micro-batch", "1", "--seq-len", "512"]
 
 
@@ -59,19 +59,19 @@ def test_hf_id_is_resolved_from_the_local_cache_only(run, tmp_path, monkeypatch)
     import huggingface_hub.constants
 
     cache = tmp_path / "hub"
-    snapshot = cache / "models--Qwen--Qwen3-0.6B" / "snapshots" / "c1899de289a04d12100db370d81485cdf75e47ca"
+    snapshot = cache / "models--acme--qwen3-0.6b-sft" / "snapshots" / "c1899de289a04d12100db370d81485cdf75e47ca"
     snapshot.mkdir(parents=True)
     shutil.copy(QWEN3, snapshot / "config.json")
-    (cache / "models--Qwen--Qwen3-0.6B" / "refs").mkdir()
-    (cache / "models--Qwen--Qwen3-0.6B" / "refs" / "main").write_text(snapshot.name)
+    (cache / "models--acme--qwen3-0.6b-sft" / "refs").mkdir()
+    (cache / "models--acme--qwen3-0.6b-sft" / "refs" / "main").write_text(snapshot.name)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
 
-    code, out, err = run("recommend", "--model", "Qwen/Qwen3-0.6B", "--gpu", "H200", *BASE, "--json")
+    code, out, err = run("recommend", "--model", "acme/qwen3-0.6b-sft", "--gpu", "H200", *BASE, "--json")
     assert code == EXIT_FITS, err
     assert json.loads(out)["num_layers"] == 28
 
-    code, out, err = run("recommend", "--model", "Qwen/Qwen3-8B", "--gpu", "H200", *BASE)
+    code, out, err = run("recommend", "--model", "Qwen/Qwen3-32B", "--gpu", "H200", *BASE)
     assert code == EXIT_BAD_INPUT and out == ""
     assert "not in the catalog" in err and "local HF cache" in err and str(cache) in err and "--config" in err
 
