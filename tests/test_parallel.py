@@ -173,3 +173,28 @@ def test_service_names_the_bad_parallel_field(fields, field):
     with pytest.raises(InvalidConfiguration) as err:
         training_config(t, model_spec(TINY), gpu_count=8)
     assert err.value.field == field
+
+
+# -- client: settings picked up from the user's objects --------------------------------------------------
+def test_describe_reads_tensor_parallel_from_dtensor_parameters_and_the_mesh():
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memfit import describe
+    from memfit.describe import parallel_sizes_from_model
+    from memfit.hf import build_causal_lm, decoder_layers
+    from training.collect import _fake_process_group
+    from training.parallel import apply_tensor_parallel
+
+    cfg = {**TINY, "num_hidden_layers": 2}
+    _fake_process_group(4)
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    model = build_causal_lm(cfg, dtype=torch.float32)
+    assert parallel_sizes_from_model(model) == {}
+    apply_tensor_parallel(model, decoder_layers(model), mesh)
+    assert parallel_sizes_from_model(model) == {"tp": 4}
+    req = describe(model, micro_batch_size=1, seq_len=256, gpu="A100-80GB", gpu_count=8, sequence_parallel=True)
+    assert req.training.tensor_parallel_size == 4 and req.training.sequence_parallel
+    assert req.training.trainable_params == model_spec(cfg).total_params  # global counts, not the shard's
+    pp_cp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+    assert parallel_sizes_from_model(model, pp_cp) == {"pp": 2, "cp": 2}

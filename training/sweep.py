@@ -44,6 +44,8 @@ class Family:
     finetune: str = FineTune.FULL.value
     lora_rank: int | None = None
     frozen_layers: int = 0
+    tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
 
     def training(self) -> TrainingConfig:
         d = asdict(self)
@@ -51,8 +53,55 @@ class Family:
         return TrainingConfig(**d)
 
     def record_id(self, k: int, device: str) -> str:
-        key = json.dumps([SCHEMA_TAG, device, asdict(self), k], sort_keys=True)
+        # fields added later enter the id only when set, so the ids of earlier families stay the same
+        d = {n: v for n, v in asdict(self).items() if n not in _LATER_FIELDS or v != _LATER_FIELDS[n]}
+        key = json.dumps([SCHEMA_TAG, device, d, k], sort_keys=True)
         return "c" + hashlib.sha256(key.encode()).hexdigest()[:31]
+
+
+#: Family fields added after ids were first issued, with the default that keeps them out of the id
+_LATER_FIELDS: dict[str, Any] = {"tensor_parallel_size": 1, "sequence_parallel": False}
+
+
+class JsonlStore:
+    """Append-only JSON-lines telemetry file with the store's ``record_ids``/``add`` (for
+    ``data/telemetry/incoming/*.jsonl``, merged into the shipped dataset by the lead).
+
+    A record whose id is already in the file is a duplicate and is not written again; every line is
+    validated as a :class:`memfit.schema.TelemetryRecord` before it is written.
+    """
+
+    def __init__(self, path: str) -> None:
+        from pathlib import Path
+
+        self.path = Path(path)
+
+    def record_ids(self) -> set[str]:
+        if not self.path.exists():
+            return set()
+        return {json.loads(line)["record_id"] for line in self.path.read_text().splitlines() if line.strip()}
+
+    def add(self, records: list[dict[str, Any]]):
+        from types import SimpleNamespace
+
+        from memfit.schema import TelemetryRecord
+
+        have = self.record_ids()
+        stored, dups = [], []
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as fh:
+            for r in records:
+                rec = TelemetryRecord.model_validate(r)
+                if rec.record_id in have:
+                    dups.append(rec.record_id)
+                    continue
+                fh.write(rec.model_dump_json() + "\n")
+                have.add(rec.record_id)
+                stored.append(rec.record_id)
+        return SimpleNamespace(stored=stored, duplicates=dups, rejected=[])
+
+    def count(self) -> int:
+        return len(self.record_ids())
 
 
 def k_values(num_layers: int, max_points: int) -> list[int]:
@@ -166,7 +215,21 @@ def _acceptance_families() -> list[Family]:
     return fams
 
 
+def _parallel_families() -> list[Family]:
+    """Tensor-parallel families (+ sequence parallel) on the small Llama-style catalog models: the
+    ``parallel`` grid, measured with DTensor over a fake process group."""
+    fams = []
+    for model, tps in (("llama-3.2-1b", (2, 4, 8)), ("tinyllama-1.1b", (2, 4)), ("qwen2.5-0.5b", (2,)),
+                       ("smollm2-135m", (3,))):
+        for tp in tps:
+            for sp in (False, True):
+                for mb, seq in ((1, 2048), (2, 512)):
+                    fams.append(Family(model, mb, seq, tensor_parallel_size=tp, sequence_parallel=sp))
+    return fams
+
+
 GRIDS: dict[str, Any] = {
+    "parallel": lambda: SweepGrid(models=[], fixed=_parallel_families(), k_points=5),
     "smoke": lambda: SweepGrid(models=["gpt2"], families_per_model=2, seq_lens=[128, 256], micro_batches=[1, 2],
                                k_points=3, shardings=[("none", [1]), ("fsdp_full_shard", [2])],
                                sharding_weights=[1, 1]),
@@ -256,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--device", choices=["fake", "cpu", "cuda"], default="fake")
     p.add_argument("--db", help="SQLAlchemy URL of the telemetry store (default sqlite:///data/telemetry.db)")
+    p.add_argument("--jsonl", help="append to this JSON-lines file instead of a database store")
     p.add_argument("--export", help="write the whole store to this .parquet/.csv afterwards")
     p.add_argument("--seed", type=int)
     p.add_argument("--quiet", action="store_true")
@@ -283,11 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.max_families:
         families = families[: a.max_families]
-    store = TelemetryStore(a.db)
+    store = JsonlStore(a.jsonl) if a.jsonl else TelemetryStore(a.db)
     summary = run_sweep(families, store=store, device=a.device, workers=a.workers, k_points=grid.k_points,
                         progress=not a.quiet)
     summary["rows_in_store"] = store.count()
-    if a.export:
+    if a.export and not a.jsonl:
         summary["exported"] = store.export(a.export)
     print(json.dumps({**summary, "failed": len(summary["failed"]), "rejected": len(summary["rejected"])}))
     for f in summary["failed"]:
