@@ -219,7 +219,7 @@ class TelemetryStore:
                     held.append((index, rec, CONFLICT))
                 continue
             batch[rec.record_id] = (h, rec)
-            rows.append({**rec.to_row(), "content_hash": h, "_index": index})
+            rows.append({**rec.to_row(), "created_at": _utc(rec.created_at), "content_hash": h, "_index": index})
         with _busy(self.busy_timeout_s), self.engine.begin() as conn:
             existing: dict[str, str] = {}
             ids = [r["record_id"] for r in rows]
@@ -255,6 +255,20 @@ class TelemetryStore:
             rows = conn.execute(sa.select(self.quarantine).order_by(self.quarantine.c.id)).mappings().all()
         return [{"record_id": r["record_id"], "received_at": r["received_at"], "reason": r["reason"],
                  "record": json.loads(r["record_json"])} for r in rows]
+
+    def lookup(self, record_id: str) -> tuple[TelemetryRecord | None, list[dict[str, Any]]]:
+        """What the store keeps under ``record_id``: the stored record (None when none is) and every
+        quarantined copy, oldest first (``{record_id, received_at, reason, record}``, as :meth:`quarantined`).
+
+        A record id that was never received, or only rejected, gives ``(None, [])``.
+        """
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(self.table).where(self.table.c.record_id == record_id)).mappings().first()
+            held = conn.execute(sa.select(self.quarantine).where(self.quarantine.c.record_id == record_id)
+                                .order_by(self.quarantine.c.id)).mappings().all()
+        stored = TelemetryRecord.from_row({**row, "created_at": _utc(row["created_at"])}) if row is not None else None
+        return stored, [{"record_id": r["record_id"], "received_at": _utc(r["received_at"]), "reason": r["reason"],
+                         "record": json.loads(r["record_json"])} for r in held]
 
     def count(self) -> int:
         with self.engine.connect() as conn:
@@ -306,6 +320,12 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         raise ValueError(f"path must end in .parquet or .csv, got {path.name!r}")
     df = df.astype(object).where(df.notna(), None)
     return df.to_dict("records")
+
+
+def _utc(moment: datetime) -> datetime:
+    """``moment`` in UTC. Timestamps are written in UTC, because SQLite keeps no offset; a naive value
+    (written by SQLite, or sent without an offset) is therefore UTC."""
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
 def _parse(item: Any) -> TelemetryRecord:

@@ -84,8 +84,7 @@ def plan(predictor: MemoryPredictor, model: ModelSpec, training: TrainingConfig,
     overhead_model = overhead_model or OverheadModel()
     c = predictor.curve(model, training, hf_config)
     usable = int(capacity_bytes * (1 - headroom_fraction))
-    totals = [p.upper_bytes + overhead_model.overhead(p.upper_bytes, device_name, gpu_count).total_bytes
-              for p in c.points]
+    totals = overhead_model.total_bytes([p.upper_bytes for p in c.points], device_name, gpu_count)
     k = next((i for i, t in enumerate(totals) if t <= usable), None)
     at = k if k is not None else model.num_layers
     if k is None:

@@ -7,11 +7,13 @@ Routes take them with ``Depends``; tests swap them with ``app.dependency_overrid
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
 from data.store import TelemetryStore
@@ -47,6 +49,19 @@ def get_store(request: Request) -> TelemetryStore | None:
     return request.app.state.store
 
 
+def readable_store(request: Request) -> TelemetryStore:
+    """The store for reading telemetry back.
+
+    Raises:
+        ReadOnly: the server runs without a telemetry store (the reason says why).
+    """
+    store = request.app.state.store
+    if store is None:
+        raise ReadOnly(f"this server is read-only ({request.app.state.read_only_reason}); "
+                       "it serves recommendations but keeps no telemetry")
+    return store
+
+
 def writable_store(request: Request) -> TelemetryStore:
     """The store for a write.
 
@@ -60,10 +75,20 @@ def writable_store(request: Request) -> TelemetryStore:
     return store
 
 
+BEARER = HTTPBearer(auto_error=False, description="MEMFIT_TOKEN; needed when the server has one "
+                                                  "(always when it listens beyond loopback)")
+
+
 def require_token(settings: Annotated[Settings, Depends(get_settings)],
-                  authorization: Annotated[str | None, Header()] = None) -> None:
-    """Writes need ``Authorization: Bearer <MEMFIT_TOKEN>`` when a token is configured (always off loopback)."""
-    if settings.token and authorization != f"Bearer {settings.token}":
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
+    """Writes and telemetry reads need ``Authorization: Bearer <MEMFIT_TOKEN>`` when a token is
+    configured (always off loopback). Declared as the OpenAPI ``HTTPBearer`` security scheme.
+
+    Raises:
+        HTTPException: 401 with ``WWW-Authenticate: Bearer`` for a missing or wrong token.
+    """
+    if settings.token and (credentials is None
+                           or not secrets.compare_digest(credentials.credentials.encode(), settings.token.encode())):
         raise HTTPException(401, "a valid bearer token is required (Authorization: Bearer ...)",
                             headers={"WWW-Authenticate": "Bearer"})
 

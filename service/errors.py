@@ -14,10 +14,17 @@ anything else                                      500     the exception's type 
 =================================================  ======  =========================================
 
 Bodies never carry server paths or tracebacks.
+
+:func:`install` also documents these answers in the OpenAPI schema, as they are sent: every 4xx/5xx
+above is ``application/problem+json`` with the :class:`Problem` schema (routes name their own 404
+and 503 with :func:`problem_responses`; 400, 413, 415 and 422 go on every operation with a body,
+401 on every operation with the bearer security scheme; on a server without a token that scheme is
+optional and no 401 is documented).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import types
 import typing
@@ -29,19 +36,86 @@ import annotated_types as at
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from memfit.errors import InvalidConfiguration, Unavailable
+from memfit.errors import InvalidConfiguration, Unavailable, pydantic_error_field
 
 log = logging.getLogger("memfit.service")
 PROBLEM = "application/problem+json"
 
 
+class Problem(BaseModel):
+    """RFC 9457 problem details, as every error answer carries them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "about:blank"
+    title: str = Field(description="the HTTP status phrase")
+    status: int = Field(description="the HTTP status code")
+    detail: str = Field(description="what went wrong, naming the field and the allowed range where one applies")
+    errors: list[dict[str, Any]] | None = Field(
+        None, description="422: one {field, message, allowed} per invalid field (allowed where a range exists)")
+
+
+_REASONS = {
+    400: "the body could not be read (for example, invalid UTF-8)",
+    401: "a valid bearer token is required",
+    404: "not found",
+    413: "the body is larger than the server accepts",
+    415: "the body is not application/json",
+    422: "invalid input: each field, its problem and the allowed range",
+    503: "temporarily unavailable (no model, read-only server or busy store); Retry-After when known",
+}
+
+
+def problem_responses(*statuses: int, **descriptions: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for problem+json answers, for a route decorator's ``responses=``.
+
+    ``descriptions`` override the default wording per status (keys ``s404`` etc.).
+    """
+    return {status: {"description": descriptions.get(f"s{status}", _REASONS.get(status, HTTPStatus(status).phrase)),
+                     "content": {PROBLEM: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
+            for status in statuses}
+
+
+def _document(app: FastAPI) -> None:
+    """Make ``app.openapi()`` describe the error answers as they are sent (see the module docstring)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        spec = generate()
+        tokenless = not app.state.settings.token
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        schemas["Problem"] = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
+        for operations in spec.get("paths", {}).values():
+            for op in operations.values():
+                responses = op.setdefault("responses", {})
+                wanted = []
+                if "requestBody" in op:
+                    wanted += [400, 413, 415, 422]
+                if "422" in responses:
+                    wanted.append(422)
+                if op.get("security"):
+                    if tokenless:  # no token configured (loopback): the bearer scheme is optional, never 401
+                        op["security"].append({})
+                    else:
+                        wanted.append(401)
+                for status, entry in problem_responses(*wanted).items():
+                    responses[str(status)] = entry  # replaces FastAPI's application/json 422
+        for unused in ("HTTPValidationError", "ValidationError"):
+            if f'"#/components/schemas/{unused}"' not in json.dumps(spec):
+                schemas.pop(unused, None)
+        app.openapi_schema = spec
+        return spec
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def problem(status: int, detail: str, *, headers: dict[str, str] | None = None, **extra: Any) -> Response:
     """An ``application/problem+json`` response."""
-    import json
-
     body = {"type": "about:blank", "title": HTTPStatus(status).phrase, "status": status, "detail": detail, **extra}
     return Response(json.dumps(body), status_code=status, media_type=PROBLEM, headers=headers)
 
@@ -108,11 +182,10 @@ def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] 
                                                     f"{e.get('ctx', {}).get('error', e['msg'])}"})
             continue
         path = loc[1:] if loc and loc[0] == "body" else loc
-        field = ".".join(str(x) for x in path) or "body"
-        msg = e["msg"]
+        field, msg, allowed = pydantic_error_field(e, path)
         if e.get("type") == "finite_number":
             msg = "must be a finite number (NaN and Infinity are not numbers)"
-        allowed = allowed_range(body_model, path)
+        allowed = allowed or allowed_range(body_model, path)
         item = {"field": field, "message": msg}
         if allowed:
             item["allowed"] = allowed
@@ -121,7 +194,8 @@ def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] 
 
 
 def install(app: FastAPI) -> None:
-    """Register the handlers of the table above on ``app``."""
+    """Register the handlers of the table above on ``app`` and document them in its OpenAPI schema."""
+    _document(app)
 
     def body_model(request: Request) -> type[BaseModel] | None:
         route = request.scope.get("route")

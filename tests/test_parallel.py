@@ -150,9 +150,9 @@ def test_context_parallel_divides_activations(tiny_terms):
 
 # -- validation -----------------------------------------------------------------------------------------
 def test_schema_rejects_bad_parallel_settings():
-    with pytest.raises(ValidationError, match="context_parallel_size=3 must divide seq_len=256"):
+    with pytest.raises(ValidationError, match="context_parallel_size: must be a divisor of seq_len=256, got 3"):
         cfg_(context_parallel_size=3)
-    with pytest.raises(ValidationError, match="sequence_parallel=true needs tensor_parallel_size >= 2"):
+    with pytest.raises(ValidationError, match="sequence_parallel: must be true only with tensor_parallel_size >= 2"):
         cfg_(sequence_parallel=True)
     with pytest.raises(ValidationError, match="pipeline_schedule"):
         cfg_(pipeline_schedule="zero_bubble")

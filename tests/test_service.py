@@ -47,6 +47,45 @@ def test_telemetry_ingest_idempotent_with_reasons(client):
     assert client.get("/v2/health/ready").json()["telemetry_records"] == 1
 
 
+def test_telemetry_read_back_stored_quarantined_and_unknown(client):
+    good = record(record_id="job-00000011").model_dump(mode="json")
+    r = client.post("/telemetry", json=[good], headers=AUTH)
+    assert r.json()["stored"] == ["job-00000011"]
+    conflict = record(record_id="job-00000011", peak_allocated_bytes=999_999_488).model_dump(mode="json")
+    implausible = record(record_id="job-00000012", method="cuda", oom=False,
+                         peak_allocated_bytes=(1 << 34) + 4096).model_dump(mode="json")
+    r = client.post("/telemetry", json=[conflict, implausible], headers=AUTH)
+    assert [q["record_id"] for q in r.json()["quarantined"]] == ["job-00000011", "job-00000012"]
+
+    kept = client.get("/telemetry/job-00000011", headers=AUTH)
+    assert kept.status_code == 200
+    j = kept.json()
+    assert j["record"]["measurement"]["peak_allocated_bytes"] == 123_456_512  # the first one: never overwritten
+    assert len(j["quarantined"]) == 1 and "different content" in j["quarantined"][0]["reason"]
+    assert j["quarantined"][0]["record"]["measurement"]["peak_allocated_bytes"] == 999_999_488
+
+    j = client.get("/telemetry/job-00000012", headers=AUTH).json()
+    assert j["record"] is None and "exceeds device_memory_bytes" in j["quarantined"][0]["reason"]
+
+    missing = client.get("/telemetry/job-99999999", headers=AUTH)
+    assert missing.status_code == 404 and missing.headers["content-type"].startswith("application/problem+json")
+    assert "job-99999999" in missing.json()["detail"]
+    bad = client.get("/telemetry/has%20space", headers=AUTH)
+    assert bad.status_code == 422 and bad.json()["errors"][0]["field"].endswith("record_id")
+    assert client.get("/telemetry/job-00000011").status_code == 401  # reading telemetry needs the token too
+
+
+def test_telemetry_post_links_to_the_read_back():
+    """The ingestion answer's OpenAPI links name the read-back, so stateful clients can follow them."""
+    from service.app import create_app as make
+
+    spec = make(Settings(db_url="sqlite:///:memory:", registry_dir="/nonexistent", warm_up=False)).openapi()
+    links = spec["paths"]["/telemetry"]["post"]["responses"]["200"]["links"]
+    assert {v["operationId"] for v in links.values()} == {"read_telemetry_record"}
+    assert spec["paths"]["/telemetry/{record_id}"]["get"]["operationId"] == "read_telemetry_record"
+    assert links["ReadStored"]["parameters"] == {"record_id": "$response.body#/stored/0"}
+
+
 def test_token_required(client):
     r = client.post("/telemetry", json=[], headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.headers["content-type"].startswith("application/problem+json")
@@ -103,3 +142,35 @@ def test_dependencies_can_be_swapped(client):
     assert r.status_code == 503 and r.headers["retry-after"] == "7"
     assert r.headers["content-type"].startswith("application/problem+json") and "swapped out" in r.json()["detail"]
     client.app.dependency_overrides.clear()
+
+
+def test_openapi_documents_error_answers_as_sent(tmp_path):
+    """Errors are problem+json in the schema too (schemathesis' conformance checks found 401, 404, 413,
+    415 and 503 undocumented and 422 documented as application/json)."""
+    def spec(**kw):
+        return create_app(Settings(db_url=f"sqlite:///{tmp_path / 'o.db'}", registry_dir="/nonexistent",
+                                   warm_up=False, **kw)).openapi()
+
+    with_token = spec(token="s3cret")
+    post = with_token["paths"]["/telemetry"]["post"]
+    assert {"400", "401", "413", "415", "422", "503"} <= set(post["responses"])
+    assert set(post["responses"]["422"]["content"]) == {"application/problem+json"}
+    assert post["security"] == [{"HTTPBearer": []}]
+    assert "404" in with_token["paths"]["/telemetry/{record_id}"]["get"]["responses"]
+    assert "503" in with_token["paths"]["/recommend"]["post"]["responses"]
+    assert "Problem" in with_token["components"]["schemas"]
+    assert "HTTPValidationError" not in with_token["components"]["schemas"]
+    open_post = spec()["paths"]["/telemetry"]["post"]
+    assert open_post["security"] == [{"HTTPBearer": []}, {}] and "401" not in open_post["responses"]
+
+
+def test_curve_totals_in_one_pass_equal_the_per_point_overhead():
+    """/recommend's hot path adds the overhead to the whole curve at once; it must equal the per-point sum."""
+    from model.overhead import OverheadModel
+
+    learned = OverheadModel({"H100-80GB": 1.08}, {"H100-80GB": 700 << 20}, {"H100-80GB": 12})
+    allocated = [0, 1, 3 << 30, 77_777_777_777, 193_747_599_037]
+    for m in (OverheadModel(), learned):
+        for device, gpus in (("H100-80GB", 1), ("H100-80GB", 64), ("A100-40GB", 8), (None, 1)):
+            assert m.total_bytes(allocated, device, gpus) == [
+                a + m.overhead(a, device, gpus).total_bytes for a in allocated]

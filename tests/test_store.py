@@ -119,3 +119,19 @@ def test_locked_database_raises_store_busy_quickly(tmp_path):
         locker.rollback()
         locker.close()
     assert store.add([record(record_id="rec-locked01")]).stored == ["rec-locked01"]  # nothing was lost
+
+
+def test_lookup_keeps_the_instant_of_timestamps(store):
+    """SQLite keeps no UTC offset: a record sent at +02:00 and the quarantine time must come back as
+    the same instants, with an offset (found by schemathesis' stateful run: 'not a date-time')."""
+    from datetime import UTC, datetime, timedelta, timezone
+
+    sent_at = datetime(2026, 5, 1, 12, 0, tzinfo=timezone(timedelta(hours=2)))
+    store.add([record(record_id="tz-000001", created_at=sent_at),
+               record(record_id="tz-000002", method="cuda", peak_allocated_bytes=(1 << 34) + 4096)])
+    stored, held = store.lookup("tz-000001")
+    assert held == [] and stored.created_at == sent_at and stored.created_at.utcoffset() is not None
+    stored, held = store.lookup("tz-000002")
+    assert stored is None and len(held) == 1 and held[0]["received_at"].utcoffset() is not None
+    assert abs((datetime.now(UTC) - held[0]["received_at"]).total_seconds()) < 60
+    assert store.lookup("tz-999999") == (None, [])

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 
 from data.store import TelemetryStore
 from service.deps import get_holder, get_store, require_token
-from service.errors import problem
+from service.errors import problem, problem_responses
 from service.models import ModelHolder
 
 router = APIRouter(tags=["admin"])
@@ -43,7 +43,7 @@ def live() -> dict[str, str]:
     return {"status": "live"}
 
 
-@router.get("/v2/health/ready")
+@router.get("/v2/health/ready", responses=problem_responses(503))
 def ready(request: Request, holder: Annotated[ModelHolder, Depends(get_holder)],
           store: Annotated[TelemetryStore | None, Depends(get_store)]):
     """200 while a model serves (read-only servers included); details name a refused model version."""

@@ -10,6 +10,7 @@ from prometheus_client import Histogram
 
 from memfit.api import PredictRequest, PredictResponse, Recommendation, RecommendRequest
 from service.deps import get_recommender
+from service.errors import problem_responses
 from service.recommender import Recommender
 
 router = APIRouter(tags=["recommend"])
@@ -25,7 +26,7 @@ def _json(answer) -> Response:
     return Response(answer.model_dump_json(), media_type="application/json")
 
 
-@router.post("/recommend", response_model=Recommendation)
+@router.post("/recommend", response_model=Recommendation, responses=problem_responses(503))
 def recommend(req: RecommendRequest, rec: Annotated[Recommender, Depends(get_recommender)]) -> Response:
     """Smallest k whose bounded peak fits, its layers, the curve over k; or the shortfall and alternatives."""
     out = rec.recommend(req)
@@ -35,7 +36,7 @@ def recommend(req: RecommendRequest, rec: Annotated[Recommender, Depends(get_rec
     return _json(out)
 
 
-@router.post("/predict", response_model=PredictResponse)
+@router.post("/predict", response_model=PredictResponse, responses=problem_responses(503))
 def predict(req: PredictRequest, rec: Annotated[Recommender, Depends(get_recommender)]) -> Response:
     """Peak, bound and breakdown for fully specified configurations (one booster call for the batch)."""
     return _json(PredictResponse(predictions=[rec.predict(item, i) for i, item in enumerate(req.items)],
