@@ -225,7 +225,9 @@ def _parallel_families() -> list[Family]:
             for sp in (False, True):
                 for mb, seq in ((1, 2048), (2, 512)):
                     fams.append(Family(model, mb, seq, tensor_parallel_size=tp, sequence_parallel=sp))
-    return fams
+    # one family of each model first, so that a run stopped early still covers every model
+    firsts = [next(f for f in fams if f.model == m) for m in dict.fromkeys(f.model for f in fams)]
+    return firsts + [f for f in fams if f not in firsts]
 
 
 GRIDS: dict[str, Any] = {
