@@ -12,7 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, Stri
 from memfit.errors import InvalidConfiguration
 from memfit.schema import (
     MAX_DEVICE_MEMORY_BYTES, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WORLD, Attention, CheckpointImpl,
-    FineTune, Optimizer, Precision, Quantization, Sharding,
+    FineTune, Optimizer, PipelineSchedule, Precision, Quantization, Sharding,
 )
 
 GIB = 1 << 30
@@ -102,6 +102,12 @@ class TrainingIn(_In):
     data_parallel_size: StrictInt | None = Field(None, ge=1, le=MAX_WORLD, description="default: gpu_count / (tp * pp)")
     tensor_parallel_size: StrictInt = Field(1, ge=1, le=1024)
     pipeline_parallel_size: StrictInt = Field(1, ge=1, le=1024)
+    context_parallel_size: StrictInt = Field(1, ge=1, le=1024, description="ranks splitting the sequence; divides seq_len")
+    sequence_parallel: Annotated[bool, Strict()] = Field(False, description="Megatron sequence parallelism (needs TP > 1)")
+    pipeline_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    num_micro_batches: StrictInt | None = Field(None, ge=1, le=1 << 16,
+                                                description="micro-batches per step through the pipeline (default: pp)")
+    pipeline_chunks_per_rank: StrictInt = Field(2, ge=1, le=128, description="model chunks per rank, interleaved_1f1b")
     attention: Attention = Attention.SDPA
     finetune: FineTune = FineTune.FULL
     lora_rank: StrictInt | None = Field(None, ge=1, le=4096)
@@ -193,6 +199,18 @@ class Alternative(BaseModel):
     total_upper_bytes: int
 
 
+class StageOut(BaseModel):
+    """One pipeline stage's rank at the recommended k (bytes per device)."""
+
+    stage: int
+    first_layer: int
+    num_layers: int
+    k: int = Field(description="checkpointed layers of this stage: its first k")
+    micro_batches_in_flight: float = Field(description="micro-batches whose activations the stage holds at once")
+    predicted_peak_bytes: int
+    parameters: int = Field(description="parameters this stage's rank holds (tensor parallelism applied)")
+
+
 class Recommendation(BaseModel):
     """``POST /recommend`` answer (bytes per device)."""
 
@@ -214,6 +232,10 @@ class Recommendation(BaseModel):
     overhead: dict[str, Any]
     recompute_overhead_fraction: float = Field(description="extra compute per step, fraction of step compute")
     alternatives: list[Alternative] = []
+    stages: list[StageOut] = Field([], description="per pipeline stage (pipeline/context parallel, traced path)")
+    bottleneck_stage: int | None = Field(None, description="the stage whose peak is predicted_peak_bytes")
+    parameters_per_rank: int | None = Field(None, description="parameters one rank holds (its fullest stage; "
+                                                               "tensor parallelism applied)")
     model_name: str | None = None
     training: dict[str, Any] | None = Field(None, description="the resolved training configuration (k excluded)")
     model_version: str

@@ -245,6 +245,48 @@ def _world_size() -> int | None:
     return None
 
 
+#: DeviceMesh dimension names (torchtitan's ``ParallelDims``) -> our parallel size
+_MESH_DIMS = {"tp": "tp", "pp": "pp", "cp": "cp"}
+
+
+def parallel_sizes_from_model(model, device_mesh: Any = None) -> dict[str, int]:
+    """Tensor / pipeline / context parallel sizes the user's objects reveal.
+
+    * ``device_mesh``: each named dimension ``tp``, ``pp`` or ``cp`` gives its size.
+    * else the model's DTensor parameters: a mesh dimension named ``tp`` gives the TP size; on an
+      unnamed 1-D mesh, parameters both sharded and replicated over it mean tensor parallelism (FSDP2
+      shards every parameter, TP replicates the norms). Sequence parallelism leaves no trace on the
+      parameters: pass ``sequence_parallel=`` to :func:`describe`.
+
+    Returns a dict with any of ``tp``, ``pp``, ``cp``.
+    """
+    out: dict[str, int] = {}
+    mesh = device_mesh
+    if mesh is not None:
+        for name, size in zip(getattr(mesh, "mesh_dim_names", None) or (), tuple(mesh.shape)):
+            if name in _MESH_DIMS:
+                out[_MESH_DIMS[name]] = int(size)
+        return out
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # pragma: no cover - torch without distributed
+        return out
+    seen_shard = seen_rep = False
+    for p in model.parameters():
+        if not isinstance(p, DTensor):
+            continue
+        m = p.device_mesh
+        names = getattr(m, "mesh_dim_names", None)
+        if names and "tp" in names:
+            out["tp"] = int(m.shape[names.index("tp")])
+        elif m.ndim == 1:
+            seen_shard |= isinstance(p.placements[0], Shard)
+            seen_rep |= isinstance(p.placements[0], Replicate)
+            if seen_shard and seen_rep:
+                out["tp"] = int(m.shape[0])
+    return out
+
+
 def describe(
     model,
     *,
@@ -262,8 +304,11 @@ def describe(
     attention: Attention | str | None = None,
     checkpoint_impl: CheckpointImpl | str | None = None,
     optimizer_in_backward: bool = False,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
+    tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
+    context_parallel_size: int | None = None,
+    sequence_parallel: bool | None = None,
+    device_mesh: Any = None,
     architecture: ArchitectureIn | dict[str, Any] | str | None = None,
     layers=None,
     headroom_fraction: float = 0.05,
@@ -290,6 +335,9 @@ def describe(
     * precision: DeepSpeed bf16/fp16 -> ``bf16_fp32_master`` (half weights + fp32 master copy);
       TrainingArguments bf16/fp16 -> ``amp_bf16``/``amp_fp16`` (autocast over fp32 weights);
       otherwise half-precision parameters -> ``bf16``, fp32 parameters -> ``fp32``.
+    * model parallelism: tensor / pipeline / context parallel sizes from ``device_mesh`` (a torch
+      ``DeviceMesh`` with named dimensions, torchtitan's ``tp``, ``pp``, ``cp``), else from the model's
+      DTensor parameters (:func:`parallel_sizes_from_model`); 1 when neither reveals them.
     * cluster: GPU memory from ``torch.cuda.get_device_properties`` when CUDA is available; GPU
       count from ``torch.distributed``'s world size when initialised, else 1. Sharding on one device
       is reported as ``none`` (nothing to shard over).
@@ -341,7 +389,12 @@ def describe(
 
     if gpu_count is None:
         gpu_count = _world_size() or 1
-    dp = max(1, gpu_count // (tensor_parallel_size * pipeline_parallel_size))
+    found = parallel_sizes_from_model(base, device_mesh)
+    tensor_parallel_size = tensor_parallel_size or found.get("tp", 1)
+    pipeline_parallel_size = pipeline_parallel_size or found.get("pp", 1)
+    context_parallel_size = context_parallel_size or found.get("cp", 1)
+    sequence_parallel = bool(sequence_parallel) and tensor_parallel_size > 1
+    dp = max(1, gpu_count // (tensor_parallel_size * pipeline_parallel_size * context_parallel_size))
     if sharding is None:
         stage = ((ds or {}).get("zero_optimization") or {}).get("stage", 0)
         fsdp = getattr(args, "fsdp", None) or ""
@@ -374,6 +427,7 @@ def describe(
         micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
         sharding=sharding, attention=attention, checkpoint_impl=checkpoint_impl,
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        context_parallel_size=context_parallel_size, sequence_parallel=sequence_parallel,
         trainable_params=trainable)
     adapter = _lora(model)
     if adapter is not None:

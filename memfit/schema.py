@@ -103,6 +103,19 @@ class Quantization(StrEnum):
     INT8 = "int8"
 
 
+class PipelineSchedule(StrEnum):
+    """Pipeline-parallel schedule: how many micro-batches' activations a stage holds at once.
+
+    ``gpipe`` holds all ``num_micro_batches``; ``1f1b`` (PipeDream-Flush) holds ``pp - i`` on stage i;
+    ``interleaved_1f1b`` with v model chunks per rank holds ``pp + (pp - 1) / v`` micro-batches' worth
+    on the first stage (Narayanan et al. 2021, arXiv 2104.04473, Sec. 2.2).
+    """
+
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    GPIPE = "gpipe"
+
+
 class Sharding(StrEnum):
     """Data-parallel sharding of model states.
 
@@ -216,6 +229,12 @@ class TrainingConfig(_Part):
     data_parallel_size: int = Field(1, ge=1, le=MAX_WORLD)
     tensor_parallel_size: int = Field(1, ge=1, le=1024)
     pipeline_parallel_size: int = Field(1, ge=1, le=1024)
+    context_parallel_size: int = Field(1, ge=1, le=1024, description="ranks splitting the sequence")
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism over the TP ranks")
+    pipeline_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    num_micro_batches: int | None = Field(None, ge=1, le=1 << 16,
+                                          description="micro-batches per step and pipeline (default: pp)")
+    pipeline_chunks_per_rank: int = Field(2, ge=1, le=128, description="model chunks per rank (interleaved only)")
     attention: Attention = Attention.SDPA
     finetune: FineTune = FineTune.FULL
     lora_rank: int | None = Field(None, ge=1, le=4096)
@@ -253,7 +272,26 @@ class TrainingConfig(_Part):
             raise InvalidConfiguration("quantization", "'none' unless finetune='lora' (a quantized base is frozen; "
                                        "with LoRA: one of " + ", ".join(q.value for q in Quantization) + ")",
                                        self.quantization.value)
+        if self.sequence_parallel and self.tensor_parallel_size < 2:
+            raise InvalidConfiguration("sequence_parallel", "true only with tensor_parallel_size >= 2",
+                                       self.sequence_parallel)
+        if self.seq_len % self.context_parallel_size:
+            raise InvalidConfiguration("context_parallel_size", f"a divisor of seq_len={self.seq_len}",
+                                       self.context_parallel_size)
+        if self.sequence_parallel and self.seq_len % self.tensor_parallel_size:
+            raise InvalidConfiguration("tensor_parallel_size", f"a divisor of seq_len={self.seq_len} with "
+                                       "sequence_parallel", self.tensor_parallel_size)
         return self
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks one model replica spans: tensor × pipeline × context parallel size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches each pipeline runs per step (``num_micro_batches``, default the stage count)."""
+        return self.num_micro_batches or self.pipeline_parallel_size
 
 
 class ClusterSpec(_Part):
@@ -319,9 +357,12 @@ class TelemetryRecord(_Part):
             raise ValueError(f"checkpoint_layers indices must be in [0, {L - 1}]")
         if t.frozen_layers > L:
             raise ValueError(f"frozen_layers={t.frozen_layers} must be in [0, num_layers={L}]")
-        world = t.data_parallel_size * t.tensor_parallel_size * t.pipeline_parallel_size
+        world = t.data_parallel_size * t.model_parallel_size
         if world > self.cluster.gpu_count:
-            raise ValueError(f"data*tensor*pipeline parallel size={world} exceeds gpu_count={self.cluster.gpu_count}")
+            raise ValueError(f"data*tensor*pipeline*context parallel size={world} exceeds "
+                             f"gpu_count={self.cluster.gpu_count}")
+        if L < t.pipeline_parallel_size:
+            raise ValueError(f"pipeline_parallel_size={t.pipeline_parallel_size} must be in [1, num_layers={L}]")
         if self.measurement.method is not Method.CUDA and self.measurement.peak_reserved_bytes is not None:
             raise ValueError("peak_reserved_bytes is only allowed with method='cuda'")
         return self

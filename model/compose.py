@@ -76,6 +76,29 @@ def phase_values(coef: dict[Any, dict[str, list[float]]], micro_batch_size: int,
     return out
 
 
+def layer_values(coef: dict[Any, dict[str, list[float]]], micro_batch_size: int, seq_len: int,
+                 depths: tuple[int, int] = (1, 2)) -> dict[tuple[int, int], dict[str, float]]:
+    """:func:`phase_values` of the four small models, brought to one and two layers: with ``depths``
+    other than (1, 2), each layer is charged the average increment (P(d2) − P(d1)) / (d2 − d1) and the
+    one-layer base is P(d1) − (d1 − 1) × that increment.
+
+    Raises:
+        ValueError: a small model missing from ``coef``.
+    """
+    v = phase_values(coef, micro_batch_size, seq_len)
+    missing = [nc for nc in VARIANTS if nc not in v]
+    if missing:
+        raise ValueError(f"small models {missing} missing from the traced terms")
+    d1, d2 = depths
+    if (d1, d2) != (1, 2):
+        for one, two in (((1, 0), (2, 0)), ((1, 1), (2, 2))):
+            for p in PHASES:
+                d = (v[two][p] - v[one][p]) / (d2 - d1)
+                v[one][p] -= (d1 - 1) * d
+                v[two][p] = v[one][p] + d
+    return v
+
+
 def compose(coef: dict[Any, dict[str, list[float]]], num_layers: int, micro_batch_size: int, seq_len: int,
             depths: tuple[int, int] = (1, 2)) -> ComposedCurve:
     """Peak over k = 0..``num_layers`` by the per-phase rules in this module's docstring.
@@ -90,17 +113,7 @@ def compose(coef: dict[Any, dict[str, list[float]]], num_layers: int, micro_batc
     """
     if num_layers < 1:
         raise ValueError(f"num_layers={num_layers} must be >= 1")
-    v = phase_values(coef, micro_batch_size, seq_len)
-    missing = [nc for nc in VARIANTS if nc not in v]
-    if missing:
-        raise ValueError(f"small models {missing} missing from the traced terms")
-    d1, d2 = depths
-    if (d1, d2) != (1, 2):
-        for one, two in (((1, 0), (2, 0)), ((1, 1), (2, 2))):
-            for p in PHASES:
-                d = (v[two][p] - v[one][p]) / (d2 - d1)
-                v[one][p] -= (d1 - 1) * d
-                v[two][p] = v[one][p] + d
+    v = layer_values(coef, micro_batch_size, seq_len, depths)
     L = num_layers
     k = np.arange(L + 1, dtype=np.float64)
     cols = []

@@ -37,6 +37,7 @@ import numpy as np
 from memfit.schema import ModelSpec, Sharding, TrainingConfig
 from model.analytic import ModelStates, model_state_bytes, optimizer_state_bytes_per_param
 from model.compose import compose
+from model.parallel import ParallelCurve, compose_pipeline, pipeline_stages
 from model.terms import TermsCache, not_traceable_reason, terms_key
 
 TRACED, PROVISIONAL = "traced", "provisional"
@@ -100,6 +101,7 @@ class Curve:
     terms_key: str | None
     reason: str | None = None
     notes: list[str] = field(default_factory=list)
+    pipeline: ParallelCurve | None = None  # per-stage split (traced path with pipeline/context parallelism)
 
 
 def breakdown(states: ModelStates, predicted_bytes: int, phase: str | None) -> dict[str, int]:
@@ -155,8 +157,11 @@ class MemoryPredictor:
             ValueError: no path can answer (no terms and no provisional estimator).
         """
         L = model.num_layers
-        states = model_state_bytes(model, training)
+        pp_or_cp = training.pipeline_parallel_size > 1 or training.context_parallel_size > 1
+        stage_states = [model_state_bytes(st.spec, training) for st in pipeline_stages(model, training)]
+        states = max(stage_states, key=lambda x: x.total_bytes)  # per rank: TP-sharded, the fullest stage
         floor = states.total_bytes
+        pipe = None
         reason = not_traceable_reason(model, training)
         key = None
         raw = phases = None
@@ -175,8 +180,12 @@ class MemoryPredictor:
                 coef = long["coef"] if long and training.seq_len >= long["min_seq_len"] else terms["coef"]
                 p = terms.get("period", 1)
                 depths = tuple(terms.get("depths", (p, 2 * p)))
-                c = compose(coef, L, training.micro_batch_size, training.seq_len, depths)
-                raw, phases = c.peak_bytes.astype(np.float64), c.phase
+                if pp_or_cp:
+                    pipe = compose_pipeline(coef, depths, model, training)
+                    raw, phases = pipe.peak_bytes.astype(np.float64), pipe.phase
+                else:
+                    c = compose(coef, L, training.micro_batch_size, training.seq_len, depths)
+                    raw, phases = c.peak_bytes.astype(np.float64), c.phase
         elif reason is None:
             reason = "no HF config to trace"
         path = TRACED if raw is not None else PROVISIONAL
@@ -193,14 +202,28 @@ class MemoryPredictor:
         points = []
         for k in range(L + 1):
             p = math.ceil(point[k])
-            phase = phases[int(np.argmax(raw[k:]) + k)] if path == TRACED else None
+            at = int(np.argmax(raw[k:]) + k)
+            phase = phases[at] if path == TRACED else None
+            held = stage_states[pipe.bottleneck(at)] if pipe is not None else states
             points.append(CurvePoint(k=k, predicted_bytes=p, upper_bytes=math.ceil(p * (1 + margin)),
-                                     peak_phase=phase, breakdown=breakdown(states, p, phase)))
+                                     peak_phase=phase, breakdown=breakdown(held, p, phase)))
         notes = []
         if path == PROVISIONAL:
             notes.append(f"provisional answer (learned model): {reason}")
         if model.num_experts is not None:
             notes.append("MoE is approximate: expert routing is not traced; the learned model answers")
+        if training.tensor_parallel_size > 1 and path == TRACED:
+            notes.append(f"tensor parallelism{' + sequence parallelism' if training.sequence_parallel else ''} "
+                         f"traced with DTensor over a fake process group of {training.tensor_parallel_size} ranks "
+                         "(per rank)")
+        if training.pipeline_parallel_size > 1:
+            notes.append(f"pipeline parallelism composed per stage ({training.pipeline_parallel_size} stages, "
+                         f"{training.pipeline_schedule.value}, {training.micro_batches_per_step} micro-batches)"
+                         + ("" if path == TRACED else ": the provisional answer is for a rank holding all layers"))
+        if training.context_parallel_size > 1:
+            notes.append(f"context parallelism composed: {training.seq_len // training.context_parallel_size} tokens "
+                         "per rank plus ring-attention key/value buffers"
+                         + ("" if path == TRACED else ": the provisional answer is for the whole sequence"))
         if training.sharding is not Sharding.NONE and path == TRACED:
             notes.append(f"sharding traced over a fake process group of {training.data_parallel_size} ranks")
         paged = optimizer_state_bytes_per_param(training)[1] * model.trainable_params
@@ -209,4 +232,4 @@ class MemoryPredictor:
                          "unified memory (cudaMallocManaged), outside PyTorch's allocator: not in the peak allocated "
                          "bytes; the driver pages them to host RAM when the device is full")
         return Curve(path=path, points=points, floor_bytes=floor, terms_key=key, reason=reason if path ==
-                     PROVISIONAL else None, notes=notes)
+                     PROVISIONAL else None, notes=notes, pipeline=pipe)

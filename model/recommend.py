@@ -87,9 +87,15 @@ def plan(predictor: MemoryPredictor, model: ModelSpec, training: TrainingConfig,
     totals = overhead_model.total_bytes([p.upper_bytes for p in c.points], device_name, gpu_count)
     k = next((i for i, t in enumerate(totals) if t <= usable), None)
     at = k if k is not None else model.num_layers
+    if k is None:
+        layers = []
+    elif c.pipeline is not None:  # per-stage k chosen by the composition: the first k_i layers of stage i
+        layers = [st.first_layer + j for st, ks in zip(c.pipeline.stages, c.pipeline.stage_k[k]) for j in range(ks)]
+    else:
+        layers = layer_indices(k, model.num_layers, training.pipeline_parallel_size, layout)
     return Plan(
         fits=k is not None, k=k,
-        layers=layer_indices(k, model.num_layers, training.pipeline_parallel_size, layout) if k is not None else [],
+        layers=layers,
         curve=c, total_upper_bytes=totals, capacity_bytes=capacity_bytes, usable_bytes=usable,
         overhead=overhead_model.overhead(c.points[at].upper_bytes, device_name, gpu_count),
         recompute_fraction=(k or 0) / (3 * model.num_layers),

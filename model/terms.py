@@ -33,8 +33,9 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig) -> str | No
 
     Not covered: MoE (data-dependent routing under fake tensors), ``frozen`` fine-tuning (its layers
     are not alike), ZeRO-1 (``ZeroRedundancyOptimizer`` assigns whole parameters to ranks greedily, so
-    rank 0's share of a 1- or 2-layer model does not compose), tensor/pipeline parallelism (not
-    simulated by the collector).
+    rank 0's share of a 1- or 2-layer model does not compose), tensor parallelism outside the
+    Llama-style families or combined with sharding or adapters. Pipeline and context parallelism are
+    composed on top of the traced terms (:mod:`model.parallel`), so they do not block the traced path.
     """
     if model.num_experts is not None:
         return "MoE routing is data-dependent under fake tensors"
@@ -42,12 +43,25 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig) -> str | No
         return "frozen fine-tuning mixes frozen and trainable layers"
     if training.sharding is Sharding.ZERO1:
         return "ZeRO-1 partitions whole parameters greedily per rank"
-    if training.tensor_parallel_size > 1 or training.pipeline_parallel_size > 1:
-        return "tensor/pipeline parallelism is not simulated"
     if training.optimizer_in_backward and training.sharding is not Sharding.NONE:
         return "an optimizer step in backward is traced without sharding only"
     if training.quantization is not Quantization.NONE and training.sharding is not Sharding.NONE:
         return "a quantized base is traced without sharding only"
+    if training.tensor_parallel_size > 1:
+        from model.parallel import TENSOR_PARALLEL_FAMILIES
+
+        if model.architecture not in TENSOR_PARALLEL_FAMILIES:
+            return (f"tensor parallelism is traced for {sorted(TENSOR_PARALLEL_FAMILIES)} only "
+                    f"(Llama-style projections), not {model.architecture}")
+        if model.num_key_value_heads % training.tensor_parallel_size:
+            return (f"tensor parallelism is traced when it divides the key/value heads "
+                    f"({model.num_key_value_heads}); Megatron replicates them beyond")
+        if training.sharding is not Sharding.NONE:
+            return "tensor parallelism is traced without data-parallel sharding only"
+        if training.finetune is not FineTune.FULL:
+            return "tensor parallelism is traced for full fine-tuning only"
+        if training.optimizer_in_backward:
+            return "tensor parallelism is traced with the optimizer step after backward only"
     return None
 
 
@@ -69,6 +83,8 @@ def training_key_fields(training: TrainingConfig) -> dict[str, Any]:
         # settings added later join the key only when set, so the keys of shipped terms stay valid
         **({"optimizer_in_backward": True} if training.optimizer_in_backward else {}),
         **({"quantization": training.quantization.value} if training.quantization is not Quantization.NONE else {}),
+        **({"tensor_parallel_size": training.tensor_parallel_size, "sequence_parallel": training.sequence_parallel}
+           if training.tensor_parallel_size > 1 else {}),
     }
 
 

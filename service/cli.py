@@ -35,7 +35,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memfit.api import GPUS, Recommendation, RecommendRequest, TrainingIn
-from memfit.schema import Attention, CheckpointImpl, Optimizer, Precision, Quantization, Sharding
+from memfit.schema import Attention, CheckpointImpl, Optimizer, PipelineSchedule, Precision, Quantization, Sharding
 
 GIB = 1 << 30
 EXIT_FITS, EXIT_NO_ANSWER, EXIT_BAD_INPUT, EXIT_NO_FIT = 0, 1, 2, 3
@@ -49,6 +49,9 @@ FLAG_OF = {
     "training.sharding": "--zero/--sharding",
     "training.data_parallel_size": "--data-parallel", "training.tensor_parallel_size": "--tensor-parallel",
     "training.pipeline_parallel_size": "--pipeline-parallel", "training.attention": "--attention",
+    "training.context_parallel_size": "--context-parallel", "training.sequence_parallel": "--sequence-parallel",
+    "training.pipeline_schedule": "--pipeline-schedule", "training.num_micro_batches": "--micro-batches",
+    "training.pipeline_chunks_per_rank": "--pipeline-chunks",
     "training.lora_rank": "--lora-rank", "training.checkpoint_impl": "--checkpoint-impl",
     "cluster.gpu": "--gpu", "cluster.gpu_memory_gib": "--gpu-memory-gib", "cluster.gpu_count": "--gpus",
     "cluster": "--gpu/--gpu-memory-gib", "headroom_fraction": "--headroom", "layout": "--layout",
@@ -120,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"tensor-parallel size (default: {_default('tensor_parallel_size')})")
     t.add_argument("--pipeline-parallel", type=_positive_int, metavar="N",
                    help=f"pipeline stages (default: {_default('pipeline_parallel_size')})")
+    t.add_argument("--context-parallel", type=_positive_int, metavar="N",
+                   help=f"context-parallel size, divides --seq-len (default: {_default('context_parallel_size')})")
+    t.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="Megatron sequence parallelism over the tensor-parallel ranks")
+    t.add_argument("--pipeline-schedule", choices=[x.value for x in PipelineSchedule],
+                   help=f"pipeline schedule (default: {_default('pipeline_schedule')})")
+    t.add_argument("--micro-batches", type=_positive_int, metavar="M",
+                   help="micro-batches per step through the pipeline (default: the stage count)")
+    t.add_argument("--pipeline-chunks", type=_positive_int, metavar="V",
+                   help=f"model chunks per rank, interleaved_1f1b (default: {_default('pipeline_chunks_per_rank')})")
     t.add_argument("--attention", choices=[x.value for x in Attention],
                    help=f"attention kernel (default: {_default('attention')})")
     t.add_argument("--lora-rank", type=_positive_int, metavar="R", help="LoRA fine-tune with this rank (default: full)")
@@ -225,7 +238,10 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
     for flag, field in (("precision", "precision"), ("optimizer", "optimizer"), ("attention", "attention"),
                         ("data_parallel", "data_parallel_size"), ("tensor_parallel", "tensor_parallel_size"),
                         ("pipeline_parallel", "pipeline_parallel_size"), ("checkpoint_impl", "checkpoint_impl"),
-                        ("optimizer_in_backward", "optimizer_in_backward"), ("quantization", "quantization")):
+                        ("optimizer_in_backward", "optimizer_in_backward"), ("quantization", "quantization"),
+                        ("context_parallel", "context_parallel_size"), ("sequence_parallel", "sequence_parallel"),
+                        ("pipeline_schedule", "pipeline_schedule"), ("micro_batches", "num_micro_batches"),
+                        ("pipeline_chunks", "pipeline_chunks_per_rank")):
         if getattr(a, flag) is not None:
             training[field] = getattr(a, flag)
     if a.sharding is not None or a.zero is not None:
@@ -336,7 +352,19 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     head.add_row("usable / capacity", f"{gib(rec.usable_bytes)} / {gib(rec.capacity_bytes)} GiB")
     if not rec.fits:
         head.add_row("shortfall", f"{gib(rec.shortfall_bytes)} GiB")
+    if rec.parameters_per_rank is not None:
+        head.add_row("parameters per GPU", f"{rec.parameters_per_rank / 1e9:.3f} B")
     con.print(head)
+
+    if rec.stages:
+        stages = Table(title=f"pipeline stages (bottleneck: stage {rec.bottleneck_stage})")
+        for col in ("stage", "layers", "k", "micro-batches in flight", "predicted GiB"):
+            stages.add_column(col, justify="right")
+        for st in rec.stages:
+            stages.add_row(str(st.stage), f"{st.first_layer}-{st.first_layer + st.num_layers - 1}", str(st.k),
+                           f"{st.micro_batches_in_flight:g}", gib(st.predicted_peak_bytes),
+                           style="bold" if st.stage == rec.bottleneck_stage else None)
+        con.print(stages)
 
     curve = Table(title="memory over k (GiB; k = checkpointed layers)")
     for col in ("k", "predicted", "bound+overhead", "fits", ""):

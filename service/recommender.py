@@ -25,6 +25,7 @@ from memfit.api import (
     Prediction,
     PredictItem,
     Recommendation,
+    StageOut,
     RecommendRequest,
     TrainingIn,
 )
@@ -33,6 +34,7 @@ from memfit.schema import FineTune, ModelSpec, Quantization, Sharding, TrainingC
 from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.estimator import PeakMemoryRegressor
 from model.overhead import OverheadModel
+from model.parallel import pipeline_stages
 from model.recommend import Plan, plan
 from model.terms import TermsCache
 
@@ -197,6 +199,41 @@ def lora_trainable_params(spec: ModelSpec, rank: int, target_modules: list[str] 
     return spec.num_layers * rank * sum(sum(dims.get(t, (h, h))) for t in targets)
 
 
+def _stages_out(p: Plan) -> list[StageOut]:
+    """Each pipeline stage at the plan's k (at k = L when nothing fits); empty without a per-stage split."""
+    pipe = p.curve.pipeline
+    if pipe is None:
+        return []
+    k = p.at.k
+    return [StageOut(stage=st.stage, first_layer=st.first_layer, num_layers=st.num_layers, k=int(pipe.stage_k[k][i]),
+                     micro_batches_in_flight=round(st.micro_batches_in_flight, 4),
+                     predicted_peak_bytes=int(pipe.stage_peak_bytes[k][i]), parameters=st.spec.total_params)
+            for i, st in enumerate(pipe.stages)]
+
+
+def _check_model_parallel(t: TrainingIn, spec: ModelSpec) -> None:
+    """Tensor, sequence, context and pipeline parallel settings that cannot run, as 422s naming the field."""
+    tp, cp = t.tensor_parallel_size, t.context_parallel_size
+    if t.sequence_parallel and tp < 2:
+        raise InvalidConfiguration("training.sequence_parallel", "true only with tensor_parallel_size >= 2",
+                                   t.sequence_parallel)
+    if t.sequence_parallel and t.seq_len % tp:
+        raise InvalidConfiguration("training.tensor_parallel_size", f"a divisor of seq_len={t.seq_len} with "
+                                   "sequence_parallel", tp)
+    if t.seq_len % cp:
+        raise InvalidConfiguration("training.context_parallel_size", f"a divisor of seq_len={t.seq_len}", cp)
+    if cp > 1 and t.attention.value == "eager":
+        raise InvalidConfiguration("training.attention", "sdpa or flash with context_parallel_size > 1 "
+                                   "(ring attention runs the fused kernels)", t.attention.value)
+    if spec.num_key_value_heads % tp and tp % spec.num_key_value_heads:
+        raise InvalidConfiguration("training.tensor_parallel_size", f"a divisor or multiple of num_key_value_heads="
+                                   f"{spec.num_key_value_heads}", tp)
+    if t.pipeline_schedule.value == "interleaved_1f1b" and t.pipeline_parallel_size > 1 and \
+            spec.num_layers % (t.pipeline_parallel_size * t.pipeline_chunks_per_rank):
+        raise InvalidConfiguration("training.pipeline_chunks_per_rank", f"such that pipeline_parallel_size × chunks "
+                                   f"divides num_layers={spec.num_layers}", t.pipeline_chunks_per_rank)
+
+
 @lru_cache(maxsize=256)
 def _lora_shapes(cfg_json: str, targets: tuple[str, ...] | None):
     from memfit.hf import lora_target_shapes
@@ -222,13 +259,15 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
     if quantization is not Quantization.NONE and t.finetune is not FineTune.LORA:
         raise InvalidConfiguration("training.quantization", "'none' unless finetune='lora' (with LoRA: one of "
                                    f"{', '.join(q.value for q in Quantization)})", quantization.value)
-    dp = t.data_parallel_size or max(1, gpu_count // (t.tensor_parallel_size * t.pipeline_parallel_size))
-    world = dp * t.tensor_parallel_size * t.pipeline_parallel_size
+    model_parallel = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
+    dp = t.data_parallel_size or max(1, gpu_count // model_parallel)
+    world = dp * model_parallel
     if world > gpu_count:
-        raise InvalidConfiguration("training.data_parallel_size", f"such that data*tensor*pipeline parallel size "
-                                   f"<= cluster.gpu_count={gpu_count}", message=(
-                                       f"training: data*tensor*pipeline parallel size = {world} exceeds "
+        raise InvalidConfiguration("training.data_parallel_size", f"such that data*tensor*pipeline*context parallel "
+                                   f"size <= cluster.gpu_count={gpu_count}", message=(
+                                       f"training: data*tensor*pipeline*context parallel size = {world} exceeds "
                                        f"cluster.gpu_count={gpu_count}"))
+    _check_model_parallel(t, spec)
     if t.frozen_layers > spec.num_layers:
         raise InvalidConfiguration("training.frozen_layers", f"an integer in [0, num_layers={spec.num_layers}]",
                                    t.frozen_layers)
@@ -383,6 +422,8 @@ class Recommender:
             breakdown=at.breakdown, peak_phase=at.peak_phase, path=p.curve.path,
             overhead={**p.overhead.__dict__, "total_bytes": p.overhead.total_bytes},
             recompute_overhead_fraction=round(p.recompute_fraction, 4), alternatives=alternatives,
+            stages=_stages_out(p), bottleneck_stage=p.curve.pipeline.bottleneck(at.k) if p.curve.pipeline else None,
+            parameters_per_rank=max(st.spec.total_params for st in pipeline_stages(spec, training)),
             model_name=spec.model_name, model_version=self.version, warnings=warnings,
             training=training.model_dump(mode="json", exclude={"checkpoint_layers"}))
 
@@ -393,8 +434,10 @@ class Recommender:
             hi = self.range.get(f"max_{name}")
             if hi is not None and value > hi:
                 out.append(f"extrapolating: {name}={value} is beyond the telemetry's largest ({int(hi)})")
-        if training.tensor_parallel_size > 1 or training.pipeline_parallel_size > 1:
-            out.append("tensor/pipeline parallelism is predicted analytically: the telemetry has none")
+        used = training.data_parallel_size * training.model_parallel_size
+        if used < req.cluster.gpu_count:
+            out.append(f"data*tensor*pipeline*context parallel size = {used} uses {used} of the "
+                       f"{req.cluster.gpu_count} GPUs")
         if p.fits and p.k is not None and p.total_upper_bytes[p.k] > 0.97 * p.usable_bytes:
             out.append("headroom thin: the bound at k is within 3% of usable memory")
         out.append("torch.compile can erase or invert checkpointing savings; the prediction assumes eager mode")

@@ -217,8 +217,9 @@ def test_cpu_measurement_matches_fake(hf, ckpt):
 # ------------------------------------------------------------------------------------------------
 # 6. Bad input
 # ------------------------------------------------------------------------------------------------
-def test_tensor_parallel_rejected():
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
+def test_tensor_parallel_rejected_outside_the_plan():
+    """GPT-2's fused Conv1D projections do not follow the Llama-style tensor-parallel plan."""
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for this model"):
         measure(GPT2, cfg_(tensor_parallel_size=2))
 
 

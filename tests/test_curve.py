@@ -12,6 +12,7 @@ from memfit.api import PredictItem, RecommendRequest
 from memfit.schema import FineTune, TrainingConfig
 from model.analytic import model_state_bytes
 from model.curve import PROVISIONAL, TRACED, MemoryPredictor
+from model.parallel import tensor_parallel_rank_spec
 from model.terms import SHIPPED_DIR, TermsCache, terms_key
 from service.recommender import Recommender, lora_trainable_params
 
@@ -25,7 +26,10 @@ def _shipped_entries() -> list[dict]:
     return out
 
 
-ENTRIES = _shipped_entries()
+ENTRIES_ALL = _shipped_entries()
+#: single-rank entries (the random draws below stay those of the suite before tensor-parallel terms shipped)
+ENTRIES = [e for e in ENTRIES_ALL if "tensor_parallel_size" not in e["training"]]
+TP_ENTRIES = [e for e in ENTRIES_ALL if "tensor_parallel_size" in e["training"]]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +43,8 @@ def _config(entry: dict, mb: int, seq: int):
     t = dict(entry["training"])
     if t["sharding"] == "none":
         t.pop("data_parallel_size")
+    if t.get("sequence_parallel"):  # the sequence is split over the tensor-parallel ranks
+        seq = -(-seq // t["tensor_parallel_size"]) * t["tensor_parallel_size"]
     training = TrainingConfig(micro_batch_size=mb, seq_len=seq, **{k: v for k, v in t.items() if v is not None})
     if training.finetune is FineTune.LORA:
         extra = lora_trainable_params(spec, training.lora_rank, training.lora_target_modules)
@@ -46,8 +52,31 @@ def _config(entry: dict, mb: int, seq: int):
     return spec, training, catalog.get(name)["hf_config"]
 
 
+def test_property_tensor_parallel_curves(predictor):
+    """The shape guarantees on the shipped tensor-parallel terms (per rank): monotone in k, micro-batch and
+    sequence length, never below the rank's model-state floor, breakdown adding up."""
+    assert TP_ENTRIES
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        entry = TP_ENTRIES[rng.integers(len(TP_ENTRIES))]
+        mb, seq = int(rng.integers(1, 17)), int(rng.integers(16, 32768))
+        spec, training, hf = _config(entry, mb, seq)
+        c = predictor.curve(spec, training, hf)
+        assert c.path == TRACED
+        pts = np.array([p.predicted_bytes for p in c.points])
+        assert (np.diff(pts) <= 0).all()
+        floor = model_state_bytes(tensor_parallel_rank_spec(spec, training), training).total_bytes
+        assert c.floor_bytes == floor and (pts >= floor).all()
+        k = int(rng.integers(spec.num_layers + 1))
+        assert sum(c.points[k].breakdown.values()) == c.points[k].predicted_bytes
+        more_mb = predictor.curve(spec, training.model_copy(update={"micro_batch_size": mb + 1}), hf)
+        more_seq = predictor.curve(spec, training.model_copy(update={"seq_len": training.seq_len + 8 * 64}), hf)
+        assert all(a.predicted_bytes <= b.predicted_bytes for a, b in zip(c.points, more_mb.points))
+        assert all(a.predicted_bytes <= b.predicted_bytes for a, b in zip(c.points, more_seq.points))
+
+
 def test_shipped_terms_cover_every_catalog_architecture():
-    names = {e["model_name"] for e in ENTRIES}
+    names = {e["model_name"] for e in ENTRIES_ALL}
     dense = {n for n in catalog.names() if catalog.spec(n).num_experts is None}
     assert dense <= names, f"catalog architectures without shipped terms: {sorted(dense - names)}"
 
@@ -67,12 +96,13 @@ def test_property_curves_over_10000_random_configurations(predictor):
         pts = np.array([p.predicted_bytes for p in c.points])
         up = np.array([p.upper_bytes for p in c.points])
         assert (np.diff(pts) <= 0).all() and (np.diff(up) <= 0).all()
-        floor = model_state_bytes(spec, training).total_bytes
+        floor = model_state_bytes(tensor_parallel_rank_spec(spec, training), training).total_bytes
         assert c.floor_bytes == floor and (pts >= floor).all() and (up >= pts).all()
         k = int(rng.integers(spec.num_layers + 1))
         assert sum(c.points[k].breakdown.values()) == c.points[k].predicted_bytes
         more_mb = predictor.curve(spec, training.model_copy(update={"micro_batch_size": mb + 1}), hf)
-        more_seq = predictor.curve(spec, training.model_copy(update={"seq_len": seq + int(rng.integers(1, 512))}), hf)
+        more_seq = predictor.curve(spec, training.model_copy(
+            update={"seq_len": training.seq_len + training.tensor_parallel_size * int(rng.integers(1, 512))}), hf)
         assert all(a.predicted_bytes <= b.predicted_bytes for a, b in zip(c.points, more_mb.points))
         assert all(a.predicted_bytes <= b.predicted_bytes for a, b in zip(c.points, more_seq.points))
         checked += 1

@@ -24,8 +24,13 @@ Sharding is measured by running FSDP2 ``fully_shard`` over a fake process group 
 * ``zero1`` -> ``torch.distributed.optim.ZeroRedundancyOptimizer`` (optimizer states sharded only).
 
 Mixed precision with sharding uses FSDP2's ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=fp32)``
-instead of autocast, which is how FSDP2 users train. Tensor and pipeline parallelism are not
-simulated: the collector requires both sizes to be 1.
+instead of autocast, which is how FSDP2 users train.
+
+Tensor parallelism (optionally with sequence parallelism) is measured by running DTensor
+``parallelize_module`` with the Megatron/torchtitan plan of :func:`training.parallel.apply_tensor_parallel`
+over a fake process group of ``tensor_parallel_size`` ranks (rank 0 is measured; not combined with
+data-parallel sharding). Pipeline and context parallelism are not run: the collector requires both
+sizes to be 1, and :mod:`model.parallel` composes them.
 """
 
 from __future__ import annotations
@@ -229,8 +234,16 @@ def max_seq_len(hf_config: dict[str, Any]) -> int | None:
 
 
 def _check_supported(training: TrainingConfig) -> None:
-    if training.tensor_parallel_size != 1 or training.pipeline_parallel_size != 1:
-        raise ValueError("the collector simulates tensor_parallel_size=1 and pipeline_parallel_size=1 only")
+    if training.pipeline_parallel_size != 1 or training.context_parallel_size != 1:
+        raise ValueError("the collector runs pipeline_parallel_size=1 and context_parallel_size=1 only "
+                         "(model.parallel composes pipeline and context parallelism)")
+    if training.tensor_parallel_size > 1 and training.sharding is not Sharding.NONE:
+        raise ValueError(f"tensor_parallel_size={training.tensor_parallel_size} is measured with sharding=none only; "
+                         f"got sharding={training.sharding.value}")
+    if training.tensor_parallel_size > 1 and (training.optimizer_in_backward
+                                              or training.quantization is not Quantization.NONE):
+        raise ValueError(f"tensor_parallel_size={training.tensor_parallel_size} is measured without "
+                         "optimizer_in_backward and quantization only")
     if training.optimizer_in_backward and training.sharding is not Sharding.NONE:
         raise ValueError(f"optimizer_in_backward=True is collected with sharding='none' only "
                          f"(got sharding={training.sharding.value!r})")
@@ -292,6 +305,13 @@ class PreparedModel:
     on: str
     zero1_group: Any
     method: Method
+    vocab_parallel: bool = False
+
+    def loss_context(self):
+        """The context forward and backward run in: vocab-parallel cross-entropy under tensor parallelism."""
+        from training.parallel import vocab_parallel_loss
+
+        return vocab_parallel_loss(self.vocab_parallel)
 
     def live(self) -> int:
         """Live bytes now: the tracker's count, or CUDA's allocated bytes."""
@@ -346,6 +366,13 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
     ctx, method = _device_context(device)
     world = training.data_parallel_size
     group = _fake_process_group(world) if training.sharding is not Sharding.NONE else None
+    tp = training.tensor_parallel_size
+    tp_mesh = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _fake_process_group(tp)
+        tp_mesh = init_device_mesh("cuda" if device == "cuda" else "cpu", (tp,))  # outside the fake mode
     mesh = None
     if training.sharding in _FSDP_RESHARD:
         from torch.distributed.device_mesh import init_device_mesh
@@ -377,6 +404,10 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
         spec = model_spec(hf_config, model, name=model_name)  # counts include LoRA adapters
         reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
         apply_activation_checkpointing(model, [], layers=layers, use_reentrant=reentrant)
+        if tp_mesh is not None:
+            from training.parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(model, layers, tp_mesh, sequence_parallel=training.sequence_parallel)
         if mesh is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -389,7 +420,7 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
         yield PreparedModel(model=model, layers=layers, spec=spec, training=training, tracker=tracker,
                             cluster=cluster, use_autocast=amp_dtype is not None and mesh is None, amp_dtype=amp_dtype,
                             on=on, zero1_group=group if training.sharding is Sharding.ZERO1 else None,
-                            method=method)
+                            method=method, vocab_parallel=tp_mesh is not None)
 
 
 def measure(
@@ -461,7 +492,7 @@ def measure_family(
             oom = False
             try:
                 # warm-up steps run outside the peak window (CUDA: allocator segments, cuBLAS workspace)
-                _run_steps(model, opt, ids, warmup, tracker, use_autocast, on, amp_dtype, live)
+                _run_steps(model, opt, ids, warmup, tracker, use_autocast, on, amp_dtype, live, run.loss_context)
                 if device == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
@@ -469,7 +500,7 @@ def measure_family(
                 if tracker:
                     tracker.reset_peak()
                 after_forward, step_times = _run_steps(model, opt, ids, steps, tracker, use_autocast, on, amp_dtype,
-                                                       live)
+                                                       live, run.loss_context)
             except torch.OutOfMemoryError:
                 oom, after_init, after_forward, step_times = True, None, None, []
                 model.zero_grad(set_to_none=True)
@@ -497,19 +528,20 @@ def measure_family(
                                   cluster=cluster, measurement=measurement)
 
 
-def _run_steps(model, opt, ids, n, tracker, use_autocast, on, amp_dtype, live):
+def _run_steps(model, opt, ids, n, tracker, use_autocast, on, amp_dtype, live, loss_context=contextlib.nullcontext):
     """Run ``n`` training steps; returns (live bytes after the first forward, step times in s)."""
     after_forward, times = None, []
     for step in range(n):
         t0 = time.perf_counter()
         _set_phase(tracker, Phase.FORWARD)
-        with torch.autocast(on, dtype=amp_dtype) if use_autocast else contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=ids).loss
-        if step == 0:
-            after_forward = live()
-        _set_phase(tracker, Phase.BACKWARD)
-        loss.backward()
-        del loss
+        with loss_context():
+            with torch.autocast(on, dtype=amp_dtype) if use_autocast else contextlib.nullcontext():
+                loss = model(input_ids=ids, labels=ids).loss
+            if step == 0:
+                after_forward = live()
+            _set_phase(tracker, Phase.BACKWARD)
+            loss.backward()
+            del loss
         _set_phase(tracker, Phase.OPTIMIZER)
         opt.step()
         opt.zero_grad(set_to_none=True)

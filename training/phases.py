@@ -211,7 +211,7 @@ def _traced_step(run, opt, ids) -> list[tuple[str, int]]:
     tracker.timeline = [("rest", tracker.live_bytes)]
     tracker.enter_phase("fwd.layers")
     try:
-        with _phase_hooks(run.layers, tracker, state):
+        with _phase_hooks(run.layers, tracker, state), run.loss_context():
             with torch.autocast(run.on, dtype=run.amp_dtype) if run.use_autocast else contextlib.nullcontext():
                 loss = run.model(input_ids=ids, labels=ids).loss
             tracker.enter_phase("bwd.head")

@@ -65,6 +65,8 @@ class Family:
     frozen_layers: int = 0
     optimizer_in_backward: bool = False
     quantization: str = "none"
+    tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
     extra: tuple[tuple[str, Any], ...] = ()
 
     def training(self) -> TrainingConfig:
@@ -88,7 +90,8 @@ class Family:
 
 
 #: Family fields added later, with their defaults
-_ADDED_FIELDS: dict[str, Any] = {"optimizer_in_backward": False, "quantization": "none"}
+_ADDED_FIELDS: dict[str, Any] = {"optimizer_in_backward": False, "quantization": "none",
+                                 "tensor_parallel_size": 1, "sequence_parallel": False}
 
 
 def k_values(num_layers: int, max_points: int) -> list[int]:
@@ -235,8 +238,24 @@ def optim_qlora_families() -> list[Family]:
     return out
 
 
+def _parallel_families() -> list[Family]:
+    """Tensor-parallel families (+ sequence parallel) on the small Llama-style catalog models: the
+    ``parallel`` grid, measured with DTensor over a fake process group."""
+    fams = []
+    for model, tps in (("llama-3.2-1b", (2, 4, 8)), ("tinyllama-1.1b", (2, 4)), ("qwen2.5-0.5b", (2,)),
+                       ("smollm2-135m", (3,))):
+        for tp in tps:
+            for sp in (False, True):
+                for mb, seq in ((1, 2048), (2, 512)):
+                    fams.append(Family(model, mb, seq, tensor_parallel_size=tp, sequence_parallel=sp))
+    # one family of each model first, so that a run stopped early still covers every model
+    firsts = [next(f for f in fams if f.model == m) for m in dict.fromkeys(f.model for f in fams)]
+    return firsts + [f for f in fams if f not in firsts]
+
+
 GRIDS: dict[str, Any] = {
     "optim_qlora": lambda: SweepGrid(models=[], fixed=optim_qlora_families(), k_points=3),
+    "parallel": lambda: SweepGrid(models=[], fixed=_parallel_families(), k_points=5),
     "smoke": lambda: SweepGrid(models=["gpt2"], families_per_model=2, seq_lens=[128, 256], micro_batches=[1, 2],
                                k_points=3, shardings=[("none", [1]), ("fsdp_full_shard", [2])],
                                sharding_weights=[1, 1]),
