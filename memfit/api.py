@@ -11,7 +11,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, mode
 
 from memfit.schema import (
     MAX_DEVICE_MEMORY_BYTES, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WORLD, Attention, CheckpointImpl,
-    FineTune, Optimizer, Precision, Sharding,
+    FineTune, Offload, Optimizer, Precision, Sharding, check_offload,
 )
 
 GIB = 1 << 30
@@ -109,6 +109,17 @@ class TrainingIn(_In):
     trainable_params: StrictInt | None = Field(None, ge=0, le=MAX_PARAMS, description="LoRA/frozen: trainable count")
     frozen_layers: StrictInt = Field(0, ge=0, le=MAX_LAYERS)
     checkpoint_impl: CheckpointImpl = CheckpointImpl.NON_REENTRANT
+    offload_optimizer: Offload = Field(Offload.NONE, description="cpu: optimizer states, fp32 master weights and "
+                                                                 "fp32 gradients in host memory (ZeRO-Offload)")
+    offload_parameters: Offload = Field(Offload.NONE, description="cpu: parameters in host memory, gathered layer "
+                                                                  "by layer (ZeRO-3 offload_param, FSDP2 "
+                                                                  "CPUOffloadPolicy); needs offload_optimizer=cpu")
+
+    @model_validator(mode="after")
+    def _offload(self) -> Self:
+        dp = self.data_parallel_size if self.data_parallel_size is not None else 1
+        check_offload(self.offload_optimizer, self.offload_parameters, self.sharding, dp)
+        return self
 
 
 class ClusterIn(_In):
@@ -116,6 +127,8 @@ class ClusterIn(_In):
     gpu_memory_bytes: StrictInt | None = Field(None, ge=1 << 20, le=MAX_DEVICE_MEMORY_BYTES)
     gpu_memory_gib: float | None = Field(None, gt=0, le=MAX_DEVICE_MEMORY_BYTES / GIB)
     gpu_count: StrictInt = Field(1, ge=1, le=MAX_WORLD)
+    gpus_per_node: StrictInt | None = Field(None, ge=1, le=1024, description="for host memory per node; default "
+                                                                          "min(gpu_count, 8)")
 
     @model_validator(mode="after")
     def _one_size(self) -> Self:
@@ -125,6 +138,11 @@ class ClusterIn(_In):
         if self.gpu is not None:
             gpu_memory_bytes(self.gpu)
         return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks sharing one host: ``gpus_per_node``, default min(gpu_count, 8)."""
+        return min(self.gpus_per_node or 8, self.gpu_count)
 
     @property
     def memory_bytes(self) -> int:
@@ -159,12 +177,19 @@ class CurvePointOut(BaseModel):
 
 
 class Alternative(BaseModel):
+    """One concrete change to the request's training or cluster, answered through the same curve."""
+
     description: str
-    change: dict[str, Any]
+    change: dict[str, Any] = Field(description="the changed fields (training fields, gpu_count, "
+                                               "gradient_accumulation_steps)")
     fits: bool
-    k: int | None
-    predicted_peak_bytes: int
+    k: int | None = Field(description="smallest number of checkpointed layers that fits with the change")
+    predicted_peak_bytes: int = Field(description="predicted peak allocated bytes per device at k (at L if none fits)")
     total_upper_bytes: int
+    host_memory_bytes: int = Field(0, description="host (CPU) memory needed per node by offloaded states, bytes")
+    path: str = Field("traced", description="traced or provisional: the path of the curve that answered")
+    cost: str = Field("", description="recompute / throughput cost of the change, in words")
+    cost_rank: float = Field(0.0, description="estimated throughput loss, fraction of step time (the ranking key)")
 
 
 class Recommendation(BaseModel):
@@ -187,6 +212,8 @@ class Recommendation(BaseModel):
     path: str = Field("traced", description="traced (composed from traced phases) or provisional (learned model)")
     overhead: dict[str, Any]
     recompute_overhead_fraction: float = Field(description="extra compute per step, fraction of step compute")
+    host_memory_bytes: int = Field(0, description="host (CPU) memory needed per node by offloaded model states "
+                                                  "(pinned buffers included), bytes; 0 without offload")
     alternatives: list[Alternative] = []
     model_name: str | None = None
     training: dict[str, Any] | None = Field(None, description="the resolved training configuration (k excluded)")
@@ -220,6 +247,7 @@ class Prediction(BaseModel):
     k: int
     peak_phase: str | None = None
     path: str = "traced"
+    host_memory_bytes: int = Field(0, description="host memory per node by offloaded states, bytes; 0 without offload")
     notes: list[str] = []
 
 

@@ -6,13 +6,18 @@ Parameter Models", arXiv 1910.02054, Sec. 3.1 and 5 (Fig. 1): mixed-precision Ad
 momentum, variance); ZeRO stage 1 divides the optimizer states by the data-parallel degree N_d,
 stage 2 also the gradients, stage 3 also the weights. FSDP full-shard is stage 3; shard-grad-op
 keeps the gathered parameters from forward to backward, and is counted like stage 2.
+
+Offload (:class:`memfit.schema.Offload`) moves states off the device: with ``offload_optimizer='cpu'``
+the device holds no optimizer states (master weights included) and runs no optimizer step; with
+``offload_parameters='cpu'`` it holds no resident weights or gradients either, only the layers in
+flight (:func:`model.offload.in_flight_bytes`). What the host holds is :func:`model.offload.host_memory_bytes`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.schema import ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
+from memfit.schema import ModelSpec, Offload, Optimizer, Precision, Sharding, TrainingConfig
 
 _WEIGHT_BYTES = {Precision.FP32: 4, Precision.AMP_FP16: 4, Precision.AMP_BF16: 4, Precision.BF16: 2,
                  Precision.BF16_FP32_MASTER: 2}
@@ -69,6 +74,10 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
         grads, opt = grads // n, opt // n
     elif s is Sharding.ZERO1:
         opt = 0 if zero1_lower_bound else opt // n
+    if training.offload_optimizer is Offload.CPU:
+        opt = 0
+    if training.offload_parameters is Offload.CPU:
+        weights = grads = 0
     return ModelStates(weights, grads, opt)
 
 
@@ -140,6 +149,7 @@ class AnalyticEstimate:
     recompute_bytes: int  # one layer re-materialised in backward (k > 0)
     logits_bytes: int
     optimizer_temp_bytes: int  # foreach optimizer temporaries in the step
+    in_flight_bytes: int = 0  # parameter offload: gathered layer parameters and gradients on the device
 
     @property
     def backward_peak_bytes(self) -> int:
@@ -148,7 +158,8 @@ class AnalyticEstimate:
         (one layer) only matters when it exceeds what those layers held — never for k < L."""
         saved = self.activations_bytes + self.checkpoint_inputs_bytes
         return (self.states.weights_bytes + self.states.optimizer_bytes + self.states.gradients_bytes
-                + max(saved, self.checkpoint_inputs_bytes + self.recompute_bytes) + self.logits_bytes)
+                + max(saved, self.checkpoint_inputs_bytes + self.recompute_bytes) + self.logits_bytes
+                + self.in_flight_bytes)
 
     @property
     def optimizer_peak_bytes(self) -> int:
@@ -167,6 +178,8 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     AdamW step allocates about one fp32 copy of the trainable parameters in temporaries
     (``torch/optim/adamw.py``, ``_multi_tensor_adamw``: ``_foreach_sqrt`` of the variance, etc.).
     """
+    from model.offload import in_flight_bytes
+
     states = model_state_bytes(model, training)
     k = training.num_checkpointed_layers
     L = model.num_layers
@@ -182,6 +195,7 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
         recompute_bytes=per_layer if k else 0,
         logits_bytes=logits_bytes(model, training),
         # bf16 + fp32 master: the optimizer step also holds fp32 copies of the gradients (4 B/param)
-        optimizer_temp_bytes=model.trainable_params * (temp_per_param + (4 if training.precision is
-                                                                          Precision.BF16_FP32_MASTER else 0)) // n,
+        optimizer_temp_bytes=0 if training.offload_optimizer is Offload.CPU else
+        model.trainable_params * (temp_per_param + (4 if training.precision is Precision.BF16_FP32_MASTER else 0)) // n,
+        in_flight_bytes=in_flight_bytes(model, training),
     )
