@@ -189,7 +189,11 @@ class Alternative(BaseModel):
     host_memory_bytes: int = Field(0, description="host (CPU) memory needed per node by offloaded states, bytes")
     path: str = Field("traced", description="traced or provisional: the path of the curve that answered")
     cost: str = Field("", description="recompute / throughput cost of the change, in words")
-    cost_rank: float = Field(0.0, description="estimated throughput loss, fraction of step time (the ranking key)")
+    category: str = Field("same_training", description="what the change gives up, in ranking order: same_training "
+                                                      "(same hardware and update), more_hardware, numerics, "
+                                                      "trained_weights (LoRA/QLoRA train other weights)")
+    throughput_loss_fraction: float = Field(0.0, description="estimated throughput loss of the change plus its "
+                                                             "recompute, fraction of step time")
 
 
 class Recommendation(BaseModel):
