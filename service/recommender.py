@@ -17,6 +17,7 @@ from collections import OrderedDict
 from functools import lru_cache
 from typing import Any
 
+import pandas as pd
 from pydantic import ValidationError
 
 from memfit.api import (
@@ -263,7 +264,7 @@ class Recommender:
                  telemetry_range: dict[str, float] | None = None, terms: TermsCache | None = None,
                  margins: dict[str, float] | None = None, tracer: Any = None) -> None:
         self.est, self.version = est, version
-        self.overhead = overhead or OverheadModel()
+        self.overhead = overhead or OverheadModel().fit(pd.DataFrame())  # shipped GPU pressure figures
         self.range = telemetry_range or {}
         self.predictor = MemoryPredictor(est, terms, margins, tracer)
         self.curves = CurveCache(self.predictor)
