@@ -3,6 +3,9 @@ device composition checked on a tiny model against a real CPU run with the optim
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -10,16 +13,28 @@ from memfit.api import RecommendRequest
 from memfit.schema import ModelSpec, TrainingConfig
 from model.offload import host_bytes_per_rank, host_memory_bytes
 from model.registry import Registry
+from model.terms import TermsCache
 from service.recommender import Recommender
 from tests.helpers import TINY_LLAMA
 
 GB = 10**9
 
 
+#: traced terms (python -m training.terms's run(), 6 s + 13 s here) of Llama-3-8B in bf16 + fp32 master AdamW, unsharded
+#: and FSDP full-shard over 8 ranks: the bases of the optimizer- and parameter-offload curves. Kept beside the
+#: tests, not in data/terms, until the shipped set grows (it changes tests/test_curve.py's random draws).
+TERMS = Path(__file__).parent / "data" / "terms_llama3_8b_bf16_master.jsonl"
+
+
 @pytest.fixture(scope="module")
 def recommender() -> Recommender:
     loaded = Registry().load()  # the shipped, current version
-    return Recommender(loaded.estimator, loaded.version, telemetry_range=loaded.meta.get("telemetry_range"))
+    terms = TermsCache()
+    for line in TERMS.read_text().splitlines():
+        entry = json.loads(line)
+        terms.put(entry["key"], entry["terms"], entry["model_name"])
+    return Recommender(loaded.estimator, loaded.version, telemetry_range=loaded.meta.get("telemetry_range"),
+                       terms=terms)
 
 
 def test_llama_3_8b_full_finetune_on_one_a100_80gb_needs_optimizer_offload(recommender):
@@ -146,3 +161,16 @@ def test_optimizer_offload_composition_agrees_with_a_real_cpu_run():
         host = host_bytes_per_rank(r.model, tr)
         assert host <= r.measurement.host_peak_bytes <= host + 512
     assert curve.host_memory_bytes == host_memory_bytes(records[0].model, tr)
+
+
+def test_public_case_on_the_provisional_path_ranks_the_same():
+    # Without traced terms for this configuration (a service that has not traced it yet) the answer is
+    # provisional, and still: no k fits, optimizer offload first, the same host memory.
+    loaded = Registry().load()
+    rec = Recommender(loaded.estimator, loaded.version).recommend(RecommendRequest.model_validate({
+        "model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 128, "precision": "bf16_fp32_master"},
+        "cluster": {"gpu": "A100-80GB"}}))
+    assert not rec.fits and rec.path == "provisional"
+    first = rec.alternatives[0]
+    assert first.change == {"offload_optimizer": "cpu"} and first.fits and first.path == "provisional"
+    assert first.host_memory_bytes == int(16 * 8_030_261_248 * 1.5)
