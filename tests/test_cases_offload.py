@@ -127,10 +127,13 @@ def test_deepspeed_config_and_fsdp_policy_are_picked_up():
     from training.collect import _fake_process_group
 
     _fake_process_group(1)
-    mesh = init_device_mesh("cpu", (1,))
-    sharded = build_causal_lm(TINY_LLAMA, dtype=torch.float32)
-    fully_shard(sharded, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    req = describe(sharded, micro_batch_size=1, seq_len=64, gpu="A100-80GB", gpu_count=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = build_causal_lm(TINY_LLAMA, dtype=torch.float32)
+        fully_shard(sharded, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        req = describe(sharded, micro_batch_size=1, seq_len=64, gpu="A100-80GB", gpu_count=1)
+    finally:
+        torch.distributed.destroy_process_group()  # later tests read the world size
     assert req.training.offload_parameters == "cpu" and req.training.offload_optimizer == "cpu"
 
 
