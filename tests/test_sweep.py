@@ -41,3 +41,26 @@ def test_smoke_sweep_is_resumable_and_monotone(tmp_path, capsys):
 def test_bad_arguments_exit_2(tmp_path, capsys):
     assert main(["--models", "no-such-model", "--db", f"sqlite:///{tmp_path / 'x.db'}", "--quiet"]) == 2
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_offload_families_keep_old_ids_and_land_in_a_resumable_jsonl(tmp_path):
+    import hashlib
+    from dataclasses import asdict
+
+    from tests.helpers import record
+    from training.sweep import SCHEMA_TAG, JsonlStore
+
+    fam = Family("gpt2", 1, 128)
+    old = {k: v for k, v in asdict(fam).items() if k != "offload_optimizer"}
+    expected = "c" + hashlib.sha256(json.dumps([SCHEMA_TAG, "fake", old, 3], sort_keys=True).encode()).hexdigest()[:31]
+    assert fam.record_id(3, "fake") == expected  # ids of families from before offload are unchanged
+    assert Family("gpt2", 1, 128, offload_optimizer="cpu").record_id(3, "fake") != expected
+    assert {f.offload_optimizer for f in GRIDS["offload"]().families()} == {"cpu"}
+    assert all(f.offload_optimizer == "none" for f in GRIDS["small"]().families())
+
+    store = JsonlStore(tmp_path / "incoming" / "offload.jsonl")
+    rows = [record(record_id="offload-row-1", offload_optimizer="cpu", host_peak_bytes=1 << 20)]
+    assert store.add(rows).stored == ["offload-row-1"]
+    rep = store.add([*rows, {"record_id": "bad-row-2"}])
+    assert rep.duplicates == ["offload-row-1"] and rep.rejected[0]["record_id"] == "bad-row-2"
+    assert store.count() == 1 and store.record_ids() == {"offload-row-1"}

@@ -8,6 +8,7 @@ and k, so a rerun skips what the store already holds (resumable) and never dupli
     python -m training.sweep --grid small --workers 2          # the test-suite sweep, < 1 min
     python -m training.sweep --grid default --workers 2        # the shipped dataset
     python -m training.sweep --models gpt2,llama-3.2-1b --seq-lens 512,2048 --micro-batches 1,4
+    python -m training.sweep --grid offload --jsonl data/telemetry/incoming/offload.jsonl   # CPU offload rows
 
 Exit codes: 0 all families measured, 1 some families failed (listed), 2 bad arguments.
 """
@@ -44,6 +45,7 @@ class Family:
     finetune: str = FineTune.FULL.value
     lora_rank: int | None = None
     frozen_layers: int = 0
+    offload_optimizer: str = "none"
 
     def training(self) -> TrainingConfig:
         d = asdict(self)
@@ -51,7 +53,10 @@ class Family:
         return TrainingConfig(**d)
 
     def record_id(self, k: int, device: str) -> str:
-        key = json.dumps([SCHEMA_TAG, device, asdict(self), k], sort_keys=True)
+        d = asdict(self)
+        if d["offload_optimizer"] == "none":
+            del d["offload_optimizer"]  # families from before offload keep their ids
+        key = json.dumps([SCHEMA_TAG, device, d, k], sort_keys=True)
         return "c" + hashlib.sha256(key.encode()).hexdigest()[:31]
 
 
@@ -102,6 +107,7 @@ class SweepGrid:
     k_points: int = 13
     seed: int = 0
     fixed: list[Family] = field(default_factory=list)
+    offload_optimizers: list[str] = field(default_factory=lambda: ["none"])
 
     def families(self) -> list[Family]:
         from data import catalog
@@ -129,6 +135,9 @@ class SweepGrid:
                     sharding=sharding, data_parallel_size=rng.choice(dps), attention=attention, finetune=finetune,
                     lora_rank=rng.choice(self.lora_ranks) if finetune == "lora" else None,
                     frozen_layers=max(1, layers // 4) if finetune == "frozen" else 0,
+                    # drawn only when there is a choice, so the grids without offload sample as before
+                    offload_optimizer=(rng.choice(self.offload_optimizers) if len(self.offload_optimizers) > 1
+                                       else self.offload_optimizers[0]),
                 ))
                 if out[-1].optimizer == "adafactor" and sharding not in ("none", "zero1"):
                     # torch's Adafactor cannot step FSDP2 DTensors (see training/collect.py)
@@ -173,7 +182,53 @@ GRIDS: dict[str, Any] = {
     "small": lambda: SweepGrid(models=["gpt2", "qwen2.5-0.5b"], families_per_model=3, seq_lens=[128, 512],
                                micro_batches=[1, 2], k_points=4),
     "default": lambda: SweepGrid(models=_catalog_names(), fixed=_acceptance_families()),
+    # optimizer CPU offload (ZeRO-Offload through training.collect.HostOffloadOptimizer): device and host bytes
+    "offload": lambda: SweepGrid(models=["gpt2", "qwen2.5-0.5b", "llama-3.2-1b"], families_per_model=4,
+                                 mid_families_per_model=4, seq_lens=[128, 512, 1024], micro_batches=[1, 2],
+                                 k_points=4, offload_optimizers=["cpu"],
+                                 shardings=[("none", [1]), ("zero2", [2, 4]), ("fsdp_full_shard", [2, 8])],
+                                 sharding_weights=[3, 1, 1], finetune_weights=[3, 1, 0]),
 }
+
+
+class JsonlStore:
+    """An append-only JSON-lines file of :class:`memfit.schema.TelemetryRecord` (one per line), with the two
+    methods :func:`run_sweep` uses: the lead merges such files (``data/telemetry/incoming/*.jsonl``) into the
+    shipped dataset. A record whose id is in the file already is a duplicate and is not written again."""
+
+    def __init__(self, path) -> None:
+        from pathlib import Path
+
+        self.path = Path(path)
+
+    def record_ids(self) -> set[str]:
+        if not self.path.exists():
+            return set()
+        return {json.loads(line)["record_id"] for line in self.path.read_text().splitlines() if line.strip()}
+
+    def add(self, records):
+        from data.store import IngestReport
+        from memfit.schema import TelemetryRecord
+
+        have, report = self.record_ids(), IngestReport()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as fh:
+            for i, r in enumerate(records):
+                try:
+                    rec = r if isinstance(r, TelemetryRecord) else TelemetryRecord.model_validate(r)
+                except ValueError as err:
+                    report.rejected.append({"index": i, "record_id": (r or {}).get("record_id"), "reason": str(err)})
+                    continue
+                if rec.record_id in have:
+                    report.duplicates.append(rec.record_id)
+                    continue
+                fh.write(rec.model_dump_json() + "\n")
+                have.add(rec.record_id)
+                report.stored.append(rec.record_id)
+        return report
+
+    def count(self) -> int:
+        return len(self.record_ids())
 
 
 def _catalog_names() -> list[str]:
@@ -256,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--device", choices=["fake", "cpu", "cuda"], default="fake")
     p.add_argument("--db", help="SQLAlchemy URL of the telemetry store (default sqlite:///data/telemetry.db)")
+    p.add_argument("--jsonl", help="append the records to this JSON-lines file instead of a database (resumable)")
     p.add_argument("--export", help="write the whole store to this .parquet/.csv afterwards")
     p.add_argument("--seed", type=int)
     p.add_argument("--quiet", action="store_true")
@@ -281,9 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.workers < 1:
         print("error: --workers must be >= 1", file=sys.stderr)
         return 2
+    if a.jsonl and (a.export or a.db):
+        print("error: --jsonl writes its own file: give it without --db/--export", file=sys.stderr)
+        return 2
     if a.max_families:
         families = families[: a.max_families]
-    store = TelemetryStore(a.db)
+    store = JsonlStore(a.jsonl) if a.jsonl else TelemetryStore(a.db)
     summary = run_sweep(families, store=store, device=a.device, workers=a.workers, k_points=grid.k_points,
                         progress=not a.quiet)
     summary["rows_in_store"] = store.count()
