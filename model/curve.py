@@ -220,7 +220,8 @@ class MemoryPredictor:
         base = self.curve(model, base_training, hf_config)
         states = model_state_bytes(model, training)
         L = model.num_layers
-        notes = list(base.notes)
+        # the stand-in FSDP trace of parameter offload on one rank is not the user's sharding: don't say it is
+        notes = [n for n in base.notes if base_training.sharding is training.sharding or not n.startswith("sharding")]
         if base.phase_bytes is not None:
             dev = offload_device_phases(base.phase_bytes, list(PEAK_PHASES), model, training)
             raw = dev.max(axis=1)
