@@ -34,8 +34,8 @@ from memfit.errors import InvalidConfiguration, UnknownArchitecture
 from memfit.schema import FineTune, ModelSpec, TrainingConfig
 from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.estimator import PeakMemoryRegressor
-from model.overhead import OverheadModel
 from model.offload import host_memory_bytes
+from model.overhead import OverheadModel
 from model.recommend import Plan, candidate_changes, needs_alternatives, plan, rank_alternatives
 from model.terms import TermsCache
 
