@@ -361,6 +361,8 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         parts.add_column("GiB", justify="right")
         for name, v in {**rec.breakdown, "overhead_bytes": rec.overhead.get("total_bytes", 0)}.items():
             parts.add_row(name.removesuffix("_bytes").replace("_", " "), gib(v))
+        if rec.host_memory_bytes:
+            parts.add_row("host memory per node (not on the device)", gib(rec.host_memory_bytes))
         con.print(parts)
         con.print(curve_chart(rec))
 
