@@ -40,6 +40,8 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from memfit.errors import InvalidConfiguration
+
 GIB = 1 << 30
 
 # Upper limits that reject absurd input while admitting every real model and cluster.
@@ -170,24 +172,21 @@ class ModelSpec(_Part):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size}"
-            )
+            raise InvalidConfiguration("num_attention_heads", f"a divisor of hidden_size={self.hidden_size}",
+                                       self.num_attention_heads)
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads={self.num_key_value_heads} must divide "
-                f"num_attention_heads={self.num_attention_heads}"
-            )
+            raise InvalidConfiguration("num_key_value_heads",
+                                       f"a divisor of num_attention_heads={self.num_attention_heads}",
+                                       self.num_key_value_heads)
         if self.trainable_params > self.total_params:
-            raise ValueError(
-                f"trainable_params={self.trainable_params} must be in [0, total_params={self.total_params}]"
-            )
+            raise InvalidConfiguration("trainable_params", f"an integer in [0, total_params={self.total_params}]",
+                                       self.trainable_params)
         if (self.num_experts is None) != (self.num_experts_per_token is None):
-            raise ValueError("num_experts and num_experts_per_token must be given together")
+            raise InvalidConfiguration("num_experts_per_token", "given together with num_experts (both or neither)",
+                                       self.num_experts_per_token)
         if self.num_experts is not None and self.num_experts_per_token > self.num_experts:
-            raise ValueError(
-                f"num_experts_per_token={self.num_experts_per_token} must be in [1, num_experts={self.num_experts}]"
-            )
+            raise InvalidConfiguration("num_experts_per_token", f"an integer in [1, num_experts={self.num_experts}]",
+                                       self.num_experts_per_token)
         return self
 
 
@@ -221,17 +220,19 @@ class TrainingConfig(_Part):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
-            raise ValueError("checkpoint_layers must not repeat an index")
+            raise InvalidConfiguration("checkpoint_layers", "distinct layer indices", self.checkpoint_layers)
         if any(i < 0 for i in self.checkpoint_layers):
-            raise ValueError("checkpoint_layers indices must be >= 0")
+            raise InvalidConfiguration("checkpoint_layers", "layer indices >= 0", self.checkpoint_layers)
         if self.finetune is FineTune.LORA and self.lora_rank is None:
-            raise ValueError("lora_rank is required when finetune='lora' (allowed: 1..4096)")
+            raise InvalidConfiguration("lora_rank", "an integer in [1, 4096] when finetune='lora'", None,
+                                       message="lora_rank: required when finetune='lora' (allowed: 1..4096)")
         if self.finetune is not FineTune.LORA and self.lora_rank is not None:
-            raise ValueError("lora_rank is only allowed with finetune='lora'")
+            raise InvalidConfiguration("lora_rank", "null unless finetune='lora'", self.lora_rank)
         if self.finetune is FineTune.FROZEN and self.frozen_layers == 0:
-            raise ValueError("frozen_layers must be >= 1 when finetune='frozen'")
+            raise InvalidConfiguration("frozen_layers", "an integer >= 1 when finetune='frozen'", self.frozen_layers)
         if self.sharding is not Sharding.NONE and self.data_parallel_size < 2:
-            raise ValueError(f"sharding={self.sharding.value} needs data_parallel_size >= 2")
+            raise InvalidConfiguration("sharding", "'none' when data_parallel_size is 1 (sharding needs >= 2 ranks)",
+                                       self.sharding.value)
         check_offload(self.offload_optimizer, self.offload_parameters, self.sharding, self.data_parallel_size)
         return self
 
@@ -250,14 +251,19 @@ def check_offload(offload_optimizer: Offload, offload_parameters: Offload, shard
     a single rank (ZeRO-3 on one GPU).
 
     Raises:
-        ValueError: naming the field and the allowed values.
+        InvalidConfiguration: naming the field and the allowed values.
     """
     if offload_parameters is Offload.CPU:
         if offload_optimizer is not Offload.CPU:
-            raise ValueError("offload_parameters='cpu' needs offload_optimizer='cpu' (allowed offload_optimizer: cpu)")
+            raise InvalidConfiguration("offload_optimizer", "'cpu' when offload_parameters='cpu'",
+                                       message="offload_optimizer: offload_parameters='cpu' needs "
+                                               "offload_optimizer='cpu' (allowed: 'cpu')")
         if sharding not in PARAMETER_OFFLOAD_SHARDING and not (sharding is Sharding.NONE and data_parallel_size == 1):
-            raise ValueError(f"offload_parameters='cpu' needs sharding in {[s.value for s in PARAMETER_OFFLOAD_SHARDING]}"
-                             f" (or 'none' with data_parallel_size=1), got sharding={sharding.value!r}")
+            allowed = [s.value for s in PARAMETER_OFFLOAD_SHARDING]
+            raise InvalidConfiguration("sharding", f"one of {allowed} (or 'none' with data_parallel_size=1) when "
+                                       "offload_parameters='cpu'", sharding.value,
+                                       message=f"sharding: offload_parameters='cpu' needs sharding in {allowed} "
+                                               f"(or 'none' with data_parallel_size=1), got {sharding.value!r}")
 
 
 class ClusterSpec(_Part):
