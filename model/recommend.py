@@ -192,17 +192,13 @@ def candidate_changes(training: TrainingConfig, model: ModelSpec, gpu_count: int
         out.append(Candidate("8-bit AdamW (bitsandbytes block-wise states)", {"optimizer": "adamw_8bit"}, "numerics",
                              0.02, "block-wise quantized states: ~2% slower step, close to 32-bit Adam in quality"))
     if training.finetune is FineTune.FULL:
-        out.append(Candidate("LoRA r=16 on all linear layers (base frozen)",
-                             {"finetune": "lora", "lora_rank": 16, "lora_target_modules": [
-                                 "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
-                             "trained_weights", 0.0, "faster steps (no base gradients); trains adapters, not the "
+        out.append(Candidate("LoRA r=16 on PEFT's default target modules (base frozen)",
+                             {"finetune": "lora", "lora_rank": 16}, "trained_weights", 0.0, "faster steps (no base gradients); trains adapters, not the "
                              "full weights"))
     # HOOK(quantization): QLoRA once TrainingConfig has `quantization` (another engineer's issue-9 item 2)
     if "quantization" in TrainingConfig.model_fields and training.finetune is FineTune.FULL:
-        out.append(Candidate("QLoRA: 4-bit NF4 base with LoRA r=16 on all linear layers",
-                             {"finetune": "lora", "lora_rank": 16, "quantization": "nf4", "lora_target_modules": [
-                                 "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
-                             "trained_weights", 0.25, "dequantizes each linear's weights in forward and backward: "
+        out.append(Candidate("QLoRA: 4-bit NF4 base with LoRA r=16 on PEFT's default target modules",
+                             {"finetune": "lora", "lora_rank": 16, "quantization": "nf4"}, "trained_weights", 0.25, "dequantizes each linear's weights in forward and backward: "
                              "~25% slower than LoRA; trains adapters on a quantized base"))
     return out
 
