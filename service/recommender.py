@@ -299,10 +299,13 @@ class Recommender:
         self.range = telemetry_range or {}
         self.predictor = MemoryPredictor(est, terms, margins, tracer)
         self.curves = CurveCache(self.predictor)
+        # alternatives are answered from the same terms and estimator but queue no traces: one request must not
+        # start a dozen background traces (an untraced alternative is answered, and labelled, provisional)
+        self._alternative_curves = CurveCache(MemoryPredictor(est, self.predictor.terms, self.predictor.margins))
 
     def _plan(self, spec: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any], req: RecommendRequest,
-              gpu_count: int) -> Plan:
-        return plan(self.curves, spec, training, hf_config=hf_config, capacity_bytes=req.cluster.memory_bytes,
+              gpu_count: int, curves: CurveCache | None = None) -> Plan:
+        return plan(curves or self.curves, spec, training, hf_config=hf_config, capacity_bytes=req.cluster.memory_bytes,
                     headroom_fraction=req.headroom_fraction, device_name=req.cluster.gpu, gpu_count=gpu_count,
                     overhead_model=self.overhead, layout=req.layout)
 
@@ -405,7 +408,7 @@ class Recommender:
                 t, spec = training_config(t_in, base_spec, gpus, cfg)
             except (ValidationError, InvalidConfiguration):
                 continue
-            p = self._plan(spec, t, cfg, req, gpus)
+            p = self._plan(spec, t, cfg, req, gpus, self._alternative_curves)
             ranks = min(req.cluster.gpus_per_node or 8, gpus)
             out.append(Alternative(
                 description=cand.description, change=cand.change, fits=p.fits, k=p.k,
