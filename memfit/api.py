@@ -12,7 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, Stri
 from memfit.errors import InvalidConfiguration
 from memfit.schema import (
     MAX_DEVICE_MEMORY_BYTES, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WORLD, Attention, CheckpointImpl,
-    FineTune, Optimizer, PipelineSchedule, Precision, Quantization, Sharding,
+    FineTune, Offload, Optimizer, PipelineSchedule, Precision, Quantization, Sharding, check_offload,
 )
 
 GIB = 1 << 30
@@ -140,6 +140,17 @@ class TrainingIn(_In):
             raise InvalidConfiguration("training.quantization", f"{from_model.value!r} as the model's "
                                        "quantization_config says, or left out", self.quantization.value)
         return from_model
+    offload_optimizer: Offload = Field(Offload.NONE, description="cpu: optimizer states, fp32 master weights and "
+                                                                 "fp32 gradients in host memory (ZeRO-Offload)")
+    offload_parameters: Offload = Field(Offload.NONE, description="cpu: parameters in host memory, gathered layer "
+                                                                  "by layer (ZeRO-3 offload_param, FSDP2 "
+                                                                  "CPUOffloadPolicy); needs offload_optimizer=cpu")
+
+    @model_validator(mode="after")
+    def _offload(self) -> Self:
+        dp = self.data_parallel_size if self.data_parallel_size is not None else 1
+        check_offload(self.offload_optimizer, self.offload_parameters, self.sharding, dp)
+        return self
 
 
 class ClusterIn(_In):
@@ -147,6 +158,8 @@ class ClusterIn(_In):
     gpu_memory_bytes: StrictInt | None = Field(None, ge=1 << 20, le=MAX_DEVICE_MEMORY_BYTES)
     gpu_memory_gib: float | None = Field(None, gt=0, le=MAX_DEVICE_MEMORY_BYTES / GIB)
     gpu_count: StrictInt = Field(1, ge=1, le=MAX_WORLD)
+    gpus_per_node: StrictInt | None = Field(None, ge=1, le=1024, description="for host memory per node; default "
+                                                                          "min(gpu_count, 8)")
 
     @model_validator(mode="after")
     def _one_size(self) -> Self:
@@ -157,6 +170,11 @@ class ClusterIn(_In):
         if self.gpu is not None:
             gpu_memory_bytes(self.gpu)
         return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks sharing one host: ``gpus_per_node``, default min(gpu_count, 8)."""
+        return min(self.gpus_per_node or 8, self.gpu_count)
 
     @property
     def memory_bytes(self) -> int:
@@ -191,12 +209,23 @@ class CurvePointOut(BaseModel):
 
 
 class Alternative(BaseModel):
+    """One concrete change to the request's training or cluster, answered through the same curve."""
+
     description: str
-    change: dict[str, Any]
+    change: dict[str, Any] = Field(description="the changed fields (training fields, gpu_count, "
+                                               "gradient_accumulation_steps)")
     fits: bool
-    k: int | None
-    predicted_peak_bytes: int
+    k: int | None = Field(description="smallest number of checkpointed layers that fits with the change")
+    predicted_peak_bytes: int = Field(description="predicted peak allocated bytes per device at k (at L if none fits)")
     total_upper_bytes: int
+    host_memory_bytes: int = Field(0, description="host (CPU) memory needed per node by offloaded states, bytes")
+    path: str = Field("traced", description="traced or provisional: the path of the curve that answered")
+    cost: str = Field("", description="recompute / throughput cost of the change, in words")
+    category: str = Field("same_training", description="what the change gives up, in ranking order: same_training "
+                                                      "(same hardware and update), more_hardware, numerics, "
+                                                      "trained_weights (LoRA/QLoRA train other weights)")
+    throughput_loss_fraction: float = Field(0.0, description="estimated throughput loss of the change plus its "
+                                                             "recompute, fraction of step time")
 
 
 class StageOut(BaseModel):
@@ -231,6 +260,8 @@ class Recommendation(BaseModel):
     path: str = Field("traced", description="traced (composed from traced phases) or provisional (learned model)")
     overhead: dict[str, Any]
     recompute_overhead_fraction: float = Field(description="extra compute per step, fraction of step compute")
+    host_memory_bytes: int = Field(0, description="host (CPU) memory needed per node by offloaded model states "
+                                                  "(pinned buffers included), bytes; 0 without offload")
     alternatives: list[Alternative] = []
     stages: list[StageOut] = Field([], description="per pipeline stage (pipeline/context parallel, traced path)")
     bottleneck_stage: int | None = Field(None, description="the stage whose peak is predicted_peak_bytes")
@@ -268,6 +299,7 @@ class Prediction(BaseModel):
     k: int
     peak_phase: str | None = None
     path: str = "traced"
+    host_memory_bytes: int = Field(0, description="host memory per node by offloaded states, bytes; 0 without offload")
     notes: list[str] = []
 
 

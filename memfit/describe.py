@@ -23,7 +23,9 @@ from memfit.api import GPUS, ArchitectureIn, ClusterIn, RecommendRequest, Traini
 from memfit.checkpointing import MemfitWarning
 from memfit.errors import InvalidConfiguration
 from memfit.hf import logical_numel, quantization_from_hf
-from memfit.schema import Attention, CheckpointImpl, FineTune, Optimizer, Precision, Quantization, Sharding
+from memfit.schema import (
+    Attention, CheckpointImpl, FineTune, Offload, Optimizer, Precision, Quantization, Sharding,
+)
 
 log = logging.getLogger("memfit")
 
@@ -101,6 +103,47 @@ def _enabled(block: Any, auto: bool) -> bool:
         return False
     v = block.get("enabled", False)
     return auto if v == "auto" else bool(v)
+
+
+def ds_offload(ds: dict[str, Any] | None) -> tuple[Offload | None, Offload | None]:
+    """(offload_optimizer, offload_parameters) of a DeepSpeed config: ``zero_optimization.offload_optimizer.device``
+    and ``zero_optimization.offload_param.device`` (``"none"`` or ``"cpu"``; the legacy ``cpu_offload: true``
+    is ``offload_optimizer.device: cpu``). None where the config says nothing.
+
+    Raises:
+        ValueError: a device memfit does not model (``nvme``), naming the config key and the allowed values.
+    """
+    zero = (ds or {}).get("zero_optimization") or {}
+    out: list[Offload | None] = []
+    for key in ("offload_optimizer", "offload_param"):
+        block = zero.get(key)
+        device = block.get("device") if isinstance(block, dict) else None
+        if device is None and key == "offload_optimizer" and zero.get("cpu_offload") is True:
+            device = "cpu"
+        if device is None:
+            out.append(None)
+            continue
+        try:
+            out.append(Offload(str(device).lower()))
+        except ValueError:
+            raise ValueError(f"zero_optimization.{key}.device={device!r} is not modelled; allowed: "
+                             f"{[o.value for o in Offload]}") from None
+    return out[0], out[1]
+
+
+def fsdp2_offloads_parameters(model) -> bool:
+    """True when an FSDP2 module of ``model`` has ``offload_policy=CPUOffloadPolicy()`` (parameters,
+    gradients and the optimizer step on the host)."""
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+            if group is not None and isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy):
+                return True
+    return False
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -309,6 +352,8 @@ def describe(
     context_parallel_size: int | None = None,
     sequence_parallel: bool | None = None,
     device_mesh: Any = None,
+    offload_optimizer: Offload | str | None = None,
+    offload_parameters: Offload | str | None = None,
     architecture: ArchitectureIn | dict[str, Any] | str | None = None,
     layers=None,
     headroom_fraction: float = 0.05,
@@ -338,6 +383,9 @@ def describe(
     * model parallelism: tensor / pipeline / context parallel sizes from ``device_mesh`` (a torch
       ``DeviceMesh`` with named dimensions, torchtitan's ``tp``, ``pp``, ``cp``), else from the model's
       DTensor parameters (:func:`parallel_sizes_from_model`); 1 when neither reveals them.
+    * offload: DeepSpeed ``zero_optimization.offload_optimizer.device`` / ``offload_param.device``
+      (:func:`ds_offload`), an FSDP2 ``CPUOffloadPolicy`` on the model (:func:`fsdp2_offloads_parameters`:
+      parameters and optimizer offloaded), or HF ``fsdp="... offload"``.
     * cluster: GPU memory from ``torch.cuda.get_device_properties`` when CUDA is available; GPU
       count from ``torch.distributed``'s world size when initialised, else 1. Sharding on one device
       is reported as ``none`` (nothing to shard over).
@@ -413,6 +461,19 @@ def describe(
                  sharding.value)
         sharding = Sharding.NONE
 
+    ds_opt_off, ds_param_off = ds_offload(ds)
+    fsdp_text = getattr(args, "fsdp", None) or ""
+    fsdp_text = " ".join(str(getattr(x, "value", x)) for x in fsdp_text) if isinstance(fsdp_text, (list, tuple)) \
+        else str(fsdp_text)
+    fsdp_offload = fsdp2_offloads_parameters(base) or "offload" in fsdp_text
+    if offload_parameters is None:
+        offload_parameters = ds_param_off or (Offload.CPU if fsdp_offload else Offload.NONE)
+    if offload_optimizer is None:
+        offload_optimizer = ds_opt_off or (Offload.CPU if fsdp_offload or Offload(offload_parameters) is Offload.CPU
+                                           else Offload.NONE)
+    if Offload(offload_parameters) is Offload.CPU and sharding is Sharding.NONE and dp > 1:
+        sharding = Sharding.FSDP_FULL_SHARD  # parameter offload gathers layer by layer: full sharding
+
     if attention is None:
         impl = getattr(getattr(base, "config", None), "_attn_implementation", None)
         attention = _ATTN.get(str(impl), Attention.SDPA)
@@ -428,7 +489,8 @@ def describe(
         sharding=sharding, attention=attention, checkpoint_impl=checkpoint_impl,
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         context_parallel_size=context_parallel_size, sequence_parallel=sequence_parallel,
-        trainable_params=trainable)
+        trainable_params=trainable, offload_optimizer=Offload(offload_optimizer),
+        offload_parameters=Offload(offload_parameters))
     adapter = _lora(model)
     if adapter is not None:
         training.update(finetune=FineTune.LORA, lora_rank=adapter[0], lora_target_modules=adapter[1])

@@ -148,6 +148,20 @@ class FineTune(StrEnum):
     FROZEN = "frozen"
 
 
+class Offload(StrEnum):
+    """Where a part of the model states lives between uses: on the device, or in host (CPU) memory.
+
+    ``offload_optimizer='cpu'`` is ZeRO-Offload (Ren et al. 2021, arXiv 2101.06840): optimizer states,
+    fp32 master weights and the fp32 gradient copy live in host memory and the optimizer step runs on
+    the CPU; the device keeps the half-precision parameters and gradients (or their shards).
+    ``offload_parameters='cpu'`` is ZeRO-3 / ZeRO-Infinity parameter offload (Rajbhandari et al. 2021,
+    arXiv 2104.07857) or FSDP2's ``CPUOffloadPolicy``: the device holds only the layers in flight.
+    """
+
+    NONE = "none"
+    CPU = "cpu"
+
+
 class CheckpointImpl(StrEnum):
     """``torch.utils.checkpoint`` flavour."""
 
@@ -246,6 +260,9 @@ class TrainingConfig(_Part):
                                         "(post-accumulate-grad hooks): no full gradient buffer")
     quantization: Quantization = Field(Quantization.NONE, description="frozen base weights' storage (QLoRA); "
                                        "only with finetune='lora'")
+    offload_optimizer: Offload = Field(Offload.NONE, description="optimizer states + master weights on host (ZeRO-Offload)")
+    offload_parameters: Offload = Field(Offload.NONE, description="parameters on host, layers gathered in flight "
+                                                                  "(ZeRO-3 offload_param, FSDP2 CPUOffloadPolicy)")
 
     @property
     def num_checkpointed_layers(self) -> int:
@@ -281,6 +298,7 @@ class TrainingConfig(_Part):
         if self.sequence_parallel and self.seq_len % self.tensor_parallel_size:
             raise InvalidConfiguration("tensor_parallel_size", f"a divisor of seq_len={self.seq_len} with "
                                        "sequence_parallel", self.tensor_parallel_size)
+        check_offload(self.offload_optimizer, self.offload_parameters, self.sharding, self.data_parallel_size)
         return self
 
     @property
@@ -292,6 +310,35 @@ class TrainingConfig(_Part):
     def micro_batches_per_step(self) -> int:
         """Micro-batches each pipeline runs per step (``num_micro_batches``, default the stage count)."""
         return self.num_micro_batches or self.pipeline_parallel_size
+
+
+#: sharding modes under which parameters can be offloaded (they are gathered layer by layer anyway)
+PARAMETER_OFFLOAD_SHARDING = (Sharding.ZERO3, Sharding.FSDP_FULL_SHARD)
+
+
+def check_offload(offload_optimizer: Offload, offload_parameters: Offload, sharding: Sharding,
+                  data_parallel_size: int) -> None:
+    """Validate an offload combination (the one rule, used by the schema and the API).
+
+    Parameter offload needs the optimizer offloaded too (the optimizer step runs where the parameters
+    live: DeepSpeed's ``offload_param`` with ``offload_optimizer``, FSDP2's ``CPUOffloadPolicy`` moves
+    both) and parameters gathered layer by layer: ``sharding`` zero3 / fsdp_full_shard, or ``none`` on
+    a single rank (ZeRO-3 on one GPU).
+
+    Raises:
+        InvalidConfiguration: naming the field and the allowed values.
+    """
+    if offload_parameters is Offload.CPU:
+        if offload_optimizer is not Offload.CPU:
+            raise InvalidConfiguration("offload_optimizer", "'cpu' when offload_parameters='cpu'",
+                                       message="offload_optimizer: offload_parameters='cpu' needs "
+                                               "offload_optimizer='cpu' (allowed: 'cpu')")
+        if sharding not in PARAMETER_OFFLOAD_SHARDING and not (sharding is Sharding.NONE and data_parallel_size == 1):
+            allowed = [s.value for s in PARAMETER_OFFLOAD_SHARDING]
+            raise InvalidConfiguration("sharding", f"one of {allowed} (or 'none' with data_parallel_size=1) when "
+                                       "offload_parameters='cpu'", sharding.value,
+                                       message=f"sharding: offload_parameters='cpu' needs sharding in {allowed} "
+                                               f"(or 'none' with data_parallel_size=1), got {sharding.value!r}")
 
 
 class ClusterSpec(_Part):
@@ -323,6 +370,8 @@ class Measurement(_Part):
         None, ge=0, le=1 << 50, description="device memory used outside PyTorch (context, cuBLAS, NCCL)"
     )
     recomputed_layers: int | None = Field(None, ge=0, description="layers seen recomputing in backward")
+    host_peak_bytes: int | None = Field(None, ge=0, le=1 << 50, description="offload: peak host bytes of the "
+                                        "offloaded states (no pinned-buffer factor)")
 
 
 def _row_fields() -> dict[str, tuple[str, Any]]:

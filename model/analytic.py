@@ -10,13 +10,17 @@ keeps the gathered parameters from forward to backward, and is counted like stag
 8-bit optimizers, Lion, the optimizer step in backward and quantized (QLoRA) bases follow the layouts of
 bitsandbytes 0.50.2, read from its source and checked against it in ``tests/test_optim_qlora.py``
 (see :mod:`training.bnb`): :func:`optimizer_state_bytes_per_param`, :func:`quantized_linear_bytes`.
+Offload (:class:`memfit.schema.Offload`) moves states off the device: with ``offload_optimizer='cpu'``
+the device holds no optimizer states (master weights included) and runs no optimizer step; with
+``offload_parameters='cpu'`` it holds no resident weights or gradients either, only the layers in
+flight (:func:`model.offload.in_flight_bytes`). What the host holds is :func:`model.offload.host_memory_bytes`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.schema import FineTune, ModelSpec, Optimizer, Precision, Quantization, Sharding, TrainingConfig
+from memfit.schema import FineTune, ModelSpec, Offload, Optimizer, Precision, Quantization, Sharding, TrainingConfig
 
 _WEIGHT_BYTES = {Precision.FP32: 4, Precision.AMP_FP16: 4, Precision.AMP_BF16: 4, Precision.BF16: 2,
                  Precision.BF16_FP32_MASTER: 2}
@@ -155,6 +159,10 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
         grads, opt = grads // n, opt // n
     elif s is Sharding.ZERO1:
         opt = 0 if zero1_lower_bound else opt // n
+    if training.offload_optimizer is Offload.CPU:
+        opt = 0
+    if training.offload_parameters is Offload.CPU:
+        weights = grads = 0
     return ModelStates(weights, grads, opt)
 
 
@@ -227,6 +235,7 @@ class AnalyticEstimate:
     logits_bytes: int
     optimizer_temp_bytes: int  # foreach optimizer temporaries in the step
     dequant_bytes: int = 0  # one quantized linear's weight dequantized for its matmul (QLoRA)
+    in_flight_bytes: int = 0  # parameter offload: gathered layer parameters and gradients on the device
 
     @property
     def backward_peak_bytes(self) -> int:
@@ -236,7 +245,7 @@ class AnalyticEstimate:
         saved = self.activations_bytes + self.checkpoint_inputs_bytes
         return (self.states.weights_bytes + self.states.optimizer_bytes + self.states.gradients_bytes
                 + max(saved, self.checkpoint_inputs_bytes + self.recompute_bytes) + self.logits_bytes
-                + self.dequant_bytes)
+                + self.dequant_bytes + self.in_flight_bytes)
 
     @property
     def optimizer_peak_bytes(self) -> int:
@@ -258,6 +267,8 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     backward holds one parameter's temporaries at a time (counted 0). A quantized base adds the largest
     decoder linear dequantized to 16 bits (``gemm_4bit``'s dequantize-then-``F.linear`` path).
     """
+    from model.offload import in_flight_bytes
+
     states = model_state_bytes(model, training)
     k = training.num_checkpointed_layers
     L = model.num_layers
@@ -278,7 +289,8 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
         recompute_bytes=per_layer if k else 0,
         logits_bytes=logits_bytes(model, training),
         # bf16 + fp32 master: the optimizer step also holds fp32 copies of the gradients (4 B/param)
-        optimizer_temp_bytes=model.trainable_params * (temp_per_param + (4 if training.precision is
-                                                                          Precision.BF16_FP32_MASTER else 0)) // n,
+        optimizer_temp_bytes=0 if training.offload_optimizer is Offload.CPU else
+        model.trainable_params * (temp_per_param + (4 if training.precision is Precision.BF16_FP32_MASTER else 0)) // n,
         dequant_bytes=dequant,
+        in_flight_bytes=in_flight_bytes(model, training),
     )

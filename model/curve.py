@@ -24,6 +24,12 @@ Every curve is shaped the same way, by construction:
   with the margin of the :func:`margin_group` (traced, traced with sharding, provisional), each a
   split-conformal quantile of relative residuals on held-out architectures, never below the group's
   measured floor (see :mod:`benchmarks.accuracy`).
+
+Offloaded configurations (:mod:`model.offload`) are answered from the curve of their traced base
+(the same configuration without offload; FSDP full-shard for parameter offload) by
+:func:`model.offload.offload_device_phases`, on the base's path; the curve also carries the host
+memory the offloaded states need (:func:`model.offload.host_memory_bytes`, one rank per node: callers
+with a cluster scale it by their ranks per node); the bound takes the margin of the base's group.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import numpy as np
 
 from memfit.schema import ModelSpec, Sharding, TrainingConfig
 from model.analytic import ModelStates, model_state_bytes, optimizer_state_bytes_per_param
-from model.compose import compose
+from model.compose import PEAK_PHASES, compose
 from model.parallel import ParallelCurve, compose_pipeline, pipeline_stages
 from model.terms import TermsCache, not_traceable_reason, terms_key
 
@@ -102,6 +108,12 @@ class Curve:
     reason: str | None = None
     notes: list[str] = field(default_factory=list)
     pipeline: ParallelCurve | None = None  # per-stage split (traced path with pipeline/context parallelism)
+    #: raw composed peak per k before the envelope and floor (float, shape (L+1,))
+    raw_bytes: Any = None
+    #: traced path: every phase's composed live bytes, shape (L+1, len(PEAK_PHASES)); None when provisional
+    phase_bytes: Any = None
+    #: host memory of the offloaded states for one rank per node (:func:`model.offload.host_memory_bytes`)
+    host_memory_bytes: int = 0
 
 
 def breakdown(states: ModelStates, predicted_bytes: int, phase: str | None) -> dict[str, int]:
@@ -156,6 +168,10 @@ class MemoryPredictor:
         Raises:
             ValueError: no path can answer (no terms and no provisional estimator).
         """
+        from model.offload import offloaded
+
+        if offloaded(training):
+            return self._offload_curve(model, training, hf_config)
         L = model.num_layers
         pp_or_cp = training.pipeline_parallel_size > 1 or training.context_parallel_size > 1
         stage_states = [model_state_bytes(st.spec, training) for st in pipeline_stages(model, training)]
@@ -164,7 +180,7 @@ class MemoryPredictor:
         pipe = None
         reason = not_traceable_reason(model, training)
         key = None
-        raw = phases = None
+        raw = phases = phase_bytes = None
         if reason is None and hf_config is not None:
             key = terms_key(hf_config, training)
             terms = self.terms.get(key)
@@ -185,7 +201,7 @@ class MemoryPredictor:
                     raw, phases = pipe.peak_bytes.astype(np.float64), pipe.phase
                 else:
                     c = compose(coef, L, training.micro_batch_size, training.seq_len, depths)
-                    raw, phases = c.peak_bytes.astype(np.float64), c.phase
+                    raw, phases, phase_bytes = c.peak_bytes.astype(np.float64), c.phase, c.phase_bytes
         elif reason is None:
             reason = "no HF config to trace"
         path = TRACED if raw is not None else PROVISIONAL
@@ -196,17 +212,9 @@ class MemoryPredictor:
 
             base, ratio = self.estimator.predict_matrix(curve_matrix(model, training))
             raw, phases = np.exp(base + ratio), [None] * (L + 1)
-        # envelope over k' >= k (monotone, conservative), then the state floor
-        point = np.maximum(np.maximum.accumulate(raw[::-1])[::-1], floor)
         margin = self.margins[margin_group(path, training.sharding)]
-        points = []
-        for k in range(L + 1):
-            p = math.ceil(point[k])
-            at = int(np.argmax(raw[k:]) + k)
-            phase = phases[at] if path == TRACED else None
-            held = stage_states[pipe.bottleneck(at)] if pipe is not None else states
-            points.append(CurvePoint(k=k, predicted_bytes=p, upper_bytes=math.ceil(p * (1 + margin)),
-                                     peak_phase=phase, breakdown=breakdown(held, p, phase)))
+        held = None if pipe is None else (lambda at: stage_states[pipe.bottleneck(at)])
+        points = self._points(path, raw, phases, states, margin, held)
         notes = []
         if path == PROVISIONAL:
             notes.append(f"provisional answer (learned model): {reason}")
@@ -232,4 +240,52 @@ class MemoryPredictor:
                          "unified memory (cudaMallocManaged), outside PyTorch's allocator: not in the peak allocated "
                          "bytes; the driver pages them to host RAM when the device is full")
         return Curve(path=path, points=points, floor_bytes=floor, terms_key=key, reason=reason if path ==
-                     PROVISIONAL else None, notes=notes, pipeline=pipe)
+                     PROVISIONAL else None, notes=notes, pipeline=pipe, raw_bytes=raw, phase_bytes=phase_bytes)
+
+    def _points(self, path: str, raw: np.ndarray, phases: list[str | None], states: ModelStates,
+                margin: float, held: Any = None) -> list[CurvePoint]:
+        """Envelope over k' >= k (monotone, conservative), the state floor, bound and breakdown per k.
+
+        ``held(at)`` gives the model states of the rank that peaks at k = ``at`` (pipeline stages); default
+        ``states``.
+        """
+        point = np.maximum(np.maximum.accumulate(raw[::-1])[::-1], states.total_bytes)
+        points = []
+        for k in range(len(raw)):
+            p = math.ceil(point[k])
+            at = int(np.argmax(raw[k:]) + k)
+            phase = phases[at] if path == TRACED else None
+            points.append(CurvePoint(k=k, predicted_bytes=p, upper_bytes=math.ceil(p * (1 + margin)),
+                                     peak_phase=phase, breakdown=breakdown(held(at) if held else states, p, phase)))
+        return points
+
+    def _offload_curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> Curve:
+        """The device curve of an offloaded configuration from its traced base (:mod:`model.offload`)."""
+        from model.analytic import analytic_estimate
+        from model.offload import host_memory_bytes, offload_device_phases, traced_base
+
+        base_training = traced_base(training)
+        base = self.curve(model, base_training, hf_config)
+        states = model_state_bytes(model, training)
+        L = model.num_layers
+        # the stand-in FSDP trace of parameter offload on one rank is not the user's sharding: don't say it is
+        notes = [n for n in base.notes if base_training.sharding is training.sharding or not n.startswith("sharding")]
+        if base.phase_bytes is not None:
+            dev = offload_device_phases(base.phase_bytes, list(PEAK_PHASES), model, training)
+            raw = dev.max(axis=1)
+            phases: list[str | None] = [PEAK_PHASES[i] for i in dev.argmax(axis=1)]
+            notes.append("offload composed from the traced phases without offload (model.offload)")
+        else:
+            ratio = []
+            for k in range(L + 1):
+                layers = list(range(k))
+                off = analytic_estimate(model, training.model_copy(update={"checkpoint_layers": layers})).peak_bytes
+                on = analytic_estimate(model, base_training.model_copy(update={"checkpoint_layers": layers})).peak_bytes
+                ratio.append(off / on)
+            raw = np.asarray(base.raw_bytes, dtype=np.float64) * np.asarray(ratio)
+            phases = [None] * (L + 1)
+            notes.append("offload: the learned curve without offload scaled by the analytic offloaded/not ratio")
+        margin = self.margins[margin_group(base.path, base_training.sharding)]
+        return Curve(path=base.path, points=self._points(base.path, raw, phases, states, margin),
+                     floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
+                     raw_bytes=raw, phase_bytes=None, host_memory_bytes=host_memory_bytes(model, training))

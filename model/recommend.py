@@ -101,3 +101,144 @@ def plan(predictor: MemoryPredictor, model: ModelSpec, training: TrainingConfig,
         recompute_fraction=(k or 0) / (3 * model.num_layers),
         shortfall_bytes=0 if k is not None else totals[at] - usable,
     )
+
+
+# -- what fits instead --------------------------------------------------------------------------------
+#: categories of change, in ranking order: what the change gives up
+CATEGORIES = ("same_training", "more_hardware", "numerics", "trained_weights")
+#: heavy recompute: a plan that fits only with more than this share of the layers checkpointed gets alternatives
+HEAVY_RECOMPUTE_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One concrete change to a configuration, before it is planned.
+
+    Attributes:
+        description: what to change, in words.
+        change: the changed request fields (training fields, plus ``gpu_count`` and
+            ``gradient_accumulation_steps`` where they change).
+        category: one of :data:`CATEGORIES`.
+        throughput_loss_fraction: estimated step-time loss of the change itself (recompute excluded).
+        cost: the cost in words, with its source.
+    """
+
+    description: str
+    change: dict
+    category: str
+    throughput_loss_fraction: float
+    cost: str
+
+
+def needs_alternatives(p: Plan) -> bool:
+    """True when nothing fits, or the fit needs more than :data:`HEAVY_RECOMPUTE_SHARE` of the layers recomputed."""
+    return not p.fits or p.k > HEAVY_RECOMPUTE_SHARE * len(p.curve.points[1:])
+
+
+def candidate_changes(training: TrainingConfig, model: ModelSpec, gpu_count: int) -> list[Candidate]:
+    """The changes worth trying for ``training`` on ``gpu_count`` GPUs (unranked; each is planned by the caller).
+
+    Throughput losses are coarse, stated estimates: ZeRO-1/2 move as much data as plain data parallelism
+    and ZeRO-3 1.5× as much (Rajbhandari et al. 2020, arXiv 1910.02054, Sec. 7.2); halving the
+    micro-batch shrinks every GEMM (about 5 % per halving on a busy GPU); ZeRO-Offload's CPU optimizer
+    step and PCIe traffic cost a share of each step (Ren et al. 2021, arXiv 2101.06840, Sec. 6 reports
+    about 30-40 % below GPU-only throughput at equal batch); parameter offload moves every layer's
+    weights over PCIe in forward and backward (ZeRO-Infinity, arXiv 2104.07857, Sec. 8).
+    """
+    from memfit.schema import FineTune, Offload, Optimizer, Precision, Quantization, Sharding
+
+    out: list[Candidate] = []
+    n = gpu_count
+    half_sharded = training.sharding in (Sharding.NONE, Sharding.ZERO1)
+    if n > 1 and half_sharded:
+        out.append(Candidate(f"ZeRO-2 over the {n} GPUs", {"sharding": "zero2", "data_parallel_size": n},
+                             "same_training", 0.0, "same communication volume as data parallel (ZeRO paper Sec. 7.2)"))
+    if n > 1 and training.sharding not in (Sharding.ZERO3, Sharding.FSDP_FULL_SHARD):
+        out.append(Candidate(f"ZeRO-3 / FSDP full-shard over the {n} GPUs",
+                             {"sharding": "zero3", "data_parallel_size": n}, "same_training", 0.05,
+                             "1.5x data-parallel communication, mostly overlapped (ZeRO paper Sec. 7.2)"))
+    mb, halvings = training.micro_batch_size, 0
+    while mb > 1:
+        mb, halvings = mb // 2, halvings + 1
+        accumulation = training.micro_batch_size // mb
+        out.append(Candidate(f"micro_batch_size {mb} with {accumulation}x gradient accumulation (same global batch)",
+                             {"micro_batch_size": mb, "gradient_accumulation_steps": accumulation}, "same_training",
+                             0.05 * halvings, f"smaller GEMMs: ~{5 * halvings}% slower steps at the same global batch"))
+    if training.offload_optimizer is Offload.NONE:
+        out.append(Candidate("offload the optimizer to CPU (ZeRO-Offload: optimizer states, master weights and "
+                             "fp32 gradients in host memory)", {"offload_optimizer": "cpu"}, "same_training", 0.3,
+                             "CPU optimizer step and PCIe gradient/parameter copies each step: ~30% slower "
+                             "(ZeRO-Offload, arXiv 2101.06840, Sec. 6); needs the host memory given"))
+    if training.offload_parameters is Offload.NONE:
+        change: dict = {"offload_optimizer": "cpu", "offload_parameters": "cpu"}
+        if training.sharding not in (Sharding.ZERO3, Sharding.FSDP_FULL_SHARD):
+            change.update({"sharding": "zero3", "data_parallel_size": n} if n > 1 else {"sharding": "none"})
+        out.append(Candidate("offload parameters and optimizer to CPU (ZeRO-3 offload_param / FSDP2 CPUOffloadPolicy)",
+                             change, "same_training", 0.6, "every layer's weights cross PCIe in forward and "
+                             "backward: often 2x slower or more (ZeRO-Infinity, arXiv 2104.07857, Sec. 8)"))
+    # long sequences: context parallelism splits the activations along the sequence (model.parallel)
+    cp = 1 << (n.bit_length() - 1) if n > 1 else 1
+    while cp > 1 and training.seq_len % cp:
+        cp //= 2
+    if cp > 1 and training.context_parallel_size == 1 and training.seq_len >= 8192:
+        out.append(Candidate(f"context parallel over {cp} GPUs (activations split along the sequence)",
+                             {"context_parallel_size": cp, "data_parallel_size": n // cp}, "same_training", 0.1,
+                             "ring attention exchanges K/V blocks each layer: ~10% slower"))
+    for more in (2 * n, 4 * n, 8 * n):
+        out.append(Candidate(f"ZeRO-3 over {more} GPUs", {"gpu_count": more, "sharding": "zero3",
+                                                          "data_parallel_size": more}, "more_hardware", 0.05,
+                             f"{more // n}x the GPUs; 1.5x data-parallel communication"))
+    if training.precision in (Precision.BF16_FP32_MASTER, Precision.AMP_BF16, Precision.AMP_FP16, Precision.FP32):
+        out.append(Candidate("pure bf16 (no fp32 master weights, bf16 optimizer states)", {"precision": "bf16"},
+                             "numerics", 0.0, "no slowdown; bf16 weight updates can stall on small updates "
+                             "(Kahan summation or stochastic rounding advised)"))
+    if training.optimizer in (Optimizer.ADAMW_FOREACH, Optimizer.ADAMW_FUSED):
+        out.append(Candidate("8-bit AdamW (bitsandbytes block-wise states)", {"optimizer": "adamw_8bit"}, "numerics",
+                             0.02, "block-wise quantized states: ~2% slower step, close to 32-bit Adam in quality"))
+    if training.finetune is FineTune.FULL:
+        out.append(Candidate("LoRA r=16 on PEFT's default target modules (base frozen)",
+                             {"finetune": "lora", "lora_rank": 16}, "trained_weights", 0.0, "faster steps (no base gradients); trains adapters, not the "
+                             "full weights"))
+    qlora_cost = ("dequantizes each linear's weights in forward and backward: ~25% slower than LoRA; trains "
+                  "adapters on a quantized base")
+    if training.finetune is FineTune.FULL:
+        out.append(Candidate("QLoRA: 4-bit NF4 base with LoRA r=16 on PEFT's default target modules",
+                             {"finetune": "lora", "lora_rank": 16, "quantization": "nf4"}, "trained_weights", 0.25,
+                             qlora_cost))
+    elif training.finetune is FineTune.LORA and training.quantization is Quantization.NONE \
+            and training.sharding is Sharding.NONE:
+        out.append(Candidate(f"QLoRA: the same LoRA r={training.lora_rank} on a 4-bit NF4 base",
+                             {"quantization": "nf4"}, "numerics", 0.25, qlora_cost))
+    return out
+
+
+def rank_alternatives(alternatives: list, current_recompute_fraction: float | None = None) -> list:
+    """Rank planned alternatives: the ones that fit first, by cost.
+
+    Ranking rule: (1) the category, in :data:`CATEGORIES` order — changes that keep the hardware and the
+    training update come first, then more hardware, then changed numerics (pure bf16, 8-bit states), then
+    training other weights (LoRA, QLoRA); (2) within a category, the least throughput loss
+    (``throughput_loss_fraction``: the change's own cost plus its recompute, k / 3L); (3) the lower
+    predicted peak. When the current plan fits with heavy recompute (``current_recompute_fraction`` given),
+    only alternatives that lose less throughput than that recompute are kept. When nothing fits, the three
+    closest to fitting (smallest ``total_upper_bytes``) are returned instead.
+
+    Args:
+        alternatives: objects with ``fits``, ``category``, ``throughput_loss_fraction``,
+            ``predicted_peak_bytes`` and ``total_upper_bytes`` (:class:`memfit.api.Alternative`).
+        current_recompute_fraction: the current plan's recompute fraction when it fits, else None.
+
+    Raises:
+        ValueError: an unknown category.
+    """
+    for a in alternatives:
+        if a.category not in CATEGORIES:
+            raise ValueError(f"category={a.category!r} must be one of {list(CATEGORIES)}")
+    fitting = [a for a in alternatives if a.fits]
+    if current_recompute_fraction is not None:
+        fitting = [a for a in fitting if a.throughput_loss_fraction < current_recompute_fraction]
+    if not fitting:
+        return [] if current_recompute_fraction is not None else \
+            sorted(alternatives, key=lambda a: a.total_upper_bytes)[:3]
+    return sorted(fitting, key=lambda a: (CATEGORIES.index(a.category), a.throughput_loss_fraction,
+                                          a.predicted_peak_bytes))

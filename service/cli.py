@@ -35,7 +35,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from memfit.api import GPUS, Recommendation, RecommendRequest, TrainingIn
-from memfit.schema import Attention, CheckpointImpl, Optimizer, PipelineSchedule, Precision, Quantization, Sharding
+from memfit.schema import (
+    Attention, CheckpointImpl, Offload, Optimizer, PipelineSchedule, Precision, Quantization, Sharding,
+)
 
 GIB = 1 << 30
 EXIT_FITS, EXIT_NO_ANSWER, EXIT_BAD_INPUT, EXIT_NO_FIT = 0, 1, 2, 3
@@ -53,6 +55,8 @@ FLAG_OF = {
     "training.pipeline_schedule": "--pipeline-schedule", "training.num_micro_batches": "--micro-batches",
     "training.pipeline_chunks_per_rank": "--pipeline-chunks",
     "training.lora_rank": "--lora-rank", "training.checkpoint_impl": "--checkpoint-impl",
+    "training.offload_optimizer": "--offload-optimizer", "training.offload_parameters": "--offload-parameters",
+    "cluster.gpus_per_node": "--gpus-per-node",
     "cluster.gpu": "--gpu", "cluster.gpu_memory_gib": "--gpu-memory-gib", "cluster.gpu_count": "--gpus",
     "cluster": "--gpu/--gpu-memory-gib", "headroom_fraction": "--headroom", "layout": "--layout",
 }
@@ -142,12 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer step fused into backward per parameter (torchtune optimizer_in_bwd)")
     t.add_argument("--quantization", choices=[x.value for x in Quantization],
                    help="QLoRA base weights, with --lora-rank (default: the config's quantization_config, else none)")
+    t.add_argument("--offload-optimizer", choices=[x.value for x in Offload],
+                   help="cpu: optimizer states + fp32 master weights in host memory (ZeRO-Offload; default: none)")
+    t.add_argument("--offload-parameters", choices=[x.value for x in Offload],
+                   help="cpu: parameters in host memory too (ZeRO-3 offload_param, FSDP2 CPUOffloadPolicy; default: "
+                        "none)")
 
     c = r.add_argument_group("cluster (one of --gpu / --gpu-memory-gib)")
     mem = c.add_mutually_exclusive_group(required=True)
     mem.add_argument("--gpu", type=_gpu_name, metavar="NAME", help=f"GPU model, one of: {', '.join(GPUS)}")
     mem.add_argument("--gpu-memory-gib", type=float, metavar="GIB", help="device memory in GiB (instead of --gpu)")
     c.add_argument("--gpus", type=_positive_int, default=1, metavar="N", help="GPUs in the job (default: 1)")
+    c.add_argument("--gpus-per-node", type=_positive_int, metavar="N",
+                   help="GPUs sharing one host, for the host memory of offload (default: min(GPUs, 8))")
     c.add_argument("--headroom", type=float, default=0.05, metavar="FRACTION",
                    help="share of device memory kept free, 0..0.9 (default: 0.05)")
     c.add_argument("--layout", choices=["block", "even"], default="block",
@@ -241,7 +252,8 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
                         ("optimizer_in_backward", "optimizer_in_backward"), ("quantization", "quantization"),
                         ("context_parallel", "context_parallel_size"), ("sequence_parallel", "sequence_parallel"),
                         ("pipeline_schedule", "pipeline_schedule"), ("micro_batches", "num_micro_batches"),
-                        ("pipeline_chunks", "pipeline_chunks_per_rank")):
+                        ("pipeline_chunks", "pipeline_chunks_per_rank"),
+                        ("offload_optimizer", "offload_optimizer"), ("offload_parameters", "offload_parameters")):
         if getattr(a, flag) is not None:
             training[field] = getattr(a, flag)
     if a.sharding is not None or a.zero is not None:
@@ -249,6 +261,8 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
     if a.lora_rank is not None:
         training.update(finetune="lora", lora_rank=a.lora_rank)
     cluster: dict[str, Any] = {"gpu_count": a.gpus}
+    if a.gpus_per_node is not None:
+        cluster["gpus_per_node"] = a.gpus_per_node
     if a.gpu_memory_gib is not None:
         cluster["gpu_memory_gib"] = a.gpu_memory_gib
     else:
@@ -354,6 +368,8 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         head.add_row("shortfall", f"{gib(rec.shortfall_bytes)} GiB")
     if rec.parameters_per_rank is not None:
         head.add_row("parameters per GPU", f"{rec.parameters_per_rank / 1e9:.3f} B")
+    if rec.host_memory_bytes:
+        head.add_row("host memory per node (offload)", f"{gib(rec.host_memory_bytes)} GiB")
     con.print(head)
 
     if rec.stages:
@@ -382,15 +398,18 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         parts.add_column("GiB", justify="right")
         for name, v in {**rec.breakdown, "overhead_bytes": rec.overhead.get("total_bytes", 0)}.items():
             parts.add_row(name.removesuffix("_bytes").replace("_", " "), gib(v))
+        if rec.host_memory_bytes:
+            parts.add_row("host memory per node (not on the device)", gib(rec.host_memory_bytes))
         con.print(parts)
         con.print(curve_chart(rec))
 
     if rec.alternatives:
         alt = Table(title="alternatives")
-        for col in ("change", "fits", "k", "bound+overhead GiB"):
+        for col in ("change", "fits", "k", "bound+overhead GiB", "host GiB", "cost", "path"):
             alt.add_column(col)
         for a in rec.alternatives:
-            alt.add_row(a.description, "yes" if a.fits else "no", str(a.k), gib(a.total_upper_bytes))
+            alt.add_row(a.description, "yes" if a.fits else "no", str(a.k), gib(a.total_upper_bytes),
+                        gib(a.host_memory_bytes) if a.host_memory_bytes else "-", a.cost, a.path)
         con.print(alt)
     for w in rec.warnings:
         con.print(f"[yellow]warning:[/yellow] {w}")

@@ -1,9 +1,10 @@
 """Turn a :class:`memfit.api.RecommendRequest` into a :class:`memfit.api.Recommendation`.
 
 Resolves the model (catalog name, HF config, explicit fields), fills training defaults from the
-cluster, asks :func:`model.recommend.plan` for the curve over k, and — when nothing fits — tries
-concrete alternatives (higher ZeRO stage, smaller micro-batch with gradient accumulation, more GPUs)
-with the same predictor.
+cluster, asks :func:`model.recommend.plan` for the curve over k, and — when nothing fits, or it fits
+only with heavy recompute (k > L/2) — answers "what fits instead": concrete changes
+(:func:`model.recommend.candidate_changes`) each planned through the same curve, ranked by
+:func:`model.recommend.rank_alternatives`.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from memfit.errors import InvalidConfiguration, UnknownArchitecture, pydantic_er
 from memfit.schema import FineTune, ModelSpec, Quantization, Sharding, TrainingConfig
 from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.estimator import PeakMemoryRegressor
+from model.offload import host_memory_bytes
 from model.overhead import OverheadModel
 from model.parallel import pipeline_stages
-from model.recommend import Plan, plan
+from model.recommend import Plan, candidate_changes, needs_alternatives, plan, rank_alternatives
 from model.terms import TermsCache
 
 
@@ -355,10 +357,13 @@ class Recommender:
         self.range = telemetry_range or {}
         self.predictor = MemoryPredictor(est, terms, margins, tracer)
         self.curves = CurveCache(self.predictor)
+        # alternatives are answered from the same terms and estimator but queue no traces: one request must not
+        # start a dozen background traces (an untraced alternative is answered, and labelled, provisional)
+        self._alternative_curves = CurveCache(MemoryPredictor(est, self.predictor.terms, self.predictor.margins))
 
     def _plan(self, spec: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any], req: RecommendRequest,
-              gpu_count: int) -> Plan:
-        return plan(self.curves, spec, training, hf_config=hf_config, capacity_bytes=req.cluster.memory_bytes,
+              gpu_count: int, curves: CurveCache | None = None) -> Plan:
+        return plan(curves or self.curves, spec, training, hf_config=hf_config, capacity_bytes=req.cluster.memory_bytes,
                     headroom_fraction=req.headroom_fraction, device_name=req.cluster.gpu, gpu_count=gpu_count,
                     overhead_model=self.overhead, layout=req.layout)
 
@@ -384,8 +389,8 @@ class Recommender:
             InvalidConfiguration: the item is invalid; the field starts with ``items.<index>``.
         """
         try:
-            c, spec, _, warnings = self._curve(item.model, item.training, item.cluster.gpu_count if item.cluster
-                                               else 1, item.architecture_fallback)
+            c, spec, training, warnings = self._curve(item.model, item.training, item.cluster.gpu_count
+                                                      if item.cluster else 1, item.architecture_fallback)
             if item.k > spec.num_layers:
                 raise InvalidConfiguration("k", f"an integer in [0, num_layers={spec.num_layers}]", item.k)
         except InvalidConfiguration as err:
@@ -397,7 +402,9 @@ class Recommender:
                                                            item.cluster.gpu_count).total_bytes
         return Prediction(predicted_peak_bytes=p.predicted_bytes, upper_bound_bytes=p.upper_bytes,
                           total_upper_bytes=total, breakdown=p.breakdown, num_layers=spec.num_layers, k=item.k,
-                          peak_phase=p.peak_phase, path=c.path, notes=[*warnings, *c.notes])
+                          peak_phase=p.peak_phase, path=c.path, notes=[*warnings, *c.notes],
+                          host_memory_bytes=host_memory_bytes(spec, training, item.cluster.ranks_per_node
+                                                              if item.cluster else 1))
 
     def recommend(self, req: RecommendRequest) -> Recommendation:
         """The answer to one request.
@@ -405,12 +412,12 @@ class Recommender:
         Raises:
             InvalidConfiguration: the request describes no valid model or training (field named).
         """
-        spec, cfg, warnings = resolve_model(req.model, req.architecture_fallback)
-        training, spec = training_config(req.training, spec, req.cluster.gpu_count, cfg)
+        base_spec, cfg, warnings = resolve_model(req.model, req.architecture_fallback)
+        training, spec = training_config(req.training, base_spec, req.cluster.gpu_count, cfg)
         p = self._plan(spec, training, cfg, req, req.cluster.gpu_count)
         at = p.at
         warnings = [*warnings, *p.curve.notes, *self._warnings(spec, training, req, p)]
-        alternatives = [] if p.fits else self._alternatives(spec, training, cfg, req)
+        alternatives = self._alternatives(base_spec, training, cfg, req, p) if needs_alternatives(p) else []
         return Recommendation(
             fits=p.fits, k=p.k, layers=p.layers, num_layers=spec.num_layers,
             predicted_peak_bytes=at.predicted_bytes, upper_bound_bytes=at.upper_bytes,
@@ -424,6 +431,7 @@ class Recommender:
             recompute_overhead_fraction=round(p.recompute_fraction, 4), alternatives=alternatives,
             stages=_stages_out(p), bottleneck_stage=p.curve.pipeline.bottleneck(at.k) if p.curve.pipeline else None,
             parameters_per_rank=max(st.spec.total_params for st in pipeline_stages(spec, training)),
+            host_memory_bytes=host_memory_bytes(spec, training, req.cluster.ranks_per_node),
             model_name=spec.model_name, model_version=self.version, warnings=warnings,
             training=training.model_dump(mode="json", exclude={"checkpoint_layers"}))
 
@@ -445,29 +453,31 @@ class Recommender:
             out.append("no k fits: checkpointing every layer is not enough; see alternatives")
         return out
 
-    def _alternatives(self, spec: ModelSpec, training: TrainingConfig, cfg: dict[str, Any],
-                      req: RecommendRequest) -> list[Alternative]:
-        tries: list[tuple[str, dict[str, Any], TrainingConfig, int]] = []
-        n = req.cluster.gpu_count
-        if n > 1 and training.sharding in (Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2):
-            tries.append((f"ZeRO-3 / FSDP full-shard over {n} GPUs", {"sharding": "zero3", "data_parallel_size": n},
-                          training.model_copy(update={"sharding": Sharding.ZERO3, "data_parallel_size": n}), n))
-        mb = training.micro_batch_size
-        while mb > 1:
-            mb //= 2
-            tries.append((f"micro_batch_size {mb} with {training.micro_batch_size // mb}x gradient accumulation",
-                          {"micro_batch_size": mb, "gradient_accumulation_steps": training.micro_batch_size // mb},
-                          training.model_copy(update={"micro_batch_size": mb}), n))
-        for more in (2 * max(n, 1), 4 * max(n, 1), 8 * max(n, 1)):
-            t = training.model_copy(update={"sharding": Sharding.ZERO3, "data_parallel_size": more})
-            tries.append((f"ZeRO-3 over {more} GPUs", {"gpu_count": more, "sharding": "zero3",
-                                                        "data_parallel_size": more}, t, more))
-        out = []
-        for desc, change, t, gpus in tries:
-            p = self._plan(spec, t, cfg, req, gpus)
-            out.append(Alternative(description=desc, change=change, fits=p.fits, k=p.k,
-                                   predicted_peak_bytes=p.at.predicted_bytes, total_upper_bytes=p.total_upper_bytes[p.at.k]))
-            if p.fits and len([a for a in out if a.fits]) >= 3:
-                break
-        return [a for a in out if a.fits] or out[:3]
+    def _alternatives(self, base_spec: ModelSpec, training: TrainingConfig, cfg: dict[str, Any],
+                      req: RecommendRequest, current: Plan) -> list[Alternative]:
+        """Each candidate change planned through the same curve; ranked by :func:`model.recommend.rank_alternatives`.
 
+        A candidate the schema refuses (e.g. ZeRO on one GPU) is skipped. Returned: the candidates that fit
+        (with heavy recompute: only those that need less recompute than ``current``), ranked; when none
+        fits, the three closest to fitting.
+        """
+        out = []
+        for cand in candidate_changes(training, base_spec, req.cluster.gpu_count):
+            fields = {k: v for k, v in cand.change.items() if k not in ("gpu_count", "gradient_accumulation_steps")}
+            gpus = cand.change.get("gpu_count", req.cluster.gpu_count)
+            try:
+                t_in = TrainingIn.model_validate({**req.training.model_dump(), **fields})
+                t, spec = training_config(t_in, base_spec, gpus, cfg)
+            except (ValidationError, InvalidConfiguration):
+                continue
+            p = self._plan(spec, t, cfg, req, gpus, self._alternative_curves)
+            ranks = min(req.cluster.gpus_per_node or 8, gpus)
+            out.append(Alternative(
+                description=cand.description, change=cand.change, fits=p.fits, k=p.k,
+                predicted_peak_bytes=p.at.predicted_bytes, total_upper_bytes=p.total_upper_bytes[p.at.k],
+                host_memory_bytes=host_memory_bytes(spec, t, ranks), path=p.curve.path,
+                cost=f"{cand.cost}; recompute of {p.k or 0}/{spec.num_layers} layers ~{p.recompute_fraction:.0%}"
+                     " of step compute" if p.fits else cand.cost,
+                category=cand.category,
+                throughput_loss_fraction=round(cand.throughput_loss_fraction + p.recompute_fraction, 4)))
+        return rank_alternatives(out, current_recompute_fraction=current.recompute_fraction if current.fits else None)

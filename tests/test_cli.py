@@ -201,3 +201,13 @@ def test_models_and_gpus_lists(run):
 def test_layer_ranges():
     assert layer_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
     assert layer_ranges([]) == "" and layer_ranges([3]) == "3" and layer_ranges([4, 0, 2]) == "0, 2, 4"
+
+
+def test_offload_flags_show_host_memory(run):
+    code, out, err = run("recommend", "--model", "llama-3-8b", "--gpu", "A100-80GB", "--micro-batch", "1",
+                         "--seq-len", "128", "--precision", "bf16_fp32_master", "--offload-optimizer", "cpu")
+    assert code == 0, err
+    assert "host memory per node (offload)" in out and "179.49 GiB" in out  # 8.03e9 x 16 B x 1.5
+    code, out, err = run("recommend", "--model", "llama-3-8b", "--gpu", "A100-80GB", "--micro-batch", "1",
+                         "--seq-len", "128", "--offload-parameters", "cpu")
+    assert code == 2 and "offload_optimizer='cpu'" in err

@@ -185,3 +185,19 @@ def test_read_back_on_a_read_only_server_is_503(tmp_path, small_registry):
     r = TestClient(app).get("/telemetry/job-00000001")
     assert r.status_code == 503 and "read-only" in r.json()["detail"]
     assert r.headers["content-type"].startswith("application/problem+json")
+def test_offload_values_are_422_naming_the_field_and_answers_carry_host_memory(client):
+    body = {"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64, "offload_optimizer": "nvme"},
+            "cluster": {"gpu": "T4"}}
+    r = client.post("/recommend", json=body)
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
+    assert "offload_optimizer" in r.text and "'none' or 'cpu'" in r.text
+    body["training"] = {"micro_batch_size": 1, "seq_len": 64, "offload_parameters": "cpu"}
+    r = client.post("/recommend", json=body)
+    assert r.status_code == 422 and "needs offload_optimizer='cpu'" in r.text
+    body["training"] = {"micro_batch_size": 1, "seq_len": 64, "offload_optimizer": "cpu"}
+    r = client.post("/recommend", json=body)
+    assert r.status_code == 200
+    rec = r.json()
+    assert rec["host_memory_bytes"] > 0 and rec["breakdown"]["optimizer_states_bytes"] == 0
+    r = client.post("/predict", json={"items": [{**body, "k": 0}]})
+    assert r.status_code == 200 and r.json()["predictions"][0]["host_memory_bytes"] == rec["host_memory_bytes"]

@@ -41,3 +41,20 @@ def test_smoke_sweep_is_resumable_and_monotone(tmp_path, capsys):
 def test_bad_arguments_exit_2(tmp_path, capsys):
     assert main(["--models", "no-such-model", "--db", f"sqlite:///{tmp_path / 'x.db'}", "--quiet"]) == 2
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_offload_families_keep_old_ids():
+    import hashlib
+    from dataclasses import asdict
+
+    from training.sweep import _ADDED_FIELDS, SCHEMA_TAG
+
+    fam = Family("gpt2", 1, 128)
+    old = {k: v for k, v in asdict(fam).items() if k not in _ADDED_FIELDS and k != "extra"}
+    expected = "c" + hashlib.sha256(json.dumps([SCHEMA_TAG, "fake", old, 3], sort_keys=True).encode()).hexdigest()[:31]
+    assert fam.record_id(3, "fake") == expected  # ids of families from before offload are unchanged
+    offloaded = Family("gpt2", 1, 128, offload_optimizer="cpu")
+    assert offloaded.record_id(3, "fake") != expected
+    assert offloaded.training().offload_optimizer.value == "cpu"
+    assert {f.offload_optimizer for f in GRIDS["offload"]().families()} == {"cpu"}
+    assert all(f.offload_optimizer == "none" for f in GRIDS["small"]().families())

@@ -46,8 +46,8 @@ import torch
 from memfit.checkpointing import apply_activation_checkpointing
 from memfit.hf import build_causal_lm, decoder_layers, model_spec, quiet_transformers
 from memfit.schema import (
-    Attention, CheckpointImpl, ClusterSpec, FineTune, Measurement, Method, Optimizer, Phase, Precision, Quantization,
-    Sharding, TelemetryRecord, TrainingConfig,
+    Attention, CheckpointImpl, ClusterSpec, FineTune, Measurement, Method, Offload, Optimizer, Phase, Precision,
+    Quantization, Sharding, TelemetryRecord, TrainingConfig,
 )
 from training.tracker import LiveStorageTracker
 
@@ -85,6 +85,40 @@ class MasterWeightsOptimizer:
         for p, m in zip(self.params, self.masters):
             p.copy_(m)
             m.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+class HostOffloadOptimizer:
+    """ZeRO-Offload's step (Ren et al. 2021, arXiv 2101.06840, Sec. 4.1): the optimizer lives on the host.
+
+    The weight copy the optimizer updates (fp32 master; bf16 in pure bf16 training), its states and a
+    gradient copy in that dtype are made inside ``tracker.on_host()`` (counted as host memory, not
+    device); ``step`` copies each device gradient to the host and frees it, steps the inner optimizer
+    there and copies the updated weights back into the device parameters in place. The device keeps the
+    training-dtype parameters and gradients only.
+    """
+
+    def __init__(self, params, make_inner, tracker, dtype) -> None:
+        self._host = tracker.on_host if tracker is not None else contextlib.nullcontext
+        self.params = [p for p in params if p.requires_grad]
+        with self._host(), torch.no_grad():
+            self.masters = [p.detach().to(dtype, copy=True).requires_grad_(True) for p in self.params]
+            self.inner = make_inner(self.masters)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        with self._host():
+            for p, m in zip(self.params, self.masters):
+                if p.grad is not None:
+                    m.grad = p.grad.to(m.dtype, copy=True)
+                    p.grad = None
+            self.inner.step()
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+                m.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -234,6 +268,9 @@ def max_seq_len(hf_config: dict[str, Any]) -> int | None:
 
 
 def _check_supported(training: TrainingConfig) -> None:
+    if training.offload_parameters is Offload.CPU:
+        raise ValueError("offload_parameters='cpu' is not simulated by the collector: it is composed from the "
+                         "FSDP full-shard trace (model.offload)")
     if training.pipeline_parallel_size != 1 or training.context_parallel_size != 1:
         raise ValueError("the collector runs pipeline_parallel_size=1 and context_parallel_size=1 only "
                          "(model.parallel composes pipeline and context parallelism)")
@@ -322,11 +359,16 @@ class PreparedModel:
         return torch.randint(0, self.spec.vocab_size, (micro_batch_size, seq_len), device=self.on)
 
     def make_optimizer(self):
-        """A fresh optimizer over the trainable parameters (bf16 + fp32 master wrapper where set; one per
-        parameter stepped in backward with ``optimizer_in_backward``: close it with :func:`close_optimizer`)."""
+        """A fresh optimizer over the trainable parameters (bf16 + fp32 master wrapper where set; on the host
+        with ``offload_optimizer='cpu'``; one per parameter stepped in backward with ``optimizer_in_backward``:
+        close it with :func:`close_optimizer`)."""
         kind, group, tracker = self.training.optimizer, self.zero1_group, self.tracker
 
         def make(params):
+            if self.training.offload_optimizer is Offload.CPU:
+                dtype = torch.bfloat16 if self.training.precision is Precision.BF16 else torch.float32
+                return HostOffloadOptimizer(params, lambda ps: make_optimizer(kind, ps, process_group=group,
+                                                                              tracker=tracker), tracker, dtype)
             if self.training.precision is Precision.BF16_FP32_MASTER:
                 return MasterWeightsOptimizer(params, lambda ps: make_optimizer(kind, ps, process_group=group,
                                                                                 tracker=tracker))
@@ -522,6 +564,8 @@ def measure_family(
                 step_time_s=None if device == "fake" or oom else min(step_times),
                 method=method,
                 recomputed_layers=len(plan.recomputed),
+                host_peak_bytes=tracker.host_peak_bytes if tracker and training.offload_optimizer is Offload.CPU
+                else None,
                 **extra,
             )
             yield TelemetryRecord(model=spec, training=training.model_copy(update={"checkpoint_layers": plan_layers}),

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from memfit.checkpointing import apply_activation_checkpointing
-from memfit.schema import CheckpointImpl, Sharding, TrainingConfig
+from memfit.schema import CheckpointImpl, Offload, Sharding, TrainingConfig
 from model.compose import BASIS_NAMES, PHASES, token_basis
 from training.collect import _prime_optimizer, close_optimizer, max_seq_len, prepared_model
 
@@ -278,8 +278,9 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
                 points: list[tuple[int, int]] | None = None) -> PhaseTerms:
     """Trace the four small models of ``hf_config`` under ``training`` and fit per-phase coefficients.
 
-    ``training``'s micro-batch size, sequence length and checkpoint layers are ignored (the traced
-    points and :data:`VARIANTS` replace them); everything else (precision, optimizer, sharding,
+    ``training``'s micro-batch size, sequence length, checkpoint layers and offload settings are ignored
+    (the traced points and :data:`VARIANTS` replace the first three; offload is composed on these terms by
+    :mod:`model.offload`); everything else (precision, optimizer, sharding,
     attention, fine-tuning) is traced as given.
 
     Raises:
@@ -287,6 +288,8 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
         RuntimeError: a phase boundary could not be found in the model's forward.
     """
     t0 = time.perf_counter()
+    # offload is composed on the terms without it (model.offload); the terms key does not hold it
+    training = training.model_copy(update={"offload_optimizer": Offload.NONE, "offload_parameters": Offload.NONE})
     w = None if points else sliding_window_threshold(hf_config)
     regimes = [(points or token_points(hf_config), _pruning_grid(hf_config, hi=(w - 1) if w else None))]
     if w is not None:

@@ -18,6 +18,7 @@ cleanly (families still running are dropped, to be measured by the next run).
     python -m training.sweep --spec training/sweeps/grow-15k.toml --plan     # what a spec would run
     python -m training.sweep --spec training/sweeps/grow-15k.toml --engine dask --workers 15 \
         --budget-s 420 --jsonl out/records.jsonl --db sqlite:///out/telemetry.db
+    python -m training.sweep --grid offload --jsonl data/telemetry/incoming/offload.jsonl   # CPU offload rows
 
 Exit codes: 0 all families measured (or the budget ran out with no failure), 1 some families failed
 (listed), 2 bad arguments.
@@ -67,6 +68,7 @@ class Family:
     quantization: str = "none"
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
+    offload_optimizer: str = "none"
     extra: tuple[tuple[str, Any], ...] = ()
 
     def training(self) -> TrainingConfig:
@@ -91,7 +93,7 @@ class Family:
 
 #: Family fields added later, with their defaults
 _ADDED_FIELDS: dict[str, Any] = {"optimizer_in_backward": False, "quantization": "none",
-                                 "tensor_parallel_size": 1, "sequence_parallel": False}
+                                 "tensor_parallel_size": 1, "sequence_parallel": False, "offload_optimizer": "none"}
 
 
 def k_values(num_layers: int, max_points: int) -> list[int]:
@@ -144,6 +146,7 @@ class SweepGrid:
     k_points: int = 13
     seed: int = 0
     fixed: list[Family] = field(default_factory=list)
+    offload_optimizers: list[str] = field(default_factory=lambda: ["none"])
 
     def families(self) -> list[Family]:
         from data import catalog
@@ -174,6 +177,9 @@ class SweepGrid:
                     lora_rank=rng.choice(self.lora_ranks) if finetune == "lora" else None,
                     frozen_layers=max(1, layers // 4) if finetune == "frozen" else 0,
                     extra=tuple((k, v) for k, v in drawn.items() if k not in defaults or v != defaults[k]),
+                    # drawn only when there is a choice, so the grids without offload sample as before
+                    offload_optimizer=(rng.choice(self.offload_optimizers) if len(self.offload_optimizers) > 1
+                                       else self.offload_optimizers[0]),
                 ))
                 if out[-1].optimizer == "adafactor" and sharding not in ("none", "zero1"):
                     # torch's Adafactor cannot step FSDP2 DTensors (see training/collect.py)
@@ -262,7 +268,53 @@ GRIDS: dict[str, Any] = {
     "small": lambda: SweepGrid(models=["gpt2", "qwen2.5-0.5b"], families_per_model=3, seq_lens=[128, 512],
                                micro_batches=[1, 2], k_points=4),
     "default": lambda: SweepGrid(models=_catalog_names(), fixed=_acceptance_families()),
+    # optimizer CPU offload (ZeRO-Offload through training.collect.HostOffloadOptimizer): device and host bytes
+    "offload": lambda: SweepGrid(models=["gpt2", "qwen2.5-0.5b", "llama-3.2-1b"], families_per_model=4,
+                                 mid_families_per_model=4, seq_lens=[128, 512, 1024], micro_batches=[1, 2],
+                                 k_points=4, offload_optimizers=["cpu"],
+                                 shardings=[("none", [1]), ("zero2", [2, 4]), ("fsdp_full_shard", [2, 8])],
+                                 sharding_weights=[3, 1, 1], finetune_weights=[3, 1, 0]),
 }
+
+
+class JsonlStore:
+    """An append-only JSON-lines file of :class:`memfit.schema.TelemetryRecord` (one per line), with the two
+    methods :func:`run_sweep` uses: the lead merges such files (``data/telemetry/incoming/*.jsonl``) into the
+    shipped dataset. A record whose id is in the file already is a duplicate and is not written again."""
+
+    def __init__(self, path) -> None:
+        from pathlib import Path
+
+        self.path = Path(path)
+
+    def record_ids(self) -> set[str]:
+        if not self.path.exists():
+            return set()
+        return {json.loads(line)["record_id"] for line in self.path.read_text().splitlines() if line.strip()}
+
+    def add(self, records):
+        from data.store import IngestReport
+        from memfit.schema import TelemetryRecord
+
+        have, report = self.record_ids(), IngestReport()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as fh:
+            for i, r in enumerate(records):
+                try:
+                    rec = r if isinstance(r, TelemetryRecord) else TelemetryRecord.model_validate(r)
+                except ValueError as err:
+                    report.rejected.append({"index": i, "record_id": (r or {}).get("record_id"), "reason": str(err)})
+                    continue
+                if rec.record_id in have:
+                    report.duplicates.append(rec.record_id)
+                    continue
+                fh.write(rec.model_dump_json() + "\n")
+                have.add(rec.record_id)
+                report.stored.append(rec.record_id)
+        return report
+
+    def count(self) -> int:
+        return len(self.record_ids())
 
 
 def _catalog_names() -> list[str]:

@@ -16,6 +16,7 @@ PyTorch (CUDA context, cuBLAS workspace, NCCL buffers).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -73,6 +74,12 @@ class LiveStorageTracker(TorchDispatchMode):
         self._in_sharding_prop = 0
         self._fake_mode_on_entry: FakeTensorMode | None = None
         self._untracked: set[int] = set()  # storages that exist but are not PyTorch-allocator memory
+        #: storages made inside :meth:`on_host` (offloaded states): counted here, not in ``live_bytes``
+        self.host_live_bytes = 0
+        self.host_peak_bytes = 0
+        self._host_depth = 0
+        self._host_refs: dict[int, weakref.ref] = {}
+        self._host_sizes: dict[int, int] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _bump(self, delta: int) -> None:
@@ -128,6 +135,36 @@ class LiveStorageTracker(TorchDispatchMode):
         self._bytes[key] = 0
         self._untracked.add(key)
 
+    @contextlib.contextmanager
+    def on_host(self):
+        """Storages first seen inside this block live in host memory (CPU offload): they count towards
+        :attr:`host_live_bytes` / :attr:`host_peak_bytes` and never towards the device's ``live_bytes``."""
+        self._host_depth += 1
+        try:
+            yield self
+        finally:
+            self._host_depth -= 1
+
+    def _track_host(self, t: torch.Tensor) -> None:
+        if t.is_meta or t.layout is not torch.strided:
+            return
+        st = t.untyped_storage()
+        key = id(st)
+        if self.is_tracked(st):
+            return  # a device tensor written in place from the host
+        ref = self._host_refs.get(key)
+        if ref is not None and ref() is st:
+            return
+        size = st.nbytes()
+        self._host_sizes[key] = size
+        self._host_refs[key] = weakref.ref(st, lambda _r, k=key: self._host_freed(k))
+        self.host_live_bytes += size
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
+
+    def _host_freed(self, key: int) -> None:
+        self._host_refs.pop(key, None)
+        self.host_live_bytes -= self._host_sizes.pop(key, 0)
+
     def is_tracked(self, st: torch.UntypedStorage) -> bool:
         ref = self._refs.get(id(st))
         return ref is not None and ref() is st
@@ -153,6 +190,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.peak_phase = self.phase
         self.phase_peaks = {}
         self._phase_peak = self.live_bytes
+        self.host_peak_bytes = self.host_live_bytes
 
     # -- mode ----------------------------------------------------------------------------------
     def __enter__(self):
@@ -217,7 +255,11 @@ class LiveStorageTracker(TorchDispatchMode):
         else:
             out = func(*args, **(kwargs or {}))
         # DTensor sharding propagation runs ops under a nested fake mode: those allocate nothing real.
-        if not self._in_sharding_prop and _active_fake_mode() is self._fake_mode_on_entry:
+        if self._host_depth and not self._in_sharding_prop:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._track_host(t)
+        elif not self._in_sharding_prop and _active_fake_mode() is self._fake_mode_on_entry:
             if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
                 self._track_tensor(out)
             elif isinstance(out, (tuple, list)):  # most multi-output ops return a flat tuple

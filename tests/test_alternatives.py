@@ -1,0 +1,97 @@
+"""'What fits instead' (issue 9, item 6): candidate changes and their ranking rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.api import Alternative
+from memfit.schema import ModelSpec, TrainingConfig
+from model.recommend import CATEGORIES, candidate_changes, needs_alternatives, rank_alternatives
+
+
+def alt(name: str, category: str, loss: float, fits: bool = True, peak: int = 10, total: int = 10) -> Alternative:
+    return Alternative(description=name, change={"x": name}, fits=fits, k=0 if fits else None,
+                       predicted_peak_bytes=peak, total_upper_bytes=total, category=category,
+                       throughput_loss_fraction=loss)
+
+
+def test_rank_by_category_then_throughput_loss_then_peak():
+    ranked = rank_alternatives([
+        alt("lora", "trained_weights", 0.0), alt("bf16", "numerics", 0.0), alt("gpus", "more_hardware", 0.05),
+        alt("offload", "same_training", 0.3), alt("zero3", "same_training", 0.05, peak=20),
+        alt("zero3-bigger-peak", "same_training", 0.05, peak=30), alt("nofit", "same_training", 0.0, fits=False)])
+    assert [a.description for a in ranked] == ["zero3", "zero3-bigger-peak", "offload", "gpus", "bf16", "lora"]
+
+
+def test_heavy_recompute_keeps_only_cheaper_changes():
+    ranked = rank_alternatives([alt("offload", "same_training", 0.3), alt("bf16", "numerics", 0.02),
+                                alt("zero2", "same_training", 0.1)], current_recompute_fraction=0.25)
+    assert [a.description for a in ranked] == ["zero2", "bf16"]
+    assert rank_alternatives([alt("offload", "same_training", 0.3)], current_recompute_fraction=0.2) == []
+
+
+def test_nothing_fits_returns_three_closest():
+    alts = [alt(str(t), "same_training", 0.0, fits=False, total=t) for t in (50, 20, 40, 30)]
+    assert [a.total_upper_bytes for a in rank_alternatives(alts)] == [20, 30, 40]
+
+
+def test_unknown_category_is_refused():
+    with pytest.raises(ValueError, match=r"category='cheap' must be one of \['same_training'"):
+        rank_alternatives([alt("x", "cheap", 0.0)])
+    assert CATEGORIES[0] == "same_training"
+
+
+def test_needs_alternatives_when_no_fit_or_heavy_recompute():
+    class P:  # the two Plan attributes the rule reads
+        def __init__(self, fits, k, L=8):
+            self.fits, self.k = fits, k
+            self.curve = type("C", (), {"points": list(range(L + 1))})()
+
+    assert needs_alternatives(P(False, None))
+    assert needs_alternatives(P(True, 5)) and not needs_alternatives(P(True, 4)) and not needs_alternatives(P(True, 0))
+
+
+def test_candidates_cover_each_kind_of_change():
+    spec = ModelSpec(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, total_params=8_030_261_248,
+                     trainable_params=8_030_261_248)
+    t = TrainingConfig(micro_batch_size=4, seq_len=2048, precision="bf16_fp32_master")
+    cands = candidate_changes(t, spec, 2)
+    changes = [c.change for c in cands]
+    assert {"sharding": "zero2", "data_parallel_size": 2} in changes
+    assert {"sharding": "zero3", "data_parallel_size": 2} in changes
+    assert {"micro_batch_size": 1, "gradient_accumulation_steps": 4} in changes
+    assert {"offload_optimizer": "cpu"} in changes
+    assert {"offload_optimizer": "cpu", "offload_parameters": "cpu", "sharding": "zero3",
+            "data_parallel_size": 2} in changes
+    assert {"gpu_count": 16, "sharding": "zero3", "data_parallel_size": 16} in changes
+    assert {"precision": "bf16"} in changes
+    assert any(c.get("finetune") == "lora" for c in changes)
+    assert {c.category for c in cands} <= set(CATEGORIES)
+    # already offloaded, pure bf16, LoRA: those changes are not offered again
+    done = TrainingConfig(micro_batch_size=1, seq_len=128, precision="bf16", finetune="lora", lora_rank=8,
+                          offload_optimizer="cpu", offload_parameters="cpu")
+    again = [c.change for c in candidate_changes(done, spec, 1)]
+    assert not any("offload_optimizer" in c or "precision" in c or "finetune" in c for c in again)
+
+
+def test_heavy_recompute_gets_cheaper_alternatives_through_the_curve():
+    # Mistral-7B, pure bf16, AdamW, micro-batch 4, seq 4096 on one A100-80GB fits only with 27 of 32 layers
+    # checkpointed (~28 % extra compute): the answer offers the cheaper ways out, each planned on the same curve.
+    from memfit.api import RecommendRequest
+    from model.registry import Registry
+    from service.recommender import Recommender
+
+    loaded = Registry().load()
+    rec = Recommender(loaded.estimator, loaded.version).recommend(RecommendRequest.model_validate({
+        "model": "mistral-7b-v0.1", "training": {"micro_batch_size": 4, "seq_len": 4096, "precision": "bf16",
+                                                 "optimizer": "adamw_foreach", "attention": "flash"},
+        "cluster": {"gpu": "A100-80GB"}}))
+    assert rec.fits and rec.k > rec.num_layers // 2
+    assert rec.alternatives
+    first = rec.alternatives[0]
+    assert first.change == {"micro_batch_size": 1, "gradient_accumulation_steps": 4}
+    assert first.fits and first.k < rec.k and first.path == "traced"
+    assert all(a.fits and a.throughput_loss_fraction < rec.recompute_overhead_fraction for a in rec.alternatives)
+    assert [CATEGORIES.index(a.category) for a in rec.alternatives] == sorted(
+        CATEGORIES.index(a.category) for a in rec.alternatives)
