@@ -188,6 +188,10 @@ class TrainingConfig(_Part):
     data_parallel_size: int = Field(1, ge=1, le=MAX_WORLD)
     tensor_parallel_size: int = Field(1, ge=1, le=1024)
     pipeline_parallel_size: int = Field(1, ge=1, le=1024)
+    expert_parallel_size: int = Field(1, ge=1, le=1024, description=(
+        "MoE: ranks the routed experts are split over (within the data-parallel ranks; tokens all-to-all)"))
+    moe_imbalance_factor: float = Field(1.0, ge=1.0, le=4096.0, description=(
+        "MoE: the hottest expert's share of the routed tokens relative to balanced (1 = balanced)"))
     attention: Attention = Attention.SDPA
     finetune: FineTune = FineTune.FULL
     lora_rank: int | None = Field(None, ge=1, le=4096)
@@ -215,6 +219,9 @@ class TrainingConfig(_Part):
             raise ValueError("frozen_layers must be >= 1 when finetune='frozen'")
         if self.sharding is not Sharding.NONE and self.data_parallel_size < 2:
             raise ValueError(f"sharding={self.sharding.value} needs data_parallel_size >= 2")
+        if self.data_parallel_size % self.expert_parallel_size:
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must divide data_parallel_size="
+                             f"{self.data_parallel_size} (experts are split within the data-parallel ranks)")
         return self
 
 
@@ -326,3 +333,29 @@ class TelemetryRecord(_Part):
 
 #: flat column name -> (part, FieldInfo), for the store and Parquet/CSV
 ROW_FIELDS: dict[str, tuple[str, Any]] = _row_fields()
+
+
+def check_moe_settings(model: ModelSpec, training: TrainingConfig) -> None:
+    """Check the MoE settings of ``training`` against ``model`` (one rule set for the service and collector).
+
+    Raises:
+        memfit.errors.InvalidConfiguration: naming ``training.expert_parallel_size`` (must be 1 for a dense
+            model, else a divisor of ``num_experts``) or ``training.moe_imbalance_factor`` (1 for a dense
+            model, else in [1, num_experts / num_experts_per_token]: the hottest expert cannot receive more
+            than every token).
+    """
+    from memfit.errors import InvalidConfiguration
+
+    ep, f = training.expert_parallel_size, training.moe_imbalance_factor
+    E, k = model.num_experts, model.num_experts_per_token
+    if E is None:
+        if ep != 1:
+            raise InvalidConfiguration("training.expert_parallel_size", "1 for a dense (non-MoE) model", ep)
+        if f != 1.0:
+            raise InvalidConfiguration("training.moe_imbalance_factor", "1 for a dense (non-MoE) model", f)
+        return
+    if E % ep:
+        raise InvalidConfiguration("training.expert_parallel_size", f"a divisor of num_experts={E}", ep)
+    if not 1.0 <= f <= E / k:
+        raise InvalidConfiguration("training.moe_imbalance_factor",
+                                   f"a number in [1, num_experts / num_experts_per_token = {E / k:g}]", f)

@@ -108,6 +108,26 @@ def breakdown(states: ModelStates, predicted_bytes: int, phase: str | None) -> d
     return parts
 
 
+def expert_parallel_rank(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> ModelSpec:
+    """The part of ``model`` one expert-parallel rank holds: its parameter counts with num_experts / P
+    routed experts (counted on a meta build of that shard's config); ``model`` itself when P = 1 or no
+    HF config is given.
+
+    Full fine-tuning trains every parameter of the shard; otherwise (LoRA) the trainable count stays.
+    """
+    ep = training.expert_parallel_size
+    if ep == 1 or hf_config is None or model.num_experts is None:
+        return model
+    from memfit.hf import count_params_from_config
+    from training.moe import local_expert_config
+
+    local = count_params_from_config(local_expert_config(hf_config, ep))
+    extra = model.total_params - count_params_from_config(hf_config)  # LoRA adapters counted in model
+    total = local + max(extra, 0)
+    trainable = total if model.trainable_params >= model.total_params else min(model.trainable_params, total)
+    return model.model_copy(update={"total_params": total, "trainable_params": trainable})
+
+
 class MemoryPredictor:
     """Answers :meth:`curve` from traced terms when it has them, else from the provisional estimator.
 
@@ -140,9 +160,9 @@ class MemoryPredictor:
             ValueError: no path can answer (no terms and no provisional estimator).
         """
         L = model.num_layers
-        states = model_state_bytes(model, training)
+        states = model_state_bytes(expert_parallel_rank(model, training, hf_config), training)
         floor = states.total_bytes
-        reason = not_traceable_reason(model, training)
+        reason = not_traceable_reason(model, training, hf_config)
         key = None
         raw = phases = None
         if reason is None and hf_config is not None:
@@ -184,8 +204,12 @@ class MemoryPredictor:
         notes = []
         if path == PROVISIONAL:
             notes.append(f"provisional answer (learned model): {reason}")
-        if model.num_experts is not None:
-            notes.append("MoE is approximate: expert routing is not traced; the learned model answers")
+        if model.num_experts is not None and path == TRACED:
+            notes.append(f"MoE traced with balanced routing (hottest expert at {training.moe_imbalance_factor:g}x its "
+                         f"balanced share) over {training.expert_parallel_size} expert-parallel rank(s)")
+        elif model.num_experts is not None:
+            notes.append("MoE is approximate: this configuration's expert routing is not traced; the learned "
+                         "model answers")
         if training.sharding is not Sharding.NONE and path == TRACED:
             notes.append(f"sharding traced over a fake process group of {training.data_parallel_size} ranks")
         return Curve(path=path, points=points, floor_bytes=floor, terms_key=key, reason=reason if path ==

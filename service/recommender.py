@@ -29,7 +29,7 @@ from memfit.api import (
     TrainingIn,
 )
 from memfit.errors import InvalidConfiguration, UnknownArchitecture
-from memfit.schema import FineTune, ModelSpec, Sharding, TrainingConfig
+from memfit.schema import FineTune, ModelSpec, Sharding, TrainingConfig, check_moe_settings
 from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.estimator import PeakMemoryRegressor
 from model.overhead import OverheadModel
@@ -192,6 +192,9 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[Tra
     if t.pipeline_parallel_size > spec.num_layers:
         raise InvalidConfiguration("training.pipeline_parallel_size", f"an integer in [1, num_layers="
                                    f"{spec.num_layers}]", t.pipeline_parallel_size)
+    if t.expert_parallel_size > dp or dp % t.expert_parallel_size:
+        raise InvalidConfiguration("training.expert_parallel_size", f"a divisor of the data-parallel size {dp} "
+                                   "(experts are split within the data-parallel ranks)", t.expert_parallel_size)
     trainable = t.trainable_params
     if trainable is None:
         if t.finetune is FineTune.LORA:
@@ -207,11 +210,13 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[Tra
     if t.finetune is FineTune.LORA and fields["lora_rank"] is None:
         fields["lora_rank"] = 8
     try:
-        return TrainingConfig(**fields), spec
+        training = TrainingConfig(**fields)
     except ValidationError as err:  # pragma: no cover - TrainingIn has the same ranges
         e = err.errors()[0]
         raise InvalidConfiguration(f"training.{'.'.join(map(str, e['loc']))}", "see the schema",
                                    message=f"training: {e['msg']}") from err
+    check_moe_settings(spec, training)
+    return training, spec
 
 
 class CurveCache:
