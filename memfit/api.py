@@ -9,6 +9,7 @@ from typing import Annotated, Any, Self
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
+from memfit.errors import InvalidConfiguration
 from memfit.schema import (
     MAX_DEVICE_MEMORY_BYTES, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WORLD, Attention, CheckpointImpl,
     FineTune, Optimizer, Precision, Sharding,
@@ -47,7 +48,7 @@ def gpu_memory_bytes(name: str) -> int:
     for known, size in GPUS.items():
         if known.upper() == key:
             return size
-    raise ValueError(f"unknown gpu {name!r}; known: {sorted(GPUS)} (or give gpu_memory_bytes / gpu_memory_gib)")
+    raise InvalidConfiguration("gpu", f"one of {sorted(GPUS)} (or give gpu_memory_bytes / gpu_memory_gib)", name)
 
 
 #: integers in requests are strict: JSON ``true``, ``4.0`` and ``"4"`` are refused, not read as 1 or 4
@@ -125,7 +126,8 @@ class ClusterIn(_In):
     def _one_size(self) -> Self:
         given = [x is not None for x in (self.gpu, self.gpu_memory_bytes, self.gpu_memory_gib)]
         if sum(given) != 1:
-            raise ValueError("give exactly one of gpu, gpu_memory_bytes, gpu_memory_gib")
+            raise InvalidConfiguration("gpu", "exactly one of gpu, gpu_memory_bytes, gpu_memory_gib", None,
+                                       message="gpu: give exactly one of gpu, gpu_memory_bytes, gpu_memory_gib")
         if self.gpu is not None:
             gpu_memory_bytes(self.gpu)
         return self

@@ -35,6 +35,19 @@ class InvalidConfiguration(MemfitError, ValueError):
                           message=f"{prefix}.{self.message}")
 
 
+def pydantic_error_field(error: dict, path: tuple = ()) -> tuple[str, str, str | None]:
+    """``(field, message, allowed)`` of one pydantic error dict (``ValidationError.errors()`` item) at
+    ``path``: an :class:`InvalidConfiguration` raised inside a model validator names its own field below
+    ``path``; other errors name their location, with pydantic's ``"Value error, "`` prefix removed."""
+    inner = (error.get("ctx") or {}).get("error")
+    if isinstance(inner, InvalidConfiguration):
+        prefix = ".".join(str(x) for x in path)
+        return (f"{prefix}.{inner.field}" if prefix else inner.field,
+                f"{prefix}.{inner.message}" if prefix else inner.message, inner.allowed)
+    field = ".".join(str(x) for x in path) or "body"
+    return field, str(error.get("msg", "")).removeprefix("Value error, "), None
+
+
 class UnknownArchitecture(InvalidConfiguration):
     """A ``model_type`` that neither transformers nor memfit knows; give ``architecture_fallback``
     to have it predicted as a known family."""

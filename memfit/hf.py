@@ -193,6 +193,52 @@ def count_params_from_config(cfg: dict[str, Any]) -> int:
     return count_params(model)[0]
 
 
+def lora_target_shapes(cfg: dict[str, Any], target_modules: list[str] | None) -> tuple[dict[str, list[tuple[int, int]]],
+                                                                                    list[str]]:
+    """The ``(in_features, out_features)`` of every matrix LoRA adapts, per target name, and the names of all
+    adaptable matrices in the decoder layers, from a ``meta``-device build of ``cfg`` (no memory).
+
+    Matching follows PEFT (``peft.tuners.tuners_utils.check_target_module_exists``): a module matches a
+    target when its name equals it or ends with ``"." + target``; ``target_modules=None`` means PEFT's
+    default for the ``model_type`` (``peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``).
+    ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2 family: weight of shape ``(in, out)``) are adaptable.
+
+    Raises:
+        InvalidConfiguration: no default exists for this ``model_type`` (field ``lora_target_modules``).
+    """
+    import torch
+
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover
+        Conv1D = ()
+    if target_modules is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+        target_modules = defaults.get(cfg.get("model_type"))
+        if target_modules is None:
+            raise InvalidConfiguration("lora_target_modules", "a list of module names (PEFT has no default for "
+                                       f"model_type {cfg.get('model_type')!r})", None)
+    with torch.device("meta"):
+        model = build_causal_lm(cfg)
+    layers = decoder_layers(model)
+    shapes: dict[str, list[tuple[int, int]]] = {t: [] for t in target_modules}
+    names: set[str] = set()
+    for layer in layers if layers is not None else []:
+        for name, mod in layer.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                io = (mod.in_features, mod.out_features)
+            elif Conv1D and isinstance(mod, Conv1D):
+                io = (mod.weight.shape[0], mod.weight.shape[1])
+            else:
+                continue
+            names.add(name.rsplit(".", 1)[-1])
+            for t in target_modules:
+                if name == t or name.endswith("." + t):
+                    shapes[t].append(io)
+    return shapes, sorted(names)
+
+
 def model_spec(cfg: dict[str, Any], model=None, *, name: str | None = None) -> ModelSpec:
     """:class:`ModelSpec` for a config dict; parameter counts from ``model`` if given, else from a meta build."""
     fields = spec_fields_from_hf_config(cfg)

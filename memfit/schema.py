@@ -40,6 +40,8 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from memfit.errors import InvalidConfiguration
+
 GIB = 1 << 30
 
 # Upper limits that reject absurd input while admitting every real model and cluster.
@@ -156,24 +158,21 @@ class ModelSpec(_Part):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size}"
-            )
+            raise InvalidConfiguration("num_attention_heads", f"a divisor of hidden_size={self.hidden_size}",
+                                       self.num_attention_heads)
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads={self.num_key_value_heads} must divide "
-                f"num_attention_heads={self.num_attention_heads}"
-            )
+            raise InvalidConfiguration("num_key_value_heads",
+                                       f"a divisor of num_attention_heads={self.num_attention_heads}",
+                                       self.num_key_value_heads)
         if self.trainable_params > self.total_params:
-            raise ValueError(
-                f"trainable_params={self.trainable_params} must be in [0, total_params={self.total_params}]"
-            )
+            raise InvalidConfiguration("trainable_params", f"an integer in [0, total_params={self.total_params}]",
+                                       self.trainable_params)
         if (self.num_experts is None) != (self.num_experts_per_token is None):
-            raise ValueError("num_experts and num_experts_per_token must be given together")
+            raise InvalidConfiguration("num_experts_per_token", "given together with num_experts (both or neither)",
+                                       self.num_experts_per_token)
         if self.num_experts is not None and self.num_experts_per_token > self.num_experts:
-            raise ValueError(
-                f"num_experts_per_token={self.num_experts_per_token} must be in [1, num_experts={self.num_experts}]"
-            )
+            raise InvalidConfiguration("num_experts_per_token", f"an integer in [1, num_experts={self.num_experts}]",
+                                       self.num_experts_per_token)
         return self
 
 
@@ -208,20 +207,23 @@ class TrainingConfig(_Part):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
-            raise ValueError("checkpoint_layers must not repeat an index")
+            raise InvalidConfiguration("checkpoint_layers", "distinct layer indices", self.checkpoint_layers)
         if any(i < 0 for i in self.checkpoint_layers):
-            raise ValueError("checkpoint_layers indices must be >= 0")
+            raise InvalidConfiguration("checkpoint_layers", "layer indices >= 0", self.checkpoint_layers)
         if self.finetune is FineTune.LORA and self.lora_rank is None:
-            raise ValueError("lora_rank is required when finetune='lora' (allowed: 1..4096)")
+            raise InvalidConfiguration("lora_rank", "an integer in [1, 4096] when finetune='lora'", None,
+                                       message="lora_rank: required when finetune='lora' (allowed: 1..4096)")
         if self.finetune is not FineTune.LORA and self.lora_rank is not None:
-            raise ValueError("lora_rank is only allowed with finetune='lora'")
+            raise InvalidConfiguration("lora_rank", "null unless finetune='lora'", self.lora_rank)
         if self.finetune is FineTune.FROZEN and self.frozen_layers == 0:
-            raise ValueError("frozen_layers must be >= 1 when finetune='frozen'")
+            raise InvalidConfiguration("frozen_layers", "an integer >= 1 when finetune='frozen'", self.frozen_layers)
         if self.sharding is not Sharding.NONE and self.data_parallel_size < 2:
-            raise ValueError(f"sharding={self.sharding.value} needs data_parallel_size >= 2")
+            raise InvalidConfiguration("sharding", "'none' when data_parallel_size is 1 (sharding needs >= 2 ranks)",
+                                       self.sharding.value)
         if self.data_parallel_size % self.expert_parallel_size:
-            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must divide data_parallel_size="
-                             f"{self.data_parallel_size} (experts are split within the data-parallel ranks)")
+            raise InvalidConfiguration("expert_parallel_size", f"a divisor of data_parallel_size="
+                                       f"{self.data_parallel_size} (experts are split within the data-parallel "
+                                       "ranks)", self.expert_parallel_size)
         return self
 
 

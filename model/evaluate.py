@@ -422,7 +422,7 @@ class CurveEstimator:
         """Fit the provisional estimator (or take ``provisional``, already fitted) and calibrate the margins."""
         from sklearn.model_selection import GroupShuffleSplit
 
-        from model.curve import DEFAULT_MARGINS, PROVISIONAL, TRACED, TRACED_MARGIN_FLOOR
+        from model.curve import DEFAULT_MARGINS, MARGIN_FLOORS, PROVISIONAL, margin_group
 
         y = np.asarray(y, dtype="float64")
         groups = np.asarray(groups) if groups is not None else group_labels(X)
@@ -435,13 +435,17 @@ class CurveEstimator:
         # traced margin: conformal quantile of relative residuals on held-out architectures
         split = GroupShuffleSplit(n_splits=1, test_size=0.3, random_state=self.random_state)
         _tr, cal = next(split.split(X, y, groups))
-        pred, _u, path = self._curves(self._predictor(self.provisional_, margins), X.iloc[cal])
-        traced = np.array([p == TRACED for p in path])
-        if traced.any():
-            resid = y[cal][traced] / pred[traced] - 1
-            n = resid.size
-            level = min(1.0, np.ceil((n + 1) * (1 - self.alpha)) / n)
-            margins[TRACED] = max(TRACED_MARGIN_FLOOR, float(np.quantile(resid, level, method="higher")))
+        Xc = X.iloc[cal]
+        pred, _u, path = self._curves(self._predictor(self.provisional_, margins), Xc)
+        sharding = Xc["sharding"].fillna("none") if "sharding" in Xc else ["none"] * len(Xc)
+        groups_cal = np.array([margin_group(p, sh) if p else "" for p, sh in zip(path, sharding)])
+        for group, floor in MARGIN_FLOORS.items():  # traced groups: conformal quantile, never below the floor
+            mask = groups_cal == group
+            if mask.any():
+                resid = y[cal][mask] / pred[mask] - 1
+                n = resid.size
+                level = min(1.0, np.ceil((n + 1) * (1 - self.alpha)) / n)
+                margins[group] = max(floor, float(np.quantile(resid, level, method="higher")))
         self.margins_ = margins
         return self
 

@@ -1,7 +1,7 @@
 """From predicted allocated bytes to what actually runs out of memory on a GPU.
 
-A GPU runs out at: allocated bytes + allocator fragmentation (reserved − allocated) + memory held
-outside PyTorch (CUDA context, cuBLAS workspace, NCCL buffers). Defaults, each sourced:
+A GPU runs out at: allocated bytes + allocator fragmentation + memory held outside PyTorch (CUDA
+context, cuBLAS workspace, NCCL buffers). Defaults, each sourced:
 
 * CUDA context: 1343 MiB, the figure HF transformers' "Model training anatomy" guide
   (docs/source/en/model_memory_anatomy.md) shows on a V100 after loading only the CUDA kernels;
@@ -9,16 +9,32 @@ outside PyTorch (CUDA context, cuBLAS workspace, NCCL buffers). Defaults, each s
   per stream (PyTorch docs, "Reproducibility" / CUDA semantics: cuBLAS workspaces);
 * NCCL: 0.5–0.7 GB per process group, as reported in NVIDIA/nccl's GitHub issues on NCCL memory
   use; we take 0.6 GiB when more than one GPU is used;
-* fragmentation: reserved/allocated ratio 1.05 until CUDA telemetry says otherwise.
+* fragmentation: 5 % of the allocated peak until measurements under memory pressure say otherwise.
 
-As soon as telemetry with ``method = cuda`` exists (GPU validation script, or jobs reporting back),
-:meth:`OverheadModel.fit` learns the reserved/allocated ratio (95th percentile) and the outside-PyTorch
-bytes (median) per device name; the defaults stay for devices never seen.
+**What the fake tracker does not see.** On one H200 (torch 2.11, 26 pairs, ``gpu_validate``) the CUDA
+peak allocated bytes were the tracker's plus 66 MiB (median; cuBLAS/cuBLASLt workspaces, which PyTorch
+allocates through its caching allocator) in 21 of 26 pairs; GPT-2 (attention dropout, SDPA and eager)
+was 0.5–0.9 GiB higher at k = 0, only the workspace higher at k = L. :meth:`OverheadModel.fit` uses that median in place of
+the 32 MiB cuBLAS default.
+
+**Fragmentation is measured under pressure, not read from reserved bytes.** The peak *reserved* bytes of
+an unconstrained run are no OOM threshold: with memory to spare the caching allocator keeps freed blocks,
+and when ``cudaMalloc`` fails it releases them and retries. ``training/gpu_pressure.py`` bisects the
+smallest allocator cap (``torch.cuda.set_per_process_memory_fraction``) under which a step still runs.
+On one H200 (2026-11-30, 22 configurations, ``data/telemetry/gpu_validation/h200-2026-11-30``) the step
+needed 0.8–28 % more than its allocated peak with the default allocator (median 7.6 %, growing with the
+number of checkpointed layers), while the unconstrained reserved/allocated ratio was 1.01–1.34; with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` it needed 0.1–6.7 % (median 2.0 %).
+:meth:`OverheadModel.fit` takes the median of the default allocator's figures as the fragmentation
+ratio (the calibrated upper bound and the user's headroom cover the spread), and learns the
+outside-PyTorch bytes (median) per device name from ``method = cuda`` telemetry.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -29,6 +45,28 @@ CUDA_CONTEXT_BYTES = 1343 * MIB
 CUBLAS_WORKSPACE_BYTES = 32 * MIB
 NCCL_BYTES = int(0.6 * GIB)
 FRAGMENTATION_RATIO = 1.05
+#: Shipped GPU pressure measurements (``training/gpu_pressure.py`` output files).
+_VALIDATION_DIR = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "gpu_validation"
+PRESSURE_FILES = sorted(_VALIDATION_DIR.glob("*/gpu_pressure_*.json"))
+#: Shipped GPU validation runs (``training/gpu_validate.py``): CUDA allocated next to the fake tracker.
+VALIDATION_FILES = sorted(_VALIDATION_DIR.glob("*/gpu_validation.json"))
+
+
+def allocated_residuals(paths: list[Path]) -> list[int]:
+    """CUDA peak allocated minus the fake tracker's peak (bytes), per measured pair of validation runs."""
+    return [r["allocated_bytes"] - r["tracker_bytes"] for path in paths
+            for r in json.loads(Path(path).read_text())["rows"] if "tracker_bytes" in r]
+
+
+def pressure_ratios(paths: list[Path]) -> dict[str, list[float]]:
+    """Needed-cap / allocated-peak ratios per allocator setting (``"default"`` or the
+    ``PYTORCH_CUDA_ALLOC_CONF`` value) from ``training/gpu_pressure.py`` output files."""
+    out: dict[str, list[float]] = {}
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        ratios = [r["needed_over_allocated"] for r in run["rows"] if "needed_over_allocated" in r]
+        out.setdefault(run.get("alloc_conf") or "default", []).extend(ratios)
+    return out
 
 
 @dataclass(frozen=True)
@@ -48,48 +86,60 @@ class Overhead:
 
 @dataclass
 class OverheadModel:
-    """Per-device-name overhead; defaults until fitted on CUDA telemetry.
+    """Overhead on top of the predicted allocated peak; defaults until fitted.
 
     Attributes:
-        ratio_by_device: learned reserved/allocated ratio per device name.
+        fragmentation_ratio: needed device bytes / allocated peak bytes (allocator fragmentation).
+        fragmentation_source: where that figure comes from.
         outside_by_device: learned bytes outside PyTorch (context + cuBLAS + NCCL) per device name.
-        rows_by_device: CUDA rows each figure was learned from.
+        rows_by_device: CUDA rows each outside-PyTorch figure was learned from.
     """
 
-    ratio_by_device: dict[str, float] = field(default_factory=dict)
+    fragmentation_ratio: float = FRAGMENTATION_RATIO
+    fragmentation_source: str = "default"
+    cublas_workspace_bytes: int = CUBLAS_WORKSPACE_BYTES
     outside_by_device: dict[str, int] = field(default_factory=dict)
     rows_by_device: dict[str, int] = field(default_factory=dict)
 
-    def fit(self, rows: pd.DataFrame) -> OverheadModel:
-        """Learn from flat telemetry rows with ``method == 'cuda'`` (others are ignored)."""
-        cuda = rows[(rows.get("method") == "cuda") & rows["peak_reserved_bytes"].notna() & ~rows["oom"].astype(bool)]
-        for device, g in cuda.groupby("device_name"):
-            ratio = (g["peak_reserved_bytes"] / g["peak_allocated_bytes"]).to_numpy(dtype=float)
-            self.ratio_by_device[device] = float(max(1.0, np.quantile(ratio, 0.95)))
-            outside = g["outside_torch_bytes"].dropna()
-            if len(outside):
-                self.outside_by_device[device] = int(outside.median())
-            self.rows_by_device[device] = len(g)
+    def fit(self, rows: pd.DataFrame, pressure_files: list[Path] | None = None,
+            validation_files: list[Path] | None = None) -> OverheadModel:
+        """Learn the outside-PyTorch bytes per device from flat telemetry rows with ``method == 'cuda'``
+        (others are ignored), the fragmentation ratio from GPU pressure measurements (default: the shipped
+        :data:`PRESSURE_FILES`) and the allocated bytes the tracker misses (cuBLAS workspaces) from GPU
+        validation runs (default: :data:`VALIDATION_FILES`)."""
+        if len(rows):
+            cuda = rows[(rows.get("method") == "cuda") & ~rows["oom"].astype(bool)]
+            for device, g in cuda.groupby("device_name"):
+                outside = g["outside_torch_bytes"].dropna()
+                if len(outside):
+                    self.outside_by_device[device] = int(outside.median())
+                    self.rows_by_device[device] = len(outside)
+        measured = pressure_ratios(PRESSURE_FILES if pressure_files is None else pressure_files).get("default", [])
+        if measured:
+            self.fragmentation_ratio = float(max(1.0, np.median(measured)))
+            self.fragmentation_source = f"median of {len(measured)} GPU pressure measurements (default allocator)"
+        residuals = allocated_residuals(VALIDATION_FILES if validation_files is None else validation_files)
+        if residuals:
+            self.cublas_workspace_bytes = int(np.median(residuals))
         return self
 
     def overhead(self, allocated_bytes: float, device_name: str | None, gpu_count: int) -> Overhead:
         """Overhead for a predicted allocated peak on ``device_name`` in a job of ``gpu_count`` GPUs."""
-        ratio = self.ratio_by_device.get(device_name or "", FRAGMENTATION_RATIO)
+        fragmentation = int(allocated_bytes * (self.fragmentation_ratio - 1))
         nccl = NCCL_BYTES if gpu_count > 1 else 0
         if device_name in self.outside_by_device:
-            outside = self.outside_by_device[device_name]
             # the learned figure comes from single-GPU validation runs: NCCL is added for multi-GPU jobs
-            return Overhead(int(allocated_bytes * (ratio - 1)), outside, 0, nccl,
-                            f"learned from {self.rows_by_device[device_name]} cuda rows on {device_name}")
-        return Overhead(int(allocated_bytes * (ratio - 1)), CUDA_CONTEXT_BYTES, CUBLAS_WORKSPACE_BYTES, nccl,
-                        "default" if device_name not in self.ratio_by_device else
-                        f"fragmentation learned from {self.rows_by_device[device_name]} cuda rows")
+            return Overhead(fragmentation, self.outside_by_device[device_name], self.cublas_workspace_bytes, nccl,
+                            f"outside PyTorch learned from {self.rows_by_device[device_name]} cuda rows on "
+                            f"{device_name}; fragmentation: {self.fragmentation_source}")
+        return Overhead(fragmentation, CUDA_CONTEXT_BYTES, self.cublas_workspace_bytes, nccl,
+                        f"default; fragmentation: {self.fragmentation_source}")
 
     def to_dict(self) -> dict:
-        return {"ratio_by_device": self.ratio_by_device, "outside_by_device": self.outside_by_device,
-                "rows_by_device": self.rows_by_device}
+        return {"fragmentation_ratio": self.fragmentation_ratio, "fragmentation_source": self.fragmentation_source,
+                "cublas_workspace_bytes": self.cublas_workspace_bytes, "outside_by_device": self.outside_by_device, "rows_by_device": self.rows_by_device}
 
     @classmethod
     def from_dict(cls, d: dict) -> OverheadModel:
-        return cls(dict(d.get("ratio_by_device", {})), {k: int(v) for k, v in d.get("outside_by_device", {}).items()},
-                   dict(d.get("rows_by_device", {})))
+        return cls(float(d.get("fragmentation_ratio", FRAGMENTATION_RATIO)), d.get("fragmentation_source", "default"),
+                   int(d.get("cublas_workspace_bytes", CUBLAS_WORKSPACE_BYTES)), {k: int(v) for k, v in d.get("outside_by_device", {}).items()}, dict(d.get("rows_by_device", {})))

@@ -37,9 +37,10 @@ log = logging.getLogger("memfit.service")
 
 def _overhead_from(store: TelemetryStore | None) -> OverheadModel:
     """Learn the GPU overhead from CUDA telemetry in the store (defaults when there is none)."""
-    if store is None:
-        return OverheadModel()
     import pandas as pd
+
+    if store is None:
+        return OverheadModel().fit(pd.DataFrame())
     import sqlalchemy as sa
 
     t = store.table
@@ -47,7 +48,7 @@ def _overhead_from(store: TelemetryStore | None) -> OverheadModel:
                   t.c.outside_torch_bytes, t.c.oom).where(t.c.method == "cuda")
     with store.engine.connect() as conn:
         rows = pd.DataFrame(conn.execute(q).mappings().all())
-    return OverheadModel().fit(rows) if len(rows) else OverheadModel()
+    return OverheadModel().fit(rows)
 
 
 def open_store(settings: Settings) -> tuple[TelemetryStore | None, str | None]:

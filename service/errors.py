@@ -32,7 +32,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from memfit.errors import InvalidConfiguration, Unavailable
+from memfit.errors import InvalidConfiguration, Unavailable, pydantic_error_field
 
 log = logging.getLogger("memfit.service")
 PROBLEM = "application/problem+json"
@@ -108,11 +108,10 @@ def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] 
                                                     f"{e.get('ctx', {}).get('error', e['msg'])}"})
             continue
         path = loc[1:] if loc and loc[0] == "body" else loc
-        field = ".".join(str(x) for x in path) or "body"
-        msg = e["msg"]
+        field, msg, allowed = pydantic_error_field(e, path)
         if e.get("type") == "finite_number":
             msg = "must be a finite number (NaN and Infinity are not numbers)"
-        allowed = allowed_range(body_model, path)
+        allowed = allowed or allowed_range(body_model, path)
         item = {"field": field, "message": msg}
         if allowed:
             item["allowed"] = allowed

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from functools import lru_cache
 from typing import Any
 
+import pandas as pd
 from pydantic import ValidationError
 
 from memfit.api import (
@@ -28,7 +29,7 @@ from memfit.api import (
     RecommendRequest,
     TrainingIn,
 )
-from memfit.errors import InvalidConfiguration, UnknownArchitecture
+from memfit.errors import InvalidConfiguration, UnknownArchitecture, pydantic_error_field
 from memfit.schema import FineTune, ModelSpec, Sharding, TrainingConfig, check_moe_settings
 from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.estimator import PeakMemoryRegressor
@@ -75,9 +76,12 @@ def _spec(fields: dict[str, Any], **counts: int) -> ModelSpec:
         return ModelSpec(**fields, **counts)
     except ValidationError as err:
         e = err.errors()[0]
-        field = ".".join(map(str, e["loc"])) or "hf_config"
-        raise InvalidConfiguration(field, "consistent shapes", message=f"{field}: {e['msg']}".replace(
-            "Value error, ", "")) from err
+        field, message, allowed = pydantic_error_field(e, tuple(e["loc"]))
+        if field == "body":  # a model-level error that names no field
+            field, message = "hf_config", f"hf_config: {message}"
+        elif not message.startswith(field):
+            message = f"{field}: {message}"
+        raise InvalidConfiguration(field, allowed or "consistent shapes", message=message) from err
 
 
 def resolve_model(model: str | dict[str, Any] | ArchitectureIn,
@@ -154,12 +158,26 @@ def warm_up() -> int:
     return n
 
 
-def lora_trainable_params(spec: ModelSpec, rank: int, target_modules: list[str] | None = None) -> int:
-    """Trainable parameters of LoRA: ``rank × (in + out)`` per adapted matrix per layer (Hu et al. 2021,
-    arXiv 2106.09685, Sec. 4). ``target_modules`` are PEFT names of Llama-style projections; None means
-    PEFT's default for Llama-style models, the query and value projections. Unknown names count as a
-    hidden × hidden matrix.
+def lora_trainable_params(spec: ModelSpec, rank: int, target_modules: list[str] | None = None,
+                          hf_config: dict[str, Any] | None = None) -> int:
+    """Trainable parameters of LoRA: ``rank × (in + out)`` per adapted matrix (Hu et al. 2021,
+    arXiv 2106.09685, Sec. 4).
+
+    With ``hf_config`` the adapted matrices are those of the real model that PEFT would match
+    (:func:`memfit.hf.lora_target_shapes`; ``None`` targets mean PEFT's default for the family). Without
+    it, ``target_modules`` are Llama-style projection names (None: query and value projections).
+
+    Raises:
+        InvalidConfiguration: a target name matches no linear module of the model's decoder layers
+            (field ``training.lora_target_modules``, allowed: the model's module names).
     """
+    if hf_config is not None:
+        shapes, names = _lora_shapes(json.dumps(hf_config, sort_keys=True), tuple(target_modules or ()) or None)
+        missing = [t for t, found in shapes.items() if not found]
+        if missing:
+            raise InvalidConfiguration("training.lora_target_modules", f"names of linear modules in this model's "
+                                       f"decoder layers: {names}", missing)
+        return rank * sum(i + o for found in shapes.values() for i, o in found)
     h, f = spec.hidden_size, spec.intermediate_size
     d = spec.head_dim or h // spec.num_attention_heads
     q_out, kv_out = spec.num_attention_heads * d, spec.num_key_value_heads * d
@@ -169,7 +187,18 @@ def lora_trainable_params(spec: ModelSpec, rank: int, target_modules: list[str] 
     return spec.num_layers * rank * sum(sum(dims.get(t, (h, h))) for t in targets)
 
 
-def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[TrainingConfig, ModelSpec]:
+@lru_cache(maxsize=256)
+def _lora_shapes(cfg_json: str, targets: tuple[str, ...] | None):
+    from memfit.hf import lora_target_shapes
+
+    try:
+        return lora_target_shapes(json.loads(cfg_json), list(targets) if targets else None)
+    except InvalidConfiguration as err:
+        raise err.within("training") from err
+
+
+def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
+                    hf_config: dict[str, Any] | None = None) -> tuple[TrainingConfig, ModelSpec]:
     """Full TrainingConfig (k = 0) and the spec with the trainable count this fine-tune implies.
 
     Raises:
@@ -196,9 +225,13 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[Tra
         raise InvalidConfiguration("training.expert_parallel_size", f"a divisor of the data-parallel size {dp} "
                                    "(experts are split within the data-parallel ranks)", t.expert_parallel_size)
     trainable = t.trainable_params
+    if trainable is not None and trainable > spec.total_params + (spec.total_params if t.finetune is FineTune.LORA
+                                                                   else 0):
+        raise InvalidConfiguration("training.trainable_params", f"an integer in [0, total_params="
+                                   f"{spec.total_params}] (LoRA adapters may add at most as many again)", trainable)
     if trainable is None:
         if t.finetune is FineTune.LORA:
-            trainable = lora_trainable_params(spec, t.lora_rank or 8, t.lora_target_modules)
+            trainable = lora_trainable_params(spec, t.lora_rank or 8, t.lora_target_modules, hf_config)
         elif t.finetune is FineTune.FROZEN:
             trainable = spec.total_params * (spec.num_layers - t.frozen_layers) // spec.num_layers
         else:
@@ -212,9 +245,8 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> tuple[Tra
     try:
         training = TrainingConfig(**fields)
     except ValidationError as err:  # pragma: no cover - TrainingIn has the same ranges
-        e = err.errors()[0]
-        raise InvalidConfiguration(f"training.{'.'.join(map(str, e['loc']))}", "see the schema",
-                                   message=f"training: {e['msg']}") from err
+        field, message, allowed = pydantic_error_field(err.errors()[0], ("training", *err.errors()[0]["loc"]))
+        raise InvalidConfiguration(field, allowed or "see the schema", message=message) from err
     check_moe_settings(spec, training)
     return training, spec
 
@@ -266,7 +298,7 @@ class Recommender:
                  telemetry_range: dict[str, float] | None = None, terms: TermsCache | None = None,
                  margins: dict[str, float] | None = None, tracer: Any = None) -> None:
         self.est, self.version = est, version
-        self.overhead = overhead or OverheadModel()
+        self.overhead = overhead or OverheadModel().fit(pd.DataFrame())  # shipped GPU pressure figures
         self.range = telemetry_range or {}
         self.predictor = MemoryPredictor(est, terms, margins, tracer)
         self.curves = CurveCache(self.predictor)
@@ -289,7 +321,7 @@ class Recommender:
     def _curve(self, model: Any, training_in: TrainingIn, gpu_count: int,
                architecture_fallback: str | None = None) -> tuple[Curve, ModelSpec, TrainingConfig, list[str]]:
         spec, cfg, warnings = resolve_model(model, architecture_fallback)
-        training, spec = training_config(training_in, spec, gpu_count)
+        training, spec = training_config(training_in, spec, gpu_count, cfg)
         return self.curves.curve(spec, training, cfg), spec, training, warnings
 
     def predict(self, item: PredictItem, index: int = 0) -> Prediction:
@@ -321,7 +353,7 @@ class Recommender:
             InvalidConfiguration: the request describes no valid model or training (field named).
         """
         spec, cfg, warnings = resolve_model(req.model, req.architecture_fallback)
-        training, spec = training_config(req.training, spec, req.cluster.gpu_count)
+        training, spec = training_config(req.training, spec, req.cluster.gpu_count, cfg)
         p = self._plan(spec, training, cfg, req, req.cluster.gpu_count)
         at = p.at
         warnings = [*warnings, *p.curve.notes, *self._warnings(spec, training, req, p)]

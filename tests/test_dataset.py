@@ -84,7 +84,7 @@ def test_peak_at_least_model_states(df):
 
 def test_saving_grows_with_tokens(df):
     f = df[(df.model_name == "llama-3.2-1b") & (df.precision == "amp_bf16") & (df.optimizer == "adamw_foreach")
-           & (df.sharding == "none") & (df.finetune == "full") & (df.attention == "sdpa")]
+           & (df.sharding == "none") & (df.finetune == "full") & (df.attention == "sdpa") & (df.method != "cuda")]
     saved = {}
     for (mb, seq), g in f.groupby(["micro_batch_size", "seq_len"]):
         ks = g.set_index("num_checkpointed_layers")["peak_allocated_bytes"]

@@ -19,7 +19,7 @@ def test_roundtrip_through_flat_row():
         (dict(num_key_value_heads=3), "num_key_value_heads"),
         (dict(checkpoint_layers=[0, 1, 2, 3, 4]), "num_layers=4"),
         (dict(checkpoint_layers=[7]), "[0, 3]"),
-        (dict(checkpoint_layers=[1, 1]), "repeat"),
+        (dict(checkpoint_layers=[1, 1]), "checkpoint_layers: must be distinct"),
         (dict(micro_batch_size=0), "micro_batch_size"),
         (dict(seq_len=-5), "seq_len"),
         (dict(trainable_params=200_000), "trainable_params"),

@@ -50,7 +50,7 @@ def test_recommend_llama_8b(server):
                                   "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
                                   "total_params": 10**15}}, "total_params"),
     ({**LLAMA8B_8xH100, "cluster": {"gpu": "H100-80GB", "gpu_count": 8, "gpu_memory_gib": 80}}, "exactly one"),
-    ({**LLAMA8B_8xH100, "cluster": {"gpu": "TPU-v9"}}, "unknown gpu"),
+    ({**LLAMA8B_8xH100, "cluster": {"gpu": "TPU-v9"}}, "cluster.gpu: must be one of"),
     ({**LLAMA8B_8xH100, "headroom_fraction": 2}, "headroom_fraction"),
 ])
 def test_bad_recommend_inputs_are_problems(server, body, word):

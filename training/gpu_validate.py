@@ -38,7 +38,7 @@ ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_MODULE_LOADI
 CONFIGS: list[tuple[Family, list[int]]] = [
     (Family("gpt2", 4, 1024), [0, 6, 12]),
     (Family("gpt2", 8, 1024, attention="eager"), [0, 12]),
-    (Family("gpt2-medium", 4, 2048, precision="amp_fp16"), [0, 24]),
+    (Family("gpt2-medium", 4, 1024, precision="amp_fp16"), [0, 24]),
     (Family("qwen2.5-0.5b", 4, 2048), [0, 12, 24]),
     (Family("qwen2.5-0.5b", 2, 4096, precision="bf16"), [0, 24]),
     (Family("llama-3.2-1b", 2, 4096), [0, 8, 16]),
