@@ -349,8 +349,14 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
         layers = decoder_layers(model)
         model = _apply_finetune(model, training, layers)
         spec = model_spec(built_config, model, name=model_name)  # counts include LoRA adapters
-        if ep > 1:  # the record describes the whole model; the counts are the rank's (its local experts)
-            spec = spec.model_copy(update={"num_experts": num_experts})
+        if ep > 1:  # the record describes the whole model (all experts), as a user would give it
+            from memfit.hf import count_params_from_config
+
+            extra = spec.total_params - count_params_from_config(built_config)  # LoRA adapters
+            total = count_params_from_config(hf_config) + extra
+            trainable = total if spec.trainable_params == spec.total_params else spec.trainable_params
+            spec = spec.model_copy(update={"num_experts": num_experts, "total_params": total,
+                                           "trainable_params": trainable})
         check_moe_settings(spec, training)
         reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
         apply_activation_checkpointing(model, [], layers=layers, use_reentrant=reentrant)
