@@ -62,7 +62,10 @@ def test_expert_parallel_and_imbalance_fake_equal_real_cpu():
                        expert_parallel_size=2, moe_imbalance_factor=2.0)
     fake, cpu = (measure(TINY_MOE["mixtral"], t, device=d) for d in ("fake", "cpu"))
     assert fake.measurement.peak_allocated_bytes == cpu.measurement.peak_allocated_bytes
-    assert fake.model.num_experts == 4  # the record names the whole model's experts
+    from memfit.hf import count_params_from_config
+
+    assert fake.model.num_experts == 4  # the record describes the whole model: all experts and their parameters
+    assert fake.model.total_params == count_params_from_config(TINY_MOE["mixtral"])
 
 
 def test_imbalance_changes_memory_only_through_expert_parallelism():
