@@ -28,6 +28,8 @@ Every curve is shaped the same way, by construction:
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,14 +135,21 @@ def expert_parallel_rank(model: ModelSpec, training: TrainingConfig, hf_config: 
     ep = training.expert_parallel_size
     if ep == 1 or hf_config is None or model.num_experts is None:
         return model
-    from memfit.hf import count_params_from_config
     from training.moe import local_expert_config
 
-    local = count_params_from_config(local_expert_config(hf_config, ep))
-    extra = model.total_params - count_params_from_config(hf_config)  # LoRA adapters counted in model
+    local = _param_count(json.dumps(local_expert_config(hf_config, ep), sort_keys=True))
+    extra = model.total_params - _param_count(json.dumps(hf_config, sort_keys=True))  # LoRA adapters in model
     total = local + max(extra, 0)
     trainable = total if model.trainable_params >= model.total_params else min(model.trainable_params, total)
     return model.model_copy(update={"total_params": total, "trainable_params": trainable})
+
+
+@functools.lru_cache(maxsize=256)
+def _param_count(hf_config_json: str) -> int:
+    """Parameters of the model a HF config (JSON text) describes, counted on a meta build, memoised."""
+    from memfit.hf import count_params_from_config
+
+    return count_params_from_config(json.loads(hf_config_json))
 
 
 class MemoryPredictor:

@@ -108,6 +108,17 @@ def test_composed_moe_peak_equals_full_measurement(family, fields):
     curve = compose(terms.coef, L, b, s, terms.depths)
     for k, m in zip(ks, measured):
         assert abs(int(curve.peak_bytes[k]) - m) / m < 2e-3, (k, int(curve.peak_bytes[k]), m)
+    # the one curve answers on the traced path; with EP its state floor is the rank's (E/P experts), not the model's
+    from data import catalog
+    from model.curve import TRACED, MemoryPredictor
+    from model.terms import TermsCache, terms_key
+
+    cache = TermsCache(shipped_dir=None)
+    cache.put(terms_key(cfg, training), terms.to_json())
+    c = MemoryPredictor(None, cache).curve(catalog.spec(cfg), t, cfg)
+    assert c.path == TRACED and not any("approximate" in n for n in c.notes)
+    for k, m in zip(ks, measured):
+        assert abs(c.points[k].predicted_bytes - m) / m < 2e-3, (k, c.points[k].predicted_bytes, m)
 
 
 def test_not_traceable_moe_setups_are_named():

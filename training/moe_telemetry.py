@@ -55,7 +55,7 @@ REDUCED_MOE: dict[str, dict[str, Any]] = {
 SETTINGS: list[tuple[dict[str, Any], list[tuple[int, int]]]] = [
     ({"precision": "bf16", "optimizer": "adamw_foreach"}, [(1, 512), (2, 1024), (4, 2048)]),
     ({"precision": "amp_bf16", "optimizer": "adamw_fused"}, [(1, 1024), (2, 2048), (8, 512)]),
-    ({"precision": "bf16", "finetune": "lora", "lora_rank": 16, "lora_target_modules": ["q_proj", "v_proj"],
+    ({"precision": "bf16", "finetune": "lora", "lora_rank": 16, "lora_target_modules": ["o_proj"],  # every family has it (MLA too)
       "sharding": "fsdp_full_shard", "data_parallel_size": 2}, [(2, 1024), (4, 4096)]),
     ({"precision": "bf16", "data_parallel_size": 4, "expert_parallel_size": 4, "moe_imbalance_factor": 1.5},
      [(2, 1024), (4, 2048)]),

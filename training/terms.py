@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from data import catalog
+from memfit.errors import UnknownModel
 from memfit.schema import FineTune, Optimizer, Precision, TrainingConfig
 from model.terms import not_traceable_reason, terms_key, training_key_fields
 
@@ -39,7 +40,12 @@ def jobs_from_telemetry(path: str | Path) -> list[tuple[str, TrainingConfig]]:
     out, seen = [], set()
     for _, row in df.iterrows():
         rec = TelemetryRecord.from_row(row.to_dict())
-        if not_traceable_reason(rec.model, rec.training) or rec.model.model_name is None:
+        name = rec.model.model_name
+        try:  # rows of architectures outside the catalog (reduced-width MoE rows, user uploads) are skipped
+            cfg = catalog.get(name)["hf_config"] if name is not None else None
+        except UnknownModel:
+            cfg = None
+        if cfg is None or not_traceable_reason(rec.model, rec.training, cfg):
             continue
         sig = (rec.model.model_name, json.dumps(training_key_fields(rec.training), sort_keys=True))
         if sig not in seen:
