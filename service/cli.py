@@ -50,6 +50,7 @@ FLAG_OF = {
     "training.lora_rank": "--lora-rank", "training.checkpoint_impl": "--checkpoint-impl",
     "cluster.gpu": "--gpu", "cluster.gpu_memory_gib": "--gpu-memory-gib", "cluster.gpu_count": "--gpus",
     "cluster": "--gpu/--gpu-memory-gib", "headroom_fraction": "--headroom", "layout": "--layout",
+    "training.expert_parallel_size": "--expert-parallel", "training.moe_imbalance_factor": "--moe-imbalance",
 }
 
 
@@ -123,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lora-rank", type=_positive_int, metavar="R", help="LoRA fine-tune with this rank (default: full)")
     t.add_argument("--checkpoint-impl", choices=[x.value for x in CheckpointImpl],
                    help=f"torch.utils.checkpoint flavour (default: {_default('checkpoint_impl')})")
+    t.add_argument("--expert-parallel", type=_positive_int, metavar="N",
+                   help=f"MoE: ranks the experts are split over (default: {_default('expert_parallel_size')})")
+    t.add_argument("--moe-imbalance", type=float, metavar="F",
+                   help=f"MoE: the hottest expert's share relative to balanced, >= 1 "
+                        f"(default: {_default('moe_imbalance_factor')})")
 
     c = r.add_argument_group("cluster (one of --gpu / --gpu-memory-gib)")
     mem = c.add_mutually_exclusive_group(required=True)
@@ -218,7 +224,8 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
     training: dict[str, Any] = {"micro_batch_size": a.micro_batch, "seq_len": a.seq_len}
     for flag, field in (("precision", "precision"), ("optimizer", "optimizer"), ("attention", "attention"),
                         ("data_parallel", "data_parallel_size"), ("tensor_parallel", "tensor_parallel_size"),
-                        ("pipeline_parallel", "pipeline_parallel_size"), ("checkpoint_impl", "checkpoint_impl")):
+                        ("pipeline_parallel", "pipeline_parallel_size"), ("checkpoint_impl", "checkpoint_impl"),
+                        ("expert_parallel", "expert_parallel_size"), ("moe_imbalance", "moe_imbalance_factor")):
         if getattr(a, flag) is not None:
             training[field] = getattr(a, flag)
     if a.sharding is not None or a.zero is not None:

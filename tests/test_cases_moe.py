@@ -64,3 +64,12 @@ def test_dense_model_refuses_expert_parallelism(recommender):
     with pytest.raises(InvalidConfiguration) as err:
         recommender.recommend(req)
     assert err.value.field == "training.expert_parallel_size" and "dense" in str(err.value)
+
+
+def test_cli_passes_expert_parallel_and_names_the_field(small_registry, capsys):
+    from service.cli import EXIT_BAD_INPUT, main
+
+    code = main(["recommend", "--model", "mixtral-8x7b", "--gpu", "H200", "--gpus", "6", "--micro-batch", "1",
+                 "--seq-len", "512", "--expert-parallel", "3", "--registry", str(small_registry.root)])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and "training.expert_parallel_size" in err and "num_experts=8" in err
