@@ -346,8 +346,6 @@ def check_moe_settings(model: ModelSpec, training: TrainingConfig) -> None:
             model, else in [1, num_experts / num_experts_per_token]: the hottest expert cannot receive more
             than every token).
     """
-    from memfit.errors import InvalidConfiguration
-
     ep, f = training.expert_parallel_size, training.moe_imbalance_factor
     E, k = model.num_experts, model.num_experts_per_token
     if E is None:
