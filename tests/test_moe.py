@@ -147,5 +147,5 @@ def test_moe_settings_are_checked_against_the_model():
         check_moe_settings(spec, TrainingConfig(micro_batch_size=1, seq_len=8, data_parallel_size=3,
                                                 expert_parallel_size=3))
     assert err.value.field == "training.expert_parallel_size"
-    with pytest.raises(ValueError, match="expert_parallel_size=2 must divide data_parallel_size=1"):
+    with pytest.raises(ValueError, match="expert_parallel_size: must be a divisor of data_parallel_size=1"):
         TrainingConfig(micro_batch_size=1, seq_len=8, expert_parallel_size=2)
