@@ -108,6 +108,10 @@ class TrainingIn(_In):
     num_micro_batches: StrictInt | None = Field(None, ge=1, le=1 << 16,
                                                 description="micro-batches per step through the pipeline (default: pp)")
     pipeline_chunks_per_rank: StrictInt = Field(2, ge=1, le=128, description="model chunks per rank, interleaved_1f1b")
+    expert_parallel_size: StrictInt = Field(1, ge=1, le=1024, description=(
+        "MoE: ranks the routed experts are split over, a divisor of num_experts and of the data-parallel size"))
+    moe_imbalance_factor: float = Field(1.0, ge=1.0, le=4096.0, description=(
+        "MoE: the hottest expert's share of routed tokens relative to balanced, in [1, num_experts / top-k]"))
     attention: Attention = Attention.SDPA
     finetune: FineTune = FineTune.FULL
     lora_rank: StrictInt | None = Field(None, ge=1, le=4096)

@@ -106,7 +106,8 @@ def spec_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if tie is not None and not isinstance(tie, bool):
         raise InvalidConfiguration("tie_word_embeddings", "true or false", tie)
     out["tie_word_embeddings"] = True if tie is None else tie  # HF PretrainedConfig default is True
-    key = "num_local_experts" if cfg.get("num_local_experts") else "num_experts" if cfg.get("num_experts") else None
+    # routed experts: Mixtral's num_local_experts, Qwen-MoE/OLMoE's num_experts, DeepSeek's n_routed_experts
+    key = next((k for k in ("num_local_experts", "num_experts", "n_routed_experts") if cfg.get(k)), None)
     if key is not None:
         out["num_experts"] = _int(cfg, key, "num_experts")
         out["num_experts_per_token"] = (_int(cfg, "num_experts_per_tok", "num_experts_per_token")

@@ -249,6 +249,10 @@ class TrainingConfig(_Part):
     num_micro_batches: int | None = Field(None, ge=1, le=1 << 16,
                                           description="micro-batches per step and pipeline (default: pp)")
     pipeline_chunks_per_rank: int = Field(2, ge=1, le=128, description="model chunks per rank (interleaved only)")
+    expert_parallel_size: int = Field(1, ge=1, le=1024, description=(
+        "MoE: ranks the routed experts are split over (within the data-parallel ranks; tokens all-to-all)"))
+    moe_imbalance_factor: float = Field(1.0, ge=1.0, le=4096.0, description=(
+        "MoE: the hottest expert's share of the routed tokens relative to balanced (1 = balanced)"))
     attention: Attention = Attention.SDPA
     finetune: FineTune = FineTune.FULL
     lora_rank: int | None = Field(None, ge=1, le=4096)
@@ -299,6 +303,10 @@ class TrainingConfig(_Part):
             raise InvalidConfiguration("tensor_parallel_size", f"a divisor of seq_len={self.seq_len} with "
                                        "sequence_parallel", self.tensor_parallel_size)
         check_offload(self.offload_optimizer, self.offload_parameters, self.sharding, self.data_parallel_size)
+        if self.data_parallel_size % self.expert_parallel_size:
+            raise InvalidConfiguration("expert_parallel_size", f"a divisor of data_parallel_size="
+                                       f"{self.data_parallel_size} (experts are split within the data-parallel "
+                                       "ranks)", self.expert_parallel_size)
         return self
 
     @property
@@ -454,3 +462,27 @@ class TelemetryRecord(_Part):
 
 #: flat column name -> (part, FieldInfo), for the store and Parquet/CSV
 ROW_FIELDS: dict[str, tuple[str, Any]] = _row_fields()
+
+
+def check_moe_settings(model: ModelSpec, training: TrainingConfig) -> None:
+    """Check the MoE settings of ``training`` against ``model`` (one rule set for the service and collector).
+
+    Raises:
+        memfit.errors.InvalidConfiguration: naming ``training.expert_parallel_size`` (must be 1 for a dense
+            model, else a divisor of ``num_experts``) or ``training.moe_imbalance_factor`` (1 for a dense
+            model, else in [1, num_experts / num_experts_per_token]: the hottest expert cannot receive more
+            than every token).
+    """
+    ep, f = training.expert_parallel_size, training.moe_imbalance_factor
+    E, k = model.num_experts, model.num_experts_per_token
+    if E is None:
+        if ep != 1:
+            raise InvalidConfiguration("training.expert_parallel_size", "1 for a dense (non-MoE) model", ep)
+        if f != 1.0:
+            raise InvalidConfiguration("training.moe_imbalance_factor", "1 for a dense (non-MoE) model", f)
+        return
+    if E % ep:
+        raise InvalidConfiguration("training.expert_parallel_size", f"a divisor of num_experts={E}", ep)
+    if not 1.0 <= f <= E / k:
+        raise InvalidConfiguration("training.moe_imbalance_factor",
+                                   f"a number in [1, num_experts / num_experts_per_token = {E / k:g}]", f)

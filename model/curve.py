@@ -34,6 +34,8 @@ with a cluster scale it by their ranks per node); the bound takes the margin of 
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +139,33 @@ def breakdown(states: ModelStates, predicted_bytes: int, phase: str | None) -> d
     return parts
 
 
+def expert_parallel_rank(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> ModelSpec:
+    """The part of ``model`` one expert-parallel rank holds: its parameter counts with num_experts / P
+    routed experts (counted on a meta build of that shard's config); ``model`` itself when P = 1 or no
+    HF config is given.
+
+    Full fine-tuning trains every parameter of the shard; otherwise (LoRA) the trainable count stays.
+    """
+    ep = training.expert_parallel_size
+    if ep == 1 or hf_config is None or model.num_experts is None:
+        return model
+    from training.moe import local_expert_config
+
+    local = _param_count(json.dumps(local_expert_config(hf_config, ep), sort_keys=True))
+    extra = model.total_params - _param_count(json.dumps(hf_config, sort_keys=True))  # LoRA adapters in model
+    total = local + max(extra, 0)
+    trainable = total if model.trainable_params >= model.total_params else min(model.trainable_params, total)
+    return model.model_copy(update={"total_params": total, "trainable_params": trainable})
+
+
+@functools.lru_cache(maxsize=256)
+def _param_count(hf_config_json: str) -> int:
+    """Parameters of the model a HF config (JSON text) describes, counted on a meta build, memoised."""
+    from memfit.hf import count_params_from_config
+
+    return count_params_from_config(json.loads(hf_config_json))
+
+
 class MemoryPredictor:
     """Answers :meth:`curve` from traced terms when it has them, else from the provisional estimator.
 
@@ -174,11 +203,12 @@ class MemoryPredictor:
             return self._offload_curve(model, training, hf_config)
         L = model.num_layers
         pp_or_cp = training.pipeline_parallel_size > 1 or training.context_parallel_size > 1
-        stage_states = [model_state_bytes(st.spec, training) for st in pipeline_stages(model, training)]
+        rank_model = expert_parallel_rank(model, training, hf_config)  # MoE: one rank's share of the experts
+        stage_states = [model_state_bytes(st.spec, training) for st in pipeline_stages(rank_model, training)]
         states = max(stage_states, key=lambda x: x.total_bytes)  # per rank: TP-sharded, the fullest stage
         floor = states.total_bytes
         pipe = None
-        reason = not_traceable_reason(model, training)
+        reason = not_traceable_reason(model, training, hf_config)
         key = None
         raw = phases = phase_bytes = None
         if reason is None and hf_config is not None:
@@ -218,8 +248,12 @@ class MemoryPredictor:
         notes = []
         if path == PROVISIONAL:
             notes.append(f"provisional answer (learned model): {reason}")
-        if model.num_experts is not None:
-            notes.append("MoE is approximate: expert routing is not traced; the learned model answers")
+        if model.num_experts is not None and path == TRACED:
+            notes.append(f"MoE traced with balanced routing (hottest expert at {training.moe_imbalance_factor:g}x its "
+                         f"balanced share) over {training.expert_parallel_size} expert-parallel rank(s)")
+        elif model.num_experts is not None:
+            notes.append("MoE is approximate: this configuration's expert routing is not traced; the learned "
+                         "model answers")
         if training.tensor_parallel_size > 1 and path == TRACED:
             notes.append(f"tensor parallelism{' + sequence parallelism' if training.sequence_parallel else ''} "
                          f"traced with DTensor over a fake process group of {training.tensor_parallel_size} ranks "

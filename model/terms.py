@@ -28,17 +28,41 @@ _IGNORED_KEYS = frozenset({"_name_or_path", "transformers_version", "architectur
                            "quantization_config", "_commit_hash", "output_attentions", "output_hidden_states"})
 
 
-def not_traceable_reason(model: ModelSpec, training: TrainingConfig) -> str | None:
+def _mixes_dense_and_moe_layers(hf_config: dict[str, Any]) -> bool:
+    """Whether some decoder layers of an MoE model are dense (DeepSeek's ``first_k_dense_replace``,
+    Qwen-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``): the one- and two-layer traced models would
+    not hold both kinds. Read from the built HF config (its defaults included:
+    DeepSeek-V3's ``first_k_dense_replace`` defaults to 3)."""
+    from memfit.hf import _hf_config
+
+    conf = _hf_config(hf_config)
+    dense_first = getattr(conf, "first_k_dense_replace", 0) or 0
+    step = getattr(conf, "decoder_sparse_step", 1) or 1
+    freq = getattr(conf, "moe_layer_freq", 1) or 1
+    return bool(dense_first or getattr(conf, "mlp_only_layers", None) or step != 1 or freq != 1)
+
+
+def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
+                         hf_config: dict[str, Any] | None = None) -> str | None:
     """Why the traced path can't answer this configuration (None when it can).
 
-    Not covered: MoE (data-dependent routing under fake tensors), ``frozen`` fine-tuning (its layers
+    Not covered: MoE models that mix dense and MoE decoder layers (``hf_config`` keys
+    ``first_k_dense_replace``, ``mlp_only_layers``, ``decoder_sparse_step``), expert parallelism with
+    sharded parameters or with fewer local experts than the top-k, ``frozen`` fine-tuning (its layers
     are not alike), ZeRO-1 (``ZeroRedundancyOptimizer`` assigns whole parameters to ranks greedily, so
     rank 0's share of a 1- or 2-layer model does not compose), tensor parallelism outside the
     Llama-style families or combined with sharding or adapters. Pipeline and context parallelism are
     composed on top of the traced terms (:mod:`model.parallel`), so they do not block the traced path.
+    MoE routing itself is traced with a balanced deterministic router (:func:`training.moe.balanced_routing`).
     """
     if model.num_experts is not None:
-        return "MoE routing is data-dependent under fake tensors"
+        if hf_config is not None and _mixes_dense_and_moe_layers(hf_config):
+            return "MoE model with dense and MoE decoder layers mixed (only uniform layers are traced)"
+        ep = training.expert_parallel_size
+        if ep > 1 and training.sharding is not Sharding.NONE:
+            return "expert parallelism is traced with sharding=none only"
+        if ep > 1 and model.num_experts // ep < (model.num_experts_per_token or 1):
+            return "expert parallelism with fewer local experts than the top-k is not traced"
     if training.finetune is FineTune.FROZEN:
         return "frozen fine-tuning mixes frozen and trainable layers"
     if training.sharding is Sharding.ZERO1:
@@ -85,7 +109,19 @@ def training_key_fields(training: TrainingConfig) -> dict[str, Any]:
         **({"quantization": training.quantization.value} if training.quantization is not Quantization.NONE else {}),
         **({"tensor_parallel_size": training.tensor_parallel_size, "sequence_parallel": training.sequence_parallel}
            if training.tensor_parallel_size > 1 else {}),
-    }
+    } | _moe_key_fields(training)
+
+
+def _moe_key_fields(training: TrainingConfig) -> dict[str, Any]:
+    """MoE settings in the key only where they change the traced footprint (dense keys stay as they were).
+
+    Without expert parallelism the imbalance factor is left out: under ``grouped_mm`` a rank's footprint
+    does not depend on how its T·k rows spread over the experts (``tests/test_moe.py`` checks this).
+    """
+    if training.expert_parallel_size == 1:
+        return {}
+    return {"expert_parallel_size": training.expert_parallel_size,
+            "moe_imbalance_factor": training.moe_imbalance_factor}
 
 
 def terms_key(hf_config: dict[str, Any], training: TrainingConfig) -> str:

@@ -59,6 +59,7 @@ FLAG_OF = {
     "cluster.gpus_per_node": "--gpus-per-node",
     "cluster.gpu": "--gpu", "cluster.gpu_memory_gib": "--gpu-memory-gib", "cluster.gpu_count": "--gpus",
     "cluster": "--gpu/--gpu-memory-gib", "headroom_fraction": "--headroom", "layout": "--layout",
+    "training.expert_parallel_size": "--expert-parallel", "training.moe_imbalance_factor": "--moe-imbalance",
 }
 
 
@@ -151,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--offload-parameters", choices=[x.value for x in Offload],
                    help="cpu: parameters in host memory too (ZeRO-3 offload_param, FSDP2 CPUOffloadPolicy; default: "
                         "none)")
+    t.add_argument("--expert-parallel", type=_positive_int, metavar="N",
+                   help=f"MoE: ranks the experts are split over (default: {_default('expert_parallel_size')})")
+    t.add_argument("--moe-imbalance", type=float, metavar="F",
+                   help=f"MoE: the hottest expert's share relative to balanced, >= 1 "
+                        f"(default: {_default('moe_imbalance_factor')})")
 
     c = r.add_argument_group("cluster (one of --gpu / --gpu-memory-gib)")
     mem = c.add_mutually_exclusive_group(required=True)
@@ -253,7 +259,8 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
                         ("context_parallel", "context_parallel_size"), ("sequence_parallel", "sequence_parallel"),
                         ("pipeline_schedule", "pipeline_schedule"), ("micro_batches", "num_micro_batches"),
                         ("pipeline_chunks", "pipeline_chunks_per_rank"),
-                        ("offload_optimizer", "offload_optimizer"), ("offload_parameters", "offload_parameters")):
+                        ("offload_optimizer", "offload_optimizer"), ("offload_parameters", "offload_parameters"),
+                        ("expert_parallel", "expert_parallel_size"), ("moe_imbalance", "moe_imbalance_factor")):
         if getattr(a, flag) is not None:
             training[field] = getattr(a, flag)
     if a.sharding is not None or a.zero is not None:

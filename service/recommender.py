@@ -31,7 +31,7 @@ from memfit.api import (
     TrainingIn,
 )
 from memfit.errors import InvalidConfiguration, UnknownArchitecture, pydantic_error_field
-from memfit.schema import FineTune, ModelSpec, Quantization, Sharding, TrainingConfig
+from memfit.schema import FineTune, ModelSpec, Quantization, Sharding, TrainingConfig, check_moe_settings
 from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.estimator import PeakMemoryRegressor
 from model.offload import host_memory_bytes
@@ -280,6 +280,9 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
     if t.pipeline_parallel_size > spec.num_layers:
         raise InvalidConfiguration("training.pipeline_parallel_size", f"an integer in [1, num_layers="
                                    f"{spec.num_layers}]", t.pipeline_parallel_size)
+    if t.expert_parallel_size > dp or dp % t.expert_parallel_size:
+        raise InvalidConfiguration("training.expert_parallel_size", f"a divisor of the data-parallel size {dp} "
+                                   "(experts are split within the data-parallel ranks)", t.expert_parallel_size)
     trainable = t.trainable_params
     if trainable is not None and trainable > spec.total_params + (spec.total_params if t.finetune is FineTune.LORA
                                                                    else 0):
@@ -300,10 +303,12 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
     if t.finetune is FineTune.LORA and fields["lora_rank"] is None:
         fields["lora_rank"] = 8
     try:
-        return TrainingConfig(**fields), spec
+        training = TrainingConfig(**fields)
     except ValidationError as err:  # pragma: no cover - TrainingIn has the same ranges
         field, message, allowed = pydantic_error_field(err.errors()[0], ("training", *err.errors()[0]["loc"]))
         raise InvalidConfiguration(field, allowed or "see the schema", message=message) from err
+    check_moe_settings(spec, training)
+    return training, spec
 
 
 class CurveCache:

@@ -78,21 +78,7 @@ def test_mistral_7b_full_finetune_on_one_a100_80gb(recommender):
     assert rec.usable_bytes == int(int(79.15 * GIB) * 0.95)  # the card as PyTorch sees it, 5 % headroom
 
 
-def test_mixtral_8x7b_lora_fsdp_on_two_a100_80gb(recommender):
-    # Mixtral-8x7B, LoRA r16 on q,k,v,o, FSDP full shard over 2 x A100-80GB, pure bf16, AdamW, flash attention,
-    # seq 4096, micro-batch 4, every layer checkpointed: ran at 53.59 GiB allocated. MoE is not traced: the
-    # answer must say that it is approximate.
-    req = RecommendRequest.model_validate({
-        "model": "mixtral-8x7b",
-        "training": {"micro_batch_size": 4, "seq_len": 4096, "precision": "bf16", "attention": "flash",
-                     "finetune": "lora", "lora_rank": 16,
-                     "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
-                     "sharding": "fsdp_full_shard"},
-        "cluster": {"gpu": "A100-80GB", "gpu_count": 2}})
-    rec = recommender.recommend(req)
-    assert rec.path == "provisional"
-    assert any("MoE is approximate" in w for w in rec.warnings)
-    assert rec.curve[-1].predicted_bytes >= 43.5 * GIB  # bf16 weights alone: 46.7e9 x 2 B / 2 ranks
+# Mixtral-8x7B LoRA + FSDP over 2 x A100-80GB: moved to tests/test_cases_moe.py (MoE is traced now)
 
 
 def test_llama_2_7b_fsdp_on_four_rtx_4090(recommender):

@@ -19,17 +19,20 @@ from service.recommender import Recommender, lora_trainable_params
 GIB = 1 << 30
 
 
-def _shipped_entries() -> list[dict]:
+def _shipped_entries(pattern: str = "*.jsonl") -> list[dict]:
     out = []
-    for path in sorted(SHIPPED_DIR.glob("*.jsonl")):
+    for path in sorted(SHIPPED_DIR.glob(pattern)):
         out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return out
 
 
-ENTRIES_ALL = _shipped_entries()
-#: single-rank entries (the random draws below stay those of the suite before tensor-parallel terms shipped)
+#: every shipped terms file but the MoE one (checked on its own below: adding entries reshuffles the draws)
+ENTRIES_ALL = [e for path in sorted(SHIPPED_DIR.glob("*.jsonl")) if path.name != "moe.jsonl"
+               for e in _shipped_entries(path.name)]
+#: single-rank dense entries (the random draws below stay those of the suite before tensor-parallel terms shipped)
 ENTRIES = [e for e in ENTRIES_ALL if "tensor_parallel_size" not in e["training"]]
 TP_ENTRIES = [e for e in ENTRIES_ALL if "tensor_parallel_size" in e["training"]]
+MOE_ENTRIES = _shipped_entries("moe.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +175,20 @@ def test_parallel_sizes_must_fit_the_model(recommender, training, field):
     with pytest.raises(InvalidConfiguration) as err:
         recommender.recommend(req)
     assert err.value.field == field
+
+
+def test_property_moe_curves_are_monotone_and_above_the_floor(predictor):
+    """The shipped MoE terms (balanced routing): the same shape guarantees over micro-batch and sequence length."""
+    assert {e["model_name"] for e in MOE_ENTRIES} == {"mixtral-8x7b"}
+    for entry in MOE_ENTRIES:
+        for mb in (1, 2, 5, 16):
+            for seq in (128, 1000, 4096, 20000):
+                spec, training, hf = _config(entry, mb, seq)
+                c = predictor.curve(spec, training, hf)
+                assert c.path == TRACED
+                pts = np.array([p.predicted_bytes for p in c.points])
+                assert (np.diff(pts) <= 0).all() and (pts >= c.floor_bytes).all()
+                more = predictor.curve(spec, training.model_copy(update={"micro_batch_size": mb + 1}), hf)
+                longer = predictor.curve(spec, training.model_copy(update={"seq_len": seq + 256}), hf)
+                assert all(a.predicted_bytes <= b.predicted_bytes for a, b in zip(c.points, more.points))
+                assert all(a.predicted_bytes <= b.predicted_bytes for a, b in zip(c.points, longer.points))

@@ -23,6 +23,11 @@ Sharding is measured by running FSDP2 ``fully_shard`` over a fake process group 
   state between steps is lower.
 * ``zero1`` -> ``torch.distributed.optim.ZeroRedundancyOptimizer`` (optimizer states sharded only).
 
+MoE models are routed deterministically while measured (:func:`training.moe.balanced_routing`: every
+expert gets its balanced share of tokens, or the hottest ``moe_imbalance_factor`` times it), so the
+step's shapes are known under fake tensors and a real CPU run routes identically. Expert parallelism
+(``expert_parallel_size`` > 1, with ``sharding=none``) is measured on one rank's shard of the experts.
+
 Mixed precision with sharding uses FSDP2's ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=fp32)``
 instead of autocast, which is how FSDP2 users train.
 
@@ -47,7 +52,7 @@ from memfit.checkpointing import apply_activation_checkpointing
 from memfit.hf import build_causal_lm, decoder_layers, model_spec, quiet_transformers
 from memfit.schema import (
     Attention, CheckpointImpl, ClusterSpec, FineTune, Measurement, Method, Offload, Optimizer, Phase, Precision,
-    Quantization, Sharding, TelemetryRecord, TrainingConfig,
+    Quantization, Sharding, TelemetryRecord, TrainingConfig, check_moe_settings,
 )
 from training.tracker import LiveStorageTracker
 
@@ -287,6 +292,11 @@ def _check_supported(training: TrainingConfig) -> None:
     if training.quantization is not Quantization.NONE and training.sharding is not Sharding.NONE:
         raise ValueError(f"quantization={training.quantization.value} is collected with sharding='none' only "
                          f"(got sharding={training.sharding.value!r})")
+    if training.expert_parallel_size > 1 and training.sharding is not Sharding.NONE:
+        # FSDP would shard the local experts over all data-parallel ranks instead of the expert-data-parallel
+        # group (data_parallel_size / expert_parallel_size), which the fake process group does not model
+        raise ValueError(f"expert_parallel_size={training.expert_parallel_size} is simulated with sharding=none "
+                         f"only; got sharding={training.sharding.value}")
     if training.optimizer is Optimizer.ADAFACTOR and training.sharding in _FSDP_RESHARD:
         # torch.optim.Adafactor squares its row/column means in place; on FSDP2's DTensor parameters those
         # are _NormPartial placements, and DTensor refuses in-place ops that change placement (torch 2.13).
@@ -404,6 +414,11 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
     if limit is not None and training.seq_len > limit:
         raise ValueError(f"seq_len={training.seq_len} exceeds this model's learned position embeddings: "
                          f"allowed 1..{limit}")
+    from training.moe import balanced_routing, local_expert_config, num_routed_experts
+
+    num_experts = num_routed_experts(hf_config)
+    ep = training.expert_parallel_size
+    built_config = local_expert_config(hf_config, ep) if ep > 1 else hf_config
     torch.manual_seed(seed)
     ctx, method = _device_context(device)
     world = training.data_parallel_size
@@ -433,7 +448,7 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
     else:
         kernel_ctx = contextlib.nullcontext()
     with quiet_transformers(), sdpa_ctx, ctx, (tracker or contextlib.nullcontext()), kernel_ctx:
-        model = build_causal_lm(hf_config, dtype=param_dtype(training.precision), attention=training.attention.value)
+        model = build_causal_lm(built_config, dtype=param_dtype(training.precision), attention=training.attention.value)
         if model.config._attn_implementation == "eager" and training.attention is not Attention.EAGER:
             training = training.model_copy(update={"attention": Attention.EAGER})  # family lacks SDPA
         if quantized:
@@ -443,7 +458,16 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
             quantize_base_linears(model, training.quantization, storage_dtype=half, compute_dtype=half)
         layers = decoder_layers(model)
         model = _apply_finetune(model, training, layers)
-        spec = model_spec(hf_config, model, name=model_name)  # counts include LoRA adapters
+        spec = model_spec(built_config, model, name=model_name)  # counts include LoRA adapters
+        if ep > 1:  # the record describes the whole model (all experts), as a user would give it
+            from memfit.hf import count_params_from_config
+
+            extra = spec.total_params - count_params_from_config(built_config)  # LoRA adapters
+            total = count_params_from_config(hf_config) + extra
+            trainable = total if spec.trainable_params == spec.total_params else spec.trainable_params
+            spec = spec.model_copy(update={"num_experts": num_experts, "total_params": total,
+                                           "trainable_params": trainable})
+        check_moe_settings(spec, training)
         reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
         apply_activation_checkpointing(model, [], layers=layers, use_reentrant=reentrant)
         if tp_mesh is not None:
@@ -459,10 +483,14 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
             for layer in layers:
                 fully_shard(layer, **kw)
             fully_shard(model, **kw)
-        yield PreparedModel(model=model, layers=layers, spec=spec, training=training, tracker=tracker,
-                            cluster=cluster, use_autocast=amp_dtype is not None and mesh is None, amp_dtype=amp_dtype,
-                            on=on, zero1_group=group if training.sharding is Sharding.ZERO1 else None,
-                            method=method, vocab_parallel=tp_mesh is not None)
+        routing = balanced_routing(model, imbalance_factor=training.moe_imbalance_factor, expert_parallel_size=ep,
+                                   num_experts=num_experts) if num_experts else contextlib.nullcontext()
+        with routing:
+            yield PreparedModel(model=model, layers=layers, spec=spec, training=training, tracker=tracker,
+                                cluster=cluster, use_autocast=amp_dtype is not None and mesh is None,
+                                amp_dtype=amp_dtype, on=on,
+                                zero1_group=group if training.sharding is Sharding.ZERO1 else None, method=method,
+                                vocab_parallel=tp_mesh is not None)
 
 
 def measure(

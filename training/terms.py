@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from data import catalog
+from memfit.errors import UnknownModel
 from memfit.schema import FineTune, Optimizer, Precision, TrainingConfig
 from model.terms import not_traceable_reason, terms_key, training_key_fields
 
@@ -39,7 +40,12 @@ def jobs_from_telemetry(path: str | Path) -> list[tuple[str, TrainingConfig]]:
     out, seen = [], set()
     for _, row in df.iterrows():
         rec = TelemetryRecord.from_row(row.to_dict())
-        if not_traceable_reason(rec.model, rec.training) or rec.model.model_name is None:
+        name = rec.model.model_name
+        try:  # rows of architectures outside the catalog (reduced-width MoE rows, user uploads) are skipped
+            cfg = catalog.get(name)["hf_config"] if name is not None else None
+        except UnknownModel:
+            cfg = None
+        if cfg is None or not_traceable_reason(rec.model, rec.training, cfg):
             continue
         sig = (rec.model.model_name, json.dumps(training_key_fields(rec.training), sort_keys=True))
         if sig not in seen:
@@ -56,14 +62,20 @@ PUBLIC_CASE_JOBS = [
                                   sharding="fsdp_full_shard", data_parallel_size=4)),
 ]
 
+#: MoE public cases (tests/test_cases_moe.py); traced with balanced routing, written to data/terms/moe.jsonl
+MOE_CASE_JOBS = [
+    # Mixtral-8x7B, LoRA r16 on q,k,v,o, FSDP full shard over 2 GPUs, pure bf16, AdamW
+    ("mixtral-8x7b", TrainingConfig(micro_batch_size=4, seq_len=4096, precision=Precision.BF16, finetune=FineTune.LORA,
+                                    lora_rank=16, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                    sharding="fsdp_full_shard", data_parallel_size=2)),
+]
+
 
 def default_jobs() -> list[tuple[str, TrainingConfig]]:
-    """Every catalog architecture (MoE excluded) under :data:`DEFAULT_SETTINGS`, full fine-tune, and
-    :data:`PUBLIC_CASE_JOBS`."""
-    out = list(PUBLIC_CASE_JOBS)
+    """Every catalog architecture (MoE ones included, traced with balanced routing) under
+    :data:`DEFAULT_SETTINGS`, full fine-tune, :data:`PUBLIC_CASE_JOBS` and :data:`MOE_CASE_JOBS`."""
+    out = list(PUBLIC_CASE_JOBS) + list(MOE_CASE_JOBS)
     for name in catalog.names():
-        if catalog.spec(name).num_experts is not None:
-            continue
         for s in DEFAULT_SETTINGS:
             out.append((name, TrainingConfig(micro_batch_size=1, seq_len=1024, finetune=FineTune.FULL, **s)))
     return out
