@@ -88,9 +88,14 @@ def test_qwen25_72b_tensor_8_by_zero3_data_8_holds_a_64th_of_the_states(recommen
     rec = recommender.recommend(req)
     per_rank = rec.parameters_per_rank
     assert per_rank == pytest.approx(72.7e9 / 8, rel=0.01)
-    states = sum(rec.breakdown[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_states_bytes"))
-    assert states == pytest.approx(16 * per_rank / 8, rel=0.001)  # fp32 weights + grads + AdamW, / 8 ZeRO-3 ranks
-    assert 16 * GIB < states < 18 * GIB
-    # every point of the curve stays below the unsharded, un-tensor-parallel states (135 GiB) by far
-    assert max(p.predicted_bytes for p in rec.curve) < 45 * GIB
-    assert rec.curve[-1].predicted_bytes <= rec.curve[0].predicted_bytes and rec.fits
+    # fp32 weights and AdamW moments of the rank's TP shard, / 8 ZeRO-3 ranks (gradients not yet made at the
+    # peak, in the head's backward): 4 + 8 bytes of 9.09 B / 8 = 12.7 GiB, not 135 GiB
+    assert rec.peak_phase == "bwd.head" and rec.breakdown["gradients_bytes"] == 0
+    assert rec.breakdown["parameters_bytes"] == pytest.approx(4 * per_rank / 8, rel=0.001)
+    assert rec.breakdown["optimizer_states_bytes"] == pytest.approx(8 * per_rank / 8, rel=0.001)
+    # traced on a 2-D (dp 8, tp 8) mesh (shipped terms): activations without sequence parallelism are ~0.55 GiB
+    # per layer and rank at seq 4096, so every layer un-checkpointed still fits an H100 (65 GiB, bound 73 GiB)
+    assert rec.path == "traced"
+    assert any("fake process group of 8 ranks" in w for w in rec.warnings)
+    assert 60 * GIB < rec.curve[0].predicted_bytes < 70 * GIB and rec.curve[-1].predicted_bytes < 25 * GIB
+    assert rec.fits and rec.k == 0

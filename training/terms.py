@@ -70,6 +70,9 @@ PUBLIC_CASE_JOBS = [
     ("llama-3-8b", TrainingConfig(micro_batch_size=2, seq_len=8192, sharding="zero3", data_parallel_size=8)),
     ("llama-2-7b", TrainingConfig(micro_batch_size=2, seq_len=512, precision=Precision.BF16,
                                   sharding="fsdp_full_shard", data_parallel_size=4)),
+    # issue 9: Qwen2.5-72B, tensor parallel 8 inside each of 8 ZeRO-3 data-parallel replicas (2-D mesh)
+    ("qwen2.5-72b", TrainingConfig(micro_batch_size=1, seq_len=4096, sharding="zero3", data_parallel_size=8,
+                                   tensor_parallel_size=8)),
 ]
 
 #: MoE public cases (tests/test_cases_moe.py); traced with balanced routing, written to data/terms/moe.jsonl
