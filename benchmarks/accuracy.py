@@ -107,7 +107,7 @@ def evaluate_split(df, split: str, make_served, make_provisional, paths) -> tupl
         lines.append(f"    {prec + '/' + opt:<32} n={len(idx):>5}  provisional {mp:7.2f}  analytic {ma:7.2f}"
                      f"  {'beats' if mp < ma else 'LOSES'}")
     out["slices"] = slices
-    lines.append("  served curve per issue-9 setting (held-out architectures; path counts traced/provisional):")
+    head = "  served curve per issue-9 setting (held-out architectures; path counts traced/provisional):"
     settings = {}
     for name, sel in setting_slices(df).items():
         sel = sel & tested
@@ -116,6 +116,9 @@ def evaluate_split(df, split: str, make_served, make_provisional, paths) -> tupl
         m = metrics(y[sel], pred[sel], upper[sel])
         n_traced = int((paths[sel] == "traced").sum())
         settings[name] = {**m, "traced": n_traced}
+        if head:
+            lines.append(head)
+            head = ""
         lines.append(f"    {name:<32} n={m['n']:>5}  MAPE {m['mape_pct']:6.2f}  p95 {m['p95_rel_err_pct']:6.2f}  "
                      f"cover {100 * m['coverage']:5.1f}  traced/provisional {n_traced}/{m['n'] - n_traced}")
     out["settings"] = settings
