@@ -1,0 +1,30 @@
+"""Faults a new user hit by following the README (issue 9 settings posed through the CLI and the HTTP API)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.schema import ModelSpec, Optimizer, Precision, TrainingConfig
+from model.offload import host_bytes_per_rank, host_memory_bytes
+
+
+def _llama_8b_spec() -> ModelSpec:
+    return ModelSpec(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                     total_params=8_030_261_248, trainable_params=8_030_261_248)
+
+
+@pytest.mark.parametrize("optimizer", list(Optimizer))
+def test_offload_host_memory_answers_for_every_optimizer(optimizer):
+    # `memfit recommend ... --optimizer lion --offload-optimizer cpu` died with KeyError (HTTP 500, CLI
+    # "error: lion" with exit 2), and so did every 8-bit request whose alternatives try optimizer offload.
+    spec = _llama_8b_spec()
+    tr = TrainingConfig(micro_batch_size=1, seq_len=128, precision=Precision.BF16_FP32_MASTER, optimizer=optimizer,
+                        offload_optimizer="cpu")
+    per_rank = host_bytes_per_rank(spec, tr)
+    # the host keeps the optimizer states, the fp32 master copy and the fp32 gradient copy (4 + 4 B)
+    states = {Optimizer.ADAMW_FOREACH: 8, Optimizer.ADAMW_FUSED: 8, Optimizer.SGD_MOMENTUM: 4,
+              Optimizer.ADAFACTOR: 0, Optimizer.LION: 4,
+              Optimizer.ADAMW_8BIT: 2 + 8 / 256, Optimizer.PAGED_ADAMW_8BIT: 2 + 8 / 256}[optimizer]
+    assert per_rank == pytest.approx(spec.trainable_params * (states + 8), abs=1)
+    assert host_memory_bytes(spec, tr) >= int(4 * spec.total_params * 1.5)
