@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as err:
         print(f"memfit: error: {describe_validation_error(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (InputError, ValueError, KeyError) as err:
+    except (InputError, ValueError) as err:  # an unknown model (UnknownModel) is a ValueError too
         text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         print(f"memfit: error: {text}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -28,3 +28,20 @@ def test_offload_host_memory_answers_for_every_optimizer(optimizer):
               Optimizer.ADAMW_8BIT: 2 + 8 / 256, Optimizer.PAGED_ADAMW_8BIT: 2 + 8 / 256}[optimizer]
     assert per_rank == pytest.approx(spec.trainable_params * (states + 8), abs=1)
     assert host_memory_bytes(spec, tr) >= int(4 * spec.total_params * 1.5)
+
+
+def test_cli_does_not_call_an_internal_error_bad_input(monkeypatch, capsys):
+    # The lion + offload KeyError above reached the user as "memfit: error: lion" with exit 2 ("bad input"),
+    # although nothing was wrong with the input: an internal fault must not be reported as the user's mistake.
+    import service.cli as cli
+
+    def broken(req, registry):
+        raise KeyError("lion")
+
+    monkeypatch.setattr(cli, "recommend_local", broken)
+    argv = ["recommend", "--model", "gpt2", "--gpu", "T4", "--micro-batch", "1", "--seq-len", "128"]
+    with pytest.raises(KeyError):
+        cli.main(argv)
+    # a real bad input still exits 2 and names the flag
+    assert cli.main(["recommend", "--model", "no-such-model", *argv[3:]]) == cli.EXIT_BAD_INPUT
+    assert "--model" in capsys.readouterr().err
