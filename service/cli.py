@@ -204,7 +204,10 @@ def read_config(path: Path) -> dict[str, Any]:
         raise InputError(f"--config: {file} has no 'model_type': not a HF transformers config.json")
     from memfit.describe import clean_hf_config
 
-    return clean_hf_config(cfg)
+    cleaned = clean_hf_config(cfg)
+    if cfg.get("quantization_config") is not None:  # sets --quantization's default (a QLoRA base)
+        cleaned["quantization_config"] = cfg["quantization_config"]
+    return cleaned
 
 
 def cached_hf_config(repo_id: str) -> Path | None:

@@ -33,7 +33,7 @@ def test_offload_host_memory_answers_for_every_optimizer(optimizer):
 def test_cli_does_not_call_an_internal_error_bad_input(monkeypatch, capsys):
     # The lion + offload KeyError above reached the user as "memfit: error: lion" with exit 2 ("bad input"),
     # although nothing was wrong with the input: an internal fault must not be reported as the user's mistake.
-    import service.cli as cli
+    from service import cli
 
     def broken(req, registry):
         raise KeyError("lion")
@@ -45,3 +45,24 @@ def test_cli_does_not_call_an_internal_error_bad_input(monkeypatch, capsys):
     # a real bad input still exits 2 and names the flag
     assert cli.main(["recommend", "--model", "no-such-model", *argv[3:]]) == cli.EXIT_BAD_INPUT
     assert "--model" in capsys.readouterr().err
+
+
+def test_cli_config_keeps_the_quantization_config(tmp_path):
+    # `memfit recommend --config qlora-config.json --lora-rank 8 ...` answered for a bf16 base: the config's
+    # quantization_config was dropped with the memory-irrelevant keys, although --quantization's help says
+    # its default is "the config's quantization_config".
+    import json
+
+    from service.cli import build_parser, request_from_args
+
+    cfg = json.loads((__import__("pathlib").Path(__file__).parent / "data" / "qwen3-0.6b.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                  "bnb_4bit_use_double_quant": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    a = build_parser().parse_args(["recommend", "--config", str(path), "--lora-rank", "8", "--gpu", "T4",
+                                   "--micro-batch", "1", "--seq-len", "128"])
+    req = request_from_args(a)
+    assert req.model["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+    assert req.training.resolved_quantization(req.model["quantization_config"]).value == "nf4_double_quant"
+    assert "architectures" not in req.model  # the rest is still cleaned
