@@ -54,7 +54,8 @@ FLAG_OF = {
     "training.context_parallel_size": "--context-parallel", "training.sequence_parallel": "--sequence-parallel",
     "training.pipeline_schedule": "--pipeline-schedule", "training.num_micro_batches": "--micro-batches",
     "training.pipeline_chunks_per_rank": "--pipeline-chunks",
-    "training.lora_rank": "--lora-rank", "training.checkpoint_impl": "--checkpoint-impl",
+    "training.lora_rank": "--lora-rank", "training.lora_target_modules": "--lora-targets",
+    "training.checkpoint_impl": "--checkpoint-impl",
     "training.offload_optimizer": "--offload-optimizer", "training.offload_parameters": "--offload-parameters",
     "cluster.gpus_per_node": "--gpus-per-node",
     "cluster.gpu": "--gpu", "cluster.gpu_memory_gib": "--gpu-memory-gib", "cluster.gpu_count": "--gpus",
@@ -141,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--attention", choices=[x.value for x in Attention],
                    help=f"attention kernel (default: {_default('attention')})")
     t.add_argument("--lora-rank", type=_positive_int, metavar="R", help="LoRA fine-tune with this rank (default: full)")
+    t.add_argument("--lora-targets", metavar="NAMES",
+                   help="with --lora-rank: comma-separated module names LoRA adapts, PEFT's target_modules, e.g. "
+                        "q_proj,k_proj,v_proj,o_proj (default: PEFT's default for the model type)")
     t.add_argument("--checkpoint-impl", choices=[x.value for x in CheckpointImpl],
                    help=f"torch.utils.checkpoint flavour (default: {_default('checkpoint_impl')})")
     t.add_argument("--optimizer-in-backward", action="store_true", default=None,
@@ -270,6 +274,10 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
         training["sharding"] = a.sharding or ZERO[a.zero].value
     if a.lora_rank is not None:
         training.update(finetune="lora", lora_rank=a.lora_rank)
+    if a.lora_targets is not None:
+        if a.lora_rank is None:
+            raise InputError("--lora-targets: needs --lora-rank (LoRA fine-tune)")
+        training["lora_target_modules"] = [name.strip() for name in a.lora_targets.split(",") if name.strip()]
     cluster: dict[str, Any] = {"gpu_count": a.gpus}
     if a.gpus_per_node is not None:
         cluster["gpus_per_node"] = a.gpus_per_node

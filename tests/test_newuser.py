@@ -66,3 +66,16 @@ def test_cli_config_keeps_the_quantization_config(tmp_path):
     assert req.model["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
     assert req.training.resolved_quantization(req.model["quantization_config"]).value == "nf4_double_quant"
     assert "architectures" not in req.model  # the rest is still cleaned
+
+
+def test_cli_lora_targets(capsys):
+    # The public cases pose LoRA on q,k,v,o (Mixtral) or on every linear layer (QLoRA), and the CLI refuses
+    # Qwen-MoE LoRA with "training.lora_target_modules: must be a list of module names", but had no flag to
+    # give them: the answer was always for PEFT's default targets.
+    from service.cli import EXIT_BAD_INPUT, build_parser, main, request_from_args
+
+    base = ["recommend", "--model", "qwen2.5-0.5b", "--gpu", "T4", "--micro-batch", "1", "--seq-len", "128"]
+    a = build_parser().parse_args([*base, "--lora-rank", "16", "--lora-targets", "q_proj, k_proj,v_proj,o_proj"])
+    assert request_from_args(a).training.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert main([*base, "--lora-targets", "q_proj"]) == EXIT_BAD_INPUT
+    assert "--lora-targets: needs --lora-rank" in capsys.readouterr().err
