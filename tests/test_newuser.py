@@ -79,3 +79,30 @@ def test_cli_lora_targets(capsys):
     assert request_from_args(a).training.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert main([*base, "--lora-targets", "q_proj"]) == EXIT_BAD_INPUT
     assert "--lora-targets: needs --lora-rank" in capsys.readouterr().err
+
+
+def test_422_detail_names_the_field_once():
+    # POST /recommend with offload_parameters='cpu' alone answered
+    # "training.offload_optimizer: training.offload_optimizer: offload_parameters='cpu' needs offload_optimizer='cpu'
+    # (allowed: 'cpu') (allowed: 'cpu' when offload_parameters='cpu')"; an unknown GPU listed the GPUs twice.
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from memfit.api import RecommendRequest
+    from service.errors import _validation_errors, validation_detail
+
+    body = {"model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 512, "offload_parameters": "cpu"},
+            "cluster": {"gpu": "B200"}}
+    with pytest.raises(ValidationError) as err:
+        RecommendRequest.model_validate(body)
+    exc = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.value.errors()])
+    detail = validation_detail(_validation_errors(exc, RecommendRequest))
+    assert detail.count("training.offload_optimizer") == 1 and detail.count("(allowed:") == 1, detail
+    assert detail.count("cluster.gpu") == 1 and detail.count("'H100-80GB'") == 1, detail
+    # a plain pydantic error keeps its field prefix and its allowed range
+    with pytest.raises(ValidationError) as err:
+        RecommendRequest.model_validate({**body, "training": {"micro_batch_size": 0, "seq_len": 512},
+                                         "cluster": {"gpu": "T4"}})
+    exc = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.value.errors()])
+    assert validation_detail(_validation_errors(exc, RecommendRequest)).startswith(
+        "training.micro_batch_size: Input should be greater than or equal to 1 (allowed: an integer in [1, 16384])")
