@@ -291,11 +291,16 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
 
 def describe_validation_error(err: ValidationError) -> str:
     """One line per problem, named by the flag that set it: ``--seq-len: must be ... (got 0)``."""
+    from memfit.errors import pydantic_error_field
+
     lines = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith(("function-", "dict[", "str")))
+        path = tuple(x for x in e["loc"] if not str(x).startswith(("function-", "dict[", "str")))
+        # a check inside a validator (InvalidConfiguration) names its own field below the location
+        loc, msg, _allowed = pydantic_error_field(e, path)
         flag = FLAG_OF.get(loc) or FLAG_OF.get(loc.split(".")[0]) or loc or "request"
-        msg = e["msg"].removeprefix("Value error, ")
+        if flag != loc:
+            msg = msg.removeprefix(f"{loc}: ").removeprefix(f"{loc.split('.')[0]}: ")
         got = e.get("input")
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
         lines.append(f"{flag}: {msg}{shown}")
@@ -497,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except (InputError, ValueError) as err:  # an unknown model (UnknownModel) is a ValueError too
         text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        flag = FLAG_OF.get(getattr(err, "field", ""))
+        if flag:  # a check of the recommender (InvalidConfiguration): name the flag as well as the field
+            text = f"{flag} ({err.field}): {text.removeprefix(f'{err.field}: ')}"
         print(f"memfit: error: {text}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except NoAnswer as err:

@@ -106,3 +106,20 @@ def test_422_detail_names_the_field_once():
     exc = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.value.errors()])
     assert validation_detail(_validation_errors(exc, RecommendRequest)).startswith(
         "training.micro_batch_size: Input should be greater than or equal to 1 (allowed: an integer in [1, 16384])")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # a check inside the request schema's validator: was "training: offload_optimizer: offload_parameters=..."
+    (["--offload-parameters", "cpu"], ("memfit: error: --offload-optimizer: offload_parameters='cpu' needs "
+                                       "offload_optimizer='cpu' (allowed: 'cpu')")),
+    # a check of the recommender: was "training.sharding: must be ..." without the flag
+    (["--zero", "3"], ("memfit: error: --zero/--sharding (training.sharding): must be 'none' when "
+                       "data_parallel_size is 1")),
+])
+def test_cli_errors_name_the_flag(small_registry, capsys, argv, expected):
+    from service.cli import EXIT_BAD_INPUT, main
+
+    code = main(["recommend", "--model", "llama-3-8b", "--gpu", "A100-80GB", "--micro-batch", "1", "--seq-len", "128",
+                 "--registry", str(small_registry.root), *argv])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and err.startswith(expected), err
