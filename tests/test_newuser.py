@@ -123,3 +123,23 @@ def test_cli_errors_name_the_flag(small_registry, capsys, argv, expected):
                  "--registry", str(small_registry.root), *argv])
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT and err.startswith(expected), err
+
+
+def test_trace_terms_ignores_pipeline_and_context_parallel():
+    # `memfit recommend --model llama-3.2-1b --gpus 4 --tensor-parallel 2 --pipeline-parallel 2 ...` (and
+    # --context-parallel, or any PP/CP configuration whose base was not traced yet) answered provisionally:
+    # "tracing it failed (ValueError: the collector runs pipeline_parallel_size=1 and context_parallel_size=1
+    # only ...)". The terms key leaves PP and CP out (model.parallel composes them), so the trace must too.
+    import json
+
+    from training.phases import trace_terms
+
+    tiny = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
+            "num_key_value_heads": 4, "intermediate_size": 512, "vocab_size": 2048, "tie_word_embeddings": False}
+    points = [(2, 64), (2, 16), (2, 32), (4, 16), (4, 64)]  # as in tests/test_parallel.py
+    base = TrainingConfig(micro_batch_size=1, seq_len=64, tensor_parallel_size=2)
+    parallel = TrainingConfig(micro_batch_size=1, seq_len=64, tensor_parallel_size=2, pipeline_parallel_size=2,
+                              context_parallel_size=2, num_micro_batches=4)
+    a, b = (json.dumps(trace_terms(tiny, t, points=points).to_json()["coef"], sort_keys=True)
+            for t in (base, parallel))
+    assert a == b
