@@ -143,3 +143,25 @@ def test_trace_terms_ignores_pipeline_and_context_parallel():
     a, b = (json.dumps(trace_terms(tiny, t, points=points).to_json()["coef"], sort_keys=True)
             for t in (base, parallel))
     assert a == b
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"offload_optimizer": "disk"}, "offload_optimizer"),  # was "ValueError: 'disk' is not a valid Offload"
+    ({"offload_parameters": "gpu"}, "offload_parameters"),
+    ({"sharding": "zero4", "gpu_count": 2}, "sharding"),   # was "ValueError: 'zero4' is not a valid Sharding"
+])
+def test_describe_names_the_argument_and_allowed_values(kwargs, field):
+    import torch
+
+    import memfit
+    from memfit.errors import InvalidConfiguration
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(InvalidConfiguration) as err:
+        memfit.describe(model, micro_batch_size=1, seq_len=128, gpu="T4",
+                        architecture={"family": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                      "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256},
+                        **kwargs)
+    assert err.value.field == field, str(err.value)
+    assert str(err.value).startswith(f"{field}: must be one of [") and ("'cpu'" in str(err.value)
+                                                                       or "'zero3'" in str(err.value)), str(err.value)
