@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -485,6 +486,9 @@ def layer_ranges(layers: list[int]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit code (see the module docstring)."""
     a = build_parser().parse_args(argv)  # argparse itself exits 2 on bad flags
+    # bitsandbytes, imported through PEFT, warns on CPU that its optional CPU 4-bit matmul kernel package is
+    # missing; memfit never runs that kernel, and the notice read as an error under the answer
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     if a.command == "models":
         from data import catalog
 

@@ -165,3 +165,18 @@ def test_describe_names_the_argument_and_allowed_values(kwargs, field):
     assert err.value.field == field, str(err.value)
     assert str(err.value).startswith(f"{field}: must be one of [") and ("'cpu'" in str(err.value)
                                                                        or "'zero3'" in str(err.value)), str(err.value)
+
+
+def test_cli_stderr_has_no_bitsandbytes_cpu_kernel_notice():
+    # Every `memfit recommend` whose answer lists a LoRA alternative ended with
+    # "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. Please make sure
+    # you already `pip install kernels` ..." on stderr (bitsandbytes' import, through PEFT), advice that has
+    # nothing to do with the answer.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "service.cli", "recommend", "--model", "llama-3-8b", "--gpu",
+                           "H100-80GB", "--gpus", "8", "--zero", "3", "--micro-batch", "2", "--seq-len", "8192",
+                           "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "kernels" not in done.stderr, done.stderr
