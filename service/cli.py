@@ -508,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         flag = FLAG_OF.get(getattr(err, "field", ""))
         if flag:  # a check of the recommender (InvalidConfiguration): name the flag as well as the field
-            text = f"{flag} ({err.field}): {text.removeprefix(f'{err.field}: ')}"
+            text = text.removeprefix(f"{err.field}: ").removeprefix(f"{err.field.split('.')[0]}: ")
+            text = f"{flag} ({err.field}): {text}"
         print(f"memfit: error: {text}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except NoAnswer as err:
