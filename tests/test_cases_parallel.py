@@ -76,3 +76,21 @@ def test_llama_3_8b_pipeline_8_recommends_k_per_stage(recommender):
     layer_params = (8_030_261_248 - 2 * 128_256 * 4096 - 4096) // 32  # 218.1 M per decoder layer
     assert abs(rec.stages[3].parameters - 4 * layer_params) <= 4096
     assert rec.stages[0].parameters - rec.stages[3].parameters == 128_256 * 4096  # + the embedding
+
+
+def test_qwen25_72b_tensor_8_by_zero3_data_8_holds_a_64th_of_the_states(recommender):
+    # issue 9: Qwen2.5-72B with TP 8 x DP 8 + ZeRO-3 was given 135 GiB of states per GPU instead of about 17
+    # (the provisional path counted the whole model's states on every rank) and "did not fit" on H100s
+    req = RecommendRequest.model_validate({
+        "model": "qwen2.5-72b", "training": {"micro_batch_size": 1, "seq_len": 4096, "sharding": "zero3",
+                                             "tensor_parallel_size": 8},
+        "cluster": {"gpu": "H100-80GB", "gpu_count": 64}})
+    rec = recommender.recommend(req)
+    per_rank = rec.parameters_per_rank
+    assert per_rank == pytest.approx(72.7e9 / 8, rel=0.01)
+    states = sum(rec.breakdown[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_states_bytes"))
+    assert states == pytest.approx(16 * per_rank / 8, rel=0.001)  # fp32 weights + grads + AdamW, / 8 ZeRO-3 ranks
+    assert 16 * GIB < states < 18 * GIB
+    # every point of the curve stays below the unsharded, un-tensor-parallel states (135 GiB) by far
+    assert max(p.predicted_bytes for p in rec.curve) < 45 * GIB
+    assert rec.curve[-1].predicted_bytes <= rec.curve[0].predicted_bytes and rec.fits
