@@ -183,3 +183,21 @@ def test_cli_stderr_has_no_bitsandbytes_cpu_kernel_notice():
                            "--json"], check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "kernels" not in done.stderr, done.stderr
+
+
+def test_parameters_per_rank_counts_one_expert_parallel_shard():
+    # `memfit recommend --model mixtral-8x7b --gpus 8 --expert-parallel 4 ...` printed "parameters per GPU
+    # 46.703 B", the whole model, although each rank holds 2 of the 8 experts of every layer (the curve itself
+    # is traced on that shard).
+    from memfit.api import RecommendRequest
+    from model.registry import Registry
+    from service.recommender import Recommender
+
+    loaded = Registry().load()
+    rec = Recommender(loaded.estimator, loaded.version).recommend(RecommendRequest.model_validate({
+        "model": "mixtral-8x7b", "training": {"micro_batch_size": 1, "seq_len": 512, "precision": "bf16",
+                                              "expert_parallel_size": 4},
+        "cluster": {"gpu": "H200", "gpu_count": 8}}))
+    experts = 32 * 8 * 3 * 4096 * 14336  # layers x experts x (w1, w2, w3) x hidden x FFN
+    rest = rec.parameters_per_rank - experts // 4
+    assert rest == pytest.approx(46_702_792_704 - experts, rel=1e-3)
