@@ -308,6 +308,8 @@ class MemoryPredictor:
         L = model.num_layers
         # the stand-in FSDP trace of parameter offload on one rank is not the user's sharding: don't say it is
         notes = [n for n in base.notes if base_training.sharding is training.sharding or not n.startswith("sharding")]
+        # offloaded optimizer states live in host memory, not in CUDA unified memory: drop the paged-states note
+        notes = [n for n in notes if "unified memory" not in n]
         if base.phase_bytes is not None:
             dev = offload_device_phases(base.phase_bytes, list(PEAK_PHASES), model, training)
             raw = dev.max(axis=1)
