@@ -11,6 +11,7 @@ import pytest
 from data import catalog
 from model.compose import compose, compose_terms
 from model.terms import SHIPPED_DIR
+from training.terms import hf_config_of
 
 
 def _entries() -> list[dict]:
@@ -64,7 +65,7 @@ def test_envelope_equals_the_plain_composition_where_it_grows():
     same = 0
     for _ in range(300):
         e = ENTRIES[rng.integers(len(ENTRIES))]
-        t, L = e["terms"], catalog.spec(e["model_name"]).num_layers
+        t, L = e["terms"], catalog.spec(hf_config_of(e["model_name"])).num_layers
         mb, seq = int(rng.integers(1, 17)), int(rng.integers(16, 2048))
         long = t.get("long")
         coef = long["coef"] if long and seq >= long["min_seq_len"] else t["coef"]
@@ -99,4 +100,4 @@ def test_terms_mb1_merge_replaces_entries_in_place(tmp_path):
     assert "mb1" in got[1]["terms"] and "mb1" not in got[0]["terms"] and "mb1" not in got[2]["terms"]
     from model.terms import terms_key
 
-    assert terms_key(catalog.get(src[0]["model_name"])["hf_config"], entry_training(src[0])) == src[0]["key"]
+    assert terms_key(hf_config_of(src[0]["model_name"]), entry_training(src[0])) == src[0]["key"]

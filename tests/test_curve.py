@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from data import catalog
+from memfit.errors import UnknownModel
 from memfit.api import PredictItem, RecommendRequest
 from memfit.schema import FineTune, TrainingConfig
 from model.analytic import model_state_bytes
@@ -15,6 +16,7 @@ from model.curve import PROVISIONAL, TRACED, MemoryPredictor
 from model.parallel import tensor_parallel_rank_spec
 from model.terms import SHIPPED_DIR, TermsCache, terms_key
 from service.recommender import Recommender, lora_trainable_params
+from training.terms import hf_config_of
 
 GIB = 1 << 30
 
@@ -42,17 +44,23 @@ def predictor() -> MemoryPredictor:
 
 def _config(entry: dict, mb: int, seq: int):
     name = entry["model_name"]
-    spec = catalog.spec(name)
+    try:
+        spec, hf_config = catalog.spec(name), catalog.get(name)["hf_config"]
+    except UnknownModel:  # a reduced-width MoE model's terms (training.moe_telemetry)
+        hf_config = hf_config_of(name)
+        spec = catalog.spec(hf_config)
     t = dict(entry["training"])
     if t["sharding"] == "none":
         t.pop("data_parallel_size")
+        if (t.get("expert_parallel_size") or 1) > 1:  # experts split within the data-parallel ranks (not in the key)
+            t["data_parallel_size"] = t["expert_parallel_size"]
     if t.get("sequence_parallel"):  # the sequence is split over the tensor-parallel ranks
         seq = -(-seq // t["tensor_parallel_size"]) * t["tensor_parallel_size"]
     training = TrainingConfig(micro_batch_size=mb, seq_len=seq, **{k: v for k, v in t.items() if v is not None})
     if training.finetune is FineTune.LORA:
         extra = lora_trainable_params(spec, training.lora_rank, training.lora_target_modules)
         spec = spec.model_copy(update={"total_params": spec.total_params + extra, "trainable_params": extra})
-    return spec, training, catalog.get(name)["hf_config"]
+    return spec, training, hf_config
 
 
 def test_property_tensor_parallel_curves(predictor):

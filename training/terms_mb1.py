@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from data import catalog
 from memfit.schema import TrainingConfig
 from model.terms import terms_key
+from training.terms import hf_config_of
 
 
 def entry_training(entry: dict[str, Any]) -> TrainingConfig:
@@ -53,7 +53,7 @@ def retrace(path: Path, out_dir: Path, shard: tuple[int, int] = (0, 1)) -> dict[
             if e["key"] in done:
                 stats["skipped"] += 1
                 continue
-            cfg = catalog.get(e["model_name"])["hf_config"]
+            cfg = hf_config_of(e["model_name"])
             training = entry_training(e)
             if terms_key(cfg, training) != e["key"]:
                 raise ValueError(f"{path}: entry {e['key']} ({e['model_name']}) does not match its training fields")
