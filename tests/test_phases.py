@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from data import catalog
 from memfit.schema import TrainingConfig
-from model.compose import PEAK_PHASES, compose
+from model.compose import PEAK_PHASES, compose, compose_terms
 from training.collect import measure_family
 from training.phases import PHASES, envelope_pieces, small_config, token_points, trace_terms
 
@@ -59,7 +59,7 @@ def test_composed_peak_equals_full_measurement(name, fields):
         ks = [0, 1, L // 2, L]
         measured = [r.measurement.peak_allocated_bytes
                     for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)]
-        curve = compose(terms.coef, L, b, s, terms.depths)
+        curve = compose_terms(terms.to_json(), L, b, s)
         for k, m in zip(ks, measured):
             got = int(curve.peak_bytes[k])
             if terms.period == 1:  # layers alike: exact up to 512-byte rounding of tensors not traced
@@ -67,6 +67,35 @@ def test_composed_peak_equals_full_measurement(name, fields):
             else:  # a sliding/full pattern, k cutting through it: the average layer is charged (rounding aside)
                 assert -1e-4 <= (got - m) / m < 1e-2, f"k={k} b={b} s={s}: composed {got} vs measured {m}"
             assert curve.phase[k] in PEAK_PHASES
+
+
+def test_fsdp_lora_micro_batch_one_composes_from_its_own_traces():
+    """FSDP full shard over 2 ranks + LoRA r16, fp32, eager (a pythia-shaped model): at micro-batch 1 each
+    un-checkpointed layer holds 2 hidden vectors per token more than the b >= 2 fit says (a reshape that is a
+    view at b = 1), so composing b = 1 from the b >= 2 coefficients was 4.8 % low at k = 0 (3.3 % on the real
+    pythia-160m). Traced at b = 1 on its own, k = 0 and k = L are exact against the 6-layer model.
+
+    Known miss: with 0 < k < L at b = 1 a constant boundary term (~10 MB here, the layer above the
+    checkpointed block keeping its input's buffer) is not in the all-or-nothing small models: 2.6-3.5 % low."""
+    cfg = small_width("pythia-160m")
+    training = TrainingConfig(micro_batch_size=1, seq_len=128, precision="fp32", optimizer="adamw_foreach",
+                              sharding="fsdp_full_shard", data_parallel_size=2, attention="eager", finetune="lora",
+                              lora_rank=16)
+    terms = trace_terms(cfg, training)
+    assert terms.depths == (3, 4) and terms.mb1_coef is not None
+    t = training.model_copy(update={"micro_batch_size": 1, "seq_len": 1000})
+    ks = [0, 1, L // 2, L]
+    measured = [r.measurement.peak_allocated_bytes
+                for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)]
+    fitted = compose(terms.coef, L, 1, 1000, terms.depths, monotone=False).peak_bytes  # b = 1 from the b >= 2 fit
+    own = compose_terms(terms.to_json(), L, 1, 1000).peak_bytes
+    assert (fitted[0] - measured[0]) / measured[0] < -0.03
+    for k, m in zip(ks, measured):
+        err = (int(own[k]) - m) / m
+        if k in (0, L):
+            assert abs(err) < 5e-3, f"k={k}: composed {own[k]} vs measured {m}"
+        else:
+            assert -0.04 < err <= 0, f"k={k}: composed {own[k]} vs measured {m}"
 
 
 def test_sliding_window_regimes_compose_on_both_sides():

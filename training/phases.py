@@ -142,24 +142,39 @@ class PhaseTerms:
     long_coef: dict[tuple[int, int], dict[str, list[list[float]]]] | None = None
     long_min_seq_len: int | None = None
     depths: tuple[int, int] | None = None
+    #: micro-batch 1, traced on its own (``mb1_coef``; ``long_mb1_coef`` from ``long_min_seq_len`` on): None
+    #: in terms traced before it existed, which then compose b = 1 from the b >= 2 fit
+    mb1_coef: dict[tuple[int, int], dict[str, list[list[float]]]] | None = None
+    long_mb1_coef: dict[tuple[int, int], dict[str, list[list[float]]]] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"coef": {f"{n},{c}": v for (n, c), v in self.coef.items()}, "points": self.points,
-                "attention": self.attention, "trace_s": round(self.trace_s, 3), "basis": list(BASIS_NAMES),
-                "period": self.period, "depths": list(self.depths or (self.period, 2 * self.period)),
-                "long": None if self.long_coef is None else {
-                    "min_seq_len": self.long_min_seq_len,
-                    "coef": {f"{n},{c}": v for (n, c), v in self.long_coef.items()}}}
+        def keyed(coef):
+            return None if coef is None else {f"{n},{c}": v for (n, c), v in coef.items()}
+
+        out = {"coef": keyed(self.coef), "points": self.points,
+               "attention": self.attention, "trace_s": round(self.trace_s, 3), "basis": list(BASIS_NAMES),
+               "period": self.period, "depths": list(self.depths or (self.period, 2 * self.period)),
+               "long": None if self.long_coef is None else {
+                   "min_seq_len": self.long_min_seq_len, "coef": keyed(self.long_coef)}}
+        if self.mb1_coef is not None:
+            out["mb1"] = {"coef": keyed(self.mb1_coef)}
+        if self.long_mb1_coef is not None and out["long"] is not None:
+            out["long"]["mb1_coef"] = keyed(self.long_mb1_coef)
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PhaseTerms:
-        coef = {tuple(int(x) for x in key.split(",")): v for key, v in d["coef"].items()}
+        def tupled(coef):
+            return None if coef is None else {tuple(int(x) for x in k.split(",")): v for k, v in coef.items()}
+
         long = d.get("long")
-        long_coef = None if not long else {tuple(int(x) for x in k.split(",")): v for k, v in long["coef"].items()}
-        return cls(coef=coef, points=[tuple(p) for p in d["points"]], attention=d["attention"],
-                   trace_s=d.get("trace_s", 0.0), period=d.get("period", 1), long_coef=long_coef,
+        return cls(coef=tupled(d["coef"]), points=[tuple(p) for p in d["points"]], attention=d["attention"],
+                   trace_s=d.get("trace_s", 0.0), period=d.get("period", 1),
+                   long_coef=tupled(long["coef"]) if long else None,
                    long_min_seq_len=long["min_seq_len"] if long else None,
-                   depths=tuple(d["depths"]) if d.get("depths") else None)
+                   depths=tuple(d["depths"]) if d.get("depths") else None,
+                   mb1_coef=tupled((d.get("mb1") or {}).get("coef")),
+                   long_mb1_coef=tupled(long.get("mb1_coef")) if long else None)
 
 
 def _first_tensor(x):
@@ -243,8 +258,8 @@ def _pruning_grid(hf_config: dict[str, Any], lo: int = 16, hi: int | None = None
     return token_basis(b.ravel(), s.ravel())
 
 
-def envelope_pieces(timelines: list[list[tuple[str, int]]], points: list[tuple[int, int]], grid: np.ndarray
-                    ) -> dict[str, list[list[float]]]:
+def envelope_pieces(timelines: list[list[tuple[str, int]]], points: list[tuple[int, int]], grid: np.ndarray,
+                    columns: list[int] | None = None) -> dict[str, list[list[float]]]:
     """Fit every timeline event's live bytes on :func:`model.compose.token_basis` and keep, per phase, the events on the
     upper envelope over ``grid``.
 
@@ -252,6 +267,9 @@ def envelope_pieces(timelines: list[list[tuple[str, int]]], points: list[tuple[i
     same moment of the step; its live bytes are a polynomial in (b, s) with the :data:`BASIS_NAMES`
     monomials (up to 512-byte rounding), solved exactly from the traced points. A phase's peak at
     any (b, s) is then the max over its events — kept are those that are the max somewhere on ``grid``.
+
+    ``columns``: the basis monomials to fit (default all five); the others get coefficient 0. Points at
+    one micro-batch size b = 1 fit ``[0, 2, 4]`` (1, s, s²): there b·s = s and b·s² = s².
 
     Raises:
         RuntimeError: the timelines do not align (a shape-dependent branch in the model code).
@@ -261,9 +279,11 @@ def envelope_pieces(timelines: list[list[tuple[str, int]]], points: list[tuple[i
     if len(lengths) != 1 or len(phases_seq) != 1:
         raise RuntimeError(f"timelines of the traced token points differ (lengths {sorted(lengths)}): "
                            "the step's op sequence depends on the input shape")
-    X = np.stack([token_basis(b, s) for b, s in points])
+    cols = list(range(len(BASIS_NAMES))) if columns is None else list(columns)
+    X = np.stack([token_basis(b, s) for b, s in points])[:, cols]
     Y = np.array([[v for _, v in t] for t in timelines], dtype=np.float64)  # (points, events)
-    theta = np.linalg.solve(X, Y)  # (5, events)
+    theta = np.zeros((len(BASIS_NAMES), Y.shape[1]))
+    theta[cols] = np.linalg.solve(X, Y)  # (5, events)
     phase_of = np.array(next(iter(phases_seq)))
     values = grid @ theta  # (grid, events)
     out: dict[str, list[list[float]]] = {}
@@ -275,14 +295,16 @@ def envelope_pieces(timelines: list[list[tuple[str, int]]], points: list[tuple[i
 
 
 def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
-                points: list[tuple[int, int]] | None = None) -> PhaseTerms:
+                points: list[tuple[int, int]] | None = None, micro_batch_one: bool = True) -> PhaseTerms:
     """Trace the four small models of ``hf_config`` under ``training`` and fit per-phase coefficients.
 
     ``training``'s micro-batch size, sequence length, checkpoint layers, offload settings and pipeline and
     context parallel sizes are ignored (the traced points and :data:`VARIANTS` replace the first three;
     offload is composed on these terms by :mod:`model.offload`, pipeline and context parallelism by
     :mod:`model.parallel`); everything else (precision, optimizer, sharding,
-    attention, fine-tuning) is traced as given.
+    attention, fine-tuning) is traced as given. ``micro_batch_one`` (default): also trace three sequence
+    lengths at micro-batch 1 (``mb1_coef``, and ``long_mb1_coef`` past a sliding window), which
+    :func:`model.compose.compose_terms` uses for b = 1 instead of the b >= 2 fit.
 
     Raises:
         ValueError: a configuration the collector cannot run (see :func:`training.collect.prepared_model`).
@@ -298,6 +320,12 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     regimes = [(points or token_points(hf_config), _pruning_grid(hf_config, hi=(w - 1) if w else None))]
     if w is not None:
         regimes.append((token_points(hf_config, long=True), _pruning_grid(hf_config, lo=w)))
+    # micro-batch 1 on its own: some reshapes are views there and copies from b = 2 on (and saved tensors
+    # differ), so b = 1 is not on the b >= 2 polynomial (FSDP + LoRA on pythia-160m: +6 MiB per layer at s = 1024)
+    regimes = [(pts, grid, None) for pts, grid in regimes]
+    if micro_batch_one:
+        regimes += [([(1, s) for s in sorted({s for _, s in pts})][:3], grid[grid[:, 1] == grid[:, 2]], [0, 2, 4])
+                    for pts, grid, _ in regimes]
     reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
     coefs: list[dict[tuple[int, int], dict[str, list[list[float]]]]] = [{} for _ in regimes]
     attention = training.attention.value
@@ -319,15 +347,17 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
             for c in (0, n):
                 apply_activation_checkpointing(run.model, list(range(depth if c else 0)), layers=run.layers,
                                                use_reentrant=reentrant)
-                for (pts, grid), coef in zip(regimes, coefs):
+                for (pts, grid, cols), coef in zip(regimes, coefs):
                     timelines = []
                     for b, s in pts:
                         ids = run.input_ids(b, s)
                         timelines.append(_traced_step(run, opt, ids))
                         del ids
-                    coef[(n, c)] = envelope_pieces(timelines, pts, grid)
+                    coef[(n, c)] = envelope_pieces(timelines, pts, grid, cols)
             close_optimizer(opt)
             del opt
+    n_poly = 2 if w is not None else 1
+    mb1 = coefs[n_poly:] if micro_batch_one else [None, None]
     return PhaseTerms(coef=coefs[0], points=regimes[0][0], attention=attention, trace_s=time.perf_counter() - t0,
                       period=period, long_coef=coefs[1] if w is not None else None, long_min_seq_len=w,
-                      depths=depths)
+                      depths=depths, mb1_coef=mb1[0], long_mb1_coef=mb1[1] if w is not None else None)
