@@ -8,18 +8,20 @@ so the provisional answer keeps the traced path's shape: per phase, monotone in 
 sequence length, never below the model states.
 
 What is learned, per phase p (:data:`model.compose.PHASES`) and per quantity q of the composition:
-``f1`` = P(1,0), ``dF`` = P(2,0) − P(1,0), ``c1`` = P(1,1), ``dC`` = P(2,2) − P(1,1) (a layer's
-increment; depths other than (1, 2) brought to one and two layers by :func:`model.compose.layer_values`).
+``dF`` = P(2,0) − P(1,0) and ``dC`` = P(2,2) − P(1,1) (what an un-checkpointed / checkpointed layer
+adds), and ``f0`` = P(1,0) − dF, ``c0`` = P(1,1) − dC (the model without decoder layers: embeddings,
+head, logits), depths other than (1, 2) brought to one and two layers by :func:`model.compose.layer_values`.
 Each is fitted by least squares as one linear piece ``a + β·b·s (+ γ·b·s² for eager attention)`` over
 the entry's traced token points (a phase's live bytes are a max over pieces; one piece loses little:
 ``tests/test_coefficients.py``). Each coefficient is divided by a physical scale, and LightGBM learns
 the dimensionless value from dimensionless config features (:func:`config_features`):
 
 * constant ``a``: the model-state bytes (weights + gradients + optimizer states,
-  :func:`model.analytic.model_state_bytes`) of the one-layer model (``f1``, ``c1``) or of one decoder
+  :func:`model.analytic.model_state_bytes`) of the embeddings and head (``f0``, ``c0``) or of one decoder
   layer (``dF``, ``dC``);
-* ``β`` (bytes per token): hidden_size × activation dtype bytes for a layer's increment;
-  (hidden_size + vocab_size) × activation dtype bytes for the one-layer model (logits live there);
+* ``β`` (bytes per token): the analytic activations a layer saves
+  (:func:`model.analytic.activation_bytes_per_layer`) for ``dF``, ``dC``; the analytic logits bytes
+  (:func:`model.analytic.logits_bytes`) for ``f0``, ``c0``;
 * ``γ`` (bytes per token × sequence): num_attention_heads × activation dtype bytes.
 
 Token coefficients are clipped at 0 after prediction, so every composed phase is non-decreasing in
@@ -61,7 +63,7 @@ from model.analytic import (
 from model.compose import PHASES, VARIANTS, layer_values
 
 #: the composition's quantities per phase, each a function of the small models' live bytes
-QUANTITIES = ("f1", "dF", "c1", "dC")
+QUANTITIES = ("f0", "dF", "c0", "dC")
 #: coefficients of one linear piece: constant, b·s, b·s² (eager attention scores)
 PIECE = ("1", "b*s", "b*s^2")
 #: where each of PIECE sits in model.compose.token_basis
@@ -173,19 +175,20 @@ def small_model_states(model: ModelSpec, training: TrainingConfig) -> tuple[floa
 def scales(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
     """The physical scale of every target in :data:`TARGETS` (bytes, bytes per token, bytes per token·s).
 
-    Constants: the one-layer model's or one layer's model states (:func:`small_model_states`). Per token:
-    the analytic activations one layer saves (:func:`model.analytic.activation_bytes_per_layer` without the
-    eager score term), plus the logits and their fp32 copies (:func:`model.analytic.logits_bytes`) for the
-    one-layer model. Per token × sequence: heads × activation dtype bytes (eager attention scores).
+    Constants: the model states of the embeddings and head, or of one layer (:func:`small_model_states`).
+    Per token: the analytic activations one layer saves (:func:`model.analytic.activation_bytes_per_layer`
+    without the eager score term), or the logits and their fp32 copies (:func:`model.analytic.logits_bytes`).
+    Per token × sequence: heads × activation dtype bytes (eager attention scores).
     """
     a = activation_dtype_bytes(training.precision)
     s_one, s_layer = small_model_states(model, training)
     one_token = training.model_construct(**{**training.__dict__, "micro_batch_size": 1, "seq_len": 1,
                                             "attention": Attention.SDPA})
     layer = float(max(activation_bytes_per_layer(model, one_token), 1))
-    head = layer + float(logits_bytes(model, one_token))
+    head = float(max(logits_bytes(model, one_token), 1))
+    s_base = max(s_one - s_layer, 1.0)
     score = model.num_attention_heads * a / training.tensor_parallel_size
-    per_q = {"f1": (s_one, head, score), "c1": (s_one, head, score), "dF": (s_layer, layer, score),
+    per_q = {"f0": (s_base, head, score), "c0": (s_base, head, score), "dF": (s_layer, layer, score),
              "dC": (s_layer, layer, score)}
     return np.array([per_q[q][PIECE.index(c)] for _p, q, c in TARGETS], dtype=np.float64)
 
@@ -206,8 +209,8 @@ def fitted_pieces(terms: dict[str, Any]) -> np.ndarray:
         v = layer_values(terms["coef"], b, s, depths)
         rows.append([1.0, b * s, b * s * s])
         for p in PHASES:
-            q = {"f1": v[(1, 0)][p], "dF": v[(2, 0)][p] - v[(1, 0)][p], "c1": v[(1, 1)][p],
-                 "dC": v[(2, 2)][p] - v[(1, 1)][p]}
+            dF, dC = v[(2, 0)][p] - v[(1, 0)][p], v[(2, 2)][p] - v[(1, 1)][p]
+            q = {"f0": v[(1, 0)][p] - dF, "dF": dF, "c0": v[(1, 1)][p] - dC, "dC": dC}
             for qn in QUANTITIES:
                 vals_q = q[qn]
                 for c in PIECE:
@@ -230,12 +233,12 @@ def pieces_to_coef(pieces: np.ndarray) -> dict[str, dict[str, list[list[float]]]
     coef: dict[str, dict[str, list[list[float]]]] = {f"{n},{c}": {} for n, c in VARIANTS}
     val = dict(zip(TARGETS, pieces))
     for p in PHASES:
-        for one, two, base, inc in (("1,0", "2,0", "f1", "dF"), ("1,1", "2,2", "c1", "dC")):
+        for one, two, base, inc in (("1,0", "2,0", "f0", "dF"), ("1,1", "2,2", "c0", "dC")):
             vb = [0.0] * 5
             vi = [0.0] * 5
             for c, idx in zip(PIECE, _BASIS_INDEX):
-                vb[idx] = float(val[(p, base, c)])
-                vi[idx] = float(val[(p, base, c)] + val[(p, inc, c)])
+                vb[idx] = float(val[(p, base, c)] + val[(p, inc, c)])
+                vi[idx] = float(val[(p, base, c)] + 2 * val[(p, inc, c)])
             coef[one][p] = [vb]
             coef[two][p] = [vi]
     return coef
@@ -283,7 +286,9 @@ class CoefficientModel:
     """LightGBM regressors of the dimensionless phase coefficients (see the module docstring).
 
     Args:
-        n_estimators, learning_rate, num_leaves, min_child_samples: LightGBM parameters (per target).
+        n_estimators, learning_rate, num_leaves, min_child_samples, objective: LightGBM parameters (per target;
+            the absolute-error objective: a few traced entries fit one piece badly, and they should not
+            pull the others).
 
     Attributes (after :meth:`fit` or :meth:`load`): ``boosters_`` (target index -> ``lightgbm.Booster``;
     targets constant in the training set are kept as ``constants_``), ``settings_`` (the training
@@ -291,14 +296,15 @@ class CoefficientModel:
     """
 
     def __init__(self, n_estimators: int = 300, learning_rate: float = 0.05, num_leaves: int = 15,
-                 min_child_samples: int = 3) -> None:
+                 min_child_samples: int = 3, objective: str = "l1") -> None:
+        self.objective = objective
         self.n_estimators = n_estimators
         self.learning_rate = learning_rate
         self.num_leaves = num_leaves
         self.min_child_samples = min_child_samples
 
     def _params(self) -> dict[str, Any]:
-        return {"objective": "regression", "learning_rate": self.learning_rate, "num_leaves": self.num_leaves,
+        return {"objective": self.objective, "learning_rate": self.learning_rate, "num_leaves": self.num_leaves,
                 "min_child_samples": self.min_child_samples, "min_data_in_bin": 1, "verbose": -1, "seed": 0,
                 "num_threads": 1, "deterministic": True, "force_row_wise": True}
 
@@ -379,7 +385,8 @@ class CoefficientModel:
                 "targets": ["|".join(t) for t in TARGETS], "constants": {str(j): c for j, c in self.constants_.items()},
                 "boosters": sorted(self.boosters_), "settings": self.settings_, "families": self.families_, "n_entries": self.n_entries_,
                 "params": {"n_estimators": self.n_estimators, "learning_rate": self.learning_rate,
-                           "num_leaves": self.num_leaves, "min_child_samples": self.min_child_samples}}
+                           "num_leaves": self.num_leaves, "min_child_samples": self.min_child_samples,
+                           "objective": self.objective}}
         path = d / "coefficients.json"
         path.write_text(json.dumps(meta, indent=1))
         return path
