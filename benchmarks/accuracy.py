@@ -5,7 +5,9 @@
 
 For each split (leave-architecture-out, small-to-large; :mod:`model.evaluate`), every row is answered
 by :meth:`model.curve.MemoryPredictor.curve` as the service answers it (:class:`model.evaluate.CurveEstimator`:
-traced path where the configuration's phase terms are shipped, provisional LightGBM path otherwise),
+traced path where the configuration's phase terms are shipped, provisional otherwise: learned phase
+coefficients where they cover the configuration, the LightGBM ratio model elsewhere; the coefficient
+model and the ratio model only see the training architectures' terms and rows),
 a second time with the provisional LightGBM-ratio path forced on every row, and a third time with the
 provisional path of learned phase coefficients (:mod:`model.coefficients`, composed per phase; the ratio
 model where they don't cover the configuration) forced on every row. Printed per path: MAPE, p95 and max
@@ -132,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{df.attrs['n_oom_dropped']} OOM rows dropped); {len(terms)} traced term sets; "
           f"{int((paths == 'traced').sum())} rows on the traced path; provisional params {params or 'default'}")
 
-    def make_served():
-        return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params))
+    entries = shipped_entries()
+
+    def make_served():  # as the service answers: traced terms, else learned coefficients, else the ratio model
+        return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params), make_coefficients=CoefficientModel,
+                              coefficient_entries=entries)
 
     def make_provisional():
         return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params), force_path="provisional")
-
-    entries = shipped_entries()
 
     def make_learned():  # coefficients of the training architectures' shipped terms only
         return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params), force_path="provisional",

@@ -54,8 +54,11 @@ from model.terms import TermsCache, not_traceable_reason, terms_key
 TRACED, PROVISIONAL = "traced", "provisional"
 #: margin group of traced answers for sharded training (FSDP / ZeRO-2/3 traced over a fake process group)
 TRACED_SHARDED = "traced_sharded"
-#: margin group of provisional answers composed from learned phase coefficients (:mod:`model.coefficients`)
+#: margin group of provisional answers composed from learned phase coefficients (:mod:`model.coefficients`),
+#: and of those for sharded training (fewer traced examples to learn from: twice the error leaving the
+#: architecture out, benchmarks/results/accuracy.txt)
 PROVISIONAL_COEFFICIENTS = "provisional_coefficients"
+PROVISIONAL_COEFFICIENTS_SHARDED = "provisional_coefficients_sharded"
 #: the traced path's bound never sits closer than this to the point: the composition is exact up to 512-byte
 #: rounding on most configurations (benchmarks/results/accuracy.txt), and a calibrated quantile of
 #: mostly-zero residuals would not cover the few that miss
@@ -66,17 +69,18 @@ TRACED_SHARDED_MARGIN_FLOOR = 0.035
 MARGIN_FLOORS = {TRACED: TRACED_MARGIN_FLOOR, TRACED_SHARDED: TRACED_SHARDED_MARGIN_FLOOR}
 #: default relative bound margins per group until calibrated (measured in benchmarks/results/accuracy.txt)
 DEFAULT_MARGINS = {TRACED: TRACED_MARGIN_FLOOR, TRACED_SHARDED: TRACED_SHARDED_MARGIN_FLOOR, PROVISIONAL: 0.30,
-                   PROVISIONAL_COEFFICIENTS: 0.30}
+                   PROVISIONAL_COEFFICIENTS: 0.30, PROVISIONAL_COEFFICIENTS_SHARDED: 0.30}
 
 
 def margin_group(path: str, sharding: Sharding | str, composed: bool = False) -> str:
     """Which calibrated bound margin answers ``path`` under ``sharding``: the path, with traced answers for
     sharded training in a group of their own (their composition is less exact), and provisional answers
-    composed from learned coefficients (``composed``) in theirs."""
-    if path == TRACED and Sharding(sharding) is not Sharding.NONE:
+    composed from learned coefficients (``composed``) in theirs, again apart for sharded training."""
+    sharded = Sharding(sharding) is not Sharding.NONE
+    if path == TRACED and sharded:
         return TRACED_SHARDED
     if path == PROVISIONAL and composed:
-        return PROVISIONAL_COEFFICIENTS
+        return PROVISIONAL_COEFFICIENTS_SHARDED if sharded else PROVISIONAL_COEFFICIENTS
     return path
 _STATE_PHASES_WITH_GRADS = {"bwd.emb", "opt"}
 

@@ -435,7 +435,13 @@ class CurveEstimator:
         """
         from sklearn.model_selection import GroupShuffleSplit
 
-        from model.curve import DEFAULT_MARGINS, MARGIN_FLOORS, PROVISIONAL, PROVISIONAL_COEFFICIENTS
+        from model.curve import (
+            DEFAULT_MARGINS,
+            MARGIN_FLOORS,
+            PROVISIONAL,
+            PROVISIONAL_COEFFICIENTS,
+            PROVISIONAL_COEFFICIENTS_SHARDED,
+        )
 
         y = np.asarray(y, dtype="float64")
         groups = np.asarray(groups) if groups is not None else group_labels(X)
@@ -466,9 +472,10 @@ class CurveEstimator:
                 margins[g] = max(floor, self._quantile(y[cal][mask] / pred[mask] - 1))
         if coef_cal is not None:  # learned coefficients: the calibration architectures answered untraced
             pred, _u, group = self._curves(self._predictor(self.provisional_, margins, coef_cal, "provisional"), Xc)
-            mask = np.asarray(group) == PROVISIONAL_COEFFICIENTS
-            if mask.any():
-                margins[PROVISIONAL_COEFFICIENTS] = max(0.0, self._quantile(y[cal][mask] / pred[mask] - 1))
+            for g in (PROVISIONAL_COEFFICIENTS, PROVISIONAL_COEFFICIENTS_SHARDED):
+                mask = np.asarray(group) == g
+                if mask.any():
+                    margins[g] = max(0.0, self._quantile(y[cal][mask] / pred[mask] - 1))
         self.margins_ = margins
         return self
 
