@@ -493,7 +493,9 @@ class CurveEstimator:
         return float(np.quantile(resid, level, method="higher"))
 
     def predict_both(self, X: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-        pred, upper, self.path_ = self._curves(self._predictor(self.provisional_, self.margins_, self.coefficients_), X)
+        # coefficients_ is absent when a caller sets provisional_ and margins_ itself (training.retrain)
+        coefficients = getattr(self, "coefficients_", None)
+        pred, upper, self.path_ = self._curves(self._predictor(self.provisional_, self.margins_, coefficients), X)
         return pred, upper
 
     def predict(self, X: pd.DataFrame) -> np.ndarray:
