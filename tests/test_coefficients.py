@@ -130,9 +130,9 @@ def test_learned_curve_invariants(held_out_model):
         name = rng.choice(names)
         spec: ModelSpec = catalog.spec(name)
         hf = catalog.get(name)["hf_config"]
-        base = dict(precision=rng.choice(["amp_bf16", "bf16", "fp32", "bf16_fp32_master", "amp_fp16"]),
-                    optimizer=rng.choice(["adamw_fused", "adamw_foreach", "sgd_momentum", "adafactor"]),
-                    attention=rng.choice(["sdpa", "eager"]))
+        base = {"precision": rng.choice(["amp_bf16", "bf16", "fp32", "bf16_fp32_master", "amp_fp16"]),
+                "optimizer": rng.choice(["adamw_fused", "adamw_foreach", "sgd_momentum", "adafactor"]),
+                "attention": rng.choice(["sdpa", "eager"])}
         b, s = rng.choice([1, 2, 4]), rng.choice([512, 1024, 2048])
         curves = [predictor.curve(spec, TrainingConfig(micro_batch_size=mb, seq_len=sl, **base), hf)
                   for mb, sl in ((b, s), (2 * b, s), (b, 2 * s))]
