@@ -155,12 +155,8 @@ def small_model_states(model: ModelSpec, training: TrainingConfig) -> tuple[floa
     """(model-state bytes of the one-layer model, of one decoder layer): the scales of the constants.
 
     Parameters are split into embeddings (vocab × hidden, twice when untied) and equal decoder layers;
-    trainable parameters (LoRA adapters) are spread evenly over the layers. With sharded parameters or
-    gradients (ZeRO-2/3, FSDP), the unsharded weights are added: a layer's parameters are gathered whole
-    for its forward and backward, whatever the number of ranks.
+    trainable parameters (LoRA adapters) are spread evenly over the layers.
     """
-    gathered = training.sharding in (Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP_FULL_SHARD,
-                                     Sharding.FSDP_SHARD_GRAD_OP)
     L = model.num_layers
     emb = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
     layer = max(model.total_params - emb, L) / L
@@ -170,8 +166,7 @@ def small_model_states(model: ModelSpec, training: TrainingConfig) -> tuple[floa
         total = int(emb + n * layer)
         trainable = total if full else int(model.trainable_params * n / L)
         spec = model.model_copy(update={"num_layers": n, "total_params": total, "trainable_params": trainable})
-        whole = model_state_bytes(spec, training.model_construct(**{**training.__dict__, "sharding": Sharding.NONE}))
-        return float(model_state_bytes(spec, training).total_bytes + (whole.weights_bytes if gathered else 0))
+        return float(model_state_bytes(spec, training).total_bytes)
 
     one = states(1)
     return max(one, 1.0), max(states(2) - one, 1.0)
@@ -301,11 +296,8 @@ class CoefficientModel:
     """
 
     def __init__(self, n_estimators: int = 300, learning_rate: float = 0.05, num_leaves: int = 15,
-                 min_child_samples: int = 3, objective: str = "l1", feature_fraction: float = 1.0,
-                 bagging_fraction: float = 1.0) -> None:
+                 min_child_samples: int = 3, objective: str = "l1") -> None:
         self.objective = objective
-        self.feature_fraction = feature_fraction
-        self.bagging_fraction = bagging_fraction
         self.n_estimators = n_estimators
         self.learning_rate = learning_rate
         self.num_leaves = num_leaves
@@ -314,8 +306,6 @@ class CoefficientModel:
     def _params(self) -> dict[str, Any]:
         return {"objective": self.objective, "learning_rate": self.learning_rate, "num_leaves": self.num_leaves,
                 "min_child_samples": self.min_child_samples, "min_data_in_bin": 1, "verbose": -1, "seed": 0,
-                "feature_fraction": self.feature_fraction, "bagging_fraction": self.bagging_fraction,
-                "bagging_freq": 1 if self.bagging_fraction < 1 else 0,
                 "num_threads": 1, "deterministic": True, "force_row_wise": True}
 
     @staticmethod
@@ -396,8 +386,7 @@ class CoefficientModel:
                 "boosters": sorted(self.boosters_), "settings": self.settings_, "families": self.families_, "n_entries": self.n_entries_,
                 "params": {"n_estimators": self.n_estimators, "learning_rate": self.learning_rate,
                            "num_leaves": self.num_leaves, "min_child_samples": self.min_child_samples,
-                           "objective": self.objective, "feature_fraction": self.feature_fraction,
-                           "bagging_fraction": self.bagging_fraction}}
+                           "objective": self.objective}}
         path = d / "coefficients.json"
         path.write_text(json.dumps(meta, indent=1))
         return path
