@@ -52,6 +52,29 @@ def _line(name: str, y, pred, upper, df, sel) -> tuple[str, dict]:
     return row, {**m, "saving_median_err_pct": med, "saving_n": int(se.size), "oracle": o}
 
 
+def setting_slices(df) -> dict[str, np.ndarray]:
+    """Boolean row masks of the settings issue 9 added (columns missing from older files select nothing)."""
+    def col(name, default):
+        return df[name] if name in df.columns else np.full(len(df), default)
+
+    def flag(name):
+        return col(name, False).fillna(False).astype(bool).to_numpy() if name in df.columns else np.zeros(len(df), bool)
+
+    optimizer = df["optimizer"].to_numpy()
+    return {
+        "optimizer adamw_8bit": optimizer == "adamw_8bit",
+        "optimizer paged_adamw_8bit": optimizer == "paged_adamw_8bit",
+        "optimizer lion": optimizer == "lion",
+        "optimizer_in_backward": flag("optimizer_in_backward"),
+        "quantization (QLoRA)": np.asarray(col("quantization", "none").fillna("none") != "none"),
+        "offload_optimizer cpu": np.asarray(col("offload_optimizer", "none").fillna("none") == "cpu"),
+        "tensor_parallel_size > 1": np.asarray(col("tensor_parallel_size", 1).fillna(1) > 1),
+        "sequence_parallel": flag("sequence_parallel"),
+        "MoE (num_experts set)": np.asarray(col("num_experts", np.nan).notna()),
+        "MoE expert_parallel_size > 1": np.asarray(col("expert_parallel_size", 1).fillna(1) > 1),
+    }
+
+
 HEADER = (f"  {'path (rows)':<26} {'n':>5} {'MAPE %':>8} {'p95 %':>7} {'max %':>7} {'saving%':>8} {'cover%':>7} "
           f"{'excess%':>7} {'exactk%':>7} {'OOM%':>5} {'noFit%':>6}")
 
@@ -97,6 +120,21 @@ def evaluate_split(df, split: str, make_served, make_provisional, paths, make_le
             line += f"  learned {ml:7.2f} {'beats' if ml < ma else 'LOSES'}"
         lines.append(line)
     out["slices"] = slices
+    head = "  served curve per issue-9 setting (held-out architectures; path counts traced/provisional):"
+    settings = {}
+    for name, sel in setting_slices(df).items():
+        sel = sel & tested
+        if not sel.any():
+            continue
+        m = metrics(y[sel], pred[sel], upper[sel])
+        n_traced = int((paths[sel] == "traced").sum())
+        settings[name] = {**m, "traced": n_traced}
+        if head:
+            lines.append(head)
+            head = ""
+        lines.append(f"    {name:<32} n={m['n']:>5}  MAPE {m['mape_pct']:6.2f}  p95 {m['p95_rel_err_pct']:6.2f}  "
+                     f"cover {100 * m['coverage']:5.1f}  traced/provisional {n_traced}/{m['n'] - n_traced}")
+    out["settings"] = settings
     out["per_architecture"] = {a: m for a, m in s["per_architecture"].items()}
     out["oof"] = (pred, upper)
     return lines, out

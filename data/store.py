@@ -308,21 +308,36 @@ class TelemetryStore:
         return len(df)
 
     def import_file(self, path: str | Path) -> IngestReport:
-        """Ingest a ``.parquet`` or ``.csv`` file written by :meth:`export` (or by hand, same columns)."""
+        """Ingest a ``.parquet``, ``.csv`` or ``.jsonl`` file written by :meth:`export` (or by hand, same
+        columns / fields)."""
         return self.add(read_rows(path))
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a telemetry ``.parquet``/``.csv`` file as dicts (NaN -> None)."""
+    """Rows of a telemetry ``.parquet``/``.csv`` file (flat dicts, NaN -> None) or ``.jsonl`` file (one
+    nested :class:`TelemetryRecord` JSON per line, blank lines skipped).
+
+    Raises:
+        ValueError: another suffix, or a ``.jsonl`` line that is not JSON (names the line).
+    """
     import pandas as pd
 
     path = Path(path)
+    if path.suffix == ".jsonl":
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path.name} line {number}: not JSON ({err.msg})") from None
+        return rows
     if path.suffix == ".parquet":
         df = pd.read_parquet(path)
     elif path.suffix == ".csv":
         df = pd.read_csv(path)
     else:
-        raise ValueError(f"path must end in .parquet or .csv, got {path.name!r}")
+        raise ValueError(f"path must end in .parquet, .csv or .jsonl, got {path.name!r}")
     df = df.astype(object).where(df.notna(), None)
     return df.to_dict("records")
 

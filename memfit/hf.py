@@ -112,6 +112,10 @@ def spec_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
         out["num_experts"] = _int(cfg, key, "num_experts")
         out["num_experts_per_token"] = (_int(cfg, "num_experts_per_tok", "num_experts_per_token")
                                         if cfg.get("num_experts_per_tok") is not None else 1)
+        # Qwen-MoE / Qwen3-MoE / DeepSeek give each routed expert its own width (``moe_intermediate_size``);
+        # their ``intermediate_size`` is that of dense or shared MLPs (Mixtral and OLMoE use it for the experts)
+        if cfg.get("moe_intermediate_size") is not None:
+            out["intermediate_size"] = _int(cfg, "moe_intermediate_size", "intermediate_size")
     return out
 
 

@@ -266,13 +266,20 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     bitsandbytes optimizers update in place in one fused kernel (no temporaries), and a step fused into
     backward holds one parameter's temporaries at a time (counted 0). A quantized base adds the largest
     decoder linear dequantized to 16 bits (``gemm_4bit``'s dequantize-then-``F.linear`` path).
+
+    Per tensor-parallel rank: the states and optimizer temporaries of the parameters one rank holds
+    (:func:`model.parallel.tensor_parallel_rank_spec`), activations and logits divided by the
+    tensor-parallel size (Korthikanti et al. 2022, arXiv 2205.05198, Sec. 4.2, with sequence parallelism;
+    an upper-side simplification without it).
     """
     from model.offload import in_flight_bytes
+    from model.parallel import tensor_parallel_rank_spec
 
+    full, model = model, tensor_parallel_rank_spec(model, training)  # the spec itself when tp = 1
     states = model_state_bytes(model, training)
     k = training.num_checkpointed_layers
     L = model.num_layers
-    per_layer = activation_bytes_per_layer(model, training)
+    per_layer = activation_bytes_per_layer(full, training)  # already divided by the tensor-parallel size
     sbh = training.seq_len * training.micro_batch_size * model.hidden_size * activation_dtype_bytes(training.precision)
     n = training.data_parallel_size if training.sharding is not Sharding.NONE else 1
     temp_per_param = {Optimizer.ADAMW_FOREACH: 4, Optimizer.SGD_MOMENTUM: 4, Optimizer.ADAFACTOR: 4}.get(

@@ -39,7 +39,11 @@ from model.analytic import model_state_bytes
 #: flat columns identifying a configuration family: everything but k (the checkpointed-layer count)
 FAMILY_COLUMNS: list[str] = ["model_name", "micro_batch_size", "seq_len", "precision", "optimizer", "sharding",
                              "data_parallel_size", "attention", "finetune", "lora_rank", "frozen_layers",
-                             "checkpoint_impl", "method"]
+                             "checkpoint_impl", "method",
+                             # issue-9 settings: present in rows merged since (a family differs in any of them)
+                             "optimizer_in_backward", "quantization", "offload_optimizer", "offload_parameters",
+                             "tensor_parallel_size", "sequence_parallel", "pipeline_parallel_size",
+                             "context_parallel_size", "expert_parallel_size", "moe_imbalance_factor"]
 #: capacities (GiB) of common accelerators: V100/T4 16, A10/L4/4090 24, A100 40/80, A6000/L40S 48, H100 80,
 #: H100 NVL 94/96, H200 141
 CAPACITIES_GIB: tuple[float, ...] = (16, 24, 40, 48, 80, 96, 141)
@@ -357,21 +361,18 @@ def cross_evaluate(df: pd.DataFrame, make_estimator: Callable[[], Any], split: s
 # -- the one curve as an estimator --------------------------------------------------------------------
 def row_configuration(row: dict[str, Any]):
     """(ModelSpec, TrainingConfig with k = 0, HF config or None) of one flat telemetry row
-    (:func:`model.features.row_specs`, plus the catalog's HF config for the row's ``model_name``)."""
-    from data import catalog
+    (:func:`model.features.row_specs`, plus the HF config of the row's ``model_name``:
+    :func:`training.terms.hf_config_of`)."""
     from memfit.schema import ModelSpec, TrainingConfig
     from model.features import row_specs
+    from training.terms import hf_config_of
 
     spec, training = row_specs({k: v for k, v in row.items() if not (isinstance(v, float) and v != v)})
     # validated copies: Parquet hands integer columns with gaps back as floats (lora_rank 16.0), and the
     # traced-terms key must see the same values a request gives
     spec = ModelSpec.model_validate(dict(spec))
     training = TrainingConfig.model_validate({**dict(training), "checkpoint_layers": []})
-    try:
-        hf = catalog.get(spec.model_name)["hf_config"] if getattr(spec, "model_name", None) else None
-    except KeyError:
-        hf = None
-    return spec, training, hf
+    return spec, training, hf_config_of(getattr(spec, "model_name", None))
 
 
 class CurveEstimator:

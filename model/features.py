@@ -19,8 +19,11 @@ from memfit.schema import (
     CheckpointImpl,
     FineTune,
     ModelSpec,
+    Offload,
     Optimizer,
+    PipelineSchedule,
     Precision,
+    Quantization,
     Sharding,
     TrainingConfig,
 )
@@ -63,8 +66,11 @@ def row_specs(row: dict) -> tuple[ModelSpec, TrainingConfig]:
     return ModelSpec.model_construct(**m), TrainingConfig.model_construct(**t)
 
 
+#: every enum field of TrainingConfig: model_construct keeps raw strings, and the analytic terms compare
+#: by identity (``quantization is not Quantization.NONE``), so a flat row's "none" must become the member
 _ENUMS = {"precision": Precision, "optimizer": Optimizer, "sharding": Sharding, "attention": Attention,
-          "finetune": FineTune, "checkpoint_impl": CheckpointImpl}
+          "finetune": FineTune, "checkpoint_impl": CheckpointImpl, "quantization": Quantization,
+          "offload_optimizer": Offload, "offload_parameters": Offload, "pipeline_schedule": PipelineSchedule}
 _CODES = {c: {v: float(i) for i, v in enumerate(cats)} for c, cats in CATEGORIES.items()}
 _TRAINING_DEFAULTS = {"tensor_parallel_size": 1, "data_parallel_size": 1, "lora_rank": 0, "frozen_layers": 0}
 

@@ -51,7 +51,7 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
     sharded parameters or with fewer local experts than the top-k, ``frozen`` fine-tuning (its layers
     are not alike), ZeRO-1 (``ZeroRedundancyOptimizer`` assigns whole parameters to ranks greedily, so
     rank 0's share of a 1- or 2-layer model does not compose), tensor parallelism outside the
-    Llama-style families or combined with sharding or adapters. Pipeline and context parallelism are
+    Llama-style families or combined with adapters. Pipeline and context parallelism are
     composed on top of the traced terms (:mod:`model.parallel`), so they do not block the traced path.
     MoE routing itself is traced with a balanced deterministic router (:func:`training.moe.balanced_routing`).
     """
@@ -80,8 +80,6 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
         if model.num_key_value_heads % training.tensor_parallel_size:
             return (f"tensor parallelism is traced when it divides the key/value heads "
                     f"({model.num_key_value_heads}); Megatron replicates them beyond")
-        if training.sharding is not Sharding.NONE:
-            return "tensor parallelism is traced without data-parallel sharding only"
         if training.finetune is not FineTune.FULL:
             return "tensor parallelism is traced for full fine-tuning only"
         if training.optimizer_in_backward:

@@ -75,6 +75,27 @@ def test_candidates_cover_each_kind_of_change():
     assert not any("offload_optimizer" in c or "precision" in c or "finetune" in c for c in again)
 
 
+def test_candidates_offer_8bit_adamw_qlora_and_context_parallel_where_they_apply():
+    spec = ModelSpec(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, total_params=8_030_261_248,
+                     trainable_params=8_030_261_248)
+    full = [c.change for c in candidate_changes(TrainingConfig(micro_batch_size=1, seq_len=2048), spec, 1)]
+    assert {"optimizer": "adamw_8bit"} in full
+    assert {"finetune": "lora", "lora_rank": 16, "quantization": "nf4"} in full
+    assert not any("context_parallel_size" in c for c in full)  # short sequence, one GPU
+    lora = TrainingConfig(micro_batch_size=1, seq_len=2048, finetune="lora", lora_rank=64, optimizer="sgd_momentum")
+    changes = [c.change for c in candidate_changes(lora, spec, 1)]
+    assert {"quantization": "nf4"} in changes  # the same adapters on a 4-bit base
+    assert {"optimizer": "adamw_8bit"} not in changes  # not an AdamW run
+    long = [c.change for c in candidate_changes(TrainingConfig(micro_batch_size=1, seq_len=12288), spec, 8)]
+    # the largest power of two <= 8 GPUs that divides the sequence: 12288 = 3 * 4096
+    assert {"context_parallel_size": 8, "data_parallel_size": 1} in long
+    even = [c.change for c in candidate_changes(TrainingConfig(micro_batch_size=1, seq_len=10002), spec, 8)]
+    assert {"context_parallel_size": 2, "data_parallel_size": 4} in even  # 10002 = 2 * 5001
+    odd = [c.change for c in candidate_changes(TrainingConfig(micro_batch_size=1, seq_len=9001), spec, 8)]
+    assert not any("context_parallel_size" in c for c in odd)
+
+
 def test_heavy_recompute_gets_cheaper_alternatives_through_the_curve():
     # Mistral-7B, pure bf16, AdamW, micro-batch 4, seq 4096 on one A100-80GB fits only with 27 of 32 layers
     # checkpointed (~28 % extra compute): the answer offers the cheaper ways out, each planned on the same curve.

@@ -76,3 +76,26 @@ def test_llama_3_8b_pipeline_8_recommends_k_per_stage(recommender):
     layer_params = (8_030_261_248 - 2 * 128_256 * 4096 - 4096) // 32  # 218.1 M per decoder layer
     assert abs(rec.stages[3].parameters - 4 * layer_params) <= 4096
     assert rec.stages[0].parameters - rec.stages[3].parameters == 128_256 * 4096  # + the embedding
+
+
+def test_qwen25_72b_tensor_8_by_zero3_data_8_holds_a_64th_of_the_states(recommender):
+    # issue 9: Qwen2.5-72B with TP 8 x DP 8 + ZeRO-3 was given 135 GiB of states per GPU instead of about 17
+    # (the provisional path counted the whole model's states on every rank) and "did not fit" on H100s
+    req = RecommendRequest.model_validate({
+        "model": "qwen2.5-72b", "training": {"micro_batch_size": 1, "seq_len": 4096, "sharding": "zero3",
+                                             "tensor_parallel_size": 8},
+        "cluster": {"gpu": "H100-80GB", "gpu_count": 64}})
+    rec = recommender.recommend(req)
+    per_rank = rec.parameters_per_rank
+    assert per_rank == pytest.approx(72.7e9 / 8, rel=0.01)
+    # fp32 weights and AdamW moments of the rank's TP shard, / 8 ZeRO-3 ranks (gradients not yet made at the
+    # peak, in the head's backward): 4 + 8 bytes of 9.09 B / 8 = 12.7 GiB, not 135 GiB
+    assert rec.peak_phase == "bwd.head" and rec.breakdown["gradients_bytes"] == 0
+    assert rec.breakdown["parameters_bytes"] == pytest.approx(4 * per_rank / 8, rel=0.001)
+    assert rec.breakdown["optimizer_states_bytes"] == pytest.approx(8 * per_rank / 8, rel=0.001)
+    # traced on a 2-D (dp 8, tp 8) mesh (shipped terms): activations without sequence parallelism are ~0.55 GiB
+    # per layer and rank at seq 4096, so every layer un-checkpointed still fits an H100 (65 GiB, bound 73 GiB)
+    assert rec.path == "traced"
+    assert any("fake process group of 8 ranks" in w for w in rec.warnings)
+    assert 60 * GIB < rec.curve[0].predicted_bytes < 70 * GIB and rec.curve[-1].predicted_bytes < 25 * GIB
+    assert rec.fits and rec.k == 0

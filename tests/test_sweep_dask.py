@@ -177,7 +177,7 @@ def test_grow_spec_reaches_15000_rows_over_45_architectures():
     assert moe_part["skipped"] or {f.model for f in plan.families} >= moe
 
 
-def test_collected_dense_new_records_are_valid_new_and_monotone_in_k():
+def test_collected_dense_new_records_are_valid_shipped_and_monotone_in_k():
     """data/telemetry/incoming/dense_new.jsonl (training/sweeps/dense-new-local.toml, collected here)."""
     from memfit.schema import TelemetryRecord
 
@@ -186,7 +186,10 @@ def test_collected_dense_new_records_are_valid_new_and_monotone_in_k():
     assert len(recs) >= 13
     ids = [r.record_id for r in recs]
     assert len(set(ids)) == len(ids)
-    assert not set(ids) & set(pd.read_parquet(SHIPPED, columns=["record_id"])["record_id"])
+    # merged into the shipped dataset (python -m training.merge_telemetry): every record, none changed
+    shipped = pd.read_parquet(SHIPPED).set_index("record_id")
+    assert set(ids) <= set(shipped.index)
+    assert all(shipped.at[r.record_id, "peak_allocated_bytes"] == r.measurement.peak_allocated_bytes for r in recs)
     new_dense = {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "gemma-3-1b", "olmo-2-1b", "olmo-2-7b",
                  "smollm3-3b", "granite-3.3-2b", "granite-3.3-8b", "glm-4-9b-0414", "phi-4"}
     assert {r.model.model_name for r in recs} <= new_dense

@@ -33,9 +33,11 @@ instead of autocast, which is how FSDP2 users train.
 
 Tensor parallelism (optionally with sequence parallelism) is measured by running DTensor
 ``parallelize_module`` with the Megatron/torchtitan plan of :func:`training.parallel.apply_tensor_parallel`
-over a fake process group of ``tensor_parallel_size`` ranks (rank 0 is measured; not combined with
-data-parallel sharding). Pipeline and context parallelism are not run: the collector requires both
-sizes to be 1, and :mod:`model.parallel` composes them.
+over a fake process group of ``tensor_parallel_size`` ranks (rank 0 is measured). With ZeRO-2/3 or FSDP
+sharding too, the process group spans data × tensor parallel ranks and FSDP2 shards the tensor-parallel
+DTensor parameters over the data-parallel dimension of a 2-D ``(dp, tp)`` device mesh, as torchtitan
+does. Pipeline and context parallelism are not run: the collector requires both sizes to be 1, and
+:mod:`model.parallel` composes them.
 """
 
 from __future__ import annotations
@@ -168,6 +170,31 @@ def _fake_process_group(world_size: int):
     return dist.group.WORLD
 
 
+@contextlib.contextmanager
+def _mesh_bookkeeping_outside_modes():
+    """Let FSDP2 build its (dp, tp) device mesh outside the fake mode and the tracker.
+
+    Sharding already tensor-parallel DTensor parameters, FSDP2 concatenates the data- and tensor-parallel
+    sub-meshes (``DeviceMesh._concatenate``), which computes rank coordinates with ops on the mesh's real
+    integer tensor (``nonzero``): a data-dependent shape a fake mode refuses. That is mesh bookkeeping,
+    not training memory, so it runs with the dispatch modes switched off.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = DeviceMesh._concatenate
+
+    def concatenate(device_mesh_list):
+        with _disable_current_modes():
+            return original(device_mesh_list)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(original)
+
+
 def _apply_finetune(model, training: TrainingConfig, layers) -> Any:
     if training.finetune is FineTune.LORA:
         from peft import LoraConfig, get_peft_model
@@ -279,9 +306,9 @@ def _check_supported(training: TrainingConfig) -> None:
     if training.pipeline_parallel_size != 1 or training.context_parallel_size != 1:
         raise ValueError("the collector runs pipeline_parallel_size=1 and context_parallel_size=1 only "
                          "(model.parallel composes pipeline and context parallelism)")
-    if training.tensor_parallel_size > 1 and training.sharding is not Sharding.NONE:
-        raise ValueError(f"tensor_parallel_size={training.tensor_parallel_size} is measured with sharding=none only; "
-                         f"got sharding={training.sharding.value}")
+    if training.tensor_parallel_size > 1 and training.sharding not in (Sharding.NONE, *_FSDP_RESHARD):
+        raise ValueError(f"tensor_parallel_size={training.tensor_parallel_size} is measured with sharding none, "
+                         f"zero2/zero3 or FSDP (FSDP2 over the data-parallel dimension); got {training.sharding.value}")
     if training.tensor_parallel_size > 1 and (training.optimizer_in_backward
                                               or training.quantization is not Quantization.NONE):
         raise ValueError(f"tensor_parallel_size={training.tensor_parallel_size} is measured without "
@@ -422,19 +449,27 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
     torch.manual_seed(seed)
     ctx, method = _device_context(device)
     world = training.data_parallel_size
-    group = _fake_process_group(world) if training.sharding is not Sharding.NONE else None
     tp = training.tensor_parallel_size
-    tp_mesh = None
-    if tp > 1:
+    mesh_device = "cuda" if device == "cuda" else "cpu"
+    group = _fake_process_group(world) if training.sharding is not Sharding.NONE and tp == 1 else None
+    tp_mesh = mesh = None
+    if tp > 1 and training.sharding in _FSDP_RESHARD:
+        # 2-D (data, tensor) mesh as torchtitan builds it: TP inside each data-parallel replica, FSDP2 over
+        # the data-parallel dimension of the already tensor-parallel DTensor parameters
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _fake_process_group(world * tp)
+        mesh2d = init_device_mesh(mesh_device, (world, tp), mesh_dim_names=("dp", "tp"))  # outside the fake mode
+        tp_mesh, mesh = mesh2d["tp"], mesh2d["dp"]
+    elif tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         _fake_process_group(tp)
-        tp_mesh = init_device_mesh("cuda" if device == "cuda" else "cpu", (tp,))  # outside the fake mode
-    mesh = None
-    if training.sharding in _FSDP_RESHARD:
+        tp_mesh = init_device_mesh(mesh_device, (tp,))  # outside the fake mode
+    elif training.sharding in _FSDP_RESHARD:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cuda" if device == "cuda" else "cpu", (world,))  # outside the fake mode
+        mesh = init_device_mesh(mesh_device, (world,))  # outside the fake mode
     tracker = LiveStorageTracker() if method is not Method.CUDA else None
     amp_dtype = _HALF.get(training.precision)
     on = "cuda" if device == "cuda" else "cpu"
@@ -480,9 +515,10 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
             kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": _FSDP_RESHARD[training.sharding]}
             if amp_dtype is not None:
                 kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
-            for layer in layers:
-                fully_shard(layer, **kw)
-            fully_shard(model, **kw)
+            with _mesh_bookkeeping_outside_modes() if tp_mesh is not None else contextlib.nullcontext():
+                for layer in layers:
+                    fully_shard(layer, **kw)
+                fully_shard(model, **kw)
         routing = balanced_routing(model, imbalance_factor=training.moe_imbalance_factor, expert_parallel_size=ep,
                                    num_experts=num_experts) if num_experts else contextlib.nullcontext()
         with routing:

@@ -30,6 +30,19 @@ DEFAULT_SETTINGS = [
 ]
 
 
+def hf_config_of(model_name: str | None) -> dict[str, Any] | None:
+    """The HF config of a telemetry row's model: the catalog's, else the reduced-width MoE model's the row was
+    collected on (:data:`training.moe_telemetry.REDUCED_MOE`), else None (a user upload of another model)."""
+    if model_name is None:
+        return None
+    try:
+        return catalog.get(model_name)["hf_config"]
+    except UnknownModel:
+        from training.moe_telemetry import REDUCED_MOE
+
+        return REDUCED_MOE.get(model_name)
+
+
 def jobs_from_telemetry(path: str | Path) -> list[tuple[str, TrainingConfig]]:
     """(model_name, training) for each distinct traced key in a telemetry Parquet file."""
     import pandas as pd
@@ -41,10 +54,7 @@ def jobs_from_telemetry(path: str | Path) -> list[tuple[str, TrainingConfig]]:
     for _, row in df.iterrows():
         rec = TelemetryRecord.from_row(row.to_dict())
         name = rec.model.model_name
-        try:  # rows of architectures outside the catalog (reduced-width MoE rows, user uploads) are skipped
-            cfg = catalog.get(name)["hf_config"] if name is not None else None
-        except UnknownModel:
-            cfg = None
+        cfg = hf_config_of(name)  # None for rows of models neither in the catalog nor reduced MoE: skipped
         if cfg is None or not_traceable_reason(rec.model, rec.training, cfg):
             continue
         sig = (rec.model.model_name, json.dumps(training_key_fields(rec.training), sort_keys=True))
@@ -60,6 +70,9 @@ PUBLIC_CASE_JOBS = [
     ("llama-3-8b", TrainingConfig(micro_batch_size=2, seq_len=8192, sharding="zero3", data_parallel_size=8)),
     ("llama-2-7b", TrainingConfig(micro_batch_size=2, seq_len=512, precision=Precision.BF16,
                                   sharding="fsdp_full_shard", data_parallel_size=4)),
+    # issue 9: Qwen2.5-72B, tensor parallel 8 inside each of 8 ZeRO-3 data-parallel replicas (2-D mesh)
+    ("qwen2.5-72b", TrainingConfig(micro_batch_size=1, seq_len=4096, sharding="zero3", data_parallel_size=8,
+                                   tensor_parallel_size=8)),
 ]
 
 #: MoE public cases (tests/test_cases_moe.py); traced with balanced routing, written to data/terms/moe.jsonl
@@ -92,7 +105,7 @@ def run(jobs: list[tuple[str, TrainingConfig]], out: Path) -> dict[str, Any]:
     stats: dict[str, Any] = {"traced": 0, "skipped": 0, "failed": [], "slowest_s": 0.0, "slowest": None}
     with out.open("a") as fh:
         for name, training in jobs:
-            cfg = catalog.get(name)["hf_config"]
+            cfg = hf_config_of(name)
             key = terms_key(cfg, training)
             if key in done:
                 stats["skipped"] += 1
