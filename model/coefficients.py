@@ -256,12 +256,29 @@ def shipped_entries(directory: str | Path | None = None) -> list[dict[str, Any]]
 
 
 def entry_configuration(entry: dict[str, Any]) -> tuple[ModelSpec, TrainingConfig, dict[str, Any]]:
-    """(ModelSpec, TrainingConfig, HF config) of a shipped terms entry (catalog architecture by ``model_name``)."""
-    from data import catalog
+    """(ModelSpec, TrainingConfig, HF config) of a shipped terms entry, by ``model_name``: a catalog
+    architecture (published parameter count) or a reduced MoE model (:func:`training.terms.hf_config_of`,
+    counted on a meta build).
 
-    hf = catalog.get(entry["model_name"])["hf_config"]
-    spec = catalog.spec(entry["model_name"])
+    Raises:
+        LookupError: ``model_name`` is neither.
+    """
+    from data import catalog
+    from memfit.errors import UnknownModel
+    from memfit.hf import model_spec
+    from training.terms import hf_config_of
+
+    name = entry["model_name"]
+    hf = hf_config_of(name)
+    if hf is None:
+        raise LookupError(f"terms entry {entry.get('key', '')[:12]}: no HF config for model {name!r}")
+    try:
+        spec = catalog.spec(name)
+    except UnknownModel:
+        spec = model_spec(hf, name=name)
     fields = {k: v for k, v in entry["training"].items() if v is not None}
+    # the terms key keeps data_parallel_size 1 without sharding; expert parallelism splits experts over those ranks
+    fields["data_parallel_size"] = max(fields.get("data_parallel_size", 1), fields.get("expert_parallel_size", 1))
     training = TrainingConfig.model_validate({"micro_batch_size": 1, "seq_len": 1024, **fields})
     if training.finetune is FineTune.LORA:
         spec = spec.model_copy(update={"trainable_params": _lora_trainable(hf, training, spec.num_layers)})
@@ -314,14 +331,20 @@ class CoefficientModel:
         return "/".join(getattr(training, c).value for c in ("sharding", "finetune", "quantization"))
 
     def fit(self, entries: Iterable[dict[str, Any]]) -> CoefficientModel:
-        """Fit on shipped terms entries (``{"model_name", "training", "terms"}``, catalog architectures).
+        """Fit on shipped terms entries (``{"model_name", "training", "terms"}``); entries of models without an
+        HF config here (:func:`entry_configuration`) are listed in ``skipped_``.
 
         Raises:
             ValueError: no entries.
         """
         X, Y, settings, specs = [], [], set(), []
+        self.skipped_ = []
         for e in entries:
-            spec, training, hf = entry_configuration(e)
+            try:
+                spec, training, hf = entry_configuration(e)
+            except (LookupError, ValueError) as err:  # no HF config here, or settings this code refuses
+                self.skipped_.append(str(err))
+                continue
             specs.append(spec)
             X.append(config_features(spec, training, hf))
             Y.append(fitted_pieces(e["terms"]) / scales(spec, training))
