@@ -270,7 +270,7 @@ class Recommendation(BaseModel):
     stages: list[StageOut] = Field([], description="per pipeline stage (pipeline/context parallel, traced path)")
     bottleneck_stage: int | None = Field(None, description="the stage whose peak is predicted_peak_bytes")
     parameters_per_rank: int | None = Field(None, description="parameters one rank holds (its fullest stage; "
-                                                               "tensor parallelism applied)")
+                                                               "tensor and expert parallelism applied)")
     model_name: str | None = None
     training: dict[str, Any] | None = Field(None, description="the resolved training configuration (k excluded)")
     model_version: str

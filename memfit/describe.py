@@ -98,6 +98,14 @@ def _load_ds_config(ds: Any) -> dict[str, Any] | None:
     return cfg if isinstance(cfg, dict) else None
 
 
+def _choice(enum: type, value: Any, field: str):
+    """``enum(value)``, or an :class:`InvalidConfiguration` naming ``field`` and the allowed values."""
+    try:
+        return enum(getattr(value, "value", value))
+    except ValueError:
+        raise InvalidConfiguration(field, f"one of {[x.value for x in enum]}", value) from None
+
+
 def _enabled(block: Any, auto: bool) -> bool:
     if not isinstance(block, dict):
         return False
@@ -398,7 +406,8 @@ def describe(
 
     Raises:
         ValueError: a missing essential (names the field: ``seq_len``, ``micro_batch_size``, ``gpu``)
-            or an architecture that cannot be detected.
+            or an architecture that cannot be detected. InvalidConfiguration (a ValueError): an unknown
+            ``sharding``, ``offload_optimizer`` or ``offload_parameters`` value (names it and the allowed values).
     """
     if seq_len is None:
         raise ValueError("seq_len is required: tokens per training sequence (e.g. seq_len=4096)")
@@ -455,7 +464,11 @@ def describe(
             sharding = Sharding.FSDP_FULL_SHARD
         else:
             sharding = Sharding.NONE
-    sharding = Sharding(sharding)
+    sharding = _choice(Sharding, sharding, "sharding")
+    if offload_optimizer is not None:
+        offload_optimizer = _choice(Offload, offload_optimizer, "offload_optimizer")
+    if offload_parameters is not None:
+        offload_parameters = _choice(Offload, offload_parameters, "offload_parameters")
     if sharding is not Sharding.NONE and dp < 2:
         log.info("memfit: sharding=%s over one data-parallel rank shards nothing; describing it as 'none'",
                  sharding.value)

@@ -303,11 +303,29 @@ class TrainingConfig(_Part):
             raise InvalidConfiguration("tensor_parallel_size", f"a divisor of seq_len={self.seq_len} with "
                                        "sequence_parallel", self.tensor_parallel_size)
         check_offload(self.offload_optimizer, self.offload_parameters, self.sharding, self.data_parallel_size)
+        self._check_pipeline()
         if self.data_parallel_size % self.expert_parallel_size:
             raise InvalidConfiguration("expert_parallel_size", f"a divisor of data_parallel_size="
                                        f"{self.data_parallel_size} (experts are split within the data-parallel "
                                        "ranks)", self.expert_parallel_size)
         return self
+
+    def _check_pipeline(self) -> None:
+        """Pipeline settings that would otherwise be ignored silently.
+
+        Megatron-LM's interleaved schedule needs the micro-batches to be a multiple of the stages
+        (``megatron/core/pipeline_parallel/schedules.py``, ``forward_backward_pipelining_with_interleaving``).
+        """
+        pp = self.pipeline_parallel_size
+        if self.num_micro_batches is not None and pp == 1:
+            raise InvalidConfiguration("num_micro_batches", "left out unless pipeline_parallel_size >= 2 (the "
+                                       "micro-batches a pipeline runs per step)", self.num_micro_batches)
+        if self.pipeline_chunks_per_rank != 2 and self.pipeline_schedule is not PipelineSchedule.INTERLEAVED_1F1B:
+            raise InvalidConfiguration("pipeline_chunks_per_rank", "left at its default unless pipeline_schedule="
+                                       "'interleaved_1f1b' (model chunks per rank)", self.pipeline_chunks_per_rank)
+        if self.pipeline_schedule is PipelineSchedule.INTERLEAVED_1F1B and self.micro_batches_per_step % pp:
+            raise InvalidConfiguration("num_micro_batches", f"a multiple of pipeline_parallel_size={pp} with the "
+                                       "interleaved schedule", self.micro_batches_per_step)
 
     @property
     def model_parallel_size(self) -> int:

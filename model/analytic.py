@@ -267,15 +267,16 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     backward holds one parameter's temporaries at a time (counted 0). A quantized base adds the largest
     decoder linear dequantized to 16 bits (``gemm_4bit``'s dequantize-then-``F.linear`` path).
 
-    Per tensor-parallel rank: the states and optimizer temporaries of the parameters one rank holds
-    (:func:`model.parallel.tensor_parallel_rank_spec`), activations and logits divided by the
+    Per tensor- and expert-parallel rank: the states and optimizer temporaries of the parameters one rank
+    holds (:func:`model.parallel.tensor_parallel_rank_spec`, :func:`model.parallel.expert_parallel_rank_spec`), activations and logits divided by the
     tensor-parallel size (Korthikanti et al. 2022, arXiv 2205.05198, Sec. 4.2, with sequence parallelism;
     an upper-side simplification without it).
     """
     from model.offload import in_flight_bytes
-    from model.parallel import tensor_parallel_rank_spec
+    from model.parallel import expert_parallel_rank_spec, tensor_parallel_rank_spec
 
-    full, model = model, tensor_parallel_rank_spec(model, training)  # the spec itself when tp = 1
+    # the spec itself when tp = ep = 1
+    full, model = model, tensor_parallel_rank_spec(expert_parallel_rank_spec(model, training), training)
     states = model_state_bytes(model, training)
     k = training.num_checkpointed_layers
     L = model.num_layers

@@ -157,14 +157,18 @@ def breakdown(states: ModelStates, predicted_bytes: int, phase: str | None) -> d
 
 def expert_parallel_rank(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> ModelSpec:
     """The part of ``model`` one expert-parallel rank holds: its parameter counts with num_experts / P
-    routed experts (counted on a meta build of that shard's config); ``model`` itself when P = 1 or no
-    HF config is given.
+    routed experts (counted on a meta build of that shard's config; from the shapes,
+    :func:`model.parallel.expert_parallel_rank_spec`, when no HF config is given); ``model`` itself when P = 1.
 
     Full fine-tuning trains every parameter of the shard; otherwise (LoRA) the trainable count stays.
     """
     ep = training.expert_parallel_size
-    if ep == 1 or hf_config is None or model.num_experts is None:
+    if ep == 1 or model.num_experts is None:
         return model
+    if hf_config is None:
+        from model.parallel import expert_parallel_rank_spec
+
+        return expert_parallel_rank_spec(model, training)  # from the shapes
     from training.moe import local_expert_config
 
     local = _param_count(json.dumps(local_expert_config(hf_config, ep), sort_keys=True))
@@ -331,6 +335,8 @@ class MemoryPredictor:
         L = model.num_layers
         # the stand-in FSDP trace of parameter offload on one rank is not the user's sharding: don't say it is
         notes = [n for n in base.notes if base_training.sharding is training.sharding or not n.startswith("sharding")]
+        # offloaded optimizer states live in host memory, not in CUDA unified memory: drop the paged-states note
+        notes = [n for n in notes if "unified memory" not in n]
         if base.phase_bytes is not None:
             dev = offload_device_phases(base.phase_bytes, list(PEAK_PHASES), model, training)
             raw = dev.max(axis=1)

@@ -58,6 +58,8 @@ mixed-precision AdamW full fine-tunes, and extends them to other optimizers, LoR
 
 from __future__ import annotations
 
+import math
+
 from memfit.schema import ModelSpec, Offload, Precision, Sharding, TrainingConfig
 
 #: DeepSpeed's ``additional_buffer_factor`` default in both estimators (pinned buffers, fragmentation)
@@ -114,17 +116,24 @@ def host_bytes_per_rank(model: ModelSpec, training: TrainingConfig) -> int:
 
     Per trainable parameter, in the optimizer's dtype (fp32; bf16 in pure ``bf16``): the optimizer
     states, the copy of the weights the CPU optimizer updates (the fp32 master) and the gradient copy it
-    steps on — AdamW with fp32 states: 8 + 4 + 4 = 16 B, DeepSpeed's 16. With parameter offload also
+    steps on — AdamW with fp32 states: 8 + 4 + 4 = 16 B, DeepSpeed's 16; bitsandbytes optimizers with their
+    own state bytes whatever the dtype (``model.analytic._BNB_STATE_BYTES``: 8-bit AdamW, paged or not,
+    2 + 8/256 B; Lion 4 B). With parameter offload also
     every parameter's half-precision weights (2 B; DeepSpeed's 18 with ``offload_param``), except in
     fp32 training where the fp32 copy is those weights. Sharded over the data-parallel ranks under any
     ZeRO/FSDP sharding.
     """
-    from model.analytic import _STATES
+    from model.analytic import _BNB_STATE_BYTES, _STATES
 
     if not offloaded(training):
         return 0
     opt_dtype = 2 if training.precision is Precision.BF16 else 4
-    host = model.trainable_params * (_STATES[training.optimizer] * opt_dtype + 2 * opt_dtype)
+    # bitsandbytes optimizers keep their states in their own layout whatever the dtype (paged ones included:
+    # offloaded, all of it is on the host)
+    states = _BNB_STATE_BYTES.get(training.optimizer)
+    if states is None:
+        states = _STATES[training.optimizer] * opt_dtype
+    host = math.ceil(model.trainable_params * (states + 2 * opt_dtype))
     if training.offload_parameters is Offload.CPU and training.precision is not Precision.FP32:
         host += model.total_params * 2
     shards = training.data_parallel_size if training.sharding is not Sharding.NONE else 1

@@ -79,6 +79,28 @@ def tensor_parallel_rank_spec(model: ModelSpec, training: TrainingConfig) -> Mod
     return model.model_copy(update={"total_params": total, "trainable_params": trainable})
 
 
+def expert_parallel_rank_spec(model: ModelSpec, training: TrainingConfig) -> ModelSpec:
+    """``model`` with the parameter counts one expert-parallel rank holds, from the shapes alone (the spec
+    itself without experts or with ``expert_parallel_size`` 1).
+
+    Each routed expert is a gated MLP of ``3 · hidden · intermediate`` parameters (Mixtral, OLMoE, Qwen-MoE,
+    DeepSeek: ``intermediate_size`` is the expert's width, :func:`memfit.hf.spec_fields_from_hf_config`), so a
+    rank holds ``num_layers · num_experts / P`` of them plus everything else; trainable parameters shrink in
+    proportion under full fine-tuning and stay as given otherwise (LoRA adapters are not on the experts by
+    default). :func:`model.curve.expert_parallel_rank` counts the same thing exactly on a meta build when the
+    HF config is known.
+    """
+    ep = training.expert_parallel_size
+    if ep == 1 or not model.num_experts:
+        return model
+    experts = model.num_layers * model.num_experts * 3 * model.hidden_size * model.intermediate_size
+    experts = min(experts, model.total_params)
+    total = model.total_params - experts + -(-experts // ep)
+    full = model.trainable_params >= model.total_params
+    trainable = total if full else min(model.trainable_params, total)
+    return model.model_copy(update={"total_params": total, "trainable_params": trainable})
+
+
 def stage_layer_counts(num_layers: int, pipeline_parallel_size: int) -> list[int]:
     """Decoder layers per pipeline stage: an even split, the remainder going to the last stages (the first
     stage holds the most micro-batches in flight).

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -54,7 +55,8 @@ FLAG_OF = {
     "training.context_parallel_size": "--context-parallel", "training.sequence_parallel": "--sequence-parallel",
     "training.pipeline_schedule": "--pipeline-schedule", "training.num_micro_batches": "--micro-batches",
     "training.pipeline_chunks_per_rank": "--pipeline-chunks",
-    "training.lora_rank": "--lora-rank", "training.checkpoint_impl": "--checkpoint-impl",
+    "training.lora_rank": "--lora-rank", "training.lora_target_modules": "--lora-targets",
+    "training.checkpoint_impl": "--checkpoint-impl",
     "training.offload_optimizer": "--offload-optimizer", "training.offload_parameters": "--offload-parameters",
     "cluster.gpus_per_node": "--gpus-per-node",
     "cluster.gpu": "--gpu", "cluster.gpu_memory_gib": "--gpu-memory-gib", "cluster.gpu_count": "--gpus",
@@ -141,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--attention", choices=[x.value for x in Attention],
                    help=f"attention kernel (default: {_default('attention')})")
     t.add_argument("--lora-rank", type=_positive_int, metavar="R", help="LoRA fine-tune with this rank (default: full)")
+    t.add_argument("--lora-targets", metavar="NAMES",
+                   help="with --lora-rank: comma-separated module names LoRA adapts, PEFT's target_modules, e.g. "
+                        "q_proj,k_proj,v_proj,o_proj (default: PEFT's default for the model type)")
     t.add_argument("--checkpoint-impl", choices=[x.value for x in CheckpointImpl],
                    help=f"torch.utils.checkpoint flavour (default: {_default('checkpoint_impl')})")
     t.add_argument("--optimizer-in-backward", action="store_true", default=None,
@@ -204,7 +209,10 @@ def read_config(path: Path) -> dict[str, Any]:
         raise InputError(f"--config: {file} has no 'model_type': not a HF transformers config.json")
     from memfit.describe import clean_hf_config
 
-    return clean_hf_config(cfg)
+    cleaned = clean_hf_config(cfg)
+    if cfg.get("quantization_config") is not None:  # sets --quantization's default (a QLoRA base)
+        cleaned["quantization_config"] = cfg["quantization_config"]
+    return cleaned
 
 
 def cached_hf_config(repo_id: str) -> Path | None:
@@ -267,6 +275,10 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
         training["sharding"] = a.sharding or ZERO[a.zero].value
     if a.lora_rank is not None:
         training.update(finetune="lora", lora_rank=a.lora_rank)
+    if a.lora_targets is not None:
+        if a.lora_rank is None:
+            raise InputError("--lora-targets: needs --lora-rank (LoRA fine-tune)")
+        training["lora_target_modules"] = [name.strip() for name in a.lora_targets.split(",") if name.strip()]
     cluster: dict[str, Any] = {"gpu_count": a.gpus}
     if a.gpus_per_node is not None:
         cluster["gpus_per_node"] = a.gpus_per_node
@@ -280,11 +292,16 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
 
 def describe_validation_error(err: ValidationError) -> str:
     """One line per problem, named by the flag that set it: ``--seq-len: must be ... (got 0)``."""
+    from memfit.errors import pydantic_error_field
+
     lines = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith(("function-", "dict[", "str")))
+        path = tuple(x for x in e["loc"] if not str(x).startswith(("function-", "dict[", "str")))
+        # a check inside a validator (InvalidConfiguration) names its own field below the location
+        loc, msg, _allowed = pydantic_error_field(e, path)
         flag = FLAG_OF.get(loc) or FLAG_OF.get(loc.split(".")[0]) or loc or "request"
-        msg = e["msg"].removeprefix("Value error, ")
+        if flag != loc:
+            msg = msg.removeprefix(f"{loc}: ").removeprefix(f"{loc.split('.')[0]}: ")
         got = e.get("input")
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
         lines.append(f"{flag}: {msg}{shown}")
@@ -469,6 +486,9 @@ def layer_ranges(layers: list[int]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit code (see the module docstring)."""
     a = build_parser().parse_args(argv)  # argparse itself exits 2 on bad flags
+    # bitsandbytes, imported through PEFT, warns on CPU that its optional CPU 4-bit matmul kernel package is
+    # missing; memfit never runs that kernel, and the notice read as an error under the answer
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     if a.command == "models":
         from data import catalog
 
@@ -484,8 +504,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as err:
         print(f"memfit: error: {describe_validation_error(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (InputError, ValueError, KeyError) as err:
+    except (InputError, ValueError) as err:  # an unknown model (UnknownModel) is a ValueError too
         text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        flag = FLAG_OF.get(getattr(err, "field", ""))
+        if flag:  # a check of the recommender (InvalidConfiguration): name the flag as well as the field
+            text = text.removeprefix(f"{err.field}: ").removeprefix(f"{err.field.split('.')[0]}: ")
+            text = f"{flag} ({err.field}): {text}"
         print(f"memfit: error: {text}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except NoAnswer as err:

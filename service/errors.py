@@ -193,6 +193,19 @@ def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] 
     return out
 
 
+def validation_detail(errors: list[dict[str, Any]]) -> str:
+    """The 422 ``detail``: one ``field: message (allowed: ...)`` per error, joined by ``; ``. A message of an
+    :class:`InvalidConfiguration` raised inside a validator already names its field and the allowed values,
+    so it is shown as it is (not ``field: field: ... (allowed: ...) (allowed: ...)``)."""
+    parts = []
+    for e in errors:
+        if e["message"].startswith(f"{e['field']}:"):
+            parts.append(e["message"])
+        else:
+            parts.append(f"{e['field']}: {e['message']}" + (f" (allowed: {e['allowed']})" if "allowed" in e else ""))
+    return "; ".join(parts)
+
+
 def install(app: FastAPI) -> None:
     """Register the handlers of the table above on ``app`` and document them in its OpenAPI schema."""
     _document(app)
@@ -206,9 +219,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation(request: Request, exc: RequestValidationError) -> Response:
         errors = _validation_errors(exc, body_model(request))
-        detail = "; ".join(f"{e['field']}: {e['message']}" + (f" (allowed: {e['allowed']})" if "allowed" in e else "")
-                           for e in errors)
-        return problem(422, detail[:2000], errors=errors[:50])
+        return problem(422, validation_detail(errors)[:2000], errors=errors[:50])
 
     @app.exception_handler(InvalidConfiguration)
     async def invalid(_request: Request, exc: InvalidConfiguration) -> Response:

@@ -32,7 +32,7 @@ from memfit.api import (
 )
 from memfit.errors import InvalidConfiguration, UnknownArchitecture, pydantic_error_field
 from memfit.schema import FineTune, ModelSpec, Quantization, Sharding, TrainingConfig, check_moe_settings
-from model.curve import PROVISIONAL, Curve, MemoryPredictor
+from model.curve import PROVISIONAL, Curve, MemoryPredictor, expert_parallel_rank
 from model.estimator import PeakMemoryRegressor
 from model.offload import host_memory_bytes
 from model.overhead import OverheadModel
@@ -437,7 +437,8 @@ class Recommender:
             overhead={**p.overhead.__dict__, "total_bytes": p.overhead.total_bytes},
             recompute_overhead_fraction=round(p.recompute_fraction, 4), alternatives=alternatives,
             stages=_stages_out(p), bottleneck_stage=p.curve.pipeline.bottleneck(at.k) if p.curve.pipeline else None,
-            parameters_per_rank=max(st.spec.total_params for st in pipeline_stages(spec, training)),
+            parameters_per_rank=max(st.spec.total_params for st in pipeline_stages(
+                expert_parallel_rank(spec, training, cfg), training)),
             host_memory_bytes=host_memory_bytes(spec, training, req.cluster.ranks_per_node),
             model_name=spec.model_name, model_version=self.version, warnings=warnings,
             training=training.model_dump(mode="json", exclude={"checkpoint_layers"}))

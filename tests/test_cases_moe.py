@@ -73,3 +73,18 @@ def test_cli_passes_expert_parallel_and_names_the_field(small_registry, capsys):
                  "--seq-len", "512", "--expert-parallel", "3", "--registry", str(small_registry.root)])
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT and "training.expert_parallel_size" in err and "num_experts=8" in err
+
+
+def test_mixtral_expert_parallel_8_on_the_provisional_path_counts_one_rank(recommender):
+    # EP = 8 leaves one expert per rank, fewer than the top-2: not traced. The learned path once counted every
+    # expert on every rank (476 GiB per GPU, more than the whole model); its analytic base now holds 1/8 of them
+    GIB = 1 << 30
+    req = RecommendRequest.model_validate({"model": "mixtral-8x7b", "training": {
+        "micro_batch_size": 1, "seq_len": 4096, "precision": "bf16", "expert_parallel_size": 8,
+        "data_parallel_size": 8}, "cluster": {"gpu": "H100-80GB", "gpu_count": 8}})
+    rec = recommender.recommend(req)
+    assert rec.path == "provisional"
+    experts = 32 * 8 * 3 * 4096 * 14336  # routed expert parameters of Mixtral-8x7B
+    assert rec.parameters_per_rank == pytest.approx(46_702_792_704 - experts + experts / 8, rel=0.001)
+    states = 8 * rec.parameters_per_rank  # pure bf16: weights, gradients and two bf16 AdamW moments
+    assert states < rec.curve[-1].predicted_bytes < states + 25 * GIB

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from memfit.api import RecommendRequest
-from memfit.schema import ModelSpec, TrainingConfig
+from memfit.schema import ModelSpec, Offload, TrainingConfig
 from model.offload import host_bytes_per_rank, host_memory_bytes
 from model.registry import Registry
 from model.terms import TermsCache
@@ -177,3 +177,19 @@ def test_public_case_on_the_provisional_path_ranks_the_same():
     first = rec.alternatives[0]
     assert first.change == {"offload_optimizer": "cpu"} and first.fits and first.path == "provisional"
     assert first.host_memory_bytes == int(16 * 8_030_261_248 * 1.5)
+
+
+def test_offloaded_paged_optimizer_says_nothing_of_unified_memory():
+    # a paged 8-bit optimizer's states live in CUDA unified memory; offloaded, they are in host memory instead
+    from data import catalog
+    from model.curve import MemoryPredictor
+    from model.terms import TermsCache
+
+    predictor = MemoryPredictor(None, TermsCache())
+    spec, hf = catalog.spec("gpt2"), catalog.get("gpt2")["hf_config"]
+    paged = TrainingConfig(micro_batch_size=2, seq_len=512, precision="amp_bf16", optimizer="paged_adamw_8bit")
+    on_device = predictor.curve(spec, paged, hf)
+    assert on_device.path == "traced" and any("unified memory" in n for n in on_device.notes)
+    offloaded = predictor.curve(spec, paged.model_copy(update={"offload_optimizer": Offload.CPU}), hf)
+    assert offloaded.path == "traced" and not any("unified memory" in n for n in offloaded.notes)
+    assert offloaded.host_memory_bytes > 0

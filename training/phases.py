@@ -278,9 +278,10 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
                 points: list[tuple[int, int]] | None = None) -> PhaseTerms:
     """Trace the four small models of ``hf_config`` under ``training`` and fit per-phase coefficients.
 
-    ``training``'s micro-batch size, sequence length, checkpoint layers and offload settings are ignored
-    (the traced points and :data:`VARIANTS` replace the first three; offload is composed on these terms by
-    :mod:`model.offload`); everything else (precision, optimizer, sharding,
+    ``training``'s micro-batch size, sequence length, checkpoint layers, offload settings and pipeline and
+    context parallel sizes are ignored (the traced points and :data:`VARIANTS` replace the first three;
+    offload is composed on these terms by :mod:`model.offload`, pipeline and context parallelism by
+    :mod:`model.parallel`); everything else (precision, optimizer, sharding,
     attention, fine-tuning) is traced as given.
 
     Raises:
@@ -288,8 +289,11 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
         RuntimeError: a phase boundary could not be found in the model's forward.
     """
     t0 = time.perf_counter()
-    # offload is composed on the terms without it (model.offload); the terms key does not hold it
-    training = training.model_copy(update={"offload_optimizer": Offload.NONE, "offload_parameters": Offload.NONE})
+    # offload is composed on the terms without it (model.offload), pipeline and context parallelism per stage
+    # and per sequence chunk (model.parallel); the terms key holds none of them
+    training = training.model_copy(update={"offload_optimizer": Offload.NONE, "offload_parameters": Offload.NONE,
+                                           "pipeline_parallel_size": 1, "context_parallel_size": 1,
+                                           "num_micro_batches": None})
     w = None if points else sliding_window_threshold(hf_config)
     regimes = [(points or token_points(hf_config), _pruning_grid(hf_config, hi=(w - 1) if w else None))]
     if w is not None:

@@ -1,0 +1,210 @@
+"""Faults a new user hit by following the README (issue 9 settings posed through the CLI and the HTTP API)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.schema import ModelSpec, Optimizer, Precision, TrainingConfig
+from model.offload import host_bytes_per_rank, host_memory_bytes
+
+
+def _llama_8b_spec() -> ModelSpec:
+    return ModelSpec(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                     total_params=8_030_261_248, trainable_params=8_030_261_248)
+
+
+@pytest.mark.parametrize("optimizer", list(Optimizer))
+def test_offload_host_memory_answers_for_every_optimizer(optimizer):
+    # `memfit recommend ... --optimizer lion --offload-optimizer cpu` died with KeyError (HTTP 500, CLI
+    # "error: lion" with exit 2), and so did every 8-bit request whose alternatives try optimizer offload.
+    spec = _llama_8b_spec()
+    tr = TrainingConfig(micro_batch_size=1, seq_len=128, precision=Precision.BF16_FP32_MASTER, optimizer=optimizer,
+                        offload_optimizer="cpu")
+    per_rank = host_bytes_per_rank(spec, tr)
+    # the host keeps the optimizer states, the fp32 master copy and the fp32 gradient copy (4 + 4 B)
+    states = {Optimizer.ADAMW_FOREACH: 8, Optimizer.ADAMW_FUSED: 8, Optimizer.SGD_MOMENTUM: 4,
+              Optimizer.ADAFACTOR: 0, Optimizer.LION: 4,
+              Optimizer.ADAMW_8BIT: 2 + 8 / 256, Optimizer.PAGED_ADAMW_8BIT: 2 + 8 / 256}[optimizer]
+    assert per_rank == pytest.approx(spec.trainable_params * (states + 8), abs=1)
+    assert host_memory_bytes(spec, tr) >= int(4 * spec.total_params * 1.5)
+
+
+def test_cli_does_not_call_an_internal_error_bad_input(monkeypatch, capsys):
+    # The lion + offload KeyError above reached the user as "memfit: error: lion" with exit 2 ("bad input"),
+    # although nothing was wrong with the input: an internal fault must not be reported as the user's mistake.
+    from service import cli
+
+    def broken(req, registry):
+        raise KeyError("lion")
+
+    monkeypatch.setattr(cli, "recommend_local", broken)
+    argv = ["recommend", "--model", "gpt2", "--gpu", "T4", "--micro-batch", "1", "--seq-len", "128"]
+    with pytest.raises(KeyError):
+        cli.main(argv)
+    # a real bad input still exits 2 and names the flag
+    assert cli.main(["recommend", "--model", "no-such-model", *argv[3:]]) == cli.EXIT_BAD_INPUT
+    assert "--model" in capsys.readouterr().err
+
+
+def test_cli_config_keeps_the_quantization_config(tmp_path):
+    # `memfit recommend --config qlora-config.json --lora-rank 8 ...` answered for a bf16 base: the config's
+    # quantization_config was dropped with the memory-irrelevant keys, although --quantization's help says
+    # its default is "the config's quantization_config".
+    import json
+
+    from service.cli import build_parser, request_from_args
+
+    cfg = json.loads((__import__("pathlib").Path(__file__).parent / "data" / "qwen3-0.6b.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                  "bnb_4bit_use_double_quant": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    a = build_parser().parse_args(["recommend", "--config", str(path), "--lora-rank", "8", "--gpu", "T4",
+                                   "--micro-batch", "1", "--seq-len", "128"])
+    req = request_from_args(a)
+    assert req.model["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+    assert req.training.resolved_quantization(req.model["quantization_config"]).value == "nf4_double_quant"
+    assert "architectures" not in req.model  # the rest is still cleaned
+
+
+def test_cli_lora_targets(capsys):
+    # The public cases pose LoRA on q,k,v,o (Mixtral) or on every linear layer (QLoRA), and the CLI refuses
+    # Qwen-MoE LoRA with "training.lora_target_modules: must be a list of module names", but had no flag to
+    # give them: the answer was always for PEFT's default targets.
+    from service.cli import EXIT_BAD_INPUT, build_parser, main, request_from_args
+
+    base = ["recommend", "--model", "qwen2.5-0.5b", "--gpu", "T4", "--micro-batch", "1", "--seq-len", "128"]
+    a = build_parser().parse_args([*base, "--lora-rank", "16", "--lora-targets", "q_proj, k_proj,v_proj,o_proj"])
+    assert request_from_args(a).training.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert main([*base, "--lora-targets", "q_proj"]) == EXIT_BAD_INPUT
+    assert "--lora-targets: needs --lora-rank" in capsys.readouterr().err
+
+
+def test_422_detail_names_the_field_once():
+    # POST /recommend with offload_parameters='cpu' alone answered
+    # "training.offload_optimizer: training.offload_optimizer: offload_parameters='cpu' needs offload_optimizer='cpu'
+    # (allowed: 'cpu') (allowed: 'cpu' when offload_parameters='cpu')"; an unknown GPU listed the GPUs twice.
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from memfit.api import RecommendRequest
+    from service.errors import _validation_errors, validation_detail
+
+    body = {"model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 512, "offload_parameters": "cpu"},
+            "cluster": {"gpu": "B200"}}
+    with pytest.raises(ValidationError) as err:
+        RecommendRequest.model_validate(body)
+    exc = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.value.errors()])
+    detail = validation_detail(_validation_errors(exc, RecommendRequest))
+    assert detail.count("training.offload_optimizer") == 1 and detail.count("(allowed:") == 1, detail
+    assert detail.count("cluster.gpu") == 1 and detail.count("'H100-80GB'") == 1, detail
+    # a plain pydantic error keeps its field prefix and its allowed range
+    with pytest.raises(ValidationError) as err:
+        RecommendRequest.model_validate({**body, "training": {"micro_batch_size": 0, "seq_len": 512},
+                                         "cluster": {"gpu": "T4"}})
+    exc = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.value.errors()])
+    assert validation_detail(_validation_errors(exc, RecommendRequest)).startswith(
+        "training.micro_batch_size: Input should be greater than or equal to 1 (allowed: an integer in [1, 16384])")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # a check inside the request schema's validator: was "training: offload_optimizer: offload_parameters=..."
+    (["--offload-parameters", "cpu"], ("memfit: error: --offload-optimizer: offload_parameters='cpu' needs "
+                                       "offload_optimizer='cpu' (allowed: 'cpu')")),
+    # a check of the recommender: was "training.sharding: must be ..." without the flag
+    (["--zero", "3"], ("memfit: error: --zero/--sharding (training.sharding): must be 'none' when "
+                       "data_parallel_size is 1")),
+    # the same, with a message that names the section: was "... (training.data_parallel_size): training: data*..."
+    (["--gpus", "2", "--pipeline-parallel", "4"], ("memfit: error: --data-parallel (training.data_parallel_size): "
+                                                   "data*tensor*pipeline*context parallel size = 4 exceeds")),
+])
+def test_cli_errors_name_the_flag(small_registry, capsys, argv, expected):
+    from service.cli import EXIT_BAD_INPUT, main
+
+    code = main(["recommend", "--model", "llama-3-8b", "--gpu", "A100-80GB", "--micro-batch", "1", "--seq-len", "128",
+                 "--registry", str(small_registry.root), *argv])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and err.startswith(expected), err
+
+
+def test_trace_terms_ignores_pipeline_and_context_parallel():
+    # `memfit recommend --model llama-3.2-1b --gpus 4 --tensor-parallel 2 --pipeline-parallel 2 ...` (and
+    # --context-parallel, or any PP/CP configuration whose base was not traced yet) answered provisionally:
+    # "tracing it failed (ValueError: the collector runs pipeline_parallel_size=1 and context_parallel_size=1
+    # only ...)". The terms key leaves PP and CP out (model.parallel composes them), so the trace must too.
+    import json
+
+    from training.phases import trace_terms
+
+    tiny = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
+            "num_key_value_heads": 4, "intermediate_size": 512, "vocab_size": 2048, "tie_word_embeddings": False}
+    points = [(2, 64), (2, 16), (2, 32), (4, 16), (4, 64)]  # as in tests/test_parallel.py
+    base = TrainingConfig(micro_batch_size=1, seq_len=64, tensor_parallel_size=2)
+    parallel = TrainingConfig(micro_batch_size=1, seq_len=64, tensor_parallel_size=2, pipeline_parallel_size=2,
+                              context_parallel_size=2, num_micro_batches=4)
+    import torch.distributed as dist
+
+    was_initialized = dist.is_initialized()
+    try:
+        a, b = (json.dumps(trace_terms(tiny, t, points=points).to_json()["coef"], sort_keys=True)
+                for t in (base, parallel))
+    finally:
+        if not was_initialized and dist.is_initialized():  # the TP trace's fake process group: later tests
+            dist.destroy_process_group()                    # (describe() reads the world size) must not see it
+    assert a == b
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"offload_optimizer": "disk"}, "offload_optimizer"),  # was "ValueError: 'disk' is not a valid Offload"
+    ({"offload_parameters": "gpu"}, "offload_parameters"),
+    ({"sharding": "zero4", "gpu_count": 2}, "sharding"),   # was "ValueError: 'zero4' is not a valid Sharding"
+])
+def test_describe_names_the_argument_and_allowed_values(kwargs, field):
+    import torch
+
+    import memfit
+    from memfit.errors import InvalidConfiguration
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(InvalidConfiguration) as err:
+        memfit.describe(model, micro_batch_size=1, seq_len=128, gpu="T4",
+                        architecture={"family": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                      "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256},
+                        **kwargs)
+    assert err.value.field == field, str(err.value)
+    assert str(err.value).startswith(f"{field}: must be one of [") and ("'cpu'" in str(err.value)
+                                                                       or "'zero3'" in str(err.value)), str(err.value)
+
+
+def test_cli_stderr_has_no_bitsandbytes_cpu_kernel_notice():
+    # Every `memfit recommend` whose answer lists a LoRA alternative ended with
+    # "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. Please make sure
+    # you already `pip install kernels` ..." on stderr (bitsandbytes' import, through PEFT), advice that has
+    # nothing to do with the answer.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "service.cli", "recommend", "--model", "llama-3-8b", "--gpu",
+                           "H100-80GB", "--gpus", "8", "--zero", "3", "--micro-batch", "2", "--seq-len", "8192",
+                           "--json"], check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "kernels" not in done.stderr, done.stderr
+
+
+def test_parameters_per_rank_counts_one_expert_parallel_shard():
+    # `memfit recommend --model mixtral-8x7b --gpus 8 --expert-parallel 4 ...` printed "parameters per GPU
+    # 46.703 B", the whole model, although each rank holds 2 of the 8 experts of every layer (the curve itself
+    # is traced on that shard).
+    from memfit.api import RecommendRequest
+    from model.registry import Registry
+    from service.recommender import Recommender
+
+    loaded = Registry().load()
+    rec = Recommender(loaded.estimator, loaded.version).recommend(RecommendRequest.model_validate({
+        "model": "mixtral-8x7b", "training": {"micro_batch_size": 1, "seq_len": 512, "precision": "bf16",
+                                              "expert_parallel_size": 4},
+        "cluster": {"gpu": "H200", "gpu_count": 8}}))
+    experts = 32 * 8 * 3 * 4096 * 14336  # layers x experts x (w1, w2, w3) x hidden x FFN
+    rest = rec.parameters_per_rank - experts // 4
+    assert rest == pytest.approx(46_702_792_704 - experts, rel=1e-3)
