@@ -5,8 +5,12 @@
 
 For each split (leave-architecture-out, small-to-large; :mod:`model.evaluate`), every row is answered
 by :meth:`model.curve.MemoryPredictor.curve` as the service answers it (:class:`model.evaluate.CurveEstimator`:
-traced path where the configuration's phase terms are shipped, provisional LightGBM path otherwise),
-and a second time with the provisional path forced on every row. Printed per path: MAPE, p95 and max
+traced path where the configuration's phase terms are shipped, provisional otherwise: learned phase
+coefficients where they cover the configuration, the LightGBM ratio model elsewhere; the coefficient
+model and the ratio model only see the training architectures' terms and rows),
+a second time with the provisional LightGBM-ratio path forced on every row, and a third time with the
+provisional path of learned phase coefficients (:mod:`model.coefficients`, composed per phase; the ratio
+model where they don't cover the configuration) forced on every row. Printed per path: MAPE, p95 and max
 error (%), the error of the checkpointing saving peak(k=0) − peak(k=L) (median over families, %), the
 bound's coverage and mean excess (%), the k recommendation against the measured oracle, and the
 provisional path against our analytic formula per precision × optimizer slice.
@@ -75,14 +79,16 @@ HEADER = (f"  {'path (rows)':<26} {'n':>5} {'MAPE %':>8} {'p95 %':>7} {'max %':>
           f"{'excess%':>7} {'exactk%':>7} {'OOM%':>5} {'noFit%':>6}")
 
 
-def evaluate_split(df, split: str, make_served, make_provisional, paths) -> tuple[list[str], dict]:
-    """Both runs of one split; returns printable lines and the figures."""
+def evaluate_split(df, split: str, make_served, make_provisional, paths, make_learned=None) -> tuple[list[str], dict]:
+    """The runs of one split; returns printable lines and the figures."""
     y = df["peak_allocated_bytes"].to_numpy(dtype="float64")
     t0 = time.perf_counter()
     pred, upper, s = cross_evaluate(df, make_served, split)
     if s.get("skipped"):
         return [f"  skipped ({s['skipped']})"], {"skipped": s["skipped"]}
     p_pred, p_upper, _ = cross_evaluate(df, make_provisional, split)
+    if make_learned is not None:
+        l_pred, l_upper, _ = cross_evaluate(df, make_learned, split)
     tested = np.isfinite(pred)
     analytic = baseline_predictions(df)["analytic"]
     lines = [f"  {int(tested.sum())} held-out rows of {len(s['test_architectures'])} architectures, "
@@ -93,19 +99,26 @@ def evaluate_split(df, split: str, make_served, make_provisional, paths) -> tupl
         ("traced path", pred, upper, tested & (paths == "traced")),
         ("served provisional rows", pred, upper, tested & (paths == "provisional")),
         ("provisional on every row", p_pred, p_upper, tested),
+        *([("learned coefficients", l_pred, l_upper, tested)] if make_learned is not None else []),
         ("analytic formula", analytic, analytic, tested),
     ]:
         line, figs = _line(name, y, pr, up, df, sel)
         lines.append(line)
         out[name] = figs
-    lines.append("  provisional vs analytic MAPE % per precision x optimizer slice:")
+    lines.append("  provisional (LightGBM ratio; learned coefficients) vs analytic MAPE % per precision x optimizer "
+                 "slice:")
     slices = {}
     for (prec, opt), g in df[tested].groupby(["precision", "optimizer"]):
         idx = g.index.to_numpy()
         mp, ma = metrics(y[idx], p_pred[idx])["mape_pct"], metrics(y[idx], analytic[idx])["mape_pct"]
         slices[f"{prec}/{opt}"] = {"provisional": mp, "analytic": ma, "n": len(idx)}
-        lines.append(f"    {prec + '/' + opt:<32} n={len(idx):>5}  provisional {mp:7.2f}  analytic {ma:7.2f}"
-                     f"  {'beats' if mp < ma else 'LOSES'}")
+        line = (f"    {prec + '/' + opt:<32} n={len(idx):>5}  provisional {mp:7.2f} {'beats' if mp < ma else 'LOSES'}"
+                f"  analytic {ma:7.2f}")
+        if make_learned is not None:
+            ml = metrics(y[idx], l_pred[idx])["mape_pct"]
+            slices[f"{prec}/{opt}"]["learned_coefficients"] = ml
+            line += f"  learned {ml:7.2f} {'beats' if ml < ma else 'LOSES'}"
+        lines.append(line)
     out["slices"] = slices
     head = "  served curve per issue-9 setting (held-out architectures; path counts traced/provisional):"
     settings = {}
@@ -134,9 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", default="{}", help="JSON object of PeakMemoryRegressor parameters (provisional "
                                                   "path), e.g. '{\"n_estimators\": 300}'")
     p.add_argument("--json", help="also write all figures to this JSON file")
+    p.add_argument("--split", choices=SPLITS, action="append", help="run only this split (repeatable; default all)")
+    p.add_argument("--no-learned", action="store_true", help="skip the learned-coefficients run")
     p.add_argument("--report-dir", help="also write the full report (model.report) here")
     a = p.parse_args(argv)
 
+    from model.coefficients import CoefficientModel, shipped_entries
     from model.estimator import PeakMemoryRegressor
     from model.terms import TermsCache
 
@@ -156,16 +172,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{df.attrs['n_oom_dropped']} OOM rows dropped); {len(terms)} traced term sets; "
           f"{int((paths == 'traced').sum())} rows on the traced path; provisional params {params or 'default'}")
 
-    def make_served():
-        return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params))
+    entries = shipped_entries()
+
+    def make_served():  # as the service answers: traced terms, else learned coefficients, else the ratio model
+        return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params), make_coefficients=CoefficientModel,
+                              coefficient_entries=entries)
 
     def make_provisional():
         return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params), force_path="provisional")
 
+    def make_learned():  # coefficients of the training architectures' shipped terms only
+        return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params), force_path="provisional",
+                              make_coefficients=CoefficientModel, coefficient_entries=entries)
+
     results, oof = {}, None
-    for split in SPLITS:
+    for split in a.split or SPLITS:
         print(f"\n{split}:")
-        lines, figs = evaluate_split(df, split, make_served, make_provisional, paths)
+        lines, figs = evaluate_split(df, split, make_served, make_provisional, paths,
+                                     None if a.no_learned else make_learned)
         print("\n".join(lines), flush=True)
         if "oof" in figs:
             pred_upper = figs.pop("oof")

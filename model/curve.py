@@ -7,8 +7,11 @@
   for the catalog, or traced once for a new config); the peak over k is composed by
   :func:`model.compose.compose_terms` (0.04 % MAPE in ``shared/design/peak-composition.md``);
 * **provisional**: no terms yet (a never-seen config whose trace is pending, or a setup the tracer
-  does not cover — see :func:`model.terms.not_traceable_reason`); the LightGBM
-  :class:`model.estimator.PeakMemoryRegressor` answers, and the answer says so.
+  does not cover — see :func:`model.terms.not_traceable_reason`), and the answer says so. Where the
+  :class:`model.coefficients.CoefficientModel` covers the configuration, it predicts the per-phase
+  terms and :func:`model.compose.compose` composes them as on the traced path (margin group
+  ``provisional_coefficients``); otherwise the LightGBM :class:`model.estimator.PeakMemoryRegressor`
+  answers from the log-ratio to the analytic estimate.
 
 Every curve is shaped the same way, by construction:
 
@@ -54,6 +57,11 @@ from model.terms import TermsCache, not_traceable_reason, terms_key
 TRACED, PROVISIONAL = "traced", "provisional"
 #: margin group of traced answers for sharded training (FSDP / ZeRO-2/3 traced over a fake process group)
 TRACED_SHARDED = "traced_sharded"
+#: margin group of provisional answers composed from learned phase coefficients (:mod:`model.coefficients`),
+#: and of those for sharded training (fewer traced examples to learn from: twice the error leaving the
+#: architecture out, benchmarks/results/accuracy.txt)
+PROVISIONAL_COEFFICIENTS = "provisional_coefficients"
+PROVISIONAL_COEFFICIENTS_SHARDED = "provisional_coefficients_sharded"
 #: the traced path's bound never sits closer than this to the point: the composition is exact up to 512-byte
 #: rounding on most configurations (benchmarks/results/accuracy.txt), and a calibrated quantile of
 #: mostly-zero residuals would not cover the few that miss
@@ -65,14 +73,19 @@ TRACED_MARGIN_FLOOR = 0.005
 TRACED_SHARDED_MARGIN_FLOOR = 0.016
 MARGIN_FLOORS = {TRACED: TRACED_MARGIN_FLOOR, TRACED_SHARDED: TRACED_SHARDED_MARGIN_FLOOR}
 #: default relative bound margins per group until calibrated (measured in benchmarks/results/accuracy.txt)
-DEFAULT_MARGINS = {TRACED: TRACED_MARGIN_FLOOR, TRACED_SHARDED: TRACED_SHARDED_MARGIN_FLOOR, PROVISIONAL: 0.30}
+DEFAULT_MARGINS = {TRACED: TRACED_MARGIN_FLOOR, TRACED_SHARDED: TRACED_SHARDED_MARGIN_FLOOR, PROVISIONAL: 0.30,
+                   PROVISIONAL_COEFFICIENTS: 0.30, PROVISIONAL_COEFFICIENTS_SHARDED: 0.30}
 
 
-def margin_group(path: str, sharding: Sharding | str) -> str:
+def margin_group(path: str, sharding: Sharding | str, composed: bool = False) -> str:
     """Which calibrated bound margin answers ``path`` under ``sharding``: the path, with traced answers for
-    sharded training in a group of their own (their composition is less exact)."""
-    if path == TRACED and Sharding(sharding) is not Sharding.NONE:
+    sharded training in a group of their own (their composition is less exact), and provisional answers
+    composed from learned coefficients (``composed``) in theirs, again apart for sharded training."""
+    sharded = Sharding(sharding) is not Sharding.NONE
+    if path == TRACED and sharded:
         return TRACED_SHARDED
+    if path == PROVISIONAL and composed:
+        return PROVISIONAL_COEFFICIENTS_SHARDED if sharded else PROVISIONAL_COEFFICIENTS
     return path
 _STATE_PHASES_WITH_GRADS = {"bwd.emb", "opt"}
 
@@ -85,7 +98,8 @@ class CurvePoint:
         k: checkpointed decoder layers (the first k of each pipeline stage).
         predicted_bytes: predicted peak allocated bytes.
         upper_bytes: calibrated upper bound of the peak allocated bytes.
-        peak_phase: phase where the peak falls (``fwd.layers`` … ``opt``), None on the provisional path.
+        peak_phase: phase where the peak falls (``fwd.layers`` … ``opt``); None when the provisional answer
+            comes from the LightGBM ratio model (no phases).
         breakdown: parts of ``predicted_bytes``; they add up to it exactly.
     """
 
@@ -114,6 +128,8 @@ class Curve:
     terms_key: str | None
     reason: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: the provisional answer was composed from learned phase coefficients (:mod:`model.coefficients`)
+    learned_coefficients: bool = False
     pipeline: ParallelCurve | None = None  # per-stage split (traced path with pipeline/context parallelism)
     #: raw composed peak per k before the envelope and floor (float, shape (L+1,))
     raw_bytes: Any = None
@@ -182,6 +198,8 @@ class MemoryPredictor:
         estimator: a fitted :class:`model.estimator.PeakMemoryRegressor` (the provisional path), or None.
         terms: the traced-terms cache.
         margins: relative bound margin per path (:data:`DEFAULT_MARGINS` when None).
+        coefficients: a fitted :class:`model.coefficients.CoefficientModel`, or None: answers the provisional
+            configurations it covers by composing its predicted phase terms.
         tracer: optional callable ``(key, hf_config, training) -> str`` asked to trace a missing key (in
             the background: :class:`service.tracing.BackgroundTracer`, or at once:
             :class:`service.tracing.InlineTracer`); it returns what the answer should say. Until the
@@ -189,8 +207,9 @@ class MemoryPredictor:
     """
 
     def __init__(self, estimator: Any = None, terms: TermsCache | None = None,
-                 margins: dict[str, float] | None = None, tracer: Any = None) -> None:
+                 margins: dict[str, float] | None = None, tracer: Any = None, coefficients: Any = None) -> None:
         self.estimator = estimator
+        self.coefficients = coefficients
         self.terms = terms if terms is not None else TermsCache()
         self.margins = {**DEFAULT_MARGINS, **(margins or {})}
         self.tracer = tracer
@@ -244,6 +263,12 @@ class MemoryPredictor:
         elif reason is None:
             reason = "no HF config to trace"
         path = TRACED if raw is not None else PROVISIONAL
+        learned = False
+        if raw is None and self.coefficients is not None and not pp_or_cp and \
+                self.coefficients.covers(rank_model, training, hf_config):
+            coef = self.coefficients.predict_coef(rank_model, training, hf_config)
+            c = compose(coef, L, training.micro_batch_size, training.seq_len)
+            raw, phases, phase_bytes, learned = c.peak_bytes.astype(np.float64), c.phase, c.phase_bytes, True
         if raw is None:
             if self.estimator is None:
                 raise ValueError(f"no traced terms for this configuration ({reason}) and no provisional model loaded")
@@ -251,12 +276,13 @@ class MemoryPredictor:
 
             base, ratio = self.estimator.predict_matrix(curve_matrix(model, training))
             raw, phases = np.exp(base + ratio), [None] * (L + 1)
-        margin = self.margins[margin_group(path, training.sharding)]
+        margin = self.margins[margin_group(path, training.sharding, learned)]
         held = None if pipe is None else (lambda at: stage_states[pipe.bottleneck(at)])
         points = self._points(path, raw, phases, states, margin, held)
         notes = []
         if path == PROVISIONAL:
-            notes.append(f"provisional answer (learned model): {reason}")
+            how = "learned phase coefficients, composed per phase" if learned else "learned model"
+            notes.append(f"provisional answer ({how}): {reason}")
         if model.num_experts is not None and path == TRACED:
             notes.append(f"MoE traced with balanced routing (hottest expert at {training.moe_imbalance_factor:g}x its "
                          f"balanced share) over {training.expert_parallel_size} expert-parallel rank(s)")
@@ -283,7 +309,8 @@ class MemoryPredictor:
                          "unified memory (cudaMallocManaged), outside PyTorch's allocator: not in the peak allocated "
                          "bytes; the driver pages them to host RAM when the device is full")
         return Curve(path=path, points=points, floor_bytes=floor, terms_key=key, reason=reason if path ==
-                     PROVISIONAL else None, notes=notes, pipeline=pipe, raw_bytes=raw, phase_bytes=phase_bytes)
+                     PROVISIONAL else None, notes=notes, pipeline=pipe, raw_bytes=raw, phase_bytes=phase_bytes,
+                     learned_coefficients=learned)
 
     def _points(self, path: str, raw: np.ndarray, phases: list[str | None], states: ModelStates,
                 margin: float, held: Any = None) -> list[CurvePoint]:
@@ -297,7 +324,7 @@ class MemoryPredictor:
         for k in range(len(raw)):
             p = math.ceil(point[k])
             at = int(np.argmax(raw[k:]) + k)
-            phase = phases[at] if path == TRACED else None
+            phase = phases[at]
             points.append(CurvePoint(k=k, predicted_bytes=p, upper_bytes=math.ceil(p * (1 + margin)),
                                      peak_phase=phase, breakdown=breakdown(held(at) if held else states, p, phase)))
         return points
@@ -330,7 +357,8 @@ class MemoryPredictor:
             raw = np.asarray(base.raw_bytes, dtype=np.float64) * np.asarray(ratio)
             phases = [None] * (L + 1)
             notes.append("offload: the learned curve without offload scaled by the analytic offloaded/not ratio")
-        margin = self.margins[margin_group(base.path, base_training.sharding)]
+        margin = self.margins[margin_group(base.path, base_training.sharding, base.learned_coefficients)]
         return Curve(path=base.path, points=self._points(base.path, raw, phases, states, margin),
                      floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
-                     raw_bytes=raw, phase_bytes=None, host_memory_bytes=host_memory_bytes(model, training))
+                     raw_bytes=raw, phase_bytes=None, host_memory_bytes=host_memory_bytes(model, training),
+                     learned_coefficients=base.learned_coefficients)

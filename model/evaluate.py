@@ -390,44 +390,64 @@ class CurveEstimator:
         force_path: None (traced when terms exist), ``"provisional"`` (never traced) or ``"traced"``.
         alpha: bound miscoverage (0.05: 95 % coverage).
 
-    Attributes (after fit): ``margins_`` (path -> relative margin), ``path_`` (per row of the last
-    ``predict``: ``traced`` / ``provisional``).
+    Attributes (after fit): ``margins_`` (margin group -> relative margin), ``coefficients_`` (the fitted
+    coefficient model or None), ``path_`` (per row of the last ``predict``: its margin group, ``traced``,
+    ``traced_sharded``, ``provisional`` or ``provisional_coefficients``).
     """
 
     def __init__(self, terms, make_provisional: Callable[[], Any] | None = None, force_path: str | None = None,
-                 alpha: float = 0.05, random_state: int = 0) -> None:
+                 alpha: float = 0.05, random_state: int = 0, make_coefficients: Callable[[], Any] | None = None,
+                 coefficient_entries: Sequence[dict[str, Any]] | None = None) -> None:
         self.terms, self.make_provisional, self.force_path = terms, make_provisional, force_path
         self.alpha, self.random_state = alpha, random_state
+        self.make_coefficients, self.coefficient_entries = make_coefficients, coefficient_entries
 
-    def _predictor(self, estimator, margins):
+    def _predictor(self, estimator, margins, coefficients=None, force_path=None):
         from model.curve import MemoryPredictor
         from model.terms import TermsCache
 
-        terms = TermsCache(shipped_dir=None) if self.force_path == "provisional" else self.terms
-        return MemoryPredictor(estimator, terms, margins)
+        force_path = force_path or self.force_path
+        terms = TermsCache(shipped_dir=None) if force_path == "provisional" else self.terms
+        return MemoryPredictor(estimator, terms, margins, coefficients=coefficients)
 
     def _curves(self, predictor, X: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """(point, bound, margin group) per row of ``X``: one curve per configuration family."""
+        from model.curve import margin_group
+
         cols = [c for c in FAMILY_COLUMNS if c in X.columns]
         X = X.reset_index(drop=True)
         pred = np.full(len(X), np.nan)
         upper = np.full(len(X), np.nan)
-        path = [""] * len(X)
+        group = [""] * len(X)
         for _key, g in X.groupby(cols, dropna=False, sort=False):
             spec, training, hf = row_configuration(g.iloc[0].to_dict())
             c = predictor.curve(spec, training, hf)
+            mg = margin_group(c.path, training.sharding, c.learned_coefficients)
             for i, k in zip(g.index, g["num_checkpointed_layers"].astype(int)):
-                pred[i], upper[i], path[i] = c.points[k].predicted_bytes, c.points[k].upper_bytes, c.path
-        return pred, upper, path
+                pred[i], upper[i], group[i] = c.points[k].predicted_bytes, c.points[k].upper_bytes, mg
+        return pred, upper, group
 
     def fit(self, X: pd.DataFrame, y, groups=None, provisional=None) -> CurveEstimator:
-        """Fit the provisional estimator (or take ``provisional``, already fitted) and calibrate the margins."""
+        """Fit the provisional estimators (or take ``provisional``, already fitted) and calibrate the margins.
+
+        With ``make_coefficients``, a :class:`model.coefficients.CoefficientModel` is fitted on the
+        ``coefficient_entries`` of the training architectures (``groups``); its margin group is calibrated
+        on held-out architectures answered as if untraced, by a coefficient model fitted without them.
+        """
         from sklearn.model_selection import GroupShuffleSplit
 
-        from model.curve import DEFAULT_MARGINS, MARGIN_FLOORS, PROVISIONAL, margin_group
+        from model.curve import (
+            DEFAULT_MARGINS,
+            MARGIN_FLOORS,
+            PROVISIONAL,
+            PROVISIONAL_COEFFICIENTS,
+            PROVISIONAL_COEFFICIENTS_SHARDED,
+        )
 
         y = np.asarray(y, dtype="float64")
         groups = np.asarray(groups) if groups is not None else group_labels(X)
         self.provisional_ = provisional
+        self.coefficients_ = None
         margins = dict(DEFAULT_MARGINS)
         if provisional is None and self.force_path != "traced" and self.make_provisional is not None:
             self.provisional_ = self.make_provisional().fit(X, y, groups=groups)
@@ -437,21 +457,46 @@ class CurveEstimator:
         split = GroupShuffleSplit(n_splits=1, test_size=0.3, random_state=self.random_state)
         _tr, cal = next(split.split(X, y, groups))
         Xc = X.iloc[cal]
-        pred, _u, path = self._curves(self._predictor(self.provisional_, margins), Xc)
-        sharding = Xc["sharding"].fillna("none") if "sharding" in Xc else ["none"] * len(Xc)
-        groups_cal = np.array([margin_group(p, sh) if p else "" for p, sh in zip(path, sharding)])
-        for group, floor in MARGIN_FLOORS.items():  # traced groups: conformal quantile, never below the floor
-            mask = groups_cal == group
+        coef_cal = None
+        if self.make_coefficients is not None and self.force_path != "traced":
+            train_names = set(groups.tolist())
+            entries = [e for e in self._entries() if e["model_name"] in train_names]
+            cal_names = set(groups[cal].tolist())
+            kept = [e for e in entries if e["model_name"] not in cal_names]
+            coef_cal = self.make_coefficients().fit(kept) if kept else None
+            self.coefficients_ = self.make_coefficients().fit(entries) if entries else None
+        pred, _u, group = self._curves(self._predictor(self.provisional_, margins, coef_cal), Xc)
+        groups_cal = np.asarray(group)
+        for g, floor in MARGIN_FLOORS.items():  # traced groups: conformal quantile, never below the floor
+            mask = groups_cal == g
             if mask.any():
-                resid = y[cal][mask] / pred[mask] - 1
-                n = resid.size
-                level = min(1.0, np.ceil((n + 1) * (1 - self.alpha)) / n)
-                margins[group] = max(floor, float(np.quantile(resid, level, method="higher")))
+                margins[g] = max(floor, self._quantile(y[cal][mask] / pred[mask] - 1))
+        if coef_cal is not None:  # learned coefficients: the calibration architectures answered untraced
+            pred, _u, group = self._curves(self._predictor(self.provisional_, margins, coef_cal, "provisional"), Xc)
+            for g in (PROVISIONAL_COEFFICIENTS, PROVISIONAL_COEFFICIENTS_SHARDED):
+                mask = np.asarray(group) == g
+                if mask.any():
+                    margins[g] = max(0.0, self._quantile(y[cal][mask] / pred[mask] - 1))
         self.margins_ = margins
         return self
 
+    def _entries(self) -> Sequence[dict[str, Any]]:
+        if self.coefficient_entries is None:
+            from model.coefficients import shipped_entries
+
+            self.coefficient_entries = shipped_entries()
+        return self.coefficient_entries
+
+    def _quantile(self, resid: np.ndarray) -> float:
+        """Split-conformal ``ceil((n+1)(1-alpha))/n`` quantile of relative residuals."""
+        n = resid.size
+        level = min(1.0, np.ceil((n + 1) * (1 - self.alpha)) / n)
+        return float(np.quantile(resid, level, method="higher"))
+
     def predict_both(self, X: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-        pred, upper, self.path_ = self._curves(self._predictor(self.provisional_, self.margins_), X)
+        # coefficients_ is absent when a caller sets provisional_ and margins_ itself (training.retrain)
+        coefficients = getattr(self, "coefficients_", None)
+        pred, upper, self.path_ = self._curves(self._predictor(self.provisional_, self.margins_, coefficients), X)
         return pred, upper
 
     def predict(self, X: pd.DataFrame) -> np.ndarray:

@@ -356,15 +356,17 @@ class Recommender:
 
     def __init__(self, est: PeakMemoryRegressor | None, version: str, overhead: OverheadModel | None = None,
                  telemetry_range: dict[str, float] | None = None, terms: TermsCache | None = None,
-                 margins: dict[str, float] | None = None, tracer: Any = None) -> None:
+                 margins: dict[str, float] | None = None, tracer: Any = None, coefficients: Any = None) -> None:
         self.est, self.version = est, version
         self.overhead = overhead or OverheadModel().fit(pd.DataFrame())  # shipped GPU pressure figures
         self.range = telemetry_range or {}
-        self.predictor = MemoryPredictor(est, terms, margins, tracer)
+        # coefficients: a fitted model.coefficients.CoefficientModel answers the provisional configurations it covers
+        self.predictor = MemoryPredictor(est, terms, margins, tracer, coefficients=coefficients)
         self.curves = CurveCache(self.predictor)
         # alternatives are answered from the same terms and estimator but queue no traces: one request must not
         # start a dozen background traces (an untraced alternative is answered, and labelled, provisional)
-        self._alternative_curves = CurveCache(MemoryPredictor(est, self.predictor.terms, self.predictor.margins))
+        self._alternative_curves = CurveCache(MemoryPredictor(est, self.predictor.terms, self.predictor.margins,
+                                                              coefficients=coefficients))
 
     def _plan(self, spec: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any], req: RecommendRequest,
               gpu_count: int, curves: CurveCache | None = None) -> Plan:

@@ -1,0 +1,435 @@
+"""Learned phase terms: LightGBM predicts the per-phase coefficients of configurations not traced yet.
+
+The traced path (:mod:`model.compose`) needs, per phase, the live bytes of four small models (one and
+two decoder layers, none or all checkpointed) as functions of the token basis (1, b·s, s, b·s², s²).
+For a configuration without traced terms, :class:`CoefficientModel` predicts them from the shipped
+term sets of other architectures (``data/terms/*.jsonl``), and the normal composition makes the curve,
+so the provisional answer keeps the traced path's shape: per phase, monotone in k, micro-batch and
+sequence length, never below the model states.
+
+What is learned, per phase p (:data:`model.compose.PHASES`) and per quantity q of the composition:
+``dF`` = P(2,0) − P(1,0) and ``dC`` = P(2,2) − P(1,1) (what an un-checkpointed / checkpointed layer
+adds), and ``f0`` = P(1,0) − dF, ``c0`` = P(1,1) − dC (the model without decoder layers: embeddings,
+head, logits), depths other than (1, 2) brought to one and two layers by :func:`model.compose.layer_values`.
+Each is fitted by least squares as one linear piece ``a + β·b·s (+ γ·b·s² for eager attention)`` over
+the entry's traced token points (a phase's live bytes are a max over pieces; one piece loses little:
+``tests/test_coefficients.py``). Each coefficient is divided by a physical scale, and LightGBM learns
+the dimensionless value from dimensionless config features (:func:`config_features`):
+
+* constant ``a``: the model-state bytes (weights + gradients + optimizer states,
+  :func:`model.analytic.model_state_bytes`) of the embeddings and head (``f0``, ``c0``) or of one decoder
+  layer (``dF``, ``dC``);
+* ``β`` (bytes per token): the analytic activations a layer saves
+  (:func:`model.analytic.activation_bytes_per_layer`) for ``dF``, ``dC``; the analytic logits bytes
+  (:func:`model.analytic.logits_bytes`) for ``f0``, ``c0``;
+* ``γ`` (bytes per token × sequence): num_attention_heads × activation dtype bytes.
+
+Token coefficients are clipped at 0 after prediction, so every composed phase is non-decreasing in
+micro-batch and sequence length by construction.
+
+Artifacts: one LightGBM booster per coefficient in LightGBM's text format plus ``coefficients.json``
+(feature names, categories, target list, scales) — no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import lightgbm as lgb
+import numpy as np
+
+from memfit.schema import (
+    Attention,
+    CheckpointImpl,
+    FineTune,
+    ModelSpec,
+    Optimizer,
+    Precision,
+    Quantization,
+    Sharding,
+    TrainingConfig,
+)
+from model.analytic import (
+    GATED_MLP_FAMILIES,
+    activation_bytes_per_layer,
+    activation_dtype_bytes,
+    logits_bytes,
+    model_state_bytes,
+)
+from model.compose import PHASES, VARIANTS, layer_values
+
+#: the composition's quantities per phase, each a function of the small models' live bytes
+QUANTITIES = ("f0", "dF", "c0", "dC")
+#: coefficients of one linear piece: constant, b·s, b·s² (eager attention scores)
+PIECE = ("1", "b*s", "b*s^2")
+#: where each of PIECE sits in model.compose.token_basis
+_BASIS_INDEX = (0, 1, 3)
+TARGETS: tuple[tuple[str, str, str], ...] = tuple((p, q, c) for p in PHASES for q in QUANTITIES for c in PIECE)
+
+#: families with LayerNorm (else RMSNorm)
+_LAYERNORM_FAMILIES = frozenset({"gpt2", "gpt_neox", "opt", "bloom", "falcon", "phi", "gptj", "stablelm",
+                                 "gpt_bigcode", "starcoder2", "mpt", "codegen", "cohere", "olmo"})
+#: families with learned absolute position embeddings
+_LEARNED_POSITION_FAMILIES = frozenset({"gpt2", "opt", "gpt_bigcode"})
+#: families with ALiBi attention biases
+_ALIBI_FAMILIES = frozenset({"bloom", "mpt"})
+#: families whose attention projections have biases by default
+_BIAS_FAMILIES = frozenset({"gpt2", "opt", "bloom", "gpt_neox", "phi", "gptj", "gpt_bigcode", "starcoder2",
+                            "qwen2", "qwen2_moe", "stablelm", "codegen"})
+#: families with per-head q/k norms
+_QK_NORM_FAMILIES = frozenset({"qwen3", "qwen3_moe", "olmo2", "gemma3_text", "olmoe"})
+
+CATEGORICAL: dict[str, list[str]] = {
+    "precision": [e.value for e in Precision],
+    "optimizer": [e.value for e in Optimizer],
+    "sharding": [e.value for e in Sharding],
+    "attention": [e.value for e in Attention],
+    "finetune": [e.value for e in FineTune],
+    "checkpoint_impl": [e.value for e in CheckpointImpl],
+    "quantization": [e.value for e in Quantization],
+}
+NUMERIC = ["ffn_ratio", "kv_ratio", "head_dim", "vocab_ratio", "log2_hidden", "num_attention_heads",
+           "tied_embeddings", "gated_mlp", "layernorm", "parallel_residual", "qk_norm", "alibi",
+           "learned_positions", "attention_bias", "gelu_tanh", "logit_softcapping", "sliding_window",
+           "num_experts", "experts_per_token", "data_parallel_size", "lora_rank", "lora_targets",
+           "optimizer_in_backward", "tensor_parallel_size", "sequence_parallel", "expert_parallel_size",
+           "grad_share", "optimizer_share"]
+FEATURE_NAMES: list[str] = NUMERIC + list(CATEGORICAL) + ["model_type"]
+
+
+def _flag(cfg: dict[str, Any], *keys: str) -> bool:
+    return any(bool(cfg.get(k)) for k in keys)
+
+
+def config_features(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]) -> list[float]:
+    """One row of :data:`FEATURE_NAMES` (categoricals as their index in :data:`CATEGORICAL`).
+
+    Only dimensionless architecture features (ratios, flags) and the training settings the terms key
+    holds: the size of the model enters through the scales of the targets.
+    """
+    mt = model.architecture
+    h = model.hidden_size
+    heads = model.num_attention_heads
+    head_dim = model.head_dim or h // heads
+    act = str(hf_config.get("hidden_act") or hf_config.get("activation_function") or hf_config.get("hidden_activation")
+              or "")
+    states = model_state_bytes(model, training)
+    s_total = max(states.total_bytes, 1)
+    row = {
+        "ffn_ratio": model.intermediate_size / h, "kv_ratio": model.num_key_value_heads / heads,
+        "head_dim": head_dim, "vocab_ratio": model.vocab_size / h, "log2_hidden": math.log2(h),
+        "num_attention_heads": heads, "tied_embeddings": float(model.tie_word_embeddings),
+        "gated_mlp": float(mt in GATED_MLP_FAMILIES), "layernorm": float(mt in _LAYERNORM_FAMILIES),
+        "parallel_residual": float(_flag(hf_config, "use_parallel_residual", "parallel_attn") or mt in ("phi", "gptj")),
+        "qk_norm": float(mt in _QK_NORM_FAMILIES or _flag(hf_config, "qk_layernorm", "use_qk_norm")),
+        "alibi": float(mt in _ALIBI_FAMILIES or _flag(hf_config, "alibi")),
+        "learned_positions": float(mt in _LEARNED_POSITION_FAMILIES),
+        "attention_bias": float(mt in _BIAS_FAMILIES or _flag(hf_config, "attention_bias", "bias", "qkv_bias")),
+        "gelu_tanh": float("tanh" in act or act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")),
+        "logit_softcapping": float(_flag(hf_config, "final_logit_softcapping", "attn_logit_softcapping")),
+        "sliding_window": float(_flag(hf_config, "sliding_window") and hf_config.get("use_sliding_window") is not False),
+        "num_experts": float(model.num_experts or 0), "experts_per_token": float(model.num_experts_per_token or 0),
+        "data_parallel_size": training.data_parallel_size if training.sharding is not Sharding.NONE else 1,
+        "lora_rank": training.lora_rank or 0 if training.finetune is FineTune.LORA else 0,
+        "lora_targets": len(training.lora_target_modules or ()) if training.finetune is FineTune.LORA else 0,
+        "optimizer_in_backward": float(training.optimizer_in_backward),
+        "tensor_parallel_size": training.tensor_parallel_size, "sequence_parallel": float(training.sequence_parallel),
+        "expert_parallel_size": training.expert_parallel_size,
+        "grad_share": states.gradients_bytes / s_total, "optimizer_share": states.optimizer_bytes / s_total,
+    }
+    cats = {c: CATEGORICAL[c].index(getattr(training, c).value) for c in CATEGORICAL}
+    return [float(row[c]) for c in NUMERIC] + [float(cats[c]) for c in CATEGORICAL]
+
+
+def _with_family(features: list[float], model: ModelSpec, families: list[str]) -> list[float]:
+    """``features`` plus the ``model_type`` feature: its index among the families seen in training, NaN
+    for a family never seen (LightGBM sends missing values the learned default way)."""
+    return [*features, float(families.index(model.architecture)) if model.architecture in families else math.nan]
+
+
+def small_model_states(model: ModelSpec, training: TrainingConfig) -> tuple[float, float]:
+    """(model-state bytes of the one-layer model, of one decoder layer): the scales of the constants.
+
+    Parameters are split into embeddings (vocab × hidden, twice when untied) and equal decoder layers;
+    trainable parameters (LoRA adapters) are spread evenly over the layers.
+    """
+    L = model.num_layers
+    emb = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
+    layer = max(model.total_params - emb, L) / L
+    full = model.trainable_params >= model.total_params
+
+    def states(n: int) -> float:
+        total = int(emb + n * layer)
+        trainable = total if full else int(model.trainable_params * n / L)
+        spec = model.model_copy(update={"num_layers": n, "total_params": total, "trainable_params": trainable})
+        return float(model_state_bytes(spec, training).total_bytes)
+
+    one = states(1)
+    return max(one, 1.0), max(states(2) - one, 1.0)
+
+
+def scales(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
+    """The physical scale of every target in :data:`TARGETS` (bytes, bytes per token, bytes per token·s).
+
+    Constants: the model states of the embeddings and head, or of one layer (:func:`small_model_states`).
+    Per token: the analytic activations one layer saves (:func:`model.analytic.activation_bytes_per_layer`
+    without the eager score term), or the logits and their fp32 copies (:func:`model.analytic.logits_bytes`).
+    Per token × sequence: heads × activation dtype bytes (eager attention scores).
+    """
+    a = activation_dtype_bytes(training.precision)
+    s_one, s_layer = small_model_states(model, training)
+    one_token = training.model_construct(**{**training.__dict__, "micro_batch_size": 1, "seq_len": 1,
+                                            "attention": Attention.SDPA})
+    layer = float(max(activation_bytes_per_layer(model, one_token), 1))
+    head = float(max(logits_bytes(model, one_token), 1))
+    s_base = max(s_one - s_layer, 1.0)
+    score = model.num_attention_heads * a / training.tensor_parallel_size
+    per_q = {"f0": (s_base, head, score), "c0": (s_base, head, score), "dF": (s_layer, layer, score),
+             "dC": (s_layer, layer, score)}
+    return np.array([per_q[q][PIECE.index(c)] for _p, q, c in TARGETS], dtype=np.float64)
+
+
+def fitted_pieces(terms: dict[str, Any]) -> np.ndarray:
+    """One least-squares linear piece per target of :data:`TARGETS` for a traced terms entry (bytes).
+
+    The small models' live bytes are taken at the entry's traced token points (``terms["points"]``),
+    brought to one and two layers, and each quantity of :data:`QUANTITIES` is fitted on (1, b·s) —
+    plus b·s² with eager attention — weighted by the inverse of the one-layer model's live bytes.
+    """
+    depths = tuple(terms.get("depths", (terms.get("period", 1), 2 * terms.get("period", 1))))
+    points = [tuple(p) for p in terms["points"]]
+    eager = terms.get("attention") == "eager"
+    cols = [0, 1, 2] if eager else [0, 1]
+    rows, vals = [], {t: [] for t in TARGETS}
+    for b, s in points:
+        v = layer_values(terms["coef"], b, s, depths)
+        rows.append([1.0, b * s, b * s * s])
+        for p in PHASES:
+            dF, dC = v[(2, 0)][p] - v[(1, 0)][p], v[(2, 2)][p] - v[(1, 1)][p]
+            q = {"f0": v[(1, 0)][p] - dF, "dF": dF, "c0": v[(1, 1)][p] - dC, "dC": dC}
+            for qn in QUANTITIES:
+                vals_q = q[qn]
+                for c in PIECE:
+                    vals[(p, qn, c)].append(vals_q)
+    X = np.asarray(rows)[:, cols]
+    scale = np.linalg.norm(X, axis=0)
+    out = np.zeros(len(TARGETS))
+    for p in PHASES:
+        for qn in QUANTITIES:
+            y = np.asarray(vals[(p, qn, "1")])
+            sol, *_ = np.linalg.lstsq(X / scale, y, rcond=None)
+            sol = sol / scale
+            for j, c in enumerate(PIECE):
+                out[TARGETS.index((p, qn, c))] = sol[j] if j < len(cols) else 0.0
+    return out
+
+
+def pieces_to_coef(pieces: np.ndarray) -> dict[str, dict[str, list[list[float]]]]:
+    """Terms ``coef`` JSON (one piece per phase and small model) from :data:`TARGETS` values in bytes."""
+    coef: dict[str, dict[str, list[list[float]]]] = {f"{n},{c}": {} for n, c in VARIANTS}
+    val = dict(zip(TARGETS, pieces))
+    for p in PHASES:
+        for one, two, base, inc in (("1,0", "2,0", "f0", "dF"), ("1,1", "2,2", "c0", "dC")):
+            vb = [0.0] * 5
+            vi = [0.0] * 5
+            for c, idx in zip(PIECE, _BASIS_INDEX):
+                vb[idx] = float(val[(p, base, c)] + val[(p, inc, c)])
+                vi[idx] = float(val[(p, base, c)] + 2 * val[(p, inc, c)])
+            coef[one][p] = [vb]
+            coef[two][p] = [vi]
+    return coef
+
+
+def shipped_entries(directory: str | Path | None = None) -> list[dict[str, Any]]:
+    """The shipped terms entries (``data/terms/*.jsonl``, one JSON object per line with ``key``,
+    ``model_name``, ``training`` and ``terms``), in file order."""
+    from model.terms import SHIPPED_DIR
+
+    out = []
+    for path in sorted(Path(directory or SHIPPED_DIR).glob("*.jsonl")):
+        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def entry_configuration(entry: dict[str, Any]) -> tuple[ModelSpec, TrainingConfig, dict[str, Any]]:
+    """(ModelSpec, TrainingConfig, HF config) of a shipped terms entry, by ``model_name``: a catalog
+    architecture (published parameter count) or a reduced MoE model (:func:`training.terms.hf_config_of`,
+    counted on a meta build).
+
+    Raises:
+        LookupError: ``model_name`` is neither.
+    """
+    from data import catalog
+    from memfit.errors import UnknownModel
+    from memfit.hf import model_spec
+    from training.terms import hf_config_of
+
+    name = entry["model_name"]
+    hf = hf_config_of(name)
+    if hf is None:
+        raise LookupError(f"terms entry {entry.get('key', '')[:12]}: no HF config for model {name!r}")
+    try:
+        spec = catalog.spec(name)
+    except UnknownModel:
+        spec = model_spec(hf, name=name)
+    fields = {k: v for k, v in entry["training"].items() if v is not None}
+    # the terms key keeps data_parallel_size 1 without sharding; expert parallelism splits experts over those ranks
+    fields["data_parallel_size"] = max(fields.get("data_parallel_size", 1), fields.get("expert_parallel_size", 1))
+    training = TrainingConfig.model_validate({"micro_batch_size": 1, "seq_len": 1024, **fields})
+    if training.finetune is FineTune.LORA:
+        spec = spec.model_copy(update={"trainable_params": _lora_trainable(hf, training, spec.num_layers)})
+    return spec, training, hf
+
+
+def _lora_trainable(hf: dict[str, Any], training: TrainingConfig, num_layers: int) -> int:
+    """LoRA adapter parameters: r × (in + out) of every adapted matrix (shapes from a meta build)."""
+    from memfit.hf import lora_target_shapes
+
+    key = (json.dumps(hf, sort_keys=True), tuple(training.lora_target_modules or ()) or None)
+    if key not in _LORA_CACHE:
+        shapes, _ = lora_target_shapes(hf, list(key[1]) if key[1] else None)
+        _LORA_CACHE[key] = sum(i + o for v in shapes.values() for i, o in v)
+    return int(training.lora_rank or 0) * _LORA_CACHE[key]
+
+
+_LORA_CACHE: dict[Any, int] = {}
+
+
+class CoefficientModel:
+    """LightGBM regressors of the dimensionless phase coefficients (see the module docstring).
+
+    Args:
+        n_estimators, learning_rate, num_leaves, min_child_samples, objective: LightGBM parameters (per target;
+            the absolute-error objective: a few traced entries fit one piece badly, and they should not
+            pull the others).
+
+    Attributes (after :meth:`fit` or :meth:`load`): ``boosters_`` (target index -> ``lightgbm.Booster``;
+    targets constant in the training set are kept as ``constants_``), ``settings_`` (the training
+    settings seen, :meth:`covers`), ``n_entries_``.
+    """
+
+    def __init__(self, n_estimators: int = 300, learning_rate: float = 0.05, num_leaves: int = 15,
+                 min_child_samples: int = 3, objective: str = "l1") -> None:
+        self.objective = objective
+        self.n_estimators = n_estimators
+        self.learning_rate = learning_rate
+        self.num_leaves = num_leaves
+        self.min_child_samples = min_child_samples
+
+    def _params(self) -> dict[str, Any]:
+        return {"objective": self.objective, "learning_rate": self.learning_rate, "num_leaves": self.num_leaves,
+                "min_child_samples": self.min_child_samples, "min_data_in_bin": 1, "verbose": -1, "seed": 0,
+                "num_threads": 1, "deterministic": True, "force_row_wise": True}
+
+    @staticmethod
+    def setting(training: TrainingConfig) -> str:
+        """The categorical training setting a prediction needs seen in training (precision, optimizer, ...)."""
+        return "/".join(getattr(training, c).value for c in ("sharding", "finetune", "quantization"))
+
+    def fit(self, entries: Iterable[dict[str, Any]]) -> CoefficientModel:
+        """Fit on shipped terms entries (``{"model_name", "training", "terms"}``); entries of models without an
+        HF config here (:func:`entry_configuration`) are listed in ``skipped_``.
+
+        Raises:
+            ValueError: no entries.
+        """
+        X, Y, settings, specs = [], [], set(), []
+        self.skipped_ = []
+        for e in entries:
+            try:
+                spec, training, hf = entry_configuration(e)
+            except (LookupError, ValueError) as err:  # no HF config here, or settings this code refuses
+                self.skipped_.append(str(err))
+                continue
+            specs.append(spec)
+            X.append(config_features(spec, training, hf))
+            Y.append(fitted_pieces(e["terms"]) / scales(spec, training))
+            settings.add(self.setting(training))
+        if not X:
+            raise ValueError("CoefficientModel.fit needs at least one terms entry")
+        self.families_ = sorted({m.architecture for m in specs})
+        X = np.asarray([_with_family(x, m, self.families_) for x, m in zip(X, specs)])
+        Y = np.asarray(Y)
+        self.boosters_, self.constants_ = {}, {}
+        cat = [FEATURE_NAMES.index(c) for c in [*CATEGORICAL, "model_type"]]
+        for j in range(len(TARGETS)):
+            y = Y[:, j]
+            if np.ptp(y) <= 1e-12 * max(1.0, float(np.abs(y).max())):
+                self.constants_[j] = float(y[0])
+                continue
+            ds = lgb.Dataset(X, label=y, feature_name=FEATURE_NAMES, categorical_feature=cat, free_raw_data=True)
+            self.boosters_[j] = lgb.train(self._params(), ds, num_boost_round=self.n_estimators)
+        self.settings_ = sorted(settings)
+        self.n_entries_ = len(X)
+        return self
+
+    def covers(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> bool:
+        """Whether the composition applies (:func:`model.terms.not_traceable_reason` is None, an HF config is
+        given, no pipeline/context parallelism) and the training setting was seen in training."""
+        from model.terms import not_traceable_reason
+
+        return (hf_config is not None and not_traceable_reason(model, training, hf_config) is None
+                and training.pipeline_parallel_size == 1 and training.context_parallel_size == 1
+                and self.setting(training) in self.settings_)
+
+    def predict_pieces(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]) -> np.ndarray:
+        """Predicted :data:`TARGETS` values in bytes (token coefficients clipped at 0), shape (len(TARGETS),)."""
+        x = np.asarray([_with_family(config_features(model, training, hf_config), model, self.families_)])
+        y = np.zeros(len(TARGETS))
+        for j, c in self.constants_.items():
+            y[j] = c
+        for j, b in self.boosters_.items():
+            y[j] = b.predict(x, num_threads=1)[0]
+        out = y * scales(model, training)
+        for j, (_p, _q, c) in enumerate(TARGETS):
+            if c != "1":
+                out[j] = max(out[j], 0.0)
+        if training.attention is not Attention.EAGER:
+            out[[j for j, t in enumerate(TARGETS) if t[2] == "b*s^2"]] = 0.0
+        return out
+
+    def predict_coef(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]
+                     ) -> dict[str, dict[str, list[list[float]]]]:
+        """Terms ``coef`` JSON for :func:`model.compose.compose` (one piece per phase and small model)."""
+        return pieces_to_coef(self.predict_pieces(model, training, hf_config))
+
+    # -- artifacts ------------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        """Write ``coefficients.json`` and one ``coef_<j>.txt`` booster (LightGBM text format) per learned target."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        for j, b in self.boosters_.items():
+            b.save_model(str(d / f"coef_{j}.txt"))
+        meta = {"format": "memfit-coefficients-1", "feature_names": FEATURE_NAMES, "categorical": CATEGORICAL,
+                "targets": ["|".join(t) for t in TARGETS], "constants": {str(j): c for j, c in self.constants_.items()},
+                "boosters": sorted(self.boosters_), "settings": self.settings_, "families": self.families_, "n_entries": self.n_entries_,
+                "params": {"n_estimators": self.n_estimators, "learning_rate": self.learning_rate,
+                           "num_leaves": self.num_leaves, "min_child_samples": self.min_child_samples,
+                           "objective": self.objective}}
+        path = d / "coefficients.json"
+        path.write_text(json.dumps(meta, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> CoefficientModel:
+        """Read what :meth:`save` wrote.
+
+        Raises:
+            ValueError: the artifact was written for other features or targets.
+            FileNotFoundError: a file is missing.
+        """
+        d = Path(directory)
+        meta = json.loads((d / "coefficients.json").read_text())
+        if meta.get("feature_names") != FEATURE_NAMES or meta.get("targets") != ["|".join(t) for t in TARGETS]:
+            raise ValueError(f"{d / 'coefficients.json'}: written for other features or targets; refit it")
+        self = cls(**meta["params"])
+        self.constants_ = {int(j): float(c) for j, c in meta["constants"].items()}
+        self.boosters_ = {int(j): lgb.Booster(model_file=str(d / f"coef_{j}.txt")) for j in meta["boosters"]}
+        self.settings_ = list(meta["settings"])
+        self.families_ = list(meta["families"])
+        self.n_entries_ = int(meta["n_entries"])
+        return self
