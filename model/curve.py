@@ -50,7 +50,7 @@ import numpy as np
 
 from memfit.schema import ModelSpec, Sharding, TrainingConfig
 from model.analytic import ModelStates, model_state_bytes, optimizer_state_bytes_per_param
-from model.compose import PEAK_PHASES, compose_terms
+from model.compose import PEAK_PHASES, compose, compose_terms
 from model.parallel import ParallelCurve, compose_pipeline, pipeline_stages
 from model.terms import TermsCache, not_traceable_reason, terms_key
 
