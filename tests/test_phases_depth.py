@@ -1,0 +1,75 @@
+"""The bottom decoder layer is not like the layers above it: the traced small models start at two layers.
+
+Three block types whose 1 -> 2 layer difference is not what each further layer adds (found on the shipped
+telemetry, issue 8): BLOOM with ALiBi and eager attention (a checkpointed model's forward holds one more
+(b, heads, s, s) tensor from two layers on, once, not per layer: composed from one and two layers it was
++293 % at k = L on bloom-560m, amp_bf16 Adafactor, micro-batch 2, 16,384 tokens), and the parallel-residual
+blocks of GPT-J and Falcon under LoRA (frozen embeddings: the bottom layer computes no input gradient, so
+its backward is lighter than the others'; +15 % at k = 0 and +126 % at k = L on GPT-J-6B LoRA r16,
++40 % at k = L on Falcon-7B LoRA r16). Each case is the same architecture at reduced width, traced at the
+depths :func:`training.phases.traced_depths` chooses and composed to six layers, against the collector's
+measurement of the whole six-layer model at a token count that was not traced.
+
+Known miss (BLOOM, k = L − 1): the one un-checkpointed layer above the checkpointed block also holds that
+block's top attention probabilities (the layer loop's previous output), which none of the all-or-nothing
+small models shows: −3.7 % at this reduced width, where the forward's attention scores are the peak; on
+bloom-560m itself the bwd.head peak is higher there, by more than those probabilities.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from data import catalog
+from memfit.schema import Sharding, TrainingConfig
+from model.compose import compose_terms
+from training.collect import measure_family
+from training.phases import traced_depths, trace_terms
+
+L = 6
+
+REDUCED = {
+    "bloom-560m": {"n_layer": L, "hidden_size": 512, "n_head": 8, "vocab_size": 4096},
+    "gpt-j-6b": {"n_layer": L, "n_embd": 512, "n_head": 8, "rotary_dim": 32, "vocab_size": 4096},
+    "falcon-7b": {"num_hidden_layers": L, "hidden_size": 512, "num_attention_heads": 8, "vocab_size": 4096},
+}
+
+CASES = [
+    ("bloom-560m", {"precision": "amp_bf16", "optimizer": "adafactor"}, (3, 1536)),  # eager: b·heads·s² scores
+    ("gpt-j-6b", {"precision": "bf16", "optimizer": "adamw_fused", "finetune": "lora", "lora_rank": 16}, (3, 768)),
+    ("falcon-7b", {"precision": "bf16", "optimizer": "adamw_foreach", "finetune": "lora", "lora_rank": 16},
+     (1, 1000)),
+]
+
+
+@pytest.mark.parametrize("name,fields,tokens", CASES, ids=[c[0] for c in CASES])
+def test_composed_from_two_and_three_layers_equals_full_measurement(name, fields, tokens):
+    cfg = {**catalog.get(name)["hf_config"], **REDUCED[name]}
+    training = TrainingConfig(micro_batch_size=1, seq_len=128, **fields)
+    terms = trace_terms(cfg, training)
+    assert terms.depths == (2, 3)
+    b, s = tokens
+    assert (b, s) not in terms.points
+    t = training.model_copy(update={"micro_batch_size": b, "seq_len": s})
+    ks = list(range(L + 1))
+    measured = [r.measurement.peak_allocated_bytes
+                for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)]
+    curve = compose_terms(terms.to_json(), L, b, s)
+    for k, m in zip(ks, measured):
+        got = int(curve.peak_bytes[k])
+        err = (got - m) / m
+        if name == "bloom-560m" and k == L - 1:  # the known miss of this module's docstring
+            assert -0.05 < err <= 0, f"k={k}: composed {got} vs measured {m} ({err:+.2%})"
+        else:
+            assert abs(err) < 2e-3, f"k={k}: composed {got} vs measured {m} ({err:+.2%})"
+
+
+def test_traced_depths():
+    assert traced_depths(1, Sharding.NONE) == (2, 3)
+    assert traced_depths(2, Sharding.NONE) == (2, 4)  # one and two whole sliding/full patterns, as before
+    assert traced_depths(3, Sharding.ZERO1) == (3, 6)
+    assert traced_depths(1, Sharding.FSDP_FULL_SHARD) == (3, 4)  # past FSDP's prefetch edge effects
+    assert traced_depths(2, Sharding.ZERO3) == (4, 6)
