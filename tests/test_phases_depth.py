@@ -73,3 +73,31 @@ def test_traced_depths():
     assert traced_depths(3, Sharding.ZERO1) == (3, 6)
     assert traced_depths(1, Sharding.FSDP_FULL_SHARD) == (3, 4)  # past FSDP's prefetch edge effects
     assert traced_depths(2, Sharding.ZERO3) == (4, 6)
+
+
+def test_fsdp_lora_mixed_k_forward_is_not_charged_checkpointed_inputs():
+    """opt-1.3b (full width, 4 layers), fp32 fused AdamW, ZeRO-3 over 8 ranks, LoRA r64, micro-batch 1: the
+    forward peaks while FSDP gathers the bottom layers' parameters, before any layer holds activations, so an
+    un-checkpointed layer adds no more to it than a checkpointed one. The split fwd.layers rule charged each
+    checkpointed layer its end-of-forward bytes (its saved input) on top of that early peak: +0.3 % per
+    checkpointed layer, flat in truth (+4.9 % at k = 22 of 24 on the shipped telemetry, +5.2 % on
+    tinyllama-1.1b under FSDP + LoRA r64; +0.3 to +0.9 % at k = 1..3 here).
+
+    Known miss, not fixed here: a phase's peak is the max over its events, each linear in depth, and the max
+    is not: at 3 and 4 layers the early gather is the forward's peak, from 6 layers on the top layer's
+    activations are, so the per-layer increment read from 3 and 4 layers is too small there (opt-1.3b ZeRO-3
+    LoRA r64 at 24 layers: -1.1 to -1.6 % for k <= 18)."""
+    cfg = {**catalog.get("opt-1.3b")["hf_config"], "num_hidden_layers": 4}
+    training = TrainingConfig(micro_batch_size=1, seq_len=128, precision="fp32", optimizer="adamw_fused",
+                              sharding="zero3", data_parallel_size=8, finetune="lora", lora_rank=64)
+    terms = trace_terms(cfg, training)
+    assert terms.depths == (3, 4)
+    t = training.model_copy(update={"micro_batch_size": 1, "seq_len": 640})
+    ks = list(range(5))
+    measured = [r.measurement.peak_allocated_bytes
+                for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)]
+    curve = compose_terms(terms.to_json(), 4, 1, 640)
+    assert curve.phase[2] == "fwd.layers"
+    for k, m in zip(ks, measured):
+        got = int(curve.peak_bytes[k])
+        assert abs(got - m) / m < 2e-3, f"k={k}: composed {got} vs measured {m} ({(got - m) / m:+.2%})"
