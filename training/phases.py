@@ -138,7 +138,7 @@ def traced_depths(period: int, sharding: Sharding) -> tuple[int, int]:
     the previous block's output tuple, attention probabilities included, while the next block runs: for a
     checkpointed block those are otherwise free, so from two layers on the forward holds one more
     (b, heads, s, s) tensor, once, not per layer). From the second layer on each layer adds the same
-    (reduced-depth BLOOM-560m, GPT-J-6B LoRA and Falcon-7B LoRA, 1 to 5 layers;
+    (BLOOM-560m, GPT-J-6B LoRA and Falcon-7B LoRA at full width and 1 to 4 layers;
     ``tests/test_phases_depth.py``).
     FSDP gathers a layer's parameters just in time, prefetches the next and reduce-scatters gradients
     behind: from three layers on each layer adds the same (measured on Llama-2-7B at world size 4).
