@@ -249,8 +249,20 @@ def _phase_hooks(layers, tracker, state: dict[str, bool]):
 
 def _traced_step(run, opt, ids) -> list[tuple[str, int]]:
     """One primed training step; returns its memory timeline: (phase, live bytes) after every allocation
-    and at every phase entry."""
+    and at every phase entry.
+
+    Under gradient accumulation (``run.training.accumulates_gradients``) a first micro-batch's forward and
+    backward run before the timeline starts, so the traced phases are those of a later micro-batch, with
+    every gradient live, followed by the optimizer step (:func:`training.collect.accumulation_micro_batches`:
+    later micro-batches repeat this timeline; the first holds a subset of it).
+    """
     tracker = run.tracker
+    if run.training.accumulates_gradients:
+        with run.loss_context():
+            with torch.autocast(run.on, dtype=run.amp_dtype) if run.use_autocast else contextlib.nullcontext():
+                loss = run.model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            del loss
     state = {"top": False, "bottom": False}
     tracker.reset_peak()
     tracker.phase = "rest"
@@ -344,9 +356,11 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     t0 = time.perf_counter()
     # offload is composed on the terms without it (model.offload), pipeline and context parallelism per stage
     # and per sequence chunk (model.parallel); the terms key holds none of them
+    # (an offloaded optimizer accumulates gradients in host memory: its base is traced without accumulation)
     training = training.model_copy(update={"offload_optimizer": Offload.NONE, "offload_parameters": Offload.NONE,
                                            "pipeline_parallel_size": 1, "context_parallel_size": 1,
-                                           "num_micro_batches": None})
+                                           "num_micro_batches": None,
+                                           "gradient_accumulation_steps": 2 if training.accumulates_gradients else 1})
     w = None if points else sliding_window_threshold(hf_config)
     regimes = [(points or token_points(hf_config), _pruning_grid(hf_config, hi=(w - 1) if w else None))]
     if w is not None:
