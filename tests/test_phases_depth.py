@@ -101,3 +101,19 @@ def test_fsdp_lora_mixed_k_forward_is_not_charged_checkpointed_inputs():
     for k, m in zip(ks, measured):
         got = int(curve.peak_bytes[k])
         assert abs(got - m) / m < 2e-3, f"k={k}: composed {got} vs measured {m} ({(got - m) / m:+.2%})"
+
+
+def test_terms_traced_at_older_depths_are_stale():
+    """training.terms_mb1 re-traces entries without micro-batch-1 terms or at depths other than traced_depths."""
+    from training.terms_mb1 import stale_reason
+
+    def entry(depths, sharding="none", mb1=True, period=1):
+        terms = {"coef": {}, "period": period, **({"depths": depths} if depths else {}), **({"mb1": {}} if mb1 else {})}
+        return {"training": {"sharding": sharding}, "terms": terms}
+
+    assert stale_reason(entry([2, 3])) is None
+    assert stale_reason(entry([1, 2])) == "traced at depths (1, 2), now (2, 3)"
+    assert stale_reason(entry(None)) is not None  # no depths: (period, 2 * period) = (1, 2)
+    assert stale_reason(entry([2, 4], period=2)) is None
+    assert stale_reason(entry([3, 4], sharding="zero3")) is None
+    assert stale_reason(entry([2, 3], mb1=False)) == "no micro-batch-1 terms"
