@@ -72,6 +72,7 @@ def setting_slices(df) -> dict[str, np.ndarray]:
         "sequence_parallel": flag("sequence_parallel"),
         "MoE (num_experts set)": np.asarray(col("num_experts", np.nan).notna()),
         "MoE expert_parallel_size > 1": np.asarray(col("expert_parallel_size", 1).fillna(1) > 1),
+        "gradient_accumulation_steps > 1": np.asarray(col("gradient_accumulation_steps", 1).fillna(1) > 1),
     }
 
 
