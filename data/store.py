@@ -175,6 +175,22 @@ class TelemetryStore:
             except (sa.exc.IntegrityError, sa.exc.ProgrammingError):
                 if attempt == 2:
                     raise
+        self._add_new_columns()
+
+    def _add_new_columns(self) -> None:
+        """Add the nullable columns of fields added to the schema since an existing database was created
+        (``ALTER TABLE ... ADD COLUMN``): its rows read them as missing, so their defaults apply."""
+        for table in (self.table, self.quarantine):
+            have = {c["name"] for c in sa.inspect(self.engine).get_columns(table.name)}
+            for col in table.columns:
+                if col.name in have:
+                    continue
+                if not col.nullable:
+                    raise RuntimeError(f"table {table.name!r} lacks the required column {col.name!r}; "
+                                       "migrate it by hand")
+                kind = col.type.compile(dialect=self.engine.dialect)
+                with _busy(self.busy_timeout_s), self.engine.begin() as conn:
+                    conn.execute(sa.text(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {kind}'))
 
     def add(self, records: Iterable[TelemetryRecord | dict[str, Any]]) -> IngestReport:
         """Validate and insert records (objects, nested dicts or flat rows) in one transaction.

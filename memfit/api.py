@@ -11,8 +11,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, Stri
 
 from memfit.errors import InvalidConfiguration
 from memfit.schema import (
-    MAX_DEVICE_MEMORY_BYTES, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WORLD, Attention, CheckpointImpl,
-    FineTune, Offload, Optimizer, PipelineSchedule, Precision, Quantization, Sharding, check_offload,
+    MAX_DEVICE_MEMORY_BYTES, MAX_GRADIENT_ACCUMULATION_STEPS, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WORLD,
+    Attention, CheckpointImpl, FineTune, Offload, Optimizer, PipelineSchedule, Precision, Quantization, Sharding,
+    check_offload,
 )
 
 GIB = 1 << 30
@@ -144,6 +145,9 @@ class TrainingIn(_In):
             raise InvalidConfiguration("training.quantization", f"{from_model.value!r} as the model's "
                                        "quantization_config says, or left out", self.quantization.value)
         return from_model
+    gradient_accumulation_steps: StrictInt = Field(1, ge=1, le=MAX_GRADIENT_ACCUMULATION_STEPS, description=(
+        "micro-batches per optimizer step; from the second on the summed gradients stay on the device through "
+        "forward and backward (not with offload_optimizer=cpu: they accumulate in host memory)"))
     offload_optimizer: Offload = Field(Offload.NONE, description="cpu: optimizer states, fp32 master weights and "
                                                                  "fp32 gradients in host memory (ZeRO-Offload)")
     offload_parameters: Offload = Field(Offload.NONE, description="cpu: parameters in host memory, gathered layer "
@@ -216,8 +220,8 @@ class Alternative(BaseModel):
     """One concrete change to the request's training or cluster, answered through the same curve."""
 
     description: str
-    change: dict[str, Any] = Field(description="the changed fields (training fields, gpu_count, "
-                                               "gradient_accumulation_steps)")
+    change: dict[str, Any] = Field(description="the changed fields (training fields, gradient_accumulation_steps "
+                                               "among them, and gpu_count)")
     fits: bool
     k: int | None = Field(description="smallest number of checkpointed layers that fits with the change")
     predicted_peak_bytes: int = Field(description="predicted peak allocated bytes per device at k (at L if none fits)")

@@ -355,6 +355,7 @@ def describe(
     attention: Attention | str | None = None,
     checkpoint_impl: CheckpointImpl | str | None = None,
     optimizer_in_backward: bool = False,
+    gradient_accumulation_steps: int | None = None,
     tensor_parallel_size: int | None = None,
     pipeline_parallel_size: int | None = None,
     context_parallel_size: int | None = None,
@@ -388,6 +389,8 @@ def describe(
     * precision: DeepSpeed bf16/fp16 -> ``bf16_fp32_master`` (half weights + fp32 master copy);
       TrainingArguments bf16/fp16 -> ``amp_bf16``/``amp_fp16`` (autocast over fp32 weights);
       otherwise half-precision parameters -> ``bf16``, fp32 parameters -> ``fp32``.
+    * gradient accumulation: DeepSpeed's ``gradient_accumulation_steps`` (``"auto"`` resolved from
+      ``training_args``), else ``TrainingArguments.gradient_accumulation_steps``, else 1.
     * model parallelism: tensor / pipeline / context parallel sizes from ``device_mesh`` (a torch
       ``DeviceMesh`` with named dimensions, torchtitan's ``tp``, ``pp``, ``cp``), else from the model's
       DTensor parameters (:func:`parallel_sizes_from_model`); 1 when neither reveals them.
@@ -419,6 +422,10 @@ def describe(
         micro_batch_size = _int_or_none(ds.get("train_micro_batch_size_per_gpu"))
     if micro_batch_size is None and args is not None:
         micro_batch_size = _int_or_none(getattr(args, "per_device_train_batch_size", None))
+    if gradient_accumulation_steps is None and ds is not None:
+        gradient_accumulation_steps = _int_or_none(ds.get("gradient_accumulation_steps"))
+    if gradient_accumulation_steps is None and args is not None:
+        gradient_accumulation_steps = _int_or_none(getattr(args, "gradient_accumulation_steps", None))
     if micro_batch_size is None:
         raise ValueError("micro_batch_size is required: give micro_batch_size=, a DeepSpeed config with "
                          "train_micro_batch_size_per_gpu, or training_args with per_device_train_batch_size")
@@ -503,7 +510,7 @@ def describe(
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         context_parallel_size=context_parallel_size, sequence_parallel=sequence_parallel,
         trainable_params=trainable, offload_optimizer=Offload(offload_optimizer),
-        offload_parameters=Offload(offload_parameters))
+        offload_parameters=Offload(offload_parameters), gradient_accumulation_steps=gradient_accumulation_steps or 1)
     adapter = _lora(model)
     if adapter is not None:
         training.update(finetune=FineTune.LORA, lora_rank=adapter[0], lora_target_modules=adapter[1])

@@ -53,6 +53,7 @@ MAX_PARAMS = 10**13
 MAX_SEQ_LEN = 1 << 22
 MAX_MICRO_BATCH = 1 << 14
 MAX_WORLD = 1 << 17
+MAX_GRADIENT_ACCUMULATION_STEPS = 1 << 16
 MAX_DEVICE_MEMORY_BYTES = 1 << 44  # 16 TiB
 
 
@@ -267,6 +268,9 @@ class TrainingConfig(_Part):
     offload_optimizer: Offload = Field(Offload.NONE, description="optimizer states + master weights on host (ZeRO-Offload)")
     offload_parameters: Offload = Field(Offload.NONE, description="parameters on host, layers gathered in flight "
                                                                   "(ZeRO-3 offload_param, FSDP2 CPUOffloadPolicy)")
+    gradient_accumulation_steps: int = Field(1, ge=1, le=MAX_GRADIENT_ACCUMULATION_STEPS, description=(
+        "micro-batches whose gradients are summed before each optimizer step; from the second micro-batch on "
+        "the gradient buffer is live through forward and backward"))
 
     @property
     def num_checkpointed_layers(self) -> int:
@@ -304,6 +308,13 @@ class TrainingConfig(_Part):
                                        "sequence_parallel", self.tensor_parallel_size)
         check_offload(self.offload_optimizer, self.offload_parameters, self.sharding, self.data_parallel_size)
         self._check_pipeline()
+        if self.gradient_accumulation_steps > 1 and self.optimizer_in_backward:
+            raise InvalidConfiguration("gradient_accumulation_steps", "1 with optimizer_in_backward (each parameter "
+                                       "steps as soon as its gradient is ready: nothing accumulates)",
+                                       self.gradient_accumulation_steps)
+        if self.gradient_accumulation_steps > 1 and self.pipeline_parallel_size > 1:
+            raise InvalidConfiguration("gradient_accumulation_steps", "1 with pipeline_parallel_size >= 2 (a pipeline's "
+                                       "micro-batches per step are num_micro_batches)", self.gradient_accumulation_steps)
         if self.data_parallel_size % self.expert_parallel_size:
             raise InvalidConfiguration("expert_parallel_size", f"a divisor of data_parallel_size="
                                        f"{self.data_parallel_size} (experts are split within the data-parallel "
@@ -331,6 +342,15 @@ class TrainingConfig(_Part):
     def model_parallel_size(self) -> int:
         """Ranks one model replica spans: tensor × pipeline × context parallel size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+
+    @property
+    def accumulates_gradients(self) -> bool:
+        """Gradients stay on the device through the forward and backward of later micro-batches: accumulation
+        over more than one micro-batch, optimizer not offloaded. With ``offload_optimizer='cpu'`` the gradients
+        are accumulated in host memory (DeepSpeed ``deepspeed/runtime/zero/stage_1_and_2.py``,
+        ``async_accumulate_grad_in_cpu_via_gpu``; FSDP2's ``CPUOffloadPolicy`` keeps sharded gradients on the
+        host), so the device peak is that of one micro-batch."""
+        return self.gradient_accumulation_steps > 1 and self.offload_optimizer is Offload.NONE
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -475,6 +495,8 @@ class TelemetryRecord(_Part):
     def content_hash(self) -> str:
         """SHA-256 of everything but ``record_id`` and ``created_at``: tells a true duplicate from a conflict."""
         body = self.model_dump(mode="json", exclude={"record_id", "created_at"})
+        if body["training"]["gradient_accumulation_steps"] == 1:  # added later: hashes of older records stay valid
+            del body["training"]["gradient_accumulation_steps"]
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 

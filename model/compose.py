@@ -15,7 +15,9 @@ checkpointed (Megatron's ``block`` layout):
 * ``fwd.layers`` with 0 < k < L is split the same way (the design note's second known miss): while the
   k checkpointed layers run forward, the L−k layers above hold only their resting bytes (ΔR, phase
   ``rest``): P(1,1) + (k−1)·ΔC + (L−k)·ΔF_rest; while the un-checkpointed layers above run, each
-  checkpointed layer holds what it holds at the end of forward: P(1,0) + (L−k−1)·ΔF + k·ΔC_fwd.head.
+  checkpointed layer holds what it holds at the end of forward: P(1,0) + (L−k−1)·ΔF + k·ΔC_fwd.head,
+  with ΔC_fwd.head capped at ΔF (where ΔF is smaller, the un-checkpointed forward peaks before the layers
+  hold activations, FSDP gathering the bottom layers' parameters, and no layer holds more than ΔF then).
 
 The peak at k is the max over phases. Each phase is a fixed linear combination of the small models'
 per-phase peaks, which are maxima over fitted pieces; the combination subtracts some of them (the
@@ -191,7 +193,10 @@ def phase_columns(v: dict[tuple[int, int], dict[str, Any]], num_layers: int
             parts = [(e0, dC_head - dF), (c1 - dC + L * dF_emb, dC - dF_emb)]
         elif p == "fwd.layers":
             dF_rest = val((2, 0), "rest") - val((1, 0), "rest")
-            dC_end = val((2, 2), "fwd.head") - val((1, 1), "fwd.head")
+            # what a checkpointed layer below holds at the un-checkpointed model's fwd.layers peak: its
+            # end-of-forward bytes, unless that peak comes before the layers' activations (ΔF below ΔC_end:
+            # FSDP gathering the bottom layers' parameters), where no layer holds more than ΔF then
+            dC_end = np.minimum(val((2, 2), "fwd.head") - val((1, 1), "fwd.head"), dF)
             # c1 + (k-1)·ΔC + (L-k)·ΔF_rest  and  f1 + (L-k-1)·ΔF + k·ΔC_end
             parts = [(c1 - dC + L * dF_rest, dC - dF_rest), (e0, dC_end - dF)]
         else:

@@ -139,19 +139,37 @@ class Curve:
     host_memory_bytes: int = 0
 
 
-def breakdown(states: ModelStates, predicted_bytes: int, phase: str | None) -> dict[str, int]:
+#: phases in which a step of one micro-batch does not yet hold every gradient (model.compose.PEAK_PHASES names)
+_PHASES_BEFORE_ALL_GRADS = ("fwd.layers", "fwd.head", "bwd.head", "bwd.layers")
+
+
+def accumulation_phases(phase_bytes: np.ndarray, gradients_bytes: int) -> np.ndarray:
+    """Each phase's live bytes under gradient accumulation, from a step of one micro-batch: the summed gradients
+    (``gradients_bytes`` per rank) are added to every phase before the end of backward, where that step holds
+    none or only some of them; ``bwd.emb`` and ``opt`` hold them all already. An upper bound: in ``bwd.layers``
+    the gradients of the layers already done are counted twice. Shape (L+1, len(PEAK_PHASES)) in and out.
+    """
+    out = np.array(phase_bytes, dtype=np.float64, copy=True)
+    cols = [PEAK_PHASES.index(p) for p in _PHASES_BEFORE_ALL_GRADS]
+    out[:, cols] += gradients_bytes
+    return out
+
+
+def breakdown(states: ModelStates, predicted_bytes: int, phase: str | None,
+              gradients_live: bool = False) -> dict[str, int]:
     """Split a predicted peak into the model states (:func:`model.analytic.model_state_bytes`) live in
     ``phase`` and the rest; the parts add up to ``predicted_bytes`` exactly.
 
     Gradients are counted as live from the end of backward (``bwd.emb``) through the optimizer step;
     before that they build up layer by layer and are part of ``activations_bytes``. On the
-    provisional path (``phase`` None) all states are counted.
+    provisional path (``phase`` None) and under gradient accumulation (``gradients_live``: the summed
+    gradients are held through every phase) all states are counted.
 
     Raises:
         ValueError: ``predicted_bytes`` below the states counted.
     """
     s = states
-    grads = s.gradients_bytes if phase is None or phase in _STATE_PHASES_WITH_GRADS else 0
+    grads = s.gradients_bytes if gradients_live or phase is None or phase in _STATE_PHASES_WITH_GRADS else 0
     parts = {"parameters_bytes": s.weights_bytes, "gradients_bytes": grads, "optimizer_states_bytes": s.optimizer_bytes}
     rest = int(predicted_bytes) - sum(parts.values())
     if rest < 0:  # cannot happen above the floor; keep the parts honest if it ever does
@@ -239,6 +257,7 @@ class MemoryPredictor:
         reason = not_traceable_reason(model, training, hf_config)
         key = None
         raw = phases = phase_bytes = None
+        accumulation_composed = False
         if reason is None and hf_config is not None:
             key = terms_key(hf_config, training)
             terms = self.terms.get(key)
@@ -249,6 +268,17 @@ class MemoryPredictor:
                     reason = f"this configuration has not been traced yet: {status}"
             elif terms is None:
                 reason = "this configuration has not been traced yet"
+            if terms is None and training.accumulates_gradients and not pp_or_cp:
+                # until accumulation itself is traced: the traced phases of one micro-batch per step, with the
+                # gradient buffer added where it is not live already
+                single = self.terms.get(terms_key(hf_config, training.model_copy(
+                    update={"gradient_accumulation_steps": 1})))
+                if single is not None:
+                    c = compose_terms(single, L, training.micro_batch_size, training.seq_len)
+                    phase_bytes = accumulation_phases(c.phase_bytes, states.gradients_bytes)
+                    raw = phase_bytes.max(axis=1)
+                    phases = [PEAK_PHASES[i] for i in phase_bytes.argmax(axis=1)]
+                    accumulation_composed = True
             if terms is not None:
                 if pp_or_cp:
                     long = terms.get("long")
@@ -276,10 +306,23 @@ class MemoryPredictor:
 
             base, ratio = self.estimator.predict_matrix(curve_matrix(model, training))
             raw, phases = np.exp(base + ratio), [None] * (L + 1)
+        notes = []
+        if training.accumulates_gradients:
+            if accumulation_composed:
+                notes.append(f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches "
+                             "composed from the traced phases of one micro-batch per step, the gradient buffer added "
+                             "to every phase before the end of backward (an upper bound until it is traced: "
+                             f"{reason})")
+            elif path == TRACED:
+                notes.append(f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches "
+                             "traced: a later micro-batch runs with every gradient live")
+            else:  # the learned paths know steps of one micro-batch: add the whole gradient buffer (an upper bound)
+                raw = raw + states.gradients_bytes
+                notes.append(f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches: "
+                             "the learned answer for one micro-batch plus the whole gradient buffer (an upper bound)")
         margin = self.margins[margin_group(path, training.sharding, learned)]
         held = None if pipe is None else (lambda at: stage_states[pipe.bottleneck(at)])
-        points = self._points(path, raw, phases, states, margin, held)
-        notes = []
+        points = self._points(path, raw, phases, states, margin, held, training.accumulates_gradients)
         if path == PROVISIONAL:
             how = "learned phase coefficients, composed per phase" if learned else "learned model"
             notes.append(f"provisional answer ({how}): {reason}")
@@ -313,11 +356,11 @@ class MemoryPredictor:
                      learned_coefficients=learned)
 
     def _points(self, path: str, raw: np.ndarray, phases: list[str | None], states: ModelStates,
-                margin: float, held: Any = None) -> list[CurvePoint]:
+                margin: float, held: Any = None, gradients_live: bool = False) -> list[CurvePoint]:
         """Envelope over k' >= k (monotone, conservative), the state floor, bound and breakdown per k.
 
         ``held(at)`` gives the model states of the rank that peaks at k = ``at`` (pipeline stages); default
-        ``states``.
+        ``states``. ``gradients_live``: gradients are held in every phase (gradient accumulation).
         """
         point = np.maximum(np.maximum.accumulate(raw[::-1])[::-1], states.total_bytes)
         points = []
@@ -326,7 +369,8 @@ class MemoryPredictor:
             at = int(np.argmax(raw[k:]) + k)
             phase = phases[at]
             points.append(CurvePoint(k=k, predicted_bytes=p, upper_bytes=math.ceil(p * (1 + margin)),
-                                     peak_phase=phase, breakdown=breakdown(held(at) if held else states, p, phase)))
+                                     peak_phase=phase, breakdown=breakdown(held(at) if held else states, p, phase,
+                                                                           gradients_live)))
         return points
 
     def _offload_curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> Curve:
@@ -357,6 +401,9 @@ class MemoryPredictor:
             raw = np.asarray(base.raw_bytes, dtype=np.float64) * np.asarray(ratio)
             phases = [None] * (L + 1)
             notes.append("offload: the learned curve without offload scaled by the analytic offloaded/not ratio")
+        if training.gradient_accumulation_steps > 1:
+            notes.append(f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches: the "
+                         "offloaded gradients accumulate in host memory, the device holds one micro-batch's peak")
         margin = self.margins[margin_group(base.path, base_training.sharding, base.learned_coefficients)]
         return Curve(path=base.path, points=self._points(base.path, raw, phases, states, margin),
                      floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,

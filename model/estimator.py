@@ -25,7 +25,7 @@ from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.model_selection import GroupShuffleSplit
 from sklearn.utils.validation import check_is_fitted
 
-from model.features import FEATURE_NAMES, MONOTONE, build_features
+from model.features import FEATURE_NAMES, MONOTONE, accumulation_mask, build_features
 
 _LOG_ANALYTIC = FEATURE_NAMES.index("log_analytic_peak")
 
@@ -85,7 +85,10 @@ class PeakMemoryRegressor(RegressorMixin, BaseEstimator):
         y = np.asarray(y, dtype="float64")
         if y.shape != (len(feats),) or (y <= 0).any():
             raise ValueError(f"y must be positive peak bytes of shape ({len(feats)},); got shape {y.shape}")
-        return feats, np.log(y) - feats["log_analytic_peak"].to_numpy()
+        # the learned ratio is that of a step of one micro-batch: under gradient accumulation the curve adds
+        # the whole gradient buffer to it (model.curve), so a measured accumulating row teaches y - gradients
+        y = y - accumulation_mask(X) * feats["gradients_bytes"].to_numpy()
+        return feats, np.log(np.maximum(y, 1.0)) - feats["log_analytic_peak"].to_numpy()
 
     # -- estimator API --------------------------------------------------------------------------
     def fit(self, X: pd.DataFrame, y, groups=None, booster: lgb.Booster | None = None):

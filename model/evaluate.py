@@ -43,7 +43,8 @@ FAMILY_COLUMNS: list[str] = ["model_name", "micro_batch_size", "seq_len", "preci
                              # issue-9 settings: present in rows merged since (a family differs in any of them)
                              "optimizer_in_backward", "quantization", "offload_optimizer", "offload_parameters",
                              "tensor_parallel_size", "sequence_parallel", "pipeline_parallel_size",
-                             "context_parallel_size", "expert_parallel_size", "moe_imbalance_factor"]
+                             "context_parallel_size", "expert_parallel_size", "moe_imbalance_factor",
+                             "gradient_accumulation_steps"]
 #: capacities (GiB) of common accelerators: V100/T4 16, A10/L4/4090 24, A100 40/80, A6000/L40S 48, H100 80,
 #: H100 NVL 94/96, H200 141
 CAPACITIES_GIB: tuple[float, ...] = (16, 24, 40, 48, 80, 96, 141)

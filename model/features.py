@@ -117,6 +117,18 @@ def curve_matrix(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
                      for k in range(model.num_layers + 1)])
 
 
+def accumulation_mask(rows: pd.DataFrame) -> np.ndarray:
+    """1.0 for flat telemetry rows measured under gradient accumulation with the gradients on the device
+    (:attr:`memfit.schema.TrainingConfig.accumulates_gradients`), else 0.0; shape (len(rows),). Rows from before
+    the ``gradient_accumulation_steps`` column count as one micro-batch per step."""
+    if "gradient_accumulation_steps" not in rows.columns:
+        return np.zeros(len(rows))
+    ga = pd.to_numeric(rows["gradient_accumulation_steps"], errors="coerce").fillna(1).to_numpy()
+    off = rows["offload_optimizer"].fillna("none").astype(str).to_numpy() if "offload_optimizer" in rows.columns \
+        else np.full(len(rows), "none")
+    return ((ga > 1) & (off == "none")).astype(np.float64)
+
+
 def build_features(rows: pd.DataFrame) -> pd.DataFrame:
     """Feature matrix (float64, categoricals as pandas categoricals) for flat telemetry rows.
 

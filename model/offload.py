@@ -79,10 +79,13 @@ def offloaded(training: TrainingConfig) -> bool:
 def traced_base(training: TrainingConfig) -> TrainingConfig:
     """The configuration whose traced terms the offloaded device curve is composed from.
 
-    Optimizer offload: the same configuration without offload. Parameter offload: FSDP full-shard over
-    the user's data-parallel ranks when sharded, else over :data:`PARAMETER_OFFLOAD_TRACE_RANKS`.
+    Optimizer offload: the same configuration without offload, and without gradient accumulation (offloaded
+    gradients accumulate in host memory: :attr:`memfit.schema.TrainingConfig.accumulates_gradients`).
+    Parameter offload: FSDP full-shard over the user's data-parallel ranks when sharded, else over
+    :data:`PARAMETER_OFFLOAD_TRACE_RANKS`.
     """
-    base = training.model_copy(update={"offload_optimizer": Offload.NONE, "offload_parameters": Offload.NONE})
+    base = training.model_copy(update={"offload_optimizer": Offload.NONE, "offload_parameters": Offload.NONE,
+                                       "gradient_accumulation_steps": 1})
     if training.offload_parameters is Offload.CPU and training.sharding is Sharding.NONE:
         base = base.model_copy(update={"sharding": Sharding.ZERO3, "data_parallel_size": PARAMETER_OFFLOAD_TRACE_RANKS})
     return base

@@ -116,8 +116,8 @@ class Candidate:
 
     Attributes:
         description: what to change, in words.
-        change: the changed request fields (training fields, plus ``gpu_count`` and
-            ``gradient_accumulation_steps`` where they change).
+        change: the changed request fields (training fields, ``gradient_accumulation_steps`` among them,
+            plus ``gpu_count`` where it changes).
         category: one of :data:`CATEGORIES`.
         throughput_loss_fraction: estimated step-time loss of the change itself (recompute excluded).
         cost: the cost in words, with its source.
@@ -160,7 +160,7 @@ def candidate_changes(training: TrainingConfig, model: ModelSpec, gpu_count: int
     mb, halvings = training.micro_batch_size, 0
     while mb > 1:
         mb, halvings = mb // 2, halvings + 1
-        accumulation = training.micro_batch_size // mb
+        accumulation = training.gradient_accumulation_steps * (training.micro_batch_size // mb)
         out.append(Candidate(f"micro_batch_size {mb} with {accumulation}x gradient accumulation (same global batch)",
                              {"micro_batch_size": mb, "gradient_accumulation_steps": accumulation}, "same_training",
                              0.05 * halvings, f"smaller GEMMs: ~{5 * halvings}% slower steps at the same global batch"))

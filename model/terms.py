@@ -105,6 +105,8 @@ def training_key_fields(training: TrainingConfig) -> dict[str, Any]:
         # settings added later join the key only when set, so the keys of shipped terms stay valid
         **({"optimizer_in_backward": True} if training.optimizer_in_backward else {}),
         **({"quantization": training.quantization.value} if training.quantization is not Quantization.NONE else {}),
+        # gradient accumulation: every micro-batch after the first holds the gradients, whatever their count
+        **({"gradient_accumulation": True} if training.accumulates_gradients else {}),
         **({"tensor_parallel_size": training.tensor_parallel_size, "sequence_parallel": training.sequence_parallel}
            if training.tensor_parallel_size > 1 else {}),
     } | _moe_key_fields(training)

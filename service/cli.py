@@ -58,6 +58,7 @@ FLAG_OF = {
     "training.lora_rank": "--lora-rank", "training.lora_target_modules": "--lora-targets",
     "training.checkpoint_impl": "--checkpoint-impl",
     "training.offload_optimizer": "--offload-optimizer", "training.offload_parameters": "--offload-parameters",
+    "training.gradient_accumulation_steps": "--grad-accum",
     "cluster.gpus_per_node": "--gpus-per-node",
     "cluster.gpu": "--gpu", "cluster.gpu_memory_gib": "--gpu-memory-gib", "cluster.gpu_count": "--gpus",
     "cluster": "--gpu/--gpu-memory-gib", "headroom_fraction": "--headroom", "layout": "--layout",
@@ -152,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer step fused into backward per parameter (torchtune optimizer_in_bwd)")
     t.add_argument("--quantization", choices=[x.value for x in Quantization],
                    help="QLoRA base weights, with --lora-rank (default: the config's quantization_config, else none)")
+    t.add_argument("--grad-accum", type=_positive_int, metavar="N",
+                   help="gradient accumulation steps: micro-batches per optimizer step (default: 1)")
     t.add_argument("--offload-optimizer", choices=[x.value for x in Offload],
                    help="cpu: optimizer states + fp32 master weights in host memory (ZeRO-Offload; default: none)")
     t.add_argument("--offload-parameters", choices=[x.value for x in Offload],
@@ -268,7 +271,8 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
                         ("pipeline_schedule", "pipeline_schedule"), ("micro_batches", "num_micro_batches"),
                         ("pipeline_chunks", "pipeline_chunks_per_rank"),
                         ("offload_optimizer", "offload_optimizer"), ("offload_parameters", "offload_parameters"),
-                        ("expert_parallel", "expert_parallel_size"), ("moe_imbalance", "moe_imbalance_factor")):
+                        ("expert_parallel", "expert_parallel_size"), ("moe_imbalance", "moe_imbalance_factor"),
+                        ("grad_accum", "gradient_accumulation_steps")):
         if getattr(a, flag) is not None:
             training[field] = getattr(a, flag)
     if a.sharding is not None or a.zero is not None:

@@ -471,7 +471,7 @@ class Recommender:
         """
         out = []
         for cand in candidate_changes(training, base_spec, req.cluster.gpu_count):
-            fields = {k: v for k, v in cand.change.items() if k not in ("gpu_count", "gradient_accumulation_steps")}
+            fields = {k: v for k, v in cand.change.items() if k != "gpu_count"}
             gpus = cand.change.get("gpu_count", req.cluster.gpu_count)
             try:
                 t_in = TrainingIn.model_validate({**req.training.model_dump(), **fields})

@@ -111,8 +111,11 @@ def test_heavy_recompute_gets_cheaper_alternatives_through_the_curve():
     assert rec.fits and rec.k > rec.num_layers // 2
     assert rec.alternatives
     first = rec.alternatives[0]
-    assert first.change == {"micro_batch_size": 1, "gradient_accumulation_steps": 4}
-    assert first.fits and first.k < rec.k and first.path == "traced"
+    assert first.fits and first.k < rec.k
+    # micro-batch 1 with 4x gradient accumulation keeps the 13.5 GiB gradient buffer live through forward and
+    # backward (82.6 GiB at k = 0, traced): it needs 18 checkpointed layers, and with its smaller GEMMs it is no
+    # cheaper than 27 layers at micro-batch 4, so it is not offered
+    assert not any("micro_batch_size" in a.change for a in rec.alternatives)
     assert all(a.fits and a.throughput_loss_fraction < rec.recompute_overhead_fraction for a in rec.alternatives)
     assert [CATEGORIES.index(a.category) for a in rec.alternatives] == sorted(
         CATEGORIES.index(a.category) for a in rec.alternatives)

@@ -39,7 +39,7 @@ def test_tensor_parallel_fake_equals_real_cpu_and_composes_exactly(sp):
     real = measure(cfg, t, device="cpu").measurement.peak_allocated_bytes
     assert fake == real
     terms = trace_terms(cfg, t, points=POINTS)
-    assert abs(int(compose(terms.coef, 4, 2, 64).peak_bytes[2]) - real) <= 512
+    assert abs(int(compose(terms.coef, 4, 2, 64, terms.depths).peak_bytes[2]) - real) <= 512
 
 
 def test_tensor_parallel_rank_spec_counts_what_dtensor_holds():

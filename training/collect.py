@@ -299,7 +299,21 @@ def max_seq_len(hf_config: dict[str, Any]) -> int | None:
     return int(hf_config.get(key) or hf_config.get("max_position_embeddings") or 1024)
 
 
+def accumulation_micro_batches(training: TrainingConfig) -> int:
+    """Forward/backward passes a measured step runs: 2 under gradient accumulation, else 1.
+
+    The third and later micro-batches start from the same live set as the second (parameters, optimizer
+    states and the summed gradients; autograd adds each new gradient into ``.grad`` in place), so they repeat
+    its memory timeline and the step's peak is reached by the second micro-batch or the optimizer step.
+    """
+    return 2 if training.accumulates_gradients else 1
+
+
 def _check_supported(training: TrainingConfig) -> None:
+    if training.gradient_accumulation_steps > 1 and training.offload_optimizer is not Offload.NONE:
+        raise ValueError("gradient_accumulation_steps > 1 with an offloaded optimizer is not simulated by the "
+                         "collector: the gradients accumulate in host memory, so the device holds one micro-batch's "
+                         "peak (model.offload composes it)")
     if training.offload_parameters is Offload.CPU:
         raise ValueError("offload_parameters='cpu' is not simulated by the collector: it is composed from the "
                          "FSDP full-shard trace (model.offload)")
@@ -606,7 +620,7 @@ def measure_family(
                 if tracker:
                     tracker.reset_peak()
                 after_forward, step_times = _run_steps(model, opt, ids, steps, tracker, use_autocast, on, amp_dtype,
-                                                       live, run.loss_context)
+                                                       live, run.loss_context, accumulation_micro_batches(training))
             except torch.OutOfMemoryError:
                 oom, after_init, after_forward, step_times = True, None, None, []
                 model.zero_grad(set_to_none=True)
@@ -636,20 +650,23 @@ def measure_family(
                                   cluster=cluster, measurement=measurement)
 
 
-def _run_steps(model, opt, ids, n, tracker, use_autocast, on, amp_dtype, live, loss_context=contextlib.nullcontext):
-    """Run ``n`` training steps; returns (live bytes after the first forward, step times in s)."""
+def _run_steps(model, opt, ids, n, tracker, use_autocast, on, amp_dtype, live, loss_context=contextlib.nullcontext,
+               micro_batches: int = 1):
+    """Run ``n`` training steps of ``micro_batches`` forward/backward passes each (gradient accumulation);
+    returns (live bytes after the first forward, step times in s)."""
     after_forward, times = None, []
     for step in range(n):
         t0 = time.perf_counter()
-        _set_phase(tracker, Phase.FORWARD)
-        with loss_context():
-            with torch.autocast(on, dtype=amp_dtype) if use_autocast else contextlib.nullcontext():
-                loss = model(input_ids=ids, labels=ids).loss
-            if step == 0:
-                after_forward = live()
-            _set_phase(tracker, Phase.BACKWARD)
-            loss.backward()
-            del loss
+        for micro in range(micro_batches):
+            _set_phase(tracker, Phase.FORWARD)
+            with loss_context():
+                with torch.autocast(on, dtype=amp_dtype) if use_autocast else contextlib.nullcontext():
+                    loss = model(input_ids=ids, labels=ids).loss
+                if step == 0 and micro == 0:
+                    after_forward = live()
+                _set_phase(tracker, Phase.BACKWARD)
+                loss.backward()
+                del loss
         _set_phase(tracker, Phase.OPTIMIZER)
         opt.step()
         opt.zero_grad(set_to_none=True)

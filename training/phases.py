@@ -118,6 +118,36 @@ def layer_period(hf_config: dict[str, Any]) -> int:
     return 4
 
 
+#: the fewest decoder layers of the smaller traced model: the bottom layer is not like the others, so the
+#: per-layer increment is measured between deeper models (:func:`traced_depths`)
+MIN_TRACED_DEPTH = 2
+#: the same with FSDP-gathered parameters (prefetch and reduce-scatter edge effects)
+MIN_TRACED_DEPTH_SHARDED = 3
+
+
+def traced_depths(period: int, sharding: Sharding) -> tuple[int, int]:
+    """Decoder layers of the "one" and "two" layer small models: ``(d1, d1 + period)``, ``d1`` the smallest
+    multiple of the layer-type ``period`` >= :data:`MIN_TRACED_DEPTH` (>= :data:`MIN_TRACED_DEPTH_SHARDED`
+    with FSDP-gathered parameters, :data:`SHARDED_PARAMETERS`).
+
+    :func:`model.compose.layer_values` charges each layer (P(d2) − P(d1)) / (d2 − d1) and keeps the rest in
+    the base, so the increment must come from layers that are like every layer above them. The bottom
+    layer is not: its input is the embedding output, which needs no gradient when the embeddings are
+    frozen (LoRA: its backward computes no input gradient, whose transients are the ``bwd.layers`` peak of
+    the parallel-residual blocks of GPT-J and Falcon), and nothing runs below it (BLOOM's layer loop keeps
+    the previous block's output tuple, attention probabilities included, while the next block runs: for a
+    checkpointed block those are otherwise free, so from two layers on the forward holds one more
+    (b, heads, s, s) tensor, once, not per layer). From the second layer on each layer adds the same
+    (BLOOM-560m, GPT-J-6B LoRA and Falcon-7B LoRA at full width and 1 to 4 layers;
+    ``tests/test_phases_depth.py``).
+    FSDP gathers a layer's parameters just in time, prefetches the next and reduce-scatters gradients
+    behind: from three layers on each layer adds the same (measured on Llama-2-7B at world size 4).
+    """
+    first = MIN_TRACED_DEPTH_SHARDED if sharding in SHARDED_PARAMETERS else MIN_TRACED_DEPTH
+    d1 = period * -(-first // period)
+    return d1, d1 + period
+
+
 @dataclass
 class PhaseTerms:
     """Per-phase live-byte coefficients of the four small models (what :mod:`model.compose` composes).
@@ -126,8 +156,9 @@ class PhaseTerms:
     (bytes), so that the phase's peak live bytes at micro-batch b and sequence length s are
     ``max(token_basis(b, s) @ piece for piece in pieces)``.
     ``trace_s`` is the wall time the traces took. The "one and two layer" models have ``depths`` layers:
-    (1, 2) when layers are alike; with layers of several types in a repeating pattern of ``period``
-    layers (sliding-window / full attention) they hold one and two whole patterns; with FSDP-gathered
+    :func:`traced_depths`: (2, 3) when layers are alike (above the bottom layer, which is unlike the others;
+    terms traced before that carry (1, 2)); with layers of several types in a repeating pattern of
+    ``period`` layers (sliding-window / full attention) they hold whole patterns; with FSDP-gathered
     parameters they are (3, 4), past the edge effects of prefetching. :func:`model.compose.compose`
     divides their difference by the depth difference. With a
     sliding window, ``coef`` holds for sequences shorter than ``long_min_seq_len`` and ``long_coef`` from
@@ -218,8 +249,20 @@ def _phase_hooks(layers, tracker, state: dict[str, bool]):
 
 def _traced_step(run, opt, ids) -> list[tuple[str, int]]:
     """One primed training step; returns its memory timeline: (phase, live bytes) after every allocation
-    and at every phase entry."""
+    and at every phase entry.
+
+    Under gradient accumulation (``run.training.accumulates_gradients``) a first micro-batch's forward and
+    backward run before the timeline starts, so the traced phases are those of a later micro-batch, with
+    every gradient live, followed by the optimizer step (:func:`training.collect.accumulation_micro_batches`:
+    later micro-batches repeat this timeline; the first holds a subset of it).
+    """
     tracker = run.tracker
+    if run.training.accumulates_gradients:
+        with run.loss_context():
+            with torch.autocast(run.on, dtype=run.amp_dtype) if run.use_autocast else contextlib.nullcontext():
+                loss = run.model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            del loss
     state = {"top": False, "bottom": False}
     tracker.reset_peak()
     tracker.phase = "rest"
@@ -313,9 +356,11 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     t0 = time.perf_counter()
     # offload is composed on the terms without it (model.offload), pipeline and context parallelism per stage
     # and per sequence chunk (model.parallel); the terms key holds none of them
+    # (an offloaded optimizer accumulates gradients in host memory: its base is traced without accumulation)
     training = training.model_copy(update={"offload_optimizer": Offload.NONE, "offload_parameters": Offload.NONE,
                                            "pipeline_parallel_size": 1, "context_parallel_size": 1,
-                                           "num_micro_batches": None})
+                                           "num_micro_batches": None,
+                                           "gradient_accumulation_steps": 2 if training.accumulates_gradients else 1})
     w = None if points else sliding_window_threshold(hf_config)
     regimes = [(points or token_points(hf_config), _pruning_grid(hf_config, hi=(w - 1) if w else None))]
     if w is not None:
@@ -332,13 +377,7 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     probe = training.model_copy(update={"micro_batch_size": 1, "seq_len": min(p[1] for p in regimes[0][0]),
                                         "checkpoint_layers": []})
     period = layer_period(hf_config)
-    depths = (period, 2 * period)
-    if training.sharding in SHARDED_PARAMETERS:
-        # FSDP gathers a layer's parameters just in time, prefetches the next and reduce-scatters gradients
-        # behind: models of one or two layers hold these edge effects in other proportions than deep ones.
-        # From three layers on each layer adds the same (measured on Llama-2-7B at world size 4).
-        d1 = period * -(-3 // period)
-        depths = (d1, d1 + period)
+    depths = traced_depths(period, training.sharding)
     for n, depth in zip((1, 2), depths):
         with prepared_model(small_config(hf_config, depth), probe) as run:
             attention = run.training.attention.value

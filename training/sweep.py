@@ -69,6 +69,7 @@ class Family:
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
     offload_optimizer: str = "none"
+    gradient_accumulation_steps: int = 1
     extra: tuple[tuple[str, Any], ...] = ()
 
     def training(self) -> TrainingConfig:
@@ -93,7 +94,8 @@ class Family:
 
 #: Family fields added later, with their defaults
 _ADDED_FIELDS: dict[str, Any] = {"optimizer_in_backward": False, "quantization": "none",
-                                 "tensor_parallel_size": 1, "sequence_parallel": False, "offload_optimizer": "none"}
+                                 "tensor_parallel_size": 1, "sequence_parallel": False, "offload_optimizer": "none",
+                                 "gradient_accumulation_steps": 1}
 
 
 def k_values(num_layers: int, max_points: int) -> list[int]:
