@@ -18,10 +18,11 @@ the dimensionless value from dimensionless config features (:func:`config_featur
 
 * constant ``a``: the model-state bytes (weights + gradients + optimizer states,
   :func:`model.analytic.model_state_bytes`) of the embeddings and head (``f0``, ``c0``) or of one decoder
-  layer (``dF``, ``dC``);
+  layer (``dF``, ``dC``), plus their unsharded weights and gradients with sharded training
+  (:func:`small_model_states`);
 * ``β`` (bytes per token): the analytic activations a layer saves
-  (:func:`model.analytic.activation_bytes_per_layer`) for ``dF``, ``dC``; the analytic logits bytes
-  (:func:`model.analytic.logits_bytes`) for ``f0``, ``c0``;
+  (:func:`model.analytic.activation_bytes_per_layer`) for ``dF``, ``dC``; the logits bytes
+  (:func:`head_token_bytes`: no fp32 copy of logits that are fp32 already) for ``f0``, ``c0``;
 * ``γ`` (bytes per token × sequence): num_attention_heads × activation dtype bytes.
 
 Token coefficients are clipped at 0 after prediction, so every composed phase is non-decreasing in
@@ -68,6 +69,11 @@ QUANTITIES = ("f0", "dF", "c0", "dC")
 PIECE = ("1", "b*s", "b*s^2")
 #: where each of PIECE sits in model.compose.token_basis
 _BASIS_INDEX = (0, 1, 3)
+#: a target whose dimensionless value stays below this in 99 % of the entries is kept as its median, not
+#: learned (24 of the 72: token bytes at rest and in the optimizer step, eager score bytes outside attention);
+#: 1e-3 of a layer's activations or of its model states moves no composed peak measurably, and each learned
+#: target is a booster in the artifact
+NEGLIGIBLE = 1e-3
 TARGETS: tuple[tuple[str, str, str], ...] = tuple((p, q, c) for p in PHASES for q in QUANTITIES for c in PIECE)
 
 #: families with LayerNorm (else RMSNorm)
@@ -97,7 +103,8 @@ NUMERIC = ["ffn_ratio", "kv_ratio", "head_dim", "vocab_ratio", "log2_hidden", "n
            "learned_positions", "attention_bias", "gelu_tanh", "logit_softcapping", "sliding_window",
            "num_experts", "experts_per_token", "data_parallel_size", "lora_rank", "lora_targets",
            "optimizer_in_backward", "tensor_parallel_size", "sequence_parallel", "expert_parallel_size",
-           "grad_share", "optimizer_share"]
+           "grad_share", "optimizer_share", "activation_bytes", "autocast", "master_weights",
+           "sharded_weights"]
 FEATURE_NAMES: list[str] = NUMERIC + list(CATEGORICAL) + ["model_type"]
 
 
@@ -140,6 +147,14 @@ def config_features(model: ModelSpec, training: TrainingConfig, hf_config: dict[
         "tensor_parallel_size": training.tensor_parallel_size, "sequence_parallel": float(training.sequence_parallel),
         "expert_parallel_size": training.expert_parallel_size,
         "grad_share": states.gradients_bytes / s_total, "optimizer_share": states.optimizer_bytes / s_total,
+        # the precision as numbers: LightGBM splits a categorical only on >= min_data_per_group (100) rows per
+        # side, so the ~40 fp32 entries could not be told apart from amp (same state shares) by "precision"
+        "activation_bytes": float(activation_dtype_bytes(training.precision)),
+        "autocast": float(training.precision in (Precision.AMP_BF16, Precision.AMP_FP16)),
+        "master_weights": float(training.precision is Precision.BF16_FP32_MASTER),
+        # weights sharded over the ranks and gathered per unit: the live bytes hold full (gathered) weights
+        # and gradients over model states divided by the ranks
+        "sharded_weights": float(training.sharding in (Sharding.FSDP_FULL_SHARD, Sharding.ZERO3)),
     }
     cats = {c: CATEGORICAL[c].index(getattr(training, c).value) for c in CATEGORICAL}
     return [float(row[c]) for c in NUMERIC] + [float(cats[c]) for c in CATEGORICAL]
@@ -151,11 +166,30 @@ def _with_family(features: list[float], model: ModelSpec, families: list[str]) -
     return [*features, float(families.index(model.architecture)) if model.architecture in families else math.nan]
 
 
+def head_token_bytes(model: ModelSpec, training: TrainingConfig) -> int:
+    """Bytes of the logits, their fp32 copy and its gradient (:func:`model.analytic.logits_bytes`), without the
+    copy where the logits are fp32 already (fp32 training): HF ``ForCausalLMLoss`` upcasts with ``.float()``,
+    a no-op on an fp32 tensor. Measured on the shipped traced terms, the head's per-token live bytes over
+    ``logits_bytes`` are 1.01-1.02 with 16-bit logits and 0.67 (= 8 / 12) in fp32: this scale makes both 1.
+
+    Shape: bytes for the configuration's micro-batch and sequence length.
+    """
+    full = logits_bytes(model, training)
+    if activation_dtype_bytes(training.precision) < 4:
+        return full
+    sbv = training.seq_len * training.micro_batch_size * model.vocab_size // training.tensor_parallel_size
+    return full - 4 * sbv
+
+
 def small_model_states(model: ModelSpec, training: TrainingConfig) -> tuple[float, float]:
     """(model-state bytes of the one-layer model, of one decoder layer): the scales of the constants.
 
     Parameters are split into embeddings (vocab × hidden, twice when untied) and equal decoder layers;
-    trainable parameters (LoRA adapters) are spread evenly over the layers.
+    trainable parameters (LoRA adapters) are spread evenly over the layers. With sharded training the
+    unsharded weights and gradients are added: a rank holds its shard of the states, but the gathered
+    weights (FSDP full shard, ZeRO-3) and the full gradients before their reduce-scatter (every sharding)
+    of the unit being computed — measured on the shipped traced terms, the embeddings' live bytes over their
+    sharded states alone reach 70 over 64 ranks, where over this scale they stay near 1.
     """
     L = model.num_layers
     emb = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
@@ -166,7 +200,11 @@ def small_model_states(model: ModelSpec, training: TrainingConfig) -> tuple[floa
         total = int(emb + n * layer)
         trainable = total if full else int(model.trainable_params * n / L)
         spec = model.model_copy(update={"num_layers": n, "total_params": total, "trainable_params": trainable})
-        return float(model_state_bytes(spec, training).total_bytes)
+        held = float(model_state_bytes(spec, training).total_bytes)
+        if training.sharding is Sharding.NONE:
+            return held
+        whole = model_state_bytes(spec, training.model_copy(update={"sharding": Sharding.NONE, "data_parallel_size": 1}))
+        return held + float(whole.weights_bytes + whole.gradients_bytes)
 
     one = states(1)
     return max(one, 1.0), max(states(2) - one, 1.0)
@@ -185,7 +223,7 @@ def scales(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
     one_token = training.model_construct(**{**training.__dict__, "micro_batch_size": 1, "seq_len": 1,
                                             "attention": Attention.SDPA})
     layer = float(max(activation_bytes_per_layer(model, one_token), 1))
-    head = float(max(logits_bytes(model, one_token), 1))
+    head = float(max(head_token_bytes(model, one_token), 1))
     s_base = max(s_one - s_layer, 1.0)
     score = model.num_attention_heads * a / training.tensor_parallel_size
     per_q = {"f0": (s_base, head, score), "c0": (s_base, head, score), "dF": (s_layer, layer, score),
@@ -312,7 +350,7 @@ class CoefficientModel:
     settings seen, :meth:`covers`), ``n_entries_``.
     """
 
-    def __init__(self, n_estimators: int = 300, learning_rate: float = 0.05, num_leaves: int = 15,
+    def __init__(self, n_estimators: int = 150, learning_rate: float = 0.1, num_leaves: int = 15,
                  min_child_samples: int = 3, objective: str = "l1") -> None:
         self.objective = objective
         self.n_estimators = n_estimators
@@ -323,7 +361,10 @@ class CoefficientModel:
     def _params(self) -> dict[str, Any]:
         return {"objective": self.objective, "learning_rate": self.learning_rate, "num_leaves": self.num_leaves,
                 "min_child_samples": self.min_child_samples, "min_data_in_bin": 1, "verbose": -1, "seed": 0,
-                "num_threads": 1, "deterministic": True, "force_row_wise": True}
+                "num_threads": 1, "deterministic": True, "force_row_wise": True,
+                # categorical splits on groups as small as a leaf (LightGBM's default needs 100 rows per group:
+                # with ~500 entries no precision, optimizer or sharding but the most common could be told apart)
+                "min_data_per_group": self.min_child_samples, "cat_smooth": 1.0}
 
     @staticmethod
     def setting(training: TrainingConfig) -> str:
@@ -360,6 +401,9 @@ class CoefficientModel:
             y = Y[:, j]
             if np.ptp(y) <= 1e-12 * max(1.0, float(np.abs(y).max())):
                 self.constants_[j] = float(y[0])
+                continue
+            if float(np.quantile(np.abs(y), 0.99)) < NEGLIGIBLE:  # e.g. token bytes at rest or in the step
+                self.constants_[j] = float(np.median(y))
                 continue
             ds = lgb.Dataset(X, label=y, feature_name=FEATURE_NAMES, categorical_feature=cat, free_raw_data=True)
             self.boosters_[j] = lgb.train(self._params(), ds, num_boost_round=self.n_estimators)

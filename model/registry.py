@@ -5,6 +5,8 @@ Layout::
     <root>/0001/model.txt    LightGBM native text model (Booster.save_model)
     <root>/0001/meta.json    estimator params, feature names and order, conformal margin, metrics,
                              training-data fingerprint, library versions, created_at
+    <root>/0001/coefficients/  optional: the learned phase coefficients of the provisional path
+                             (:class:`model.coefficients.CoefficientModel`: LightGBM text boosters + JSON)
     <root>/CURRENT           the current version's name (replaced atomically); rollback = point it back
 
 Loading checks the artifact before it is served, so a damaged file can never take the process down:
@@ -17,6 +19,10 @@ Loading checks the artifact before it is served, so a damaged file can never tak
    :data:`CANARY_RTOL`) and never fall below the model-state floor (weights + gradients + optimizer
    states, :func:`model.analytic.model_state_bytes`), which no real training step goes under;
 4. feature names and order must equal this code's :data:`model.features.FEATURE_NAMES`.
+
+A version with learned coefficients has every file of ``coefficients/`` checksummed in
+``meta["artifact_sha256"]`` too; they must match before LightGBM parses them, and the composed curve of each
+canary configuration must reproduce the one stored at registration (``meta["coefficient_canary"]``).
 
 Any failure raises :class:`IncompatibleArtifact`; the caller keeps serving its last good model.
 Versions registered before checksums existed (no ``artifact_sha256``) still go through steps 2-4.
@@ -59,12 +65,70 @@ class IncompatibleArtifact(ValueError):
     """A registered model cannot be served by this code (corrupt, or other features/format)."""
 
 
+COEFFICIENTS_DIR = "coefficients"
+
+
 @dataclass
 class LoadedModel:
     version: str
     estimator: PeakMemoryRegressor
     meta: dict[str, Any]
     warnings: list[str]
+    #: the version's :class:`model.coefficients.CoefficientModel`, None when it has none
+    coefficients: Any = None
+
+
+def coefficient_canary(coefficients: Any) -> dict[str, dict[str, int]]:
+    """The learned-coefficients curve's raw composed peak bytes at k = 0 and k = L of each :data:`CANARY`
+    configuration it covers (``{"<model>/mb<m>/s<seq>/<sharding>/dp<n>": {"k0_bytes", "kall_bytes"}}``)."""
+    from data import catalog
+    from memfit.schema import TrainingConfig
+    from model.compose import compose
+
+    out = {}
+    for name, mb, seq, sharding, dp in CANARY:
+        spec, hf = catalog.spec(name), catalog.get(name)["hf_config"]
+        training = TrainingConfig(micro_batch_size=mb, seq_len=seq, sharding=sharding, data_parallel_size=dp)
+        if not coefficients.covers(spec, training, hf):
+            continue
+        raw = compose(coefficients.predict_coef(spec, training, hf), spec.num_layers, mb, seq).peak_bytes
+        out[f"{name}/mb{mb}/s{seq}/{sharding}/dp{dp}"] = {"k0_bytes": int(raw[0]), "kall_bytes": int(raw[-1])}
+    return out
+
+
+def _load_coefficients(d: Path, meta: dict[str, Any]) -> Any:
+    """The version's coefficient model after its files' checksums and canary are checked (None without one).
+
+    Raises:
+        IncompatibleArtifact: a file is missing or changed, or the canary is not reproduced.
+    """
+    from model.coefficients import CoefficientModel
+
+    if not meta.get("coefficients"):
+        return None
+    sums = meta.get("artifact_sha256") or {}
+    files = {k: v for k, v in sums.items() if k.startswith(COEFFICIENTS_DIR + "/")}
+    if not files:
+        raise IncompatibleArtifact("coefficients: no checksums registered")
+    for rel, want in files.items():
+        try:
+            got = sha256_hex((d / rel).read_bytes())
+        except OSError as err:
+            raise IncompatibleArtifact(f"{rel}: unreadable ({type(err).__name__})") from err
+        if got != want:
+            raise IncompatibleArtifact(f"{rel} sha256 {got[:12]}... does not match the registered {want[:12]}...")
+    try:
+        coefficients = CoefficientModel.load(d / COEFFICIENTS_DIR)
+    except (OSError, ValueError, lgb.basic.LightGBMError) as err:
+        raise IncompatibleArtifact(f"coefficients: {err}") from err
+    stored = meta.get("coefficient_canary") or {}
+    for key, got in coefficient_canary(coefficients).items():
+        for k in ("k0_bytes", "kall_bytes"):
+            want = (stored.get(key) or {}).get(k)
+            if want is None or abs(got[k] - want) > CANARY_RTOL * max(abs(want), 1):
+                raise IncompatibleArtifact(f"coefficients canary {key}: {k}={got[k]} does not reproduce the stored "
+                                           f"{want} (relative tolerance {CANARY_RTOL})")
+    return coefficients
 
 
 def sha256_hex(data: bytes) -> str:
@@ -197,8 +261,11 @@ class Registry:
         return f.read_text().strip() if f.exists() else None
 
     def register(self, est: PeakMemoryRegressor, *, metrics: dict[str, Any], data_fingerprint: str,
-                 extra: dict[str, Any] | None = None) -> str:
-        """Write a new numbered version (not yet current); returns its name."""
+                 extra: dict[str, Any] | None = None, coefficients: Any = None) -> str:
+        """Write a new numbered version (not yet current); returns its name.
+
+        ``coefficients``: a fitted :class:`model.coefficients.CoefficientModel` served for the provisional
+        configurations it covers, written to ``<version>/coefficients/`` (text boosters + JSON), or None."""
         self.root.mkdir(parents=True, exist_ok=True)
         while True:  # reserve the next number atomically: concurrent retrains get distinct versions
             name = f"{int(self.versions()[-1]) + 1 if self.versions() else 1:04d}"
@@ -210,6 +277,14 @@ class Registry:
         tmp = self.root / name
         est.booster_.save_model(str(tmp / MODEL_FILE))
         digest = sha256_hex((tmp / MODEL_FILE).read_bytes())
+        sums = {MODEL_FILE: digest}
+        coef_meta = None
+        if coefficients is not None:
+            coefficients.save(tmp / COEFFICIENTS_DIR)
+            files = sorted((tmp / COEFFICIENTS_DIR).iterdir())
+            sums.update({f"{COEFFICIENTS_DIR}/{f.name}": sha256_hex(f.read_bytes()) for f in files})
+            coef_meta = {"dir": COEFFICIENTS_DIR, "n_entries": coefficients.n_entries_,
+                         "boosters": len(coefficients.boosters_), "size_bytes": sum(f.stat().st_size for f in files)}
         import sklearn
         import torch
 
@@ -224,8 +299,10 @@ class Registry:
             "n_calibration": est.n_calibration_,
             "metrics": metrics,
             "data_fingerprint": data_fingerprint,
-            "artifact_sha256": {MODEL_FILE: digest},
+            "artifact_sha256": sums,
             "canary": canary_predictions(est),
+            "coefficients": coef_meta,
+            **({"coefficient_canary": coefficient_canary(coefficients)} if coefficients is not None else {}),
             "versions": {"lightgbm": lgb.__version__, "sklearn": sklearn.__version__, "torch": torch.__version__,
                          "python": platform.python_version()},
             **(extra or {}),
@@ -291,7 +368,11 @@ class Registry:
         if meta.get("canary") is None:
             warnings.append(f"model {version} has no stored canary; checked against the model-state floor only")
         booster = lgb.Booster(model_str=text.decode())  # the same bytes parsed cleanly in the child
-        return LoadedModel(version, _estimator(booster, meta), meta, warnings)
+        try:
+            coefficients = _load_coefficients(d, meta)
+        except IncompatibleArtifact as err:
+            raise IncompatibleArtifact(f"model {version}: {err}") from err
+        return LoadedModel(version, _estimator(booster, meta), meta, warnings, coefficients)
 
 
 if __name__ == "__main__":

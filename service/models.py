@@ -71,7 +71,8 @@ class ModelHolder:
                 return False
             self.recommender = Recommender(loaded.estimator, loaded.version, self.overhead,
                                            loaded.meta.get("telemetry_range", {}), terms=self.terms,
-                                           margins=loaded.meta.get("bound_margins"), tracer=self.tracer)
+                                           margins=loaded.meta.get("bound_margins"), tracer=self.tracer,
+                                           coefficients=loaded.coefficients)
             self.last_error, self.warnings = None, loaded.warnings
             MODEL_REFUSED.set(0)
             MODEL_LOADED.set(1)

@@ -31,7 +31,7 @@ SYNTHETIC_MODELS = ["opt-125m", "gpt-neo-125m", "qwen2.5-0.5b", "llama-3.2-1b", 
 SYNTHETIC_FAMILIES = [{"micro_batch_size": 1, "seq_len": 256},
                       {"micro_batch_size": 2, "seq_len": 512, "precision": "bf16"},
                       {"micro_batch_size": 4, "seq_len": 1024, "attention": "eager"}]
-FAST = ["--n-estimators", "40", "--params", '{"n_jobs": 1}', "--min-rows", "20", "--quiet"]
+FAST = ["--n-estimators", "40", "--params", '{"n_jobs": 1}', "--min-rows", "20", "--quiet", "--no-coefficients"]
 
 
 def _synthetic(name: str, fam: dict, k: int) -> TelemetryRecord:
@@ -174,7 +174,7 @@ def test_retrain_lifecycle(db, tmp_path, capsys):
 
     # a much worse model (one tiny step away from the analytic estimate) is registered, not promoted
     code, s = _run(capsys, "--db", db, "--registry", str(reg_dir), "--n-estimators", "1", "--params",
-                   '{"n_jobs": 1, "learning_rate": 1e-6}', "--min-rows", "20", "--quiet")
+                   '{"n_jobs": 1, "learning_rate": 1e-6}', "--min-rows", "20", "--quiet", "--no-coefficients")
     assert code == EXIT_NOT_PROMOTED, s
     assert s["status"] == "not_promoted" and "MAPE" in s["reason"]
     assert reg.versions() == ["0001", "0002", "0003"] and reg.current() == "0002"
@@ -255,3 +255,41 @@ def test_a_version_refused_at_promotion_is_reported_not_raised(db, tmp_path, cap
     code, s = _run(capsys, "--db", db, "--registry", str(reg_dir), *FAST)
     assert code == 3 and s["status"] == "not_promoted" and "below the model-state floor" in s["refused"]
     assert Registry(reg_dir).versions() == ["0001"] and Registry(reg_dir).current() is None
+
+
+def test_retrain_registers_learned_coefficients_and_the_service_serves_them(db, tmp_path, capsys):
+    """Issue 8: the job fits the learned phase coefficients on the shipped traced terms, calibrates their bound
+    margin on held-out architectures, registers them as LightGBM text files + JSON with checksums (no pickle);
+    the loaded version serves them on the provisional path, and a changed coefficient file is refused."""
+    from model.curve import PROVISIONAL_COEFFICIENTS
+    from model.registry import IncompatibleArtifact
+    from model.terms import TermsCache
+    from service.models import ModelHolder
+
+    reg_dir = tmp_path / "models"
+    fast = [a for a in FAST if a != "--no-coefficients"]
+    code, s = _run(capsys, "--db", db, "--registry", str(reg_dir), "--coefficient-estimators", "3", *fast)
+    assert code == EXIT_OK, s
+    reg = Registry(reg_dir)
+    meta = reg.meta("0001")
+    files = sorted(p.name for p in (reg_dir / "0001" / "coefficients").iterdir())
+    assert "coefficients.json" in files and all(f.endswith((".txt", ".json")) for f in files)
+    assert {f"coefficients/{f}" for f in files} <= set(meta["artifact_sha256"])
+    assert meta["coefficients"]["boosters"] == len(files) - 1 and meta["coefficients"]["n_entries"] > 400
+    assert meta["coefficient_canary"] and 0 < meta["bound_margins"][PROVISIONAL_COEFFICIENTS] < 1
+    loaded = reg.load()
+    assert loaded.coefficients is not None and loaded.coefficients.boosters_
+
+    # the service's recommender answers an untraced, covered configuration from the learned coefficients
+    holder = ModelHolder(reg, terms=TermsCache(shipped_dir=None))
+    assert holder.refresh(force=True)
+    spec, hf = catalog.spec("qwen2.5-0.5b"), catalog.get("qwen2.5-0.5b")["hf_config"]
+    c = holder.recommender.predictor.curve(spec, TrainingConfig(micro_batch_size=2, seq_len=1024), hf)
+    assert c.path == "provisional" and c.learned_coefficients
+    k0 = c.points[0]
+    assert k0.upper_bytes == int(np.ceil(k0.predicted_bytes * (1 + meta["bound_margins"][PROVISIONAL_COEFFICIENTS])))
+
+    one = reg_dir / "0001" / "coefficients" / next(f for f in files if f.endswith(".txt"))
+    one.write_text(one.read_text().replace("tree", "tre", 1))
+    with pytest.raises(IncompatibleArtifact, match="does not match"):
+        reg.load("0001")

@@ -12,7 +12,11 @@ Steps (progress lines on stderr, one JSON summary line on stdout at the end):
 3. hold out the deterministic gate set: rows with ``int(sha256(record_id), 16) % 10 == 0``;
 4. train the final model on the other rows (groups = ``model_name``), locally or on a Dask cluster
    (``lightgbm.dask.DaskLGBMRegressor`` with the same LightGBM parameters; its booster then goes
-   through ``PeakMemoryRegressor.fit(..., booster=)`` for calibration, so the artifact is the same);
+   through ``PeakMemoryRegressor.fit(..., booster=)`` for calibration, so the artifact is the same),
+   and the learned phase coefficients (:class:`model.coefficients.CoefficientModel`) on the shipped traced
+   terms (``--coefficients``, default on): the provisional path of the configurations they cover. Each
+   path's bound margin is calibrated by split conformal on held-out architectures
+   (:meth:`model.evaluate.CurveEstimator.fit`);
 5. register it (:class:`model.registry.Registry`) and write the report into ``<version>/report``;
 6. compare with the current model on the gate rows and promote when :func:`promotion_decision` allows.
    A current model that cannot be loaded (:class:`model.registry.IncompatibleArtifact`) counts as
@@ -130,6 +134,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dask-address", help="Dask scheduler address (required with --engine dask)")
     p.add_argument("--n-estimators", type=int, help="boosting rounds (default: the estimator's)")
     p.add_argument("--params", default="{}", help="JSON object of other PeakMemoryRegressor parameters")
+    p.add_argument("--coefficients", action=argparse.BooleanOptionalAction, default=True,
+                   help="also fit, evaluate and register the learned phase coefficients of the provisional path "
+                        "(model.coefficients; default on)")
+    p.add_argument("--coefficient-estimators", type=int, help="boosting rounds per coefficient (default: the "
+                                                              "CoefficientModel's)")
     p.add_argument("--dry-run", action="store_true", help="evaluate and report, register nothing")
     p.add_argument("--min-rows", type=int, default=100, help="fewest valid rows to train on (default 100)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -173,6 +182,7 @@ def _load_current(registry, gate_df: pd.DataFrame, log: Callable[[str], None], t
             y = gate_df["peak_allocated_bytes"].to_numpy(dtype="float64")
             ce = CurveEstimator(terms if terms is not None else TermsCache())
             ce.provisional_ = cur.estimator
+            ce.coefficients_ = cur.coefficients
             ce.margins_ = {PROVISIONAL: float(np.expm1(cur.estimator.conformal_log_margin_)),
                            **cur.meta.get("bound_margins", {})}
             out["metrics"] = metrics(y, *ce.predict_both(gate_df))
@@ -222,13 +232,29 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
         raise BadInput(f"rows of {len(set(groups))} architecture(s); need >= {MIN_ARCHITECTURES} "
                        "(calibration holds out architectures)")
 
-    log(f"[2/6] evaluating the curve ({', '.join(SPLITS)}) with {params or 'default parameters'}")
+    make_coefficients = entries = None
+    if a.coefficients:
+        from model.coefficients import CoefficientModel, shipped_entries
+
+        if a.coefficient_estimators is not None and a.coefficient_estimators < 1:
+            raise BadInput("--coefficient-estimators must be >= 1")
+        coef_params = {} if a.coefficient_estimators is None else {"n_estimators": a.coefficient_estimators}
+        entries = shipped_entries()
+
+        def make_coefficients():
+            return CoefficientModel(**coef_params)
+
+    def make_curve():  # the curve as served: traced terms, else learned coefficients, else the ratio model
+        return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params), make_coefficients=make_coefficients,
+                              coefficient_entries=entries)
+
+    log(f"[2/6] evaluating the curve ({', '.join(SPLITS)}) with {params or 'default parameters'}"
+        f"{', learned coefficients' if a.coefficients else ''}")
     terms = TermsCache()
     results: dict[str, Any] = {}
     oof: tuple[np.ndarray, np.ndarray] | None = None
     for split in SPLITS:
-        pred, upper, s = cross_evaluate(df, lambda: CurveEstimator(terms, lambda: PeakMemoryRegressor(**params)),
-                                        split, progress=lambda m: log(f"      {m}"))
+        pred, upper, s = cross_evaluate(df, make_curve, split, progress=lambda m: log(f"      {m}"))
         results[split] = s
         if split == "leave_architecture_out":
             oof = (pred, upper)
@@ -257,7 +283,14 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
     log(f"      trained on {len(train_df)} rows in {train_s:.1f}s; conformal log margin "
         f"{est.conformal_log_margin_:.4f} (x{np.exp(est.conformal_log_margin_):.3f})")
 
-    curve_est = CurveEstimator(terms).fit(train_df, y_train, groups=group_labels(train_df), provisional=est)
+    curve_est = make_curve().fit(train_df, y_train, groups=group_labels(train_df), provisional=est)
+    coefficients = None
+    if a.coefficients:  # served: fitted on every shipped terms entry (traced terms, not telemetry: no gate rows)
+        t0 = time.perf_counter()
+        coefficients = make_coefficients().fit(entries)
+        curve_est.coefficients_ = coefficients
+        log(f"      learned coefficients: {len(coefficients.boosters_)} boosters on {coefficients.n_entries_} "
+            f"traced terms entries in {time.perf_counter() - t0:.1f}s")
     log(f"      bound margins per path: {curve_est.margins_}")
 
     log("[5/6] comparing with the current model on the gate rows")
@@ -299,7 +332,8 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
                "telemetry_range": {f"max_{c}": float(train_df[c].max())
                                    for c in ("total_params", "seq_len", "micro_batch_size")},
                # relative bound margin per curve path (model.curve), calibrated on held-out architectures
-               "bound_margins": curve_est.margins_})
+               "bound_margins": curve_est.margins_},
+        coefficients=coefficients)
     summary["version"] = version
     results["promotion"] = {"version": version, "promoted": promote, "reason": reason,
                             "previous": current["version"]}
