@@ -381,6 +381,9 @@ class CoefficientModel:
         X, Y, settings, specs = [], [], set(), []
         self.skipped_ = []
         for e in entries:
+            if e["training"].get("gradient_accumulation"):  # model.curve adds the gradient buffer to steps of one
+                self.skipped_.append(f"{e['model_name']}: gradient accumulation (learned per micro-batch)")
+                continue
             try:
                 spec, training, hf = entry_configuration(e)
             except (LookupError, ValueError) as err:  # no HF config here, or settings this code refuses
