@@ -314,7 +314,9 @@ def entry_configuration(entry: dict[str, Any]) -> tuple[ModelSpec, TrainingConfi
         spec = catalog.spec(name)
     except UnknownModel:
         spec = model_spec(hf, name=name)
-    fields = {k: v for k, v in entry["training"].items() if v is not None}
+    from model.terms import key_training_fields
+
+    fields = key_training_fields(entry["training"])
     # the terms key keeps data_parallel_size 1 without sharding; expert parallelism splits experts over those ranks
     fields["data_parallel_size"] = max(fields.get("data_parallel_size", 1), fields.get("expert_parallel_size", 1))
     training = TrainingConfig.model_validate({"micro_batch_size": 1, "seq_len": 1024, **fields})

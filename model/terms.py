@@ -112,6 +112,16 @@ def training_key_fields(training: TrainingConfig) -> dict[str, Any]:
     } | _moe_key_fields(training)
 
 
+def key_training_fields(key_fields: dict[str, Any]) -> dict[str, Any]:
+    """:class:`TrainingConfig` fields of a terms entry's ``training`` (the inverse of :func:`training_key_fields`
+    where they differ): ``"gradient_accumulation": true`` becomes ``gradient_accumulation_steps=2`` (every
+    count above one traces the same), and null values are left out."""
+    out = {k: v for k, v in key_fields.items() if v is not None and k != "gradient_accumulation"}
+    if key_fields.get("gradient_accumulation"):
+        out["gradient_accumulation_steps"] = 2
+    return out
+
+
 def _moe_key_fields(training: TrainingConfig) -> dict[str, Any]:
     """MoE settings in the key only where they change the traced footprint (dense keys stay as they were).
 

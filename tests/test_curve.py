@@ -14,7 +14,7 @@ from memfit.schema import FineTune, TrainingConfig
 from model.analytic import model_state_bytes
 from model.curve import PROVISIONAL, TRACED, MemoryPredictor
 from model.parallel import tensor_parallel_rank_spec
-from model.terms import SHIPPED_DIR, TermsCache, terms_key
+from model.terms import SHIPPED_DIR, TermsCache, key_training_fields, terms_key
 from service.recommender import Recommender, lora_trainable_params
 from training.terms import hf_config_of
 
@@ -49,14 +49,14 @@ def _config(entry: dict, mb: int, seq: int):
     except UnknownModel:  # a reduced-width MoE model's terms (training.moe_telemetry)
         hf_config = hf_config_of(name)
         spec = catalog.spec(hf_config)
-    t = dict(entry["training"])
+    t = key_training_fields(entry["training"])
     if t["sharding"] == "none":
         t.pop("data_parallel_size")
         if (t.get("expert_parallel_size") or 1) > 1:  # experts split within the data-parallel ranks (not in the key)
             t["data_parallel_size"] = t["expert_parallel_size"]
     if t.get("sequence_parallel"):  # the sequence is split over the tensor-parallel ranks
         seq = -(-seq // t["tensor_parallel_size"]) * t["tensor_parallel_size"]
-    training = TrainingConfig(micro_batch_size=mb, seq_len=seq, **{k: v for k, v in t.items() if v is not None})
+    training = TrainingConfig(micro_batch_size=mb, seq_len=seq, **t)
     if training.finetune is FineTune.LORA:
         extra = lora_trainable_params(spec, training.lora_rank, training.lora_target_modules)
         spec = spec.model_copy(update={"total_params": spec.total_params + extra, "trainable_params": extra})

@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from memfit.schema import TrainingConfig
-from model.terms import terms_key
+from model.terms import key_training_fields, terms_key
 from training.terms import hf_config_of
 
 
 def entry_training(entry: dict[str, Any]) -> TrainingConfig:
     """The training configuration a shipped entry was traced for (micro-batch, sequence length and k are not
     part of the key; placeholders are used)."""
-    fields = {k: v for k, v in entry["training"].items() if v is not None}
+    fields = key_training_fields(entry["training"])
     if fields.get("sharding") == "none":
         fields.pop("data_parallel_size", None)
     return TrainingConfig(micro_batch_size=1, seq_len=512, **fields)
