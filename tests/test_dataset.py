@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -15,7 +16,7 @@ FAMILY = ["model_name", "micro_batch_size", "seq_len", "precision", "optimizer",
           "attention", "finetune", "lora_rank", "frozen_layers", "checkpoint_impl", "method",
           # issue-9 settings (rows from before them hold the defaults)
           "optimizer_in_backward", "quantization", "offload_optimizer", "offload_parameters", "tensor_parallel_size",
-          "sequence_parallel", "expert_parallel_size", "moe_imbalance_factor"]
+          "sequence_parallel", "expert_parallel_size", "moe_imbalance_factor", "gradient_accumulation_steps"]
 # Checkpointing one more layer may *raise* the peak by at most this much: recompute of a checkpointed
 # layer in backward briefly re-materialises that layer's activations (tiny when activations are tiny).
 MONOTONE_TOLERANCE_BYTES = 4 << 20
@@ -59,11 +60,21 @@ def test_rows_validate(df):
 
 
 def test_peak_non_increasing_in_k(df):
-    worst = 0
+    """A rise is at most one layer's re-materialised activations: what checkpointing one layer saves elsewhere in
+    the family (its largest drop per layer), or the flat tolerance. Measured case: pythia-70m, first layer frozen,
+    ZeRO-3, mb 2, seq 2048 rises 42 MiB at k = 1 -> 2 (layer 1's recompute at the bottom of backward, where every
+    gradient is live) and drops 68 MiB per layer further up."""
+    worst, worst_allowed = 0, MONOTONE_TOLERANCE_BYTES
     for _key, fam in families(df):
-        peaks = fam.sort_values("num_checkpointed_layers")["peak_allocated_bytes"].to_numpy()
-        worst = max(worst, int((peaks[1:] - peaks[:-1]).max(initial=0)))
-    assert worst <= MONOTONE_TOLERANCE_BYTES, f"peak rose by {worst} bytes when checkpointing one more step of k"
+        fam = fam.sort_values("num_checkpointed_layers")
+        peaks = fam["peak_allocated_bytes"].to_numpy()
+        dk = np.diff(fam["num_checkpointed_layers"].to_numpy())
+        drop_per_layer = int((-np.diff(peaks) / np.maximum(dk, 1)).max(initial=0))
+        rise = int(np.diff(peaks).max(initial=0))
+        allowed = max(MONOTONE_TOLERANCE_BYTES, drop_per_layer)
+        if rise - allowed > worst - worst_allowed:
+            worst, worst_allowed = rise, allowed
+    assert worst <= worst_allowed, f"peak rose by {worst} bytes when checkpointing one more step of k"
 
 
 def test_opt_1_3b_short_sequences_gain_little(df):
