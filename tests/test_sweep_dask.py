@@ -68,10 +68,11 @@ def test_dask_sweep_is_resumable_stops_on_budget_and_matches_the_local_path(tmp_
     local = measure_family_records(fam, k_values(12, 3))
     assert local.error is None
     by_id = df.set_index("record_id")["peak_allocated_bytes"]
-    # same ids; peaks equal up to 4 KiB: inside the full suite this long-lived process measures 1 KiB more than a
-    # fresh worker process does (state left by earlier tests), alone they are equal to the byte
+    # same ids; peaks equal up to 8 KiB: inside the full suite this long-lived process measures 1-4.5 KiB more
+    # than a fresh worker process does (state left by earlier tests; 4,608 B in one full run of session 5, 0 or
+    # 1 KiB in others), alone they are equal to the byte
     for r in local.records:
-        assert abs(r["measurement"]["peak_allocated_bytes"] - int(by_id[r["record_id"]])) <= 4096
+        assert abs(r["measurement"]["peak_allocated_bytes"] - int(by_id[r["record_id"]])) <= 8192
 
     # resumable from the store alone, and from the JSON-lines file alone (a fresh store): nothing re-run
     assert main(args) == 0
