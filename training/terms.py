@@ -129,20 +129,31 @@ def run(jobs: list[tuple[str, TrainingConfig]], out: Path) -> dict[str, Any]:
     return stats
 
 
+def shard_spec(text: str) -> tuple[int, int]:
+    """``--shard I/N`` as an argparse ``type``: (I, N) with 0 <= I < N.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse reports it naming the flag).
+    """
+    try:
+        i, n = (int(x) for x in text.split("/"))
+        if 0 <= i < n:
+            return i, n
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"must be I/N with 0 <= I < N, got {text!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.terms", description=__doc__.split("\n\n")[0])
     p.add_argument("--telemetry", type=Path, help="trace every key of this telemetry Parquet file")
     p.add_argument("--defaults", action="store_true", help="trace every catalog model under the default settings")
     p.add_argument("--out", type=Path, default=Path("data/terms/catalog.jsonl"))
-    p.add_argument("--shard", default="0/1", help="I/N: trace every N-th job from the I-th (parallel workers, each "
-                                                  "with its own --out in the same folder)")
+    p.add_argument("--shard", type=shard_spec, default=(0, 1), help="I/N: trace every N-th job from the I-th "
+                                                                    "(parallel workers, each with its own --out in "
+                                                                    "the same folder)")
     args = p.parse_args(argv)
-    try:
-        i, n = (int(x) for x in args.shard.split("/"))
-        if not 0 <= i < n:
-            raise ValueError
-    except ValueError:
-        p.error(f"--shard must be I/N with 0 <= I < N, got {args.shard!r}")
+    i, n = args.shard
     jobs = (default_jobs() if args.defaults else []) + (jobs_from_telemetry(args.telemetry) if args.telemetry else [])
     jobs = jobs[i::n]
     if not jobs:

@@ -27,7 +27,7 @@ from typing import Any
 
 from memfit.schema import TrainingConfig
 from model.terms import key_training_fields, terms_key
-from training.terms import hf_config_of
+from training.terms import hf_config_of, shard_spec
 
 
 def entry_training(entry: dict[str, Any]) -> TrainingConfig:
@@ -121,20 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.terms_mb1", description=__doc__.split("\n\n")[0])
     p.add_argument("file", type=Path, help="a shipped terms file, e.g. data/terms/catalog.jsonl")
     p.add_argument("--out", type=Path, required=True, help="folder for the re-traced lines")
-    p.add_argument("--shard", default="0/1", help="I/N: re-trace every N-th entry from the I-th")
+    p.add_argument("--shard", type=shard_spec, default=(0, 1), help="I/N: re-trace every N-th entry from the I-th")
     p.add_argument("--merge", action="store_true", help="fold the re-traced lines into FILE")
     p.add_argument("--model", action="append", help="re-trace the entries of this model name only (repeatable)")
     a = p.parse_args(argv)
     if a.merge:
         print(f"replaced {merge(a.file, a.out)} entries of {a.file}")
         return 0
-    try:
-        i, n = (int(x) for x in a.shard.split("/"))
-        if not 0 <= i < n:
-            raise ValueError
-    except ValueError:
-        p.error(f"--shard must be I/N with 0 <= I < N, got {a.shard!r}")
-    stats = retrace(a.file, a.out, (i, n), set(a.model) if a.model else None)
+    stats = retrace(a.file, a.out, a.shard, set(a.model) if a.model else None)
     print(json.dumps(stats, indent=1))
     return 1 if stats["failed"] else 0
 
