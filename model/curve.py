@@ -137,6 +137,9 @@ class Curve:
     phase_bytes: Any = None
     #: host memory of the offloaded states for one rank per node (:func:`model.offload.host_memory_bytes`)
     host_memory_bytes: int = 0
+    #: the bound's margin group where it is not the configuration's own (:func:`margin_group` of path and sharding):
+    #: a ZeRO-1 curve composed from its unsharded base takes the base's (:mod:`model.zero1`)
+    margin_group: str | None = None
 
 
 #: phases in which a step of one micro-batch does not yet hold every gradient (model.compose.PEAK_PHASES names)
@@ -435,8 +438,8 @@ class MemoryPredictor:
                               f"sharding (model.zero1): rank 0 steps {split.rank0_params:,} of "
                               f"{model.trainable_params:,} trainable parameters (ZeroRedundancyOptimizer's "
                               "whole-parameter partition)"]
-        margin = self.margins[margin_group(base.path, base_training_.sharding, base.learned_coefficients)]
-        return Curve(path=base.path, points=self._points(base.path, raw, phases, states, margin, None,
+        group = margin_group(base.path, base_training_.sharding, base.learned_coefficients)
+        return Curve(path=base.path, points=self._points(base.path, raw, phases, states, self.margins[group], None,
                                                          training.accumulates_gradients),
                      floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
-                     raw_bytes=raw, phase_bytes=dev, learned_coefficients=base.learned_coefficients)
+                     raw_bytes=raw, phase_bytes=dev, learned_coefficients=base.learned_coefficients, margin_group=group)
