@@ -160,3 +160,25 @@ def test_row_paths_counts_zero1_rows_with_a_traced_base_as_traced():
     assert len(z) == 13  # one family: dp 8, AdamW foreach, full fine-tune; its unsharded base is shipped
     assert set(row_paths(z, TermsCache())) == {"traced"}
     assert set(row_paths(z, TermsCache(shipped_dir=None))) == {"provisional"}
+
+
+def test_zero1_with_the_optimizer_offloaded_is_the_unsharded_offloaded_device_curve():
+    # ZeRO-1 shards only optimizer states; offloaded, they are on the host: the device curve is the unsharded one
+    # (model.offload.traced_base), checked against the collector's ZeRO-1 step on the host (fake tensors)
+    from training.collect import measure_family
+    from training.phases import trace_terms
+
+    training = TrainingConfig(micro_batch_size=2, seq_len=64, precision="amp_bf16", optimizer="adamw_foreach",
+                              sharding="zero1", data_parallel_size=4, offload_optimizer="cpu")
+    base = TrainingConfig(micro_batch_size=2, seq_len=64, precision="amp_bf16", optimizer="adamw_foreach")
+    cache = TermsCache(shipped_dir=None)
+    cache.put(terms_key(TINY, base), trace_terms(TINY, base).to_json())
+    records = list(measure_family(TINY, training, PLANS, device="fake", prime=True))
+    curve = MemoryPredictor(None, cache).curve(records[0].model, training, TINY)
+    alone = MemoryPredictor(None, cache).curve(records[0].model, training.model_copy(
+        update={"sharding": Sharding.NONE, "data_parallel_size": 1}), TINY)
+    assert curve.path == TRACED
+    assert [p.predicted_bytes for p in curve.points] == [p.predicted_bytes for p in alone.points]
+    for r in records:
+        measured = r.measurement.peak_allocated_bytes
+        assert measured <= curve.points[r.training.num_checkpointed_layers].predicted_bytes <= measured * 1.03
