@@ -36,6 +36,8 @@ Offloaded configurations (:mod:`model.offload`) are answered from the curve of t
 :func:`model.offload.offload_device_phases`, on the base's path; the curve also carries the host
 memory the offloaded states need (:func:`model.offload.host_memory_bytes`, one rank per node: callers
 with a cluster scale it by their ranks per node); the bound takes the margin of the base's group.
+ZeRO-1 (:mod:`model.zero1`) is answered the same way from its unsharded base, less the optimizer states (and
+step temporaries) of the parameters ``ZeroRedundancyOptimizer`` gives other ranks.
 """
 
 from __future__ import annotations
@@ -434,10 +436,10 @@ class MemoryPredictor:
         raw = dev.max(axis=1) + (np.asarray(base.raw_bytes, dtype=np.float64) - base.phase_bytes.max(axis=1))
         phases: list[str | None] = [PEAK_PHASES[i] for i in dev.argmax(axis=1)]
         states = rank0_states(model, training, split)
-        notes = base.notes + [f"ZeRO-1 over {training.data_parallel_size} ranks composed from the phases without "
-                              f"sharding (model.zero1): rank 0 steps {split.rank0_params:,} of "
-                              f"{model.trainable_params:,} trainable parameters (ZeroRedundancyOptimizer's "
-                              "whole-parameter partition)"]
+        notes = base.notes + [(f"ZeRO-1 over {training.data_parallel_size} ranks composed from the phases without "
+                               f"sharding (model.zero1): rank 0 steps {split.rank0_params:,} of "
+                               f"{model.trainable_params:,} trainable parameters (ZeroRedundancyOptimizer's "
+                               "whole-parameter partition)")]
         group = margin_group(base.path, base_training_.sharding, base.learned_coefficients)
         return Curve(path=base.path, points=self._points(base.path, raw, phases, states, self.margins[group], None,
                                                          training.accumulates_gradients),

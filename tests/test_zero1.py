@@ -12,7 +12,11 @@ from memfit.schema import Sharding, TrainingConfig
 from model.curve import TRACED, MemoryPredictor
 from model.terms import TermsCache, not_traceable_reason, terms_key
 from model.zero1 import (
-    base_training, rank0_param_indices, rank0_states, trainable_parameters, zero1_split,
+    base_training,
+    rank0_param_indices,
+    rank0_states,
+    trainable_parameters,
+    zero1_split,
 )
 from tests.conftest import SHIPPED
 
