@@ -36,6 +36,8 @@ Offloaded configurations (:mod:`model.offload`) are answered from the curve of t
 :func:`model.offload.offload_device_phases`, on the base's path; the curve also carries the host
 memory the offloaded states need (:func:`model.offload.host_memory_bytes`, one rank per node: callers
 with a cluster scale it by their ranks per node); the bound takes the margin of the base's group.
+ZeRO-1 (:mod:`model.zero1`) is answered the same way from its unsharded base, less the optimizer states (and
+step temporaries) of the parameters ``ZeroRedundancyOptimizer`` gives other ranks.
 """
 
 from __future__ import annotations
@@ -137,6 +139,9 @@ class Curve:
     phase_bytes: Any = None
     #: host memory of the offloaded states for one rank per node (:func:`model.offload.host_memory_bytes`)
     host_memory_bytes: int = 0
+    #: the bound's margin group where it is not the configuration's own (:func:`margin_group` of path and sharding):
+    #: a ZeRO-1 curve composed from its unsharded base takes the base's (:mod:`model.zero1`)
+    margin_group: str | None = None
 
 
 #: phases in which a step of one micro-batch does not yet hold every gradient (model.compose.PEAK_PHASES names)
@@ -247,6 +252,10 @@ class MemoryPredictor:
 
         if offloaded(training):
             return self._offload_curve(model, training, hf_config)
+        if training.sharding is Sharding.ZERO1 and hf_config is not None:
+            composed = self._zero1_curve(model, training, hf_config)
+            if composed is not None:
+                return composed
         L = model.num_layers
         pp_or_cp = training.pipeline_parallel_size > 1 or training.context_parallel_size > 1
         rank_model = expert_parallel_rank(model, training, hf_config)  # MoE: one rank's share of the experts
@@ -409,3 +418,30 @@ class MemoryPredictor:
                      floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
                      raw_bytes=raw, phase_bytes=None, host_memory_bytes=host_memory_bytes(model, training),
                      learned_coefficients=base.learned_coefficients)
+
+    def _zero1_curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]) -> Curve | None:
+        """Rank 0's ZeRO-1 curve from its unsharded base's phases (:mod:`model.zero1`), on the base's path and
+        margin group; None (the provisional path answers) where not composable or the base has no phases."""
+        from model.zero1 import base_training, device_phases, not_composable_reason, rank0_states, zero1_split
+
+        base_training_ = base_training(training)
+        if not_composable_reason(training) or not_traceable_reason(model, base_training_, hf_config):
+            return None
+        base = self.curve(model, base_training_, hf_config)  # asks the tracer for the base's key
+        if base.phase_bytes is None:
+            return None
+        split = zero1_split(hf_config, training)
+        dev = device_phases(base.phase_bytes, list(PEAK_PHASES), split)
+        # what the base added on top of its phases (the learned path's gradient-accumulation buffer) stays
+        raw = dev.max(axis=1) + (np.asarray(base.raw_bytes, dtype=np.float64) - base.phase_bytes.max(axis=1))
+        phases: list[str | None] = [PEAK_PHASES[i] for i in dev.argmax(axis=1)]
+        states = rank0_states(model, training, split)
+        notes = base.notes + [(f"ZeRO-1 over {training.data_parallel_size} ranks composed from the phases without "
+                               f"sharding (model.zero1): rank 0 steps {split.rank0_params:,} of "
+                               f"{model.trainable_params:,} trainable parameters (ZeroRedundancyOptimizer's "
+                               "whole-parameter partition)")]
+        group = margin_group(base.path, base_training_.sharding, base.learned_coefficients)
+        return Curve(path=base.path, points=self._points(base.path, raw, phases, states, self.margins[group], None,
+                                                         training.accumulates_gradients),
+                     floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
+                     raw_bytes=raw, phase_bytes=dev, learned_coefficients=base.learned_coefficients, margin_group=group)

@@ -423,7 +423,7 @@ class CurveEstimator:
         for _key, g in X.groupby(cols, dropna=False, sort=False):
             spec, training, hf = row_configuration(g.iloc[0].to_dict())
             c = predictor.curve(spec, training, hf)
-            mg = margin_group(c.path, training.sharding, c.learned_coefficients)
+            mg = c.margin_group or margin_group(c.path, training.sharding, c.learned_coefficients)
             for i, k in zip(g.index, g["num_checkpointed_layers"].astype(int)):
                 pred[i], upper[i], group[i] = c.points[k].predicted_bytes, c.points[k].upper_bytes, mg
         return pred, upper, group
@@ -526,14 +526,19 @@ def saving_errors(df: pd.DataFrame, pred) -> np.ndarray:
 
 
 def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
-    """``traced`` where the row's configuration has traced terms in ``terms``, else ``provisional``."""
+    """``traced`` where the row's configuration has traced terms in ``terms``, else ``provisional``. A ZeRO-1
+    row is ``traced`` where its unsharded base is (:mod:`model.zero1` composes its curve from the base's terms)."""
+    from memfit.schema import Sharding
     from model.terms import not_traceable_reason, terms_key
+    from model.zero1 import base_training, not_composable_reason
 
     cols = [c for c in FAMILY_COLUMNS if c in df.columns]
     d = df.reset_index(drop=True)
     out = np.full(len(d), "provisional", dtype=object)
     for _key, g in d.groupby(cols, dropna=False, sort=False):
         spec, training, hf = row_configuration(g.iloc[0].to_dict())
+        if training.sharding is Sharding.ZERO1 and not_composable_reason(training) is None:
+            training = base_training(training)
         if hf is not None and not_traceable_reason(spec, training) is None and terms.get(terms_key(hf, training)):
             out[g.index] = "traced"
     return out

@@ -82,10 +82,13 @@ def traced_base(training: TrainingConfig) -> TrainingConfig:
     Optimizer offload: the same configuration without offload, and without gradient accumulation (offloaded
     gradients accumulate in host memory: :attr:`memfit.schema.TrainingConfig.accumulates_gradients`).
     Parameter offload: FSDP full-shard over the user's data-parallel ranks when sharded, else over
-    :data:`PARAMETER_OFFLOAD_TRACE_RANKS`.
+    :data:`PARAMETER_OFFLOAD_TRACE_RANKS`. Optimizer offload under ZeRO-1: unsharded (ZeRO-1 shards only the
+    optimizer states, which live on the host: the device holds what an unsharded rank holds).
     """
     base = training.model_copy(update={"offload_optimizer": Offload.NONE, "offload_parameters": Offload.NONE,
                                        "gradient_accumulation_steps": 1})
+    if training.sharding is Sharding.ZERO1 and training.offload_parameters is not Offload.CPU:
+        base = base.model_copy(update={"sharding": Sharding.NONE, "data_parallel_size": 1})
     if training.offload_parameters is Offload.CPU and training.sharding is Sharding.NONE:
         base = base.model_copy(update={"sharding": Sharding.ZERO3, "data_parallel_size": PARAMETER_OFFLOAD_TRACE_RANKS})
     return base

@@ -50,7 +50,8 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
     ``first_k_dense_replace``, ``mlp_only_layers``, ``decoder_sparse_step``), expert parallelism with
     sharded parameters or with fewer local experts than the top-k, ``frozen`` fine-tuning (its layers
     are not alike), ZeRO-1 (``ZeroRedundancyOptimizer`` assigns whole parameters to ranks greedily, so
-    rank 0's share of a 1- or 2-layer model does not compose), tensor parallelism outside the
+    rank 0's share of a 1- or 2-layer model does not compose: its curve is composed instead from the
+    traced terms of the same configuration without sharding, :mod:`model.zero1`), tensor parallelism outside the
     Llama-style families or combined with adapters. Pipeline and context parallelism are
     composed on top of the traced terms (:mod:`model.parallel`), so they do not block the traced path.
     MoE routing itself is traced with a balanced deterministic router (:func:`training.moe.balanced_routing`).
@@ -66,7 +67,10 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
     if training.finetune is FineTune.FROZEN:
         return "frozen fine-tuning mixes frozen and trainable layers"
     if training.sharding is Sharding.ZERO1:
-        return "ZeRO-1 partitions whole parameters greedily per rank"
+        from model.zero1 import not_composable_reason
+
+        return not_composable_reason(training) or ("ZeRO-1 partitions whole parameters greedily per rank: it is "
+                                                   "composed from the unsharded configuration's traced terms")
     if training.optimizer_in_backward and training.sharding is not Sharding.NONE:
         return "an optimizer step in backward is traced without sharding only"
     if training.quantization is not Quantization.NONE and training.sharding is not Sharding.NONE:
