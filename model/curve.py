@@ -247,6 +247,12 @@ class MemoryPredictor:
 
         if offloaded(training):
             return self._offload_curve(model, training, hf_config)
+        from model.frozen import frozen, not_composable_reason
+
+        if frozen(training) and not_composable_reason(model, training, hf_config) is None:
+            composed = self._frozen_curve(model, training, hf_config)
+            if composed is not None:
+                return composed
         L = model.num_layers
         pp_or_cp = training.pipeline_parallel_size > 1 or training.context_parallel_size > 1
         rank_model = expert_parallel_rank(model, training, hf_config)  # MoE: one rank's share of the experts
@@ -409,3 +415,28 @@ class MemoryPredictor:
                      floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
                      raw_bytes=raw, phase_bytes=None, host_memory_bytes=host_memory_bytes(model, training),
                      learned_coefficients=base.learned_coefficients)
+
+    def _frozen_curve(self, model: ModelSpec, training: TrainingConfig,
+                      hf_config: dict[str, Any] | None) -> Curve | None:
+        """The curve of a frozen fine-tune composed from its base's phases (:mod:`model.frozen`), on the base's
+        path; None when the base has no phases (the ratio model answers it): the caller answers as before."""
+        from model.frozen import base_model, base_training, device_phases
+
+        base = self.curve(base_model(model, training), base_training(training), hf_config)
+        if base.phase_bytes is None:
+            return None
+        states = model_state_bytes(model, training)
+        dev = device_phases(base.phase_bytes, list(PEAK_PHASES), model, training)
+        raw = dev.max(axis=1)
+        phases: list[str | None] = [PEAK_PHASES[i] for i in dev.argmax(axis=1)]
+        notes = [n for n in base.notes if not n.startswith("provisional answer")] + [
+            f"frozen fine-tuning composed from the full fine-tune of the {base_model(model, training).num_layers} "
+            f"layers above the {training.frozen_layers} frozen ones (model.frozen)"]
+        if base.path == PROVISIONAL:
+            notes.append(f"provisional answer (learned phase coefficients of the base, composed per phase): "
+                         f"{base.reason}")
+        margin = self.margins[margin_group(base.path, training.sharding, base.learned_coefficients)]
+        return Curve(path=base.path, points=self._points(base.path, raw, phases, states, margin, None,
+                                                         training.accumulates_gradients),
+                     floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
+                     raw_bytes=raw, phase_bytes=dev, learned_coefficients=base.learned_coefficients)

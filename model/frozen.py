@@ -1,0 +1,172 @@
+"""Frozen fine-tuning (``finetune='frozen'``): the curve composed from the full fine-tune of the layers above.
+
+``training.collect._apply_finetune`` freezes the input embeddings (``get_input_embeddings()``; with tied
+embeddings that tensor is also the LM head, so the head is frozen too) and the first N =
+``frozen_layers`` decoder layers; k checkpoints the first k decoder layers. Where nothing trainable runs
+below layer N (the embedding output is the only input of the decoder stack), nothing below layer N needs
+a gradient (PyTorch autograd records no graph for ops whose inputs do not require grad):
+
+* the frozen layers' forward saves no activations, they have no gradients and no optimizer states,
+  backward stops at layer N and runs no embedding backward;
+* checkpointing a frozen layer (k <= N) changes nothing (``torch.utils.checkpoint`` with no input or
+  parameter requiring grad saves nothing either way).
+
+So the step of an L-layer model with N frozen holds what the traced **full** fine-tune of the same
+architecture with L' = L − N layers holds (:func:`model.compose.compose_terms` composes that depth from
+the full model's terms, :func:`base_configuration`) at k' = max(0, k − N), with (:func:`device_phases`):
+
+* plus the N frozen layers' weights, in every phase;
+* minus the input embeddings' optimizer states (fp32 master copy included,
+  :func:`model.analytic.optimizer_state_bytes_per_param`), in every phase of a primed step;
+* minus the input embeddings' gradient where the base holds it: ``bwd.emb`` and ``opt`` (untied), from
+  ``bwd.head`` on (tied: the LM head's backward produces it);
+* the base's ``bwd.emb`` transient (the embedding backward, ``embedding_dense_backward``) is kept: the
+  frozen step has no such phase, so its ``bwd.emb`` column is an upper bound of the end of its backward;
+* the first trainable layer's input needs no gradient, so its backward computes no input gradient: a
+  smaller transient than the base's, not subtracted (conservative).
+
+Where it does not hold (:func:`not_composable_reason`): a trainable parameter runs before the first
+trainable layer — learned position embeddings (GPT-2, GPT-Neo, OPT: ``get_input_embeddings`` is the token
+table only) or an embedding LayerNorm (BLOOM) — so the frozen layers' input requires grad and backward runs
+through them; every layer frozen (no decoder layer to compose); sharded training (not validated);
+layer-type patterns that N does not keep in phase. Those configurations keep the provisional answer.
+
+Measured agreement: see ``VALIDATION`` below (filled from ``/work/notes/s6/frozen/validate.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import numpy as np
+
+from memfit.schema import FineTune, ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
+
+#: phases from which the base holds the (tied) input embeddings' gradient (model.compose.PEAK_PHASES names)
+_GRAD_PHASES_UNTIED = ("bwd.emb", "opt")
+_GRAD_PHASES_TIED = ("bwd.head", "bwd.layers", "bwd.emb", "opt")
+
+
+def frozen(training: TrainingConfig) -> bool:
+    """True for ``finetune='frozen'``."""
+    return training.finetune is FineTune.FROZEN
+
+
+def base_training(training: TrainingConfig) -> TrainingConfig:
+    """The base configuration: the same training as a full fine-tune (``frozen_layers`` 0)."""
+    return training.model_copy(update={"finetune": FineTune.FULL, "frozen_layers": 0, "checkpoint_layers": []})
+
+
+def embedding_params(model: ModelSpec) -> int:
+    """Parameters of the input token embeddings (``vocab_size × hidden_size``)."""
+    return model.vocab_size * model.hidden_size
+
+
+def base_model(model: ModelSpec, training: TrainingConfig) -> ModelSpec:
+    """The base architecture: L − N decoder layers, every parameter trainable.
+
+    The frozen model's frozen parameters are the embeddings plus N layers, so the base (the frozen model
+    without its N frozen layers) holds ``trainable + vocab × hidden`` parameters.
+
+    Raises:
+        ValueError: ``frozen_layers`` >= ``num_layers`` (no trainable decoder layer).
+    """
+    n = training.frozen_layers
+    if n >= model.num_layers:
+        raise ValueError(f"frozen_layers={n} leaves no trainable decoder layer of {model.num_layers}")
+    total = min(model.total_params, model.trainable_params + embedding_params(model))
+    return model.model_copy(update={"num_layers": model.num_layers - n, "total_params": total,
+                                    "trainable_params": total})
+
+
+def frozen_layer_params(model: ModelSpec) -> int:
+    """Parameters of the N frozen decoder layers: total − trainable − the input embeddings."""
+    return max(0, model.total_params - model.trainable_params - embedding_params(model))
+
+
+@functools.lru_cache(maxsize=256)
+def _runs_trainable_before_layers(hf_config_json: str) -> str | None:
+    """Name of the first trainable parameter registered before the first decoder layer once the input
+    embeddings are frozen (HF decoders register modules in data-flow order), or None. Meta build."""
+    import torch
+
+    from memfit.hf import build_causal_lm, decoder_layers, quiet_transformers
+
+    with torch.device("meta"), quiet_transformers():
+        model = build_causal_lm(json.loads(hf_config_json))
+    model.get_input_embeddings().requires_grad_(False)
+    first = next(iter(decoder_layers(model)[0].parameters()))
+    for name, p in model.named_parameters():
+        if p is first:
+            return None
+        if p.requires_grad:
+            return name
+    return None
+
+
+def not_composable_reason(model: ModelSpec, training: TrainingConfig,
+                          hf_config: dict[str, Any] | None) -> str | None:
+    """Why a frozen configuration can't be composed from its full fine-tune base (None when it can)."""
+    if hf_config is None:
+        return "no HF config to compose frozen fine-tuning from"
+    if training.frozen_layers >= model.num_layers:
+        return "every decoder layer frozen: no layer to compose the base from"
+    if training.sharding is not Sharding.NONE:
+        return "frozen fine-tuning is composed without sharding only (sharded: not validated)"
+    if model.num_experts is not None:
+        return "frozen fine-tuning of MoE models is not composed"
+    from training.phases import layer_period
+
+    if training.frozen_layers % layer_period(hf_config):
+        return "frozen layers do not keep the layer-type pattern of the trainable layers in phase"
+    name = _runs_trainable_before_layers(json.dumps(hf_config, sort_keys=True))
+    if name is not None:
+        return (f"frozen fine-tuning where {name} stays trainable below the decoder layers: backward runs "
+                "through the frozen layers")
+    return None
+
+
+def step_temporary_bytes_per_param(training: TrainingConfig) -> int:
+    """Bytes per trainable parameter the optimizer step allocates at once beyond the states (the opt phase):
+    one copy in the states' dtype for the multi-tensor steps that build whole-list temporaries (foreach AdamW:
+    ``torch/optim/adamw.py`` ``_multi_tensor_adamw``, ``torch._foreach_sqrt`` of the variances; Adafactor:
+    ``torch/optim/_adafactor.py``, the squared gradients), none for fused AdamW, SGD with momentum, the
+    bitsandbytes optimizers (one kernel per tensor in place) and a step in backward. Measured: removing the
+    embeddings (pythia-70m, 25.8 M parameters) lowers the opt phase by exactly 4 B per parameter under amp
+    with foreach AdamW and with Adafactor, by 0 with fused AdamW and SGD."""
+    if training.optimizer_in_backward or training.optimizer not in (Optimizer.ADAMW_FOREACH, Optimizer.ADAFACTOR):
+        return 0
+    return 2 if training.precision is Precision.BF16 else 4
+
+
+def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, training: TrainingConfig):
+    """The frozen configuration's live bytes per phase from its base's composed phases.
+
+    Args:
+        base_phase_bytes: float array (L'+1, phases), L' = L − N: the base's
+            :attr:`model.compose.ComposedCurve.phase_bytes` (:func:`base_model`, :func:`base_training`).
+        phase_names: its column names (:data:`model.compose.PEAK_PHASES`).
+        model, training: the frozen configuration (L layers, N = ``frozen_layers``).
+
+    Returns:
+        float array (L+1, phases): row k is the base's row max(0, k − N) with the rules of the module
+        docstring applied (bytes).
+    """
+    from model.analytic import _WEIGHT_BYTES, optimizer_state_bytes_per_param
+
+    base = np.asarray(base_phase_bytes, dtype=np.float64)
+    n, L = training.frozen_layers, model.num_layers
+    if base.shape[0] != L - n + 1:
+        raise ValueError(f"base phases have {base.shape[0]} rows, expected L - N + 1 = {L - n + 1}")
+    w = _WEIGHT_BYTES[training.precision]
+    emb = embedding_params(model)
+    out = base[np.maximum(np.arange(L + 1) - n, 0)].copy()
+    out += frozen_layer_params(model) * w
+    out -= int(emb * optimizer_state_bytes_per_param(training)[0])
+    out[:, phase_names.index("opt")] -= emb * step_temporary_bytes_per_param(training)
+    if not training.optimizer_in_backward:
+        cols = _GRAD_PHASES_TIED if model.tie_word_embeddings else _GRAD_PHASES_UNTIED
+        out[:, [phase_names.index(p) for p in cols]] -= emb * w
+    return out
