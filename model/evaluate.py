@@ -526,7 +526,9 @@ def saving_errors(df: pd.DataFrame, pred) -> np.ndarray:
 
 
 def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
-    """``traced`` where the row's configuration has traced terms in ``terms``, else ``provisional``."""
+    """``traced`` where the row's configuration has traced terms in ``terms``, else ``provisional``; a frozen
+    fine-tune composed from its full fine-tune base (:mod:`model.frozen`) is ``traced`` when the base is."""
+    from model.frozen import base_terms_key
     from model.terms import not_traceable_reason, terms_key
 
     cols = [c for c in FAMILY_COLUMNS if c in df.columns]
@@ -535,5 +537,7 @@ def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
     for _key, g in d.groupby(cols, dropna=False, sort=False):
         spec, training, hf = row_configuration(g.iloc[0].to_dict())
         if hf is not None and not_traceable_reason(spec, training) is None and terms.get(terms_key(hf, training)):
+            out[g.index] = "traced"
+        elif (key := base_terms_key(spec, training, hf)) is not None and terms.get(key):
             out[g.index] = "traced"
     return out

@@ -46,7 +46,7 @@ from memfit.schema import FineTune, ModelSpec, Optimizer, Precision, Sharding, T
 
 #: phases from which the base holds the (tied) input embeddings' gradient (model.compose.PEAK_PHASES names)
 _GRAD_PHASES_UNTIED = ("bwd.emb", "opt")
-_GRAD_PHASES_TIED = ("bwd.head", "bwd.layers", "bwd.emb", "opt")
+_GRAD_PHASES_TIED = ("bwd.layers", "bwd.emb", "opt")
 
 
 def frozen(training: TrainingConfig) -> bool:
@@ -141,6 +141,16 @@ def step_temporary_bytes_per_param(training: TrainingConfig) -> int:
     return 2 if training.precision is Precision.BF16 else 4
 
 
+def base_terms_key(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> str | None:
+    """The traced-terms key (:func:`model.terms.terms_key`) a frozen configuration is composed from: the full
+    fine-tune of the same HF config (its terms compose any depth); None when not frozen or not composable."""
+    if not frozen(training) or not_composable_reason(model, training, hf_config) is not None:
+        return None
+    from model.terms import terms_key
+
+    return terms_key(hf_config, base_training(training))
+
+
 def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, training: TrainingConfig):
     """The frozen configuration's live bytes per phase from its base's composed phases.
 
@@ -169,4 +179,8 @@ def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, tr
     if not training.optimizer_in_backward:
         cols = _GRAD_PHASES_TIED if model.tie_word_embeddings else _GRAD_PHASES_UNTIED
         out[:, [phase_names.index(p) for p in cols]] -= emb * w
+    # the end of the frozen step's backward (its bwd.emb phase: no embedding backward follows the layers')
+    # holds no more than the layers' backward did (it allocates nothing after the last trainable layer's)
+    emb_col, layers_col = phase_names.index("bwd.emb"), phase_names.index("bwd.layers")
+    out[:, emb_col] = np.minimum(out[:, emb_col], out[:, layers_col])
     return out

@@ -1,0 +1,141 @@
+"""Frozen fine-tuning composed from the traced full fine-tune of the layers above the frozen ones (model.frozen).
+
+The composed curve of a tiny model with the embeddings and the first N decoder layers frozen is checked
+against the collector's measurement of that model (fake tensors) at every k, k <= N and k > N, with tied and
+untied embeddings; a GPT-2-shaped model (learned position embeddings stay trainable, so backward runs
+through the frozen layers) is refused with its reason and stays provisional.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from data import catalog
+from memfit.hf import model_spec
+from memfit.schema import TrainingConfig
+from model.compose import PEAK_PHASES
+from model.curve import PROVISIONAL, TRACED, MemoryPredictor
+from model.terms import TermsCache, not_traceable_reason, terms_key
+
+LAYERS = 5
+N = 2
+
+
+def tiny(name: str, **over) -> dict:
+    cfg = dict(catalog.get(name)["hf_config"])
+    if cfg["model_type"] == "gpt2":
+        cfg.update(n_layer=LAYERS, n_embd=64, n_head=4, vocab_size=256, n_positions=1024, n_ctx=1024)
+    else:
+        cfg.update(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=256)
+    cfg.update(over)
+    return cfg
+
+
+LLAMA_TIED = tiny("llama-3.2-1b")  # tied embeddings: freezing them freezes the LM head
+LLAMA_UNTIED = tiny("llama-3.2-1b", tie_word_embeddings=False)
+GPT2 = tiny("gpt2")  # tied, and its learned position table wpe stays trainable
+
+
+def _measured(hf: dict, training: TrainingConfig) -> list[int]:
+    from training.collect import measure_family
+
+    plans = [list(range(k)) for k in range(LAYERS + 1)]
+    return [r.measurement.peak_allocated_bytes for r in measure_family(hf, training, plans, prime=True)]
+
+
+def _predictor(hf: dict, training: TrainingConfig) -> MemoryPredictor:
+    from model.frozen import base_training
+    from training.phases import trace_terms
+
+    cache = TermsCache(shipped_dir=None)
+    base = base_training(training)
+    cache.put(terms_key(hf, base), trace_terms(hf, base).to_json())
+    return MemoryPredictor(terms=cache)
+
+
+@pytest.mark.parametrize("hf,training", [
+    pytest.param(LLAMA_TIED, TrainingConfig(micro_batch_size=2, seq_len=64, precision="fp32",
+                                            optimizer="adamw_foreach"), id="llama-tied-fp32-foreach"),
+    pytest.param(LLAMA_UNTIED, TrainingConfig(micro_batch_size=2, seq_len=64, precision="amp_bf16",
+                                              optimizer="adamw_fused"), id="llama-untied-amp-fused"),
+    pytest.param(LLAMA_TIED, TrainingConfig(micro_batch_size=4, seq_len=32, precision="bf16",
+                                            optimizer="adafactor", attention="eager"), id="llama-tied-bf16-adafactor"),
+])
+def test_composed_curve_matches_the_measured_frozen_model(hf, training):
+    training = training.model_copy(update={"finetune": "frozen", "frozen_layers": N})
+    measured = _measured(hf, training)
+    spec = model_spec(hf).model_copy(update={"trainable_params": _trainable(hf, training)})
+    curve = _predictor(hf, training).curve(spec, training, hf)
+    assert curve.path == TRACED and any("model.frozen" in n for n in curve.notes)
+    got = [p.predicted_bytes for p in curve.points]
+    # checkpointing a frozen layer changes nothing: the measured peak is flat for k <= N, and so is the curve
+    assert len(set(measured[: N + 1])) == 1 and len(set(got[: N + 1])) == 1
+    for k, (p, m) in enumerate(zip(got, measured)):
+        # never below the measurement; above it by at most the rounding of the removed tensors and the kept
+        # transients the docstring names (the first trainable layer's input gradient, the embedding backward)
+        assert m <= p <= m * 1.03 + 64 * 1024, (k, p, m)
+    for pt in curve.points:
+        assert sum(pt.breakdown.values()) == pt.predicted_bytes
+        assert pt.breakdown["parameters_bytes"] == 4 * spec.total_params // (2 if training.precision.value == "bf16"
+                                                                            else 1)
+
+
+def _trainable(hf: dict, training: TrainingConfig) -> int:
+    from training.collect import prepared_model
+
+    with prepared_model(hf, training) as run:
+        return run.spec.trainable_params
+
+
+def test_device_phases_shift_k_and_remove_the_embedding_states():
+    """The mapping itself: row k is the base's row max(0, k - N); frozen layers' weights added everywhere;
+    the embeddings' optimizer states removed everywhere, their gradient and step temporaries where live."""
+    from model.frozen import device_phases
+
+    spec = model_spec(LLAMA_UNTIED)
+    training = TrainingConfig(micro_batch_size=1, seq_len=8, precision="fp32", optimizer="adamw_foreach",
+                              finetune="frozen", frozen_layers=N)
+    emb, layer = 256 * 64, (spec.total_params - 2 * 256 * 64 - 64) // LAYERS
+    spec = spec.model_copy(update={"trainable_params": spec.total_params - emb - N * layer})
+    base = np.arange((LAYERS - N + 1) * len(PEAK_PHASES), dtype=np.float64).reshape(LAYERS - N + 1, -1) * 1e6
+    out = device_phases(base, list(PEAK_PHASES), spec, training)
+    assert out.shape == (LAYERS + 1, len(PEAK_PHASES))
+    delta = N * layer * 4 - emb * 8  # + frozen weights, - AdamW's two fp32 states of the embeddings
+    for k in range(LAYERS + 1):
+        row = base[max(0, k - N)] + delta
+        for i, p in enumerate(PEAK_PHASES):
+            want = row[i] - (emb * 4 if p in ("bwd.emb", "opt") else 0) - (emb * 4 if p == "opt" else 0)
+            assert out[k, i] == pytest.approx(want, abs=1)
+
+
+def test_learned_position_embeddings_keep_the_provisional_path():
+    """GPT-2 freezes only wte: wpe is trainable, the frozen layers' input needs a gradient and backward runs
+    through them, so the composition does not hold (measured: checkpointing a frozen layer lowers the peak)."""
+    training = TrainingConfig(micro_batch_size=2, seq_len=64, precision="fp32", finetune="frozen", frozen_layers=N)
+    spec = model_spec(GPT2)
+    reason = not_traceable_reason(spec, training, GPT2)
+    assert reason is not None and "wpe" in reason
+    measured = _measured(GPT2, training)
+    assert measured[1] < measured[0]  # the frozen layer 0 saves activations for backward unless checkpointed
+    with pytest.raises(ValueError, match="no provisional model"):
+        MemoryPredictor(terms=TermsCache(shipped_dir=None)).curve(spec, training, GPT2)
+
+
+def test_frozen_row_counts_as_traced_when_its_base_is():
+    import pandas as pd
+
+    from model.evaluate import row_paths
+    from model.frozen import base_training
+
+    training = TrainingConfig(micro_batch_size=2, seq_len=64, finetune="frozen", frozen_layers=3)
+    hf = catalog.get("pythia-70m")["hf_config"]
+    spec = model_spec(hf)
+    row = {**spec.model_dump(), **training.model_dump(mode="json"), "model_name": "pythia-70m",
+           "num_checkpointed_layers": 0, "checkpoint_layers": []}
+    df = pd.DataFrame([row])
+    cache = TermsCache(shipped_dir=None)
+    assert list(row_paths(df, cache)) == [PROVISIONAL]
+    cache.put(terms_key(hf, base_training(training)), {"coef": {}})
+    assert list(row_paths(df, cache)) == [TRACED]
