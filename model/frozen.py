@@ -113,8 +113,8 @@ def not_composable_reason(model: ModelSpec, training: TrainingConfig,
         return "no HF config to compose frozen fine-tuning from"
     if training.frozen_layers >= model.num_layers:
         return "every decoder layer frozen: no layer to compose the base from"
-    if training.sharding is not Sharding.NONE:
-        return "frozen fine-tuning is composed without sharding only (sharded: not validated)"
+    if training.sharding is Sharding.ZERO1:
+        return "frozen fine-tuning under ZeRO-1 (its full fine-tune base is not traced either)"
     if model.num_experts is not None:
         return "frozen fine-tuning of MoE models is not composed"
     from training.phases import layer_period
@@ -164,21 +164,23 @@ def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, tr
         float array (L+1, phases): row k is the base's row max(0, k − N) with the rules of the module
         docstring applied (bytes).
     """
-    from model.analytic import _WEIGHT_BYTES, optimizer_state_bytes_per_param
+    from model.analytic import model_state_bytes
 
     base = np.asarray(base_phase_bytes, dtype=np.float64)
     n, L = training.frozen_layers, model.num_layers
     if base.shape[0] != L - n + 1:
         raise ValueError(f"base phases have {base.shape[0]} rows, expected L - N + 1 = {L - n + 1}")
-    w = _WEIGHT_BYTES[training.precision]
-    emb = embedding_params(model)
+    # what the frozen model holds beyond / short of its base, as model_state_bytes counts it (per rank: sharded
+    # or gathered as the sharding keeps them): the frozen layers' weights, the embeddings' gradient and states
+    mine, theirs = model_state_bytes(model, training), model_state_bytes(base_model(model, training),
+                                                                         base_training(training))
+    shards = training.data_parallel_size if training.sharding is not Sharding.NONE else 1
     out = base[np.maximum(np.arange(L + 1) - n, 0)].copy()
-    out += frozen_layer_params(model) * w
-    out -= int(emb * optimizer_state_bytes_per_param(training)[0])
-    out[:, phase_names.index("opt")] -= emb * step_temporary_bytes_per_param(training)
-    if not training.optimizer_in_backward:
-        cols = _GRAD_PHASES_TIED if model.tie_word_embeddings else _GRAD_PHASES_UNTIED
-        out[:, [phase_names.index(p) for p in cols]] -= emb * w
+    out += mine.weights_bytes - theirs.weights_bytes
+    out -= theirs.optimizer_bytes - mine.optimizer_bytes
+    out[:, phase_names.index("opt")] -= embedding_params(model) * step_temporary_bytes_per_param(training) // shards
+    cols = _GRAD_PHASES_TIED if model.tie_word_embeddings else _GRAD_PHASES_UNTIED
+    out[:, [phase_names.index(p) for p in cols]] -= theirs.gradients_bytes - mine.gradients_bytes
     # the end of the frozen step's backward (its bwd.emb phase: no embedding backward follows the layers')
     # holds no more than the layers' backward did (it allocates nothing after the last trainable layer's)
     emb_col, layers_col = phase_names.index("bwd.emb"), phase_names.index("bwd.layers")

@@ -13,7 +13,7 @@ import pytest
 
 from data import catalog
 from memfit.hf import model_spec
-from memfit.schema import TrainingConfig
+from memfit.schema import FineTune, TrainingConfig
 from model.compose import PEAK_PHASES
 from model.curve import PROVISIONAL, TRACED, MemoryPredictor
 from model.terms import TermsCache, not_traceable_reason, terms_key
@@ -64,7 +64,7 @@ def _predictor(hf: dict, training: TrainingConfig) -> MemoryPredictor:
                                             optimizer="adafactor", attention="eager"), id="llama-tied-bf16-adafactor"),
 ])
 def test_composed_curve_matches_the_measured_frozen_model(hf, training):
-    training = training.model_copy(update={"finetune": "frozen", "frozen_layers": N})
+    training = training.model_copy(update={"finetune": FineTune.FROZEN, "frozen_layers": N})
     measured = _measured(hf, training)
     spec = model_spec(hf).model_copy(update={"trainable_params": _trainable(hf, training)})
     curve = _predictor(hf, training).curve(spec, training, hf)
@@ -73,9 +73,9 @@ def test_composed_curve_matches_the_measured_frozen_model(hf, training):
     # checkpointing a frozen layer changes nothing: the measured peak is flat for k <= N, and so is the curve
     assert len(set(measured[: N + 1])) == 1 and len(set(got[: N + 1])) == 1
     for k, (p, m) in enumerate(zip(got, measured)):
-        # never below the measurement; above it by at most the rounding of the removed tensors and the kept
-        # transients the docstring names (the first trainable layer's input gradient, the embedding backward)
-        assert m <= p <= m * 1.03 + 64 * 1024, (k, p, m)
+        # the frozen weights are counted without the allocator's 512-byte rounding per tensor (a few KiB at this
+        # width); above by at most the transients the docstring keeps (the first trainable layer's input gradient)
+        assert m - 4096 <= p <= m * 1.03 + 64 * 1024, (k, p, m)
     for pt in curve.points:
         assert sum(pt.breakdown.values()) == pt.predicted_bytes
         assert pt.breakdown["parameters_bytes"] == 4 * spec.total_params // (2 if training.precision.value == "bf16"
@@ -107,6 +107,8 @@ def test_device_phases_shift_k_and_remove_the_embedding_states():
         row = base[max(0, k - N)] + delta
         for i, p in enumerate(PEAK_PHASES):
             want = row[i] - (emb * 4 if p in ("bwd.emb", "opt") else 0) - (emb * 4 if p == "opt" else 0)
+            if p == "bwd.emb":  # capped by the layers' backward: no embedding backward follows it
+                want = min(want, row[PEAK_PHASES.index("bwd.layers")])
             assert out[k, i] == pytest.approx(want, abs=1)
 
 
