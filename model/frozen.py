@@ -86,6 +86,34 @@ def frozen_layer_params(model: ModelSpec) -> int:
     return max(0, model.total_params - model.trainable_params - embedding_params(model))
 
 
+def trainable_params(model: ModelSpec, frozen_layers: int, hf_config: dict[str, Any] | None = None) -> int:
+    """Trainable parameters with the input embeddings and the first ``frozen_layers`` decoder layers frozen
+    (as ``training.collect._apply_finetune`` freezes them): counted on a meta build of ``hf_config`` when
+    given, else from the shapes (a decoder layer = (total − embeddings − untied head) / layers)."""
+    if hf_config is not None:
+        try:
+            return _trainable_on_meta(json.dumps(hf_config, sort_keys=True), frozen_layers)
+        except Exception:  # noqa: BLE001 - a config transformers cannot build: count from the shapes
+            pass
+    emb = embedding_params(model)
+    layer = max(0, model.total_params - emb * (1 if model.tie_word_embeddings else 2)) // model.num_layers
+    return max(0, model.total_params - emb - frozen_layers * layer)
+
+
+@functools.lru_cache(maxsize=256)
+def _trainable_on_meta(hf_config_json: str, frozen_layers: int) -> int:
+    import torch
+
+    from memfit.hf import build_causal_lm, count_params, decoder_layers, quiet_transformers
+
+    with torch.device("meta"), quiet_transformers():
+        model = build_causal_lm(json.loads(hf_config_json))
+    model.get_input_embeddings().requires_grad_(False)
+    for layer in list(decoder_layers(model))[:frozen_layers]:
+        layer.requires_grad_(False)
+    return count_params(model)[1]
+
+
 @functools.lru_cache(maxsize=256)
 def _runs_trainable_before_layers(hf_config_json: str) -> str | None:
     """Name of the first trainable parameter registered before the first decoder layer once the input

@@ -141,3 +141,41 @@ def test_frozen_row_counts_as_traced_when_its_base_is():
     assert list(row_paths(df, cache)) == [PROVISIONAL]
     cache.put(terms_key(hf, base_training(training)), {"coef": {}})
     assert list(row_paths(df, cache)) == [TRACED]
+
+
+@pytest.mark.parametrize("hf", [LLAMA_TIED, LLAMA_UNTIED], ids=["tied", "untied"])
+def test_trainable_params_as_the_collector_freezes_them(hf):
+    """The service's count of a frozen request's trainable parameters (embeddings and N layers frozen) equals the
+    collector's, on a meta build; from the shapes alone it is exact here too (no bias, one final norm aside)."""
+    from model.frozen import trainable_params
+
+    training = TrainingConfig(micro_batch_size=1, seq_len=8, finetune="frozen", frozen_layers=N)
+    spec = model_spec(hf)
+    measured = _trainable(hf, training)
+    assert trainable_params(spec, N, hf) == measured
+    assert abs(trainable_params(spec, N) - measured) <= 64 * N // LAYERS + 64  # the final norm spread over layers
+
+
+def test_a_frozen_request_asks_the_tracer_for_its_base_then_composes_from_it():
+    """The service's tracer is asked for the full fine-tune base's key (the recursion through curve); once those
+    terms exist the frozen curve is on the traced path, and its breakdown adds up."""
+    from model.frozen import base_training, trainable_params
+
+    hf = catalog.get("pythia-70m")["hf_config"]
+    training = TrainingConfig(micro_batch_size=1, seq_len=512, finetune="frozen", frozen_layers=2)
+    spec = model_spec(hf)
+    spec = spec.model_copy(update={"trainable_params": trainable_params(spec, 2, hf)})
+    calls = []
+    cache = TermsCache(shipped_dir=None)
+    predictor = MemoryPredictor(None, cache, tracer=lambda key, cfg, t: calls.append((key, t)) or "queued")
+    with pytest.raises(ValueError, match="no provisional model"):
+        predictor.curve(spec, training, hf)
+    key = terms_key(hf, base_training(training))
+    assert [k for k, _ in calls] == [key] and calls[0][1].finetune is FineTune.FULL
+    cache.put(key, TermsCache().get(key))  # shipped with memfit
+    c = predictor.curve(spec, training, hf)
+    assert c.path == TRACED and c.terms_key == key
+    pts = [p.predicted_bytes for p in c.points]
+    assert len(set(pts[:3])) == 1 and all(b <= a for a, b in zip(pts, pts[1:]))
+    assert all(sum(p.breakdown.values()) == p.predicted_bytes for p in c.points)
+    assert min(pts) >= c.floor_bytes
