@@ -159,6 +159,31 @@ def not_composable_reason(model: ModelSpec, training: TrainingConfig,
     return None
 
 
+def frozen_layer_weight_bytes(model: ModelSpec, training: TrainingConfig) -> tuple[int, int]:
+    """(resident, gathered) bytes of the N frozen layers' weights on one rank.
+
+    Resident in every phase: all of them without sharding, their 1/n shard under any ZeRO-2/3 or FSDP sharding.
+    Gathered from their forward to the end of backward (not in the optimizer step): under ZeRO-2 /
+    FSDP ``shard_grad_op`` (no reshard after forward, ``training.collect``: FSDP2 ``reshard_after_forward=False``)
+    the whole unsharded copy, in the mixed-precision policy's 16-bit dtype under autocast precisions, and
+    no backward of theirs ever reshards it (the root's post-backward does); with resharding after forward
+    only one layer at a time, as in every layer of the base (0 here). Measured: pythia-160m, FSDP
+    shard_grad_op over 2 ranks, fp32: the frozen step holds the shard and the gathered copy (85 MB + 42.5 MB),
+    where :func:`model.analytic.model_state_bytes` counts the gathered copy only.
+    """
+    from model.analytic import _WEIGHT_BYTES
+
+    params = frozen_layer_params(model)
+    w = _WEIGHT_BYTES[training.precision]
+    if training.sharding is Sharding.NONE:
+        return params * w, 0
+    resident = params * w // training.data_parallel_size
+    if training.sharding in (Sharding.ZERO2, Sharding.FSDP_SHARD_GRAD_OP):
+        half = 2 if training.precision in (Precision.AMP_BF16, Precision.AMP_FP16) else w
+        return resident, params * half
+    return resident, 0
+
+
 def step_temporary_bytes_per_param(training: TrainingConfig) -> int:
     """Bytes per trainable parameter the optimizer step allocates at once beyond the states (the opt phase):
     one copy in the states' dtype for the multi-tensor steps that build whole-list temporaries (foreach AdamW:
@@ -207,7 +232,9 @@ def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, tr
                                                                          base_training(training))
     shards = training.data_parallel_size if training.sharding is not Sharding.NONE else 1
     out = base[np.maximum(np.arange(L + 1) - n, 0)].copy()
-    out += mine.weights_bytes - theirs.weights_bytes
+    resident, gathered = frozen_layer_weight_bytes(model, training)
+    out += resident
+    out[:, [phase_names.index(p) for p in phase_names if p != "opt"]] += gathered
     out -= theirs.optimizer_bytes - mine.optimizer_bytes
     out[:, phase_names.index("opt")] -= embedding_params(model) * step_temporary_bytes_per_param(training) // shards
     cols = _GRAD_PHASES_TIED if model.tie_word_embeddings else _GRAD_PHASES_UNTIED
