@@ -36,6 +36,8 @@ Offloaded configurations (:mod:`model.offload`) are answered from the curve of t
 :func:`model.offload.offload_device_phases`, on the base's path; the curve also carries the host
 memory the offloaded states need (:func:`model.offload.host_memory_bytes`, one rank per node: callers
 with a cluster scale it by their ranks per node); the bound takes the margin of the base's group.
+Frozen fine-tunes (embeddings and the first N layers frozen) are answered the same way from the curve of
+their base, the full fine-tune of the L − N layers above (:mod:`model.frozen`), where that applies.
 """
 
 from __future__ import annotations

@@ -12,26 +12,41 @@ a gradient (PyTorch autograd records no graph for ops whose inputs do not requir
   parameter requiring grad saves nothing either way).
 
 So the step of an L-layer model with N frozen holds what the traced **full** fine-tune of the same
-architecture with L' = L − N layers holds (:func:`model.compose.compose_terms` composes that depth from
-the full model's terms, :func:`base_configuration`) at k' = max(0, k − N), with (:func:`device_phases`):
+architecture with L' = L − N layers holds (:func:`base_model`, :func:`base_training`: the full model's terms,
+:func:`model.compose.compose_terms` composes any depth from them) at k' = max(0, k − N), with
+(:func:`device_phases`, per rank):
 
-* plus the N frozen layers' weights, in every phase;
-* minus the input embeddings' optimizer states (fp32 master copy included,
-  :func:`model.analytic.optimizer_state_bytes_per_param`), in every phase of a primed step;
-* minus the input embeddings' gradient where the base holds it: ``bwd.emb`` and ``opt`` (untied), from
-  ``bwd.head`` on (tied: the LM head's backward produces it);
-* the base's ``bwd.emb`` transient (the embedding backward, ``embedding_dense_backward``) is kept: the
-  frozen step has no such phase, so its ``bwd.emb`` column is an upper bound of the end of its backward;
+* plus the N frozen layers' weights (:func:`frozen_layer_weight_bytes`): resident in every phase (their
+  1/n shard under ZeRO-2/3 and FSDP), and under ZeRO-2 / FSDP ``shard_grad_op`` also their gathered copy
+  from forward to the end of backward (never resharded by a backward of their own);
+* minus the input embeddings' optimizer states (fp32 master copy included; the difference of
+  :func:`model.analytic.model_state_bytes` between base and frozen model), in every phase of a primed step;
+* minus the embeddings' step temporaries in ``opt`` (:func:`step_temporary_bytes_per_param`: one copy per
+  parameter with foreach AdamW and Adafactor, none with fused AdamW, SGD, bitsandbytes);
+* minus the embeddings' gradient where the base certainly holds it: ``bwd.emb`` and ``opt`` (untied);
+  ``bwd.layers`` on too with tied embeddings (the LM head's backward produced it). Not in ``bwd.head``:
+  the base's head-backward peak comes before that gradient is allocated (subtracting it there was 3.4 %
+  low on gemma-2b, 4.4 % on qwen2.5-0.5b);
+* the frozen step has no embedding backward (the base's ``embedding_dense_backward`` transient: 1 GB on
+  llama-3.2-1b in pure bf16, its fp32 accumulation buffer) and allocates nothing after its last layer's
+  backward, so its ``bwd.emb`` column is capped by its ``bwd.layers`` column;
 * the first trainable layer's input needs no gradient, so its backward computes no input gradient: a
   smaller transient than the base's, not subtracted (conservative).
 
 Where it does not hold (:func:`not_composable_reason`): a trainable parameter runs before the first
 trainable layer — learned position embeddings (GPT-2, GPT-Neo, OPT: ``get_input_embeddings`` is the token
 table only) or an embedding LayerNorm (BLOOM) — so the frozen layers' input requires grad and backward runs
-through them; every layer frozen (no decoder layer to compose); sharded training (not validated);
-layer-type patterns that N does not keep in phase. Those configurations keep the provisional answer.
+through them (found on a meta build: a trainable parameter registered before the first decoder layer);
+every layer frozen; ZeRO-1 (its base is not traced); tied embeddings under sharding (FSDP2 holds the tied
+table's whole unsharded gradient through the base's backward, the head's included: llama-3.2-1b over 64
+ranks +26 %, not composed); MoE; layer-type patterns that N does not keep in phase. Those keep the
+provisional answer (the ratio model), as does a frozen request whose base is answered by the ratio model.
 
-Measured agreement: see ``VALIDATION`` below (filled from ``/work/notes/s6/frozen/validate.py``).
+Measured agreement (``/work/notes/s6/frozen/validate.py``: every frozen family of
+``data/telemetry/telemetry.parquet`` that composes, each base traced by :func:`training.phases.trace_terms`,
+every measured k; fake-tensor collector measurements):
+
+VALIDATION_PLACEHOLDER
 """
 
 from __future__ import annotations
