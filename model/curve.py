@@ -431,9 +431,9 @@ class MemoryPredictor:
         dev = device_phases(base.phase_bytes, list(PEAK_PHASES), model, training)
         raw = dev.max(axis=1)
         phases: list[str | None] = [PEAK_PHASES[i] for i in dev.argmax(axis=1)]
-        notes = [n for n in base.notes if not n.startswith("provisional answer")] + [
-            f"frozen fine-tuning composed from the full fine-tune of the {base_model(model, training).num_layers} "
-            f"layers above the {training.frozen_layers} frozen ones (model.frozen)"]
+        composed = (f"frozen fine-tuning composed from the full fine-tune of the {base_model(model, training).num_layers}"
+                    f" layers above the {training.frozen_layers} frozen ones (model.frozen)")
+        notes = [n for n in base.notes if not n.startswith("provisional answer")] + [composed]
         if base.path == PROVISIONAL:
             notes.append(f"provisional answer (learned phase coefficients of the base, composed per phase): "
                          f"{base.reason}")

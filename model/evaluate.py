@@ -536,8 +536,7 @@ def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
     out = np.full(len(d), "provisional", dtype=object)
     for _key, g in d.groupby(cols, dropna=False, sort=False):
         spec, training, hf = row_configuration(g.iloc[0].to_dict())
-        if hf is not None and not_traceable_reason(spec, training) is None and terms.get(terms_key(hf, training)):
-            out[g.index] = "traced"
-        elif (key := base_terms_key(spec, training, hf)) is not None and terms.get(key):
+        traced = hf is not None and not_traceable_reason(spec, training) is None and terms.get(terms_key(hf, training))
+        if traced or ((key := base_terms_key(spec, training, hf)) is not None and terms.get(key)):
             out[g.index] = "traced"
     return out

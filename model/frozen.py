@@ -123,7 +123,7 @@ def trainable_params(model: ModelSpec, frozen_layers: int, hf_config: dict[str, 
     if hf_config is not None:
         try:
             return _trainable_on_meta(json.dumps(hf_config, sort_keys=True), frozen_layers)
-        except Exception:  # noqa: BLE001 - a config transformers cannot build: count from the shapes
+        except Exception:  # noqa: BLE001, S110 - a config transformers cannot build: count from the shapes
             pass
     emb = embedding_params(model)
     layer = max(0, model.total_params - emb * (1 if model.tie_word_embeddings else 2)) // model.num_layers

@@ -8,6 +8,8 @@ through the frozen layers) is refused with its reason and stays provisional.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -176,6 +178,6 @@ def test_a_frozen_request_asks_the_tracer_for_its_base_then_composes_from_it():
     c = predictor.curve(spec, training, hf)
     assert c.path == TRACED and c.terms_key == key
     pts = [p.predicted_bytes for p in c.points]
-    assert len(set(pts[:3])) == 1 and all(b <= a for a, b in zip(pts, pts[1:]))
+    assert len(set(pts[:3])) == 1 and all(b <= a for a, b in itertools.pairwise(pts))
     assert all(sum(p.breakdown.values()) == p.predicted_bytes for p in c.points)
     assert min(pts) >= c.floor_bytes
