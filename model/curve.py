@@ -38,6 +38,8 @@ memory the offloaded states need (:func:`model.offload.host_memory_bytes`, one r
 with a cluster scale it by their ranks per node); the bound takes the margin of the base's group.
 ZeRO-1 (:mod:`model.zero1`) is answered the same way from its unsharded base, less the optimizer states (and
 step temporaries) of the parameters ``ZeroRedundancyOptimizer`` gives other ranks.
+Frozen fine-tunes (embeddings and the first N layers frozen) are answered the same way from the curve of
+their base, the full fine-tune of the L − N layers above (:mod:`model.frozen`), where that applies.
 """
 
 from __future__ import annotations
@@ -252,6 +254,12 @@ class MemoryPredictor:
 
         if offloaded(training):
             return self._offload_curve(model, training, hf_config)
+        from model.frozen import frozen, not_composable_reason
+
+        if frozen(training) and not_composable_reason(model, training, hf_config) is None:
+            composed = self._frozen_curve(model, training, hf_config)
+            if composed is not None:
+                return composed
         if training.sharding is Sharding.ZERO1 and hf_config is not None:
             composed = self._zero1_curve(model, training, hf_config)
             if composed is not None:
@@ -445,3 +453,28 @@ class MemoryPredictor:
                                                          training.accumulates_gradients),
                      floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
                      raw_bytes=raw, phase_bytes=dev, learned_coefficients=base.learned_coefficients, margin_group=group)
+
+    def _frozen_curve(self, model: ModelSpec, training: TrainingConfig,
+                      hf_config: dict[str, Any] | None) -> Curve | None:
+        """The curve of a frozen fine-tune composed from its base's phases (:mod:`model.frozen`), on the base's
+        path; None when the base has no phases (the ratio model answers it): the caller answers as before."""
+        from model.frozen import base_model, base_training, device_phases
+
+        base = self.curve(base_model(model, training), base_training(training), hf_config)
+        if base.phase_bytes is None:
+            return None
+        states = model_state_bytes(model, training)
+        dev = device_phases(base.phase_bytes, list(PEAK_PHASES), model, training)
+        raw = dev.max(axis=1)
+        phases: list[str | None] = [PEAK_PHASES[i] for i in dev.argmax(axis=1)]
+        composed = (f"frozen fine-tuning composed from the full fine-tune of the {base_model(model, training).num_layers}"
+                    f" layers above the {training.frozen_layers} frozen ones (model.frozen)")
+        notes = [n for n in base.notes if not n.startswith("provisional answer")] + [composed]
+        if base.path == PROVISIONAL:
+            notes.append(f"provisional answer (learned phase coefficients of the base, composed per phase): "
+                         f"{base.reason}")
+        margin = self.margins[margin_group(base.path, training.sharding, base.learned_coefficients)]
+        return Curve(path=base.path, points=self._points(base.path, raw, phases, states, margin, None,
+                                                         training.accumulates_gradients),
+                     floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
+                     raw_bytes=raw, phase_bytes=dev, learned_coefficients=base.learned_coefficients)

@@ -527,8 +527,10 @@ def saving_errors(df: pd.DataFrame, pred) -> np.ndarray:
 
 def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
     """``traced`` where the row's configuration has traced terms in ``terms``, else ``provisional``. A ZeRO-1
-    row is ``traced`` where its unsharded base is (:mod:`model.zero1` composes its curve from the base's terms)."""
+    row is ``traced`` where its unsharded base is (:mod:`model.zero1` composes its curve from the base's terms), a
+    frozen fine-tune composed from its full fine-tune base (:mod:`model.frozen`) where that base is."""
     from memfit.schema import Sharding
+    from model.frozen import base_terms_key
     from model.terms import not_traceable_reason, terms_key
     from model.zero1 import base_training, not_composable_reason
 
@@ -539,6 +541,7 @@ def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
         spec, training, hf = row_configuration(g.iloc[0].to_dict())
         if training.sharding is Sharding.ZERO1 and not_composable_reason(training) is None:
             training = base_training(training)
-        if hf is not None and not_traceable_reason(spec, training) is None and terms.get(terms_key(hf, training)):
+        traced = hf is not None and not_traceable_reason(spec, training) is None and terms.get(terms_key(hf, training))
+        if traced or ((key := base_terms_key(spec, training, hf)) is not None and terms.get(key)):
             out[g.index] = "traced"
     return out

@@ -49,9 +49,11 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
     Not covered: MoE models that mix dense and MoE decoder layers (``hf_config`` keys
     ``first_k_dense_replace``, ``mlp_only_layers``, ``decoder_sparse_step``), expert parallelism with
     sharded parameters or with fewer local experts than the top-k, ``frozen`` fine-tuning (its layers
-    are not alike), ZeRO-1 (``ZeroRedundancyOptimizer`` assigns whole parameters to ranks greedily, so
-    rank 0's share of a 1- or 2-layer model does not compose: its curve is composed instead from the
-    traced terms of the same configuration without sharding, :mod:`model.zero1`), tensor parallelism outside the
+    are not alike: :meth:`model.curve.MemoryPredictor.curve` composes it from its full fine-tune base,
+    :mod:`model.frozen`, where that applies; the reason says why not), ZeRO-1 (``ZeroRedundancyOptimizer`` assigns
+    whole parameters to ranks greedily, so rank 0's share of a 1- or 2-layer model does not compose: its curve is
+    composed instead from the traced terms of the same configuration without sharding, :mod:`model.zero1`),
+    tensor parallelism outside the
     Llama-style families or combined with adapters. Pipeline and context parallelism are
     composed on top of the traced terms (:mod:`model.parallel`), so they do not block the traced path.
     MoE routing itself is traced with a balanced deterministic router (:func:`training.moe.balanced_routing`).
@@ -64,8 +66,12 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
             return "expert parallelism is traced with sharding=none only"
         if ep > 1 and model.num_experts // ep < (model.num_experts_per_token or 1):
             return "expert parallelism with fewer local experts than the top-k is not traced"
-    if training.finetune is FineTune.FROZEN:
-        return "frozen fine-tuning mixes frozen and trainable layers"
+    if training.finetune is FineTune.FROZEN:  # not traced itself: composed from its full fine-tune base
+        from model.frozen import not_composable_reason
+
+        return not_composable_reason(model, training, hf_config) or (
+            "frozen fine-tuning is composed from the traced full fine-tune of its trainable layers "
+            "(model.frozen), which has no composed phases here (not traced yet)")
     if training.sharding is Sharding.ZERO1:
         from model.zero1 import not_composable_reason
 

@@ -292,7 +292,9 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
         if t.finetune is FineTune.LORA:
             trainable = lora_trainable_params(spec, t.lora_rank or 8, t.lora_target_modules, hf_config)
         elif t.finetune is FineTune.FROZEN:
-            trainable = spec.total_params * (spec.num_layers - t.frozen_layers) // spec.num_layers
+            from model.frozen import trainable_params
+
+            trainable = trainable_params(spec, t.frozen_layers, hf_config)  # embeddings frozen too
         else:
             trainable = spec.total_params
     total = spec.total_params + (trainable if t.finetune is FineTune.LORA and t.trainable_params is None else 0)

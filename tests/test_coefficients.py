@@ -157,13 +157,20 @@ def test_learned_curve_invariants(held_out_model):
 
 
 def test_uncovered_settings_fall_back_to_the_ratio_model(held_out_model):
-    """Frozen fine-tuning is not composable (layers differ): the coefficient model does not answer it."""
+    """Frozen fine-tuning is not composable itself (layers differ): the coefficient model does not answer it. Where
+    model.frozen applies, it is composed from the coefficients of its full fine-tune base; where not (GPT-2: the
+    learned position table stays trainable), only the ratio model answers."""
+    predictor = MemoryPredictor(None, TermsCache(shipped_dir=None), coefficients=held_out_model)
     spec = catalog.spec("llama-3.2-1b")
     hf = catalog.get("llama-3.2-1b")["hf_config"]
     frozen = TrainingConfig(micro_batch_size=1, seq_len=1024, finetune="frozen", frozen_layers=4)
     assert not held_out_model.covers(spec, frozen, hf)
+    c = predictor.curve(spec.model_copy(update={"trainable_params": spec.total_params // 2}), frozen, hf)
+    assert c.path == "provisional" and c.learned_coefficients and any("model.frozen" in n for n in c.notes)
+    gpt2, gpt2_hf = catalog.spec("gpt2"), catalog.get("gpt2")["hf_config"]
+    assert not held_out_model.covers(gpt2, frozen, gpt2_hf)
     with pytest.raises(ValueError, match="no provisional model loaded"):
-        MemoryPredictor(None, TermsCache(shipped_dir=None), coefficients=held_out_model).curve(spec, frozen, hf)
+        predictor.curve(gpt2, frozen, gpt2_hf)
 
 
 def test_scales_make_targets_order_one_across_precision_and_sharding(entries):

@@ -153,7 +153,10 @@ def recommender(small_registry) -> Recommender:
     ("llama-3-8b", {"micro_batch_size": 2, "seq_len": 4096, "precision": "bf16"}),
     ("qwen2.5-7b", {"micro_batch_size": 1, "seq_len": 8192}),
     ("gpt2-xl", {"micro_batch_size": 8, "seq_len": 1024, "optimizer": "adamw_fused"}),
-    ("llama-2-13b", {"micro_batch_size": 1, "seq_len": 2048, "finetune": "frozen", "frozen_layers": 20}),  # provisional
+    # frozen: composed from the traced full fine-tune of the 20 layers above the frozen ones (model.frozen)
+    ("llama-2-13b", {"micro_batch_size": 1, "seq_len": 2048, "finetune": "frozen", "frozen_layers": 20}),
+    # frozen with GPT-2's learned position table trainable below the layers: not composed, provisional
+    ("gpt2-xl", {"micro_batch_size": 1, "seq_len": 1024, "finetune": "frozen", "frozen_layers": 8}),
     ("mixtral-8x7b", {"micro_batch_size": 1, "seq_len": 2048, "finetune": "lora", "lora_rank": 16}),  # provisional
 ])
 def test_predict_equals_recommend_at_every_k(recommender, model, training):
@@ -165,7 +168,8 @@ def test_predict_equals_recommend_at_every_k(recommender, model, training):
         assert p.predicted_peak_bytes == point.predicted_bytes and p.upper_bound_bytes == point.upper_bytes
         assert p.total_upper_bytes == point.total_upper_bytes and p.path == rec.path
     assert sum(rec.breakdown.values()) == rec.predicted_peak_bytes
-    expected = PROVISIONAL if training.get("finetune") == "frozen" or model.startswith("mixtral") else TRACED
+    expected = PROVISIONAL if model.startswith("mixtral") or model == "gpt2-xl" and "frozen_layers" in training \
+        else TRACED
     assert rec.path == expected
     if expected == PROVISIONAL:
         assert any("provisional" in w for w in rec.warnings)
@@ -173,8 +177,9 @@ def test_predict_equals_recommend_at_every_k(recommender, model, training):
 
 def test_provisional_curve_keeps_the_shape(recommender):
     """The learned path too: monotone in k and never below the state floor (the old /predict was not)."""
-    c, spec, training = recommender.curve("mistral-7b-v0.1", RecommendRequest.model_validate(
-        {"model": "x", "training": {"micro_batch_size": 2, "seq_len": 4096, "precision": "bf16", "finetune": "frozen",
+    # frozen GPT-2: its learned position table stays trainable, so model.frozen does not compose it
+    c, spec, training = recommender.curve("gpt2-xl", RecommendRequest.model_validate(
+        {"model": "x", "training": {"micro_batch_size": 2, "seq_len": 1024, "precision": "bf16", "finetune": "frozen",
                                     "frozen_layers": 8}, "cluster": {"gpu": "H200"}}).training)
     pts = [p.predicted_bytes for p in c.points]
     assert c.path == PROVISIONAL and all(b <= a for a, b in zip(pts, pts[1:]))
