@@ -48,8 +48,8 @@ def test_sorted_greedy_partition_and_its_tie_rule_match_zero_redundancy_optimize
     assert _zero_partition_rank0(params, world) == sorted(expected)
 
 
-@pytest.mark.parametrize("fields", [dict(precision="fp32"), dict(precision="amp_bf16", finetune="lora", lora_rank=4),
-                                    dict(precision="bf16_fp32_master", optimizer="adamw_fused")])
+@pytest.mark.parametrize("fields", [{"precision": "fp32"}, {"precision": "amp_bf16", "finetune": "lora", "lora_rank": 4},
+                                    {"precision": "bf16_fp32_master", "optimizer": "adamw_fused"}])
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_rank0_share_of_a_tiny_llama_is_the_collectors(fields, world):
     # the collector's own ZeroRedundancyOptimizer (through MasterWeightsOptimizer for bf16 + fp32 master) over the
@@ -82,16 +82,16 @@ def _measure(training: TrainingConfig):
 
 @pytest.mark.parametrize("fields, exact", [
     # measured here: composed == measured to the byte at every k
-    (dict(micro_batch_size=2, seq_len=64, precision="fp32", optimizer="adamw_foreach", data_parallel_size=2), True),
+    ({"micro_batch_size": 2, "seq_len": 64, "precision": "fp32", "optimizer": "adamw_foreach", "data_parallel_size": 2}, True),
     # the peak falls in the optimizer step at every k (foreach temporaries of rank 0's masters only); the base's
     # own composition misses the measurement by -256 B and the composed ZeRO-1 curve by exactly the same
-    (dict(micro_batch_size=1, seq_len=32, precision="bf16_fp32_master", optimizer="adamw_foreach",
-          data_parallel_size=3), True),
+    ({"micro_batch_size": 1, "seq_len": 32, "precision": "bf16_fp32_master", "optimizer": "adamw_foreach",
+          "data_parallel_size": 3}, True),
     # LoRA adapters over 8 ranks, fused AdamW: the base misses by -2,048 B, ZeRO-1 by the same
-    (dict(micro_batch_size=2, seq_len=64, precision="amp_bf16", optimizer="adamw_fused", data_parallel_size=8,
-          finetune="lora", lora_rank=4), True),
+    ({"micro_batch_size": 2, "seq_len": 64, "precision": "amp_bf16", "optimizer": "adamw_fused", "data_parallel_size": 8,
+          "finetune": "lora", "lora_rank": 4}, True),
     # Adafactor's step temporaries are not subtracted: an upper bound (measured here +10.3 % at k = 4, exact below)
-    (dict(micro_batch_size=2, seq_len=64, precision="fp32", optimizer="adafactor", data_parallel_size=2), False),
+    ({"micro_batch_size": 2, "seq_len": 64, "precision": "fp32", "optimizer": "adafactor", "data_parallel_size": 2}, False),
 ])
 def test_composed_curve_against_the_collectors_zero1_step(fields, exact):
     from training.phases import trace_terms
