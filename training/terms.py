@@ -19,7 +19,7 @@ from typing import Any
 
 from data import catalog
 from memfit.errors import UnknownModel
-from memfit.schema import FineTune, Optimizer, Precision, TrainingConfig
+from memfit.schema import FineTune, ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
 from model.terms import not_traceable_reason, terms_key, training_key_fields
 
 #: the settings a request gets when it says nothing (memfit.api defaults), traced for every catalog model
@@ -55,13 +55,30 @@ def jobs_from_telemetry(path: str | Path) -> list[tuple[str, TrainingConfig]]:
         rec = TelemetryRecord.from_row(row.to_dict())
         name = rec.model.model_name
         cfg = hf_config_of(name)  # None for rows of models neither in the catalog nor reduced MoE: skipped
-        if cfg is None or not_traceable_reason(rec.model, rec.training, cfg):
+        training = None if cfg is None else traced_training(rec.model, rec.training, cfg)
+        if training is None:
             continue
-        sig = (rec.model.model_name, json.dumps(training_key_fields(rec.training), sort_keys=True))
+        sig = (rec.model.model_name, json.dumps(training_key_fields(training), sort_keys=True))
         if sig not in seen:
             seen.add(sig)
-            out.append((rec.model.model_name, rec.training))
+            out.append((rec.model.model_name, training))
     return out
+
+
+def traced_training(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]) -> TrainingConfig | None:
+    """The configuration whose traced terms answer ``training``: itself where it is traced, else the base its
+    curve is composed from (a frozen fine-tune: the full fine-tune, :mod:`model.frozen`; ZeRO-1: the same
+    without sharding, :mod:`model.zero1`), else None (the provisional path answers it)."""
+    from model import frozen, zero1
+
+    if not_traceable_reason(model, training, hf_config) is None:
+        return training
+    if frozen.base_terms_key(model, training, hf_config) is not None:
+        return frozen.base_training(training)
+    if training.sharding is Sharding.ZERO1 and zero1.not_composable_reason(training) is None:
+        base = zero1.base_training(training)
+        return base if not_traceable_reason(model, base, hf_config) is None else None
+    return None
 
 
 #: configurations of the public reports the tests pose (tests/test_cases.py), traced ahead like the catalog
