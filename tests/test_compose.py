@@ -101,3 +101,28 @@ def test_terms_mb1_merge_replaces_entries_in_place(tmp_path):
     from model.terms import terms_key
 
     assert terms_key(hf_config_of(src[0]["model_name"]), entry_training(src[0])) == src[0]["key"]
+
+
+def test_traced_training_names_the_base_of_composed_configurations():
+    """``training.terms --telemetry`` traces what answers a row: the row's own configuration, the full fine-tune a
+    frozen one is composed from, the unsharded configuration of ZeRO-1; nothing for what is not composed."""
+    from data import catalog
+    from memfit.schema import Sharding, TrainingConfig
+    from training.terms import traced_training
+
+    hf = hf_config_of("llama-3.2-1b")
+    spec = catalog.spec("llama-3.2-1b")
+    own = TrainingConfig(micro_batch_size=1, seq_len=512)
+    assert traced_training(spec, own, hf) is own
+    frozen = TrainingConfig(micro_batch_size=1, seq_len=512, finetune="frozen", frozen_layers=4)
+    base = traced_training(spec, frozen, hf)
+    assert base.finetune.value == "full" and base.frozen_layers == 0 and base.precision is frozen.precision
+    zero1 = TrainingConfig(micro_batch_size=1, seq_len=512, sharding="zero1", data_parallel_size=8)
+    base = traced_training(spec, zero1, hf)
+    assert base.sharding is Sharding.NONE and base.data_parallel_size == 1
+    # a bitsandbytes optimizer under ZeRO-1 is not composed (ZeroRedundancyOptimizer wraps torch optimizers)
+    bnb = TrainingConfig(micro_batch_size=1, seq_len=512, sharding="zero1", data_parallel_size=8, optimizer="adamw_8bit")
+    assert traced_training(spec, bnb, hf) is None
+    # GPT-2's learned position table stays trainable below the frozen layers: not composed either
+    gpt2 = TrainingConfig(micro_batch_size=1, seq_len=512, finetune="frozen", frozen_layers=2)
+    assert traced_training(catalog.spec("gpt2"), gpt2, hf_config_of("gpt2")) is None
