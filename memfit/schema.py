@@ -290,6 +290,8 @@ class TrainingConfig(_Part):
             raise InvalidConfiguration("lora_rank", "null unless finetune='lora'", self.lora_rank)
         if self.finetune is FineTune.FROZEN and self.frozen_layers == 0:
             raise InvalidConfiguration("frozen_layers", "an integer >= 1 when finetune='frozen'", self.frozen_layers)
+        if self.finetune is not FineTune.FROZEN and self.frozen_layers != 0:
+            raise InvalidConfiguration("frozen_layers", "0 unless finetune='frozen'", self.frozen_layers)
         if self.sharding is not Sharding.NONE and self.data_parallel_size < 2:
             raise InvalidConfiguration("sharding", "'none' when data_parallel_size is 1 (sharding needs >= 2 ranks)",
                                        self.sharding.value)

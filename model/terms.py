@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memfit.schema import Attention, FineTune, ModelSpec, Quantization, Sharding, TrainingConfig
+from memfit.schema import Attention, FineTune, ModelSpec, Optimizer, Quantization, Sharding, TrainingConfig
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "terms"
 
@@ -26,6 +26,10 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "terms"
 _IGNORED_KEYS = frozenset({"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
                            "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "auto_map",
                            "quantization_config", "_commit_hash", "output_attentions", "output_hidden_states"})
+
+
+#: bitsandbytes optimizers (training/bnb.py): traced and measured without sharding only
+_BITSANDBYTES_OPTIMIZERS = frozenset({Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT, Optimizer.LION})
 
 
 def _mixes_dense_and_moe_layers(hf_config: dict[str, Any]) -> bool:
@@ -81,6 +85,9 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
         return "an optimizer step in backward is traced without sharding only"
     if training.quantization is not Quantization.NONE and training.sharding is not Sharding.NONE:
         return "a quantized base is traced without sharding only"
+    if training.optimizer in _BITSANDBYTES_OPTIMIZERS and training.sharding is not Sharding.NONE:
+        # its update kernel refuses FSDP2's DTensor parameters ("got mixed torch.Tensor and DTensor")
+        return f"{training.optimizer.value} (bitsandbytes) is traced without sharding only"
     if training.tensor_parallel_size > 1:
         from model.parallel import TENSOR_PARALLEL_FAMILIES
 

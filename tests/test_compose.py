@@ -126,3 +126,16 @@ def test_traced_training_names_the_base_of_composed_configurations():
     # GPT-2's learned position table stays trainable below the frozen layers: not composed either
     gpt2 = TrainingConfig(micro_batch_size=1, seq_len=512, finetune="frozen", frozen_layers=2)
     assert traced_training(catalog.spec("gpt2"), gpt2, hf_config_of("gpt2")) is None
+
+
+def test_bitsandbytes_optimizers_under_sharding_are_not_traced():
+    """bitsandbytes' update kernel refuses FSDP2's DTensor parameters: the answer says so instead of a doomed trace."""
+    from data import catalog
+    from memfit.schema import TrainingConfig
+    from model.terms import not_traceable_reason
+
+    spec = catalog.spec("qwen2.5-0.5b")
+    for opt in ("adamw_8bit", "paged_adamw_8bit", "lion"):
+        t = TrainingConfig(micro_batch_size=1, seq_len=512, optimizer=opt, sharding="zero2", data_parallel_size=8)
+        assert "traced without sharding only" in not_traceable_reason(spec, t)
+        assert not_traceable_reason(spec, TrainingConfig(micro_batch_size=1, seq_len=512, optimizer=opt)) is None

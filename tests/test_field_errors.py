@@ -35,6 +35,8 @@ def _errors(client, training=None, cluster=None, model="llama-3-8b"):
      "'gate_proj'"),
     ({"finetune": "frozen", "frozen_layers": 4, "trainable_params": 10**12}, None, "training.trainable_params",
      "total_params=8030261248"),
+    # frozen layers without frozen fine-tuning were ignored silently (a full fine-tune was answered)
+    ({"frozen_layers": 4}, None, "training.frozen_layers", "0 unless finetune='frozen'"),
 ])
 def test_model_level_checks_name_their_field(client, training, cluster, field, words):
     (err,) = _errors(client, training, cluster)
