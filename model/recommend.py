@@ -6,7 +6,9 @@ predicted allocated peak and its calibrated upper bound for all k = 0..L; the ov
 ``capacity × (1 − headroom)``. Recompute cost: re-running the forward of k of L layers costs about
 k/L of a forward pass, and a forward is about a third of a training step's compute (backward ≈ 2×
 forward; Chen et al. 2016, arXiv 1604.06174, Sec. 4; Korthikanti et al. 2022, arXiv 2205.05198, Sec. 5),
-so the overhead fraction is ``k / (3 L)``.
+so the overhead fraction is ``k / (3 L)``. With the first N layers frozen (``finetune="frozen"``) those
+layers have no backward and checkpointing them recomputes nothing (:mod:`model.frozen`): the fraction is
+``max(0, k − N) / (L + 2 (L − N))`` (:func:`recompute_fraction`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memfit.schema import ModelSpec, TrainingConfig
+from memfit.schema import FineTune, ModelSpec, TrainingConfig
 from model.curve import Curve, CurvePoint, MemoryPredictor
 from model.overhead import Overhead, OverheadModel
 
@@ -67,6 +69,18 @@ def layer_indices(k: int, num_layers: int, pipeline_parallel_size: int = 1, meth
     return sorted(out)
 
 
+def recompute_fraction(k: int, num_layers: int, training: TrainingConfig) -> float:
+    """Share of a training step's compute spent re-running the forward of the first ``k`` checkpointed layers.
+
+    A layer's forward costs one unit and its backward two (Chen et al. 2016, arXiv 1604.06174, Sec. 4); frozen
+    layers (``finetune="frozen"``, the first ``frozen_layers``) run no backward and save nothing to recompute.
+    Returns ``max(0, k − N) / (L + 2 (L − N))`` with N frozen layers (N = 0 otherwise): ``k / (3 L)`` unfrozen.
+    """
+    frozen = training.frozen_layers if training.finetune is FineTune.FROZEN else 0
+    step_units = num_layers + 2 * (num_layers - frozen)
+    return max(0, k - frozen) / step_units if step_units else 0.0
+
+
 def plan(predictor: MemoryPredictor, model: ModelSpec, training: TrainingConfig, *, capacity_bytes: int,
          hf_config: dict | None = None, headroom_fraction: float = 0.05, device_name: str | None = None,
          gpu_count: int = 1, overhead_model: OverheadModel | None = None, layout: str = "block") -> Plan:
@@ -98,7 +112,7 @@ def plan(predictor: MemoryPredictor, model: ModelSpec, training: TrainingConfig,
         layers=layers,
         curve=c, total_upper_bytes=totals, capacity_bytes=capacity_bytes, usable_bytes=usable,
         overhead=overhead_model.overhead(c.points[at].upper_bytes, device_name, gpu_count),
-        recompute_fraction=(k or 0) / (3 * model.num_layers),
+        recompute_fraction=recompute_fraction(k or 0, model.num_layers, training),
         shortfall_bytes=0 if k is not None else totals[at] - usable,
     )
 

@@ -119,3 +119,15 @@ def test_heavy_recompute_gets_cheaper_alternatives_through_the_curve():
     assert all(a.fits and a.throughput_loss_fraction < rec.recompute_overhead_fraction for a in rec.alternatives)
     assert [CATEGORIES.index(a.category) for a in rec.alternatives] == sorted(
         CATEGORIES.index(a.category) for a in rec.alternatives)
+
+
+def test_recompute_fraction_counts_no_recompute_for_frozen_layers():
+    """Checkpointing a frozen layer recomputes nothing and frozen layers run no backward (model.frozen)."""
+    from memfit.schema import TrainingConfig
+    from model.recommend import recompute_fraction
+
+    full = TrainingConfig(micro_batch_size=1, seq_len=512)
+    assert recompute_fraction(12, 16, full) == pytest.approx(12 / 48)
+    frozen = TrainingConfig(micro_batch_size=1, seq_len=512, finetune="frozen", frozen_layers=4)
+    assert recompute_fraction(4, 16, frozen) == 0.0
+    assert recompute_fraction(12, 16, frozen) == pytest.approx(8 / (16 + 24))
