@@ -56,6 +56,7 @@ FLAG_OF = {
     "training.pipeline_schedule": "--pipeline-schedule", "training.num_micro_batches": "--micro-batches",
     "training.pipeline_chunks_per_rank": "--pipeline-chunks",
     "training.lora_rank": "--lora-rank", "training.lora_target_modules": "--lora-targets",
+    "training.frozen_layers": "--frozen-layers",
     "training.checkpoint_impl": "--checkpoint-impl",
     "training.offload_optimizer": "--offload-optimizer", "training.offload_parameters": "--offload-parameters",
     "training.gradient_accumulation_steps": "--grad-accum",
@@ -144,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--attention", choices=[x.value for x in Attention],
                    help=f"attention kernel (default: {_default('attention')})")
     t.add_argument("--lora-rank", type=_positive_int, metavar="R", help="LoRA fine-tune with this rank (default: full)")
+    t.add_argument("--frozen-layers", type=_positive_int, metavar="N",
+                   help="frozen fine-tune: the input embeddings and the first N decoder layers frozen (default: full)")
     t.add_argument("--lora-targets", metavar="NAMES",
                    help="with --lora-rank: comma-separated module names LoRA adapts, PEFT's target_modules, e.g. "
                         "q_proj,k_proj,v_proj,o_proj (default: PEFT's default for the model type)")
@@ -277,8 +280,12 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
             training[field] = getattr(a, flag)
     if a.sharding is not None or a.zero is not None:
         training["sharding"] = a.sharding or ZERO[a.zero].value
+    if a.lora_rank is not None and a.frozen_layers is not None:
+        raise InputError("--frozen-layers: not with --lora-rank (a fine-tune is full, LoRA or frozen)")
     if a.lora_rank is not None:
         training.update(finetune="lora", lora_rank=a.lora_rank)
+    if a.frozen_layers is not None:
+        training.update(finetune="frozen", frozen_layers=a.frozen_layers)
     if a.lora_targets is not None:
         if a.lora_rank is None:
             raise InputError("--lora-targets: needs --lora-rank (LoRA fine-tune)")

@@ -107,6 +107,8 @@ def test_nothing_fits_exits_3_with_alternatives(run):
     (["--headroom", "2"], "--headroom", "less than or equal to 0.9"),
     (["--gpu-memory-gib", "-1"], "--gpu-memory-gib", "greater than 0"),
     (["--pipeline-parallel", "2"], "", "exceeds cluster.gpu_count=1"),
+    (["--frozen-layers", "40"], "--frozen-layers", "num_layers=28"),
+    (["--frozen-layers", "4", "--lora-rank", "8"], "--frozen-layers", "full, LoRA or frozen"),
 ])
 def test_out_of_range_values_name_the_flag_not_a_pydantic_dump(run, argv, flag, words):
     gpu = [] if "--gpu-memory-gib" in argv else ["--gpu", "L4"]
