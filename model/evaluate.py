@@ -570,7 +570,8 @@ def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
     out = np.full(len(d), "provisional", dtype=object)
     for _key, g in d.groupby(cols, dropna=False, sort=False):
         spec, training, hf = row_configuration(g.iloc[0].to_dict())
-        if training.sharding is Sharding.ZERO1 and not_composable_reason(training) is None:
+        if training.sharding is Sharding.ZERO1 and not_composable_reason(training) is None and \
+                not_traceable_reason(spec, base_training(training)) is None:  # as MemoryPredictor._zero1_curve
             training = base_training(training)
         traced = hf is not None and not_traceable_reason(spec, training) is None and terms.get(terms_key(hf, training))
         if traced or ((key := base_terms_key(spec, training, hf)) is not None and terms.get(key)):

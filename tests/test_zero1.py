@@ -186,3 +186,17 @@ def test_zero1_with_the_optimizer_offloaded_is_the_unsharded_offloaded_device_cu
     for r in records:
         measured = r.measurement.peak_allocated_bytes
         assert measured <= curve.points[r.training.num_checkpointed_layers].predicted_bytes <= measured * 1.03
+
+
+def test_row_paths_leave_frozen_zero1_rows_provisional():
+    """A frozen fine-tune under ZeRO-1 is composed neither way (its unsharded base is a frozen fine-tune, itself never
+    traced): the benchmark's traced row must not count it, though its full fine-tune base's terms are shipped."""
+    from pathlib import Path
+
+    from model.evaluate import load_rows, row_paths
+    from model.terms import TermsCache
+
+    df, _ = load_rows(files=[Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"])
+    d = df[(df["finetune"] == "frozen") & (df["sharding"] == "zero1")].reset_index(drop=True)
+    assert len(d) > 0
+    assert set(row_paths(d, TermsCache())) == {"provisional"}
