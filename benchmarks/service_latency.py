@@ -11,7 +11,10 @@ Starts the real service (uvicorn, one process) on 127.0.0.1 with the given regis
    configurations measures the uncached cost);
 3. a fake-tensor traced measurement of the same configuration (one k), to show the speed-up;
 4. a mixed load: good and bad /recommend requests and /telemetry posts, counting 5xx and checking
-   that every posted telemetry row landed (store count before/after).
+   that every posted telemetry row landed (store count before/after);
+5. a locked store: another connection holds the SQLite file exclusively while 8 writers post 200
+   telemetry rows; each post's 503 latency, and sequential /recommend p99 quiet vs during the storm
+   (reads are served from their own pool, so the ratio should stay near 1).
 
     python -m benchmarks.service_latency --requests 400 --concurrency 1 16
 
@@ -69,6 +72,51 @@ async def _load(base: str, make, n: int, concurrency: int) -> tuple[list[float],
 def _stats(lat: list[float], wall: float) -> dict:
     q = statistics.quantiles(lat, n=100)
     return {"p50_ms": round(q[49] * 1000, 2), "p99_ms": round(q[98] * 1000, 2), "rps": round(len(lat) / wall, 1)}
+
+
+def _locked_store(base: str, db_path: Path) -> dict:
+    """Step 5: /recommend latency quiet vs during a telemetry write storm against a locked SQLite file."""
+    import sqlite3
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.helpers import record
+
+    def reads(n: int, until=None) -> list[float]:
+        lat = []
+        with httpx.Client(base_url=base, timeout=30) as c:
+            while len(lat) < n or (until is not None and until()):
+                t0 = time.perf_counter()
+                c.post("/recommend", json=BODY).raise_for_status()
+                lat.append(time.perf_counter() - t0)
+        return lat
+
+    def writer(t: int) -> list[tuple[int, float]]:
+        got = []
+        with httpx.Client(base_url=base, timeout=30) as c:
+            for i in range(25):
+                body = [record(record_id=f"storm-{t}-{i:04d}-{uuid.uuid4().hex[:8]}").model_dump(mode="json")]
+                t0 = time.perf_counter()
+                r = c.post("/telemetry", json=body)
+                got.append((r.status_code, time.perf_counter() - t0))
+        return got
+
+    quiet = reads(150)
+    locker = sqlite3.connect(db_path, timeout=0)
+    locker.execute("BEGIN EXCLUSIVE")
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(writer, t) for t in range(8)]
+            during = reads(150, until=lambda: not all(f.done() for f in futures))
+            posts = [x for f in futures for x in f.result()]
+    finally:
+        locker.rollback()
+        locker.close()
+    p99 = lambda lat: statistics.quantiles(lat, n=100)[98]
+    return {"posts": len(posts), "posts_503": sum(c == 503 for c, _ in posts),
+            "post_max_ms": round(max(s for _, s in posts) * 1000, 1),
+            "recommend_p99_quiet_ms": round(p99(quiet) * 1000, 2),
+            "recommend_p99_during_ms": round(p99(during) * 1000, 2),
+            "p99_ratio_during_vs_quiet": round(p99(during) / p99(quiet), 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             **BODY, "training": {**BODY["training"], "seq_len": 4096 + 8 * (i + 1)}}}), 60, 1))
         out["recommend_80_layers_distinct_configs_c1"] = {**_stats(lat, wall),
                                                           "non_200": sum(x != 200 for x in codes)}
+        out["locked_store"] = _locked_store(base, tmp / "bench.db")
         out["server_alive_after"] = httpx.get(base + "/v2/health/live").status_code == 200
         if not a.skip_trace:
             from data import catalog

@@ -48,7 +48,9 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_service(registry_dir, db_url: str | None, *, wait_for: str = "/v2/health/ready", **env_extra: str):
     """Start ``python -m service`` (real uvicorn) on a free loopback port; yields its base URL once
-    ``wait_for`` answers 200 (``/v2/health/live`` for a server expected to start without a model)."""
+    ``wait_for`` answers 200 (``/v2/health/live`` for a server expected to start without a model) and,
+    for readiness, its start-up warm-up has finished (a first request on a loaded 2-core box otherwise
+    waits behind it)."""
     import os
     import subprocess
     import sys
@@ -77,6 +79,13 @@ def running_service(registry_dir, db_url: str | None, *, wait_for: str = "/v2/he
             time.sleep(0.3)
         else:
             raise RuntimeError("server did not become ready")
+        while wait_for == "/v2/health/ready" and time.time() < deadline:  # start-up work (catalog configs) done
+            try:
+                if httpx.get(base + wait_for, timeout=5).json().get("details", {}).get("warmed_up", True):
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
         yield base
     finally:
         proc.terminate()

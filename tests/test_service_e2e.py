@@ -24,7 +24,7 @@ def server(small_registry, tmp_path_factory):
 
 def test_recommend_llama_8b(server):
     base, _ = server
-    r = httpx.post(base + "/recommend", json=LLAMA8B_8xH100, timeout=10)
+    r = httpx.post(base + "/recommend", json=LLAMA8B_8xH100, timeout=60)
     assert r.status_code == 200, r.text
     j = r.json()
     assert j["num_layers"] == 32 and len(j["curve"]) == 33
@@ -55,7 +55,7 @@ def test_recommend_llama_8b(server):
 ])
 def test_bad_recommend_inputs_are_problems(server, body, word):
     base, _ = server
-    r = httpx.post(base + "/recommend", json=body, timeout=10)
+    r = httpx.post(base + "/recommend", json=body, timeout=60)
     assert r.status_code == 422, r.text
     assert r.headers["content-type"].startswith("application/problem+json")
     assert word in r.text
