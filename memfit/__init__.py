@@ -19,7 +19,7 @@ from typing import Any
 
 from memfit.api import Recommendation, RecommendRequest
 from memfit.checkpointing import AppliedCheckpointing, CheckpointPlan, MemfitWarning, apply, checkpoint_layers, verify
-from memfit.client import Client, FallbackRecommendation, ServiceError, is_fallback
+from memfit.client import Client, FallbackRecommendation, RequestRejected, ServiceError, is_fallback
 from memfit.describe import describe
 from memfit.reporter import flush_spool, report_peak
 
@@ -33,6 +33,7 @@ __all__ = [
     "MemfitWarning",
     "RecommendRequest",
     "Recommendation",
+    "RequestRejected",
     "ServiceError",
     "apply",
     "checkpoint_layers",

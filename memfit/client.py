@@ -51,6 +51,33 @@ class ServiceError(RuntimeError):
         self.status_code = status_code
 
 
+class RequestRejected(ValueError):
+    """The service refused the request as invalid (HTTP 4xx): a ``ValueError``, so callers that catch
+    ``ValueError`` keep working.
+
+    Attributes:
+        status_code: the HTTP status (422 for invalid fields).
+        errors: the service's ``errors`` list of a 422 problem+json, one ``{"field", "message", "allowed"}``
+            per invalid field (``field`` dotted, e.g. ``training.seq_len``); empty when the body has none.
+    """
+
+    def __init__(self, message: str, status_code: int, errors: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.errors = list(errors or [])
+
+
+def _rejected(r: httpx.Response, what: str) -> RequestRejected:
+    """:class:`RequestRejected` for a 4xx answer to ``what`` (``request`` or ``telemetry``)."""
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    errors = body.get("errors") if isinstance(body, dict) and isinstance(body.get("errors"), list) else None
+    return RequestRejected(f"memfit service rejected the {what} (HTTP {r.status_code}): {_detail(r)}",
+                           r.status_code, errors)
+
+
 class FallbackRecommendation(Recommendation):
     """What :meth:`Client.recommend` returns when the service cannot answer and ``strict=False``.
 
@@ -193,8 +220,8 @@ class Client:
         Raises:
             TypeError: neither ``request`` nor all of ``model``/``training``/``cluster`` given.
             Only with ``strict=True``: pydantic.ValidationError — the request is malformed (checked
-            before any I/O); ServiceError — no answer; ValueError — the service rejected the request
-            (4xx, with its ``detail``). Without ``strict`` each of these gives the fallback.
+            before any I/O); ServiceError — no answer; :class:`RequestRejected` (a ``ValueError``) — the
+            service rejected the request (4xx, with its ``detail`` and per-field ``errors``). Without ``strict`` each of these gives the fallback.
         """
         if request is None and (model is None or training is None or cluster is None):
             raise TypeError("recommend() needs request=... or model=, training= and cluster=")
@@ -214,7 +241,7 @@ class Client:
         try:
             r = self._request("POST", "/recommend", json=request.model_dump(mode="json", exclude_none=True))
             if r.status_code >= 400:
-                raise ValueError(f"memfit service rejected the request (HTTP {r.status_code}): {_detail(r)}")
+                raise _rejected(r, "request")
             return Recommendation.model_validate(r.json())
         except (ServiceError, ValueError, ValidationError) as err:
             if self.strict:
@@ -228,13 +255,14 @@ class Client:
         """``POST /predict`` for fully specified configurations (k included).
 
         Raises:
-            ServiceError: no answer after retries. ValueError: the service rejected the request (4xx).
+            ServiceError: no answer after retries. RequestRejected (a ``ValueError``): the service rejected
+            the request (4xx).
         """
         if not isinstance(request, PredictRequest):
             request = PredictRequest.model_validate(request)
         r = self._request("POST", "/predict", json=request.model_dump(mode="json", exclude_none=True))
         if r.status_code >= 400:
-            raise ValueError(f"memfit service rejected the request (HTTP {r.status_code}): {_detail(r)}")
+            raise _rejected(r, "request")
         return PredictResponse.model_validate(r.json())
 
     def send_telemetry(self, records: list[Any]) -> dict[str, Any]:
@@ -242,14 +270,14 @@ class Client:
 
         Raises:
             ServiceError: no answer after retries (status_code set for 5xx).
-            PermissionError: 401 (token missing or wrong). ValueError: other 4xx.
+            PermissionError: 401 (token missing or wrong). RequestRejected (a ``ValueError``): other 4xx.
         """
         body = [r.model_dump(mode="json") if hasattr(r, "model_dump") else r for r in records]
         r = self._request("POST", "/telemetry", json=body)
         if r.status_code == 401:
             raise PermissionError(f"memfit service: {_detail(r)}")
         if r.status_code >= 400:
-            raise ValueError(f"memfit service rejected the telemetry (HTTP {r.status_code}): {_detail(r)}")
+            raise _rejected(r, "telemetry")
         return r.json()
 
     def models(self) -> dict[str, Any]:

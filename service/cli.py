@@ -352,15 +352,30 @@ def recommend_remote(req: RecommendRequest, url: str, timeout_s: float) -> Recom
     Raises:
         NoAnswer: unreachable, timed out or 5xx after retries. InputError: the service rejected it (4xx).
     """
-    from memfit.client import Client, ServiceError
+    from memfit.client import Client, RequestRejected, ServiceError
 
     with Client(url, timeout_s=timeout_s, strict=True) as client:
         try:
             return client.recommend(req)
         except ServiceError as err:
             raise NoAnswer(str(err)) from None
-        except ValueError as err:
-            raise InputError(str(err)) from None
+        except RequestRejected as err:
+            raise InputError(describe_rejection(err)) from None
+
+
+def describe_rejection(err) -> str:
+    """The service's 422 field errors (:class:`memfit.client.RequestRejected`) one per line, named by the
+    flag that sets each field as :func:`describe_validation_error` names local ones:
+    ``--seq-len (training.seq_len): must be ... allowed: an integer in [1, 1048576]``; the service's
+    message alone when it names no field."""
+    lines = []
+    for e in err.errors:
+        field = str(e.get("field") or "")
+        flag = FLAG_OF.get(field) or FLAG_OF.get(field.split(".")[0])
+        msg = str(e.get("message") or "").removeprefix(f"{field}: ")
+        allowed = f" (allowed: {e['allowed']})" if e.get("allowed") and str(e["allowed"]) not in msg else ""
+        lines.append(f"{flag} ({field}): {msg}{allowed}" if flag else f"{field or 'request'}: {msg}{allowed}")
+    return "\n".join(dict.fromkeys(lines)) or str(err)
 
 
 # -- present ---------------------------------------------------------------------------------------------

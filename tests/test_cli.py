@@ -170,6 +170,13 @@ class _Stub(BaseHTTPRequestHandler):
 @pytest.mark.parametrize("status, body, code, words", [
     (503, {"detail": "model loading"}, EXIT_NO_ANSWER, "HTTP 503"),
     (422, {"detail": "training.seq_len=9999999 must be in [1, 4194304]"}, EXIT_BAD_INPUT, "seq_len=9999999"),
+    # the service's problem+json field list (service/errors.py): each field named by its flag, as local errors are
+    (422, {"detail": "invalid request", "errors": [
+        {"field": "training.tensor_parallel_size", "message": "must divide num_attention_heads = 12",
+         "allowed": "a divisor of 12"},
+        {"field": "cluster.gpu_count", "message": "Input should be greater than or equal to 1", "allowed": None}]},
+     EXIT_BAD_INPUT, "--tensor-parallel (training.tensor_parallel_size): must divide num_attention_heads = 12 "
+                     "(allowed: a divisor of 12)\n--gpus (cluster.gpu_count): Input should be greater"),
 ])
 def test_service_answers_map_to_documented_exit_codes(capsys, status, body, code, words):
     handler = type("Handler", (_Stub,), {"status": status, "body": body})
