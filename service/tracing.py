@@ -75,7 +75,7 @@ def trace_in_subprocess(hf_config: dict[str, Any], training: TrainingConfig,
     child.close()
     try:
         if not parent.poll(timeout_s):
-            raise RuntimeError(f"tracing took longer than {timeout_s:.0f} s")
+            raise RuntimeError(f"tracing took longer than {timeout_s:g} s")
         status, payload = parent.recv()
     except EOFError as err:
         raise RuntimeError(f"the tracing process died (exit code {proc.exitcode})") from err
@@ -115,12 +115,17 @@ class BackgroundTracer:
                 return f"tracing is queued or running ({len(self.pending)} in the queue); ask again shortly"
             if self.cache.get(key) is not None:
                 return "traced meanwhile; ask again"
+            ahead = len(self.pending)
             self.pending.add(key)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="memfit-tracer", daemon=True)
                 self._thread.start()
         self._queue.put((key, hf_config, training))
-        return f"tracing it now (usually 5-30 s, at most {self.timeout_s:.0f} s); ask again for the traced answer"
+        each = f"usually 5-30 s, at most {self.timeout_s:g} s"
+        if ahead:  # one trace at a time: the wait is the queue's, not one trace's
+            return (f"queued for tracing behind {ahead} other configuration(s) ({each} each); "
+                    "ask again for the traced answer")
+        return f"tracing it now ({each}); ask again for the traced answer"
 
     def _work(self) -> None:
         while not self._stop.is_set():

@@ -31,6 +31,8 @@ def test_background_tracer_reports_failure_and_does_not_retry():
     key = terms_key(SMALL, TRAINING)
     assert "tracing it now" in tracer(key, SMALL, TRAINING)
     assert "queued or running" in tracer(key, SMALL, TRAINING)
+    other = TrainingConfig(micro_batch_size=1, seq_len=512, precision="fp32")  # a second key waits behind the first
+    assert "behind 1 other configuration" in tracer(terms_key(SMALL, other), SMALL, other)
     for _ in range(100):
         if key in tracer.failed:
             break
