@@ -225,9 +225,13 @@ def scales(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
     layer = float(max(activation_bytes_per_layer(model, one_token), 1))
     head = float(max(head_token_bytes(model, one_token), 1))
     s_base = max(s_one - s_layer, 1.0)
-    score = model.num_attention_heads * a / training.tensor_parallel_size
-    per_q = {"f0": (s_base, head, score), "c0": (s_base, head, score), "dF": (s_layer, layer, score),
-             "dC": (s_layer, layer, score)}
+    heads = model.num_attention_heads / training.tensor_parallel_size
+    # eager attention scores per element: the fp32 softmax (HF eager_attention_forward: softmax(dtype=float32))
+    # plus its cast back to 16-bit activations (a no-op in fp32)
+    saved_score = heads * (4 + (a if a < 4 else 0))
+    transient_score = heads * 4
+    per_q = {"f0": (s_base, head, transient_score), "c0": (s_base, head, transient_score),
+             "dF": (s_layer, layer, saved_score), "dC": (s_layer, layer, saved_score)}
     return np.array([per_q[q][PIECE.index(c)] for _p, q, c in TARGETS], dtype=np.float64)
 
 
