@@ -62,6 +62,7 @@ from model.analytic import (
     model_state_bytes,
 )
 from model.compose import PHASES, VARIANTS, layer_values
+from model.parallel import tensor_parallel_rank_spec
 
 #: the composition's quantities per phase, each a function of the small models' live bytes
 QUANTITIES = ("f0", "dF", "c0", "dC")
@@ -199,7 +200,8 @@ def small_model_states(model: ModelSpec, training: TrainingConfig) -> tuple[floa
     def states(n: int) -> float:
         total = int(emb + n * layer)
         trainable = total if full else int(model.trainable_params * n / L)
-        spec = model.model_copy(update={"num_layers": n, "total_params": total, "trainable_params": trainable})
+        spec = tensor_parallel_rank_spec(
+            model.model_copy(update={"num_layers": n, "total_params": total, "trainable_params": trainable}), training)
         held = float(model_state_bytes(spec, training).total_bytes)
         if training.sharding is Sharding.NONE:
             return held
@@ -356,8 +358,8 @@ class CoefficientModel:
     settings seen, :meth:`covers`), ``n_entries_``.
     """
 
-    def __init__(self, n_estimators: int = 150, learning_rate: float = 0.1, num_leaves: int = 15,
-                 min_child_samples: int = 3, objective: str = "l1") -> None:
+    def __init__(self, n_estimators: int = 300, learning_rate: float = 0.05, num_leaves: int = 15,
+                 min_child_samples: int = 5, objective: str = "l1") -> None:
         self.objective = objective
         self.n_estimators = n_estimators
         self.learning_rate = learning_rate
