@@ -224,7 +224,12 @@ def scales(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
     s_one, s_layer = small_model_states(model, training)
     one_token = training.model_construct(**{**training.__dict__, "micro_batch_size": 1, "seq_len": 1,
                                             "attention": Attention.SDPA})
-    layer = float(max(activation_bytes_per_layer(model, one_token), 1))
+    # MoE: every token runs through experts_per_token routed experts of width intermediate_size
+    routed = model.model_copy(update={"intermediate_size": model.intermediate_size * (model.num_experts_per_token or 1)})
+    layer = float(max(activation_bytes_per_layer(routed, one_token), 1))
+    if model.num_experts:  # each token's hidden state dispatched to and gathered from its k experts, fp32 router logits
+        k = model.num_experts_per_token or 1
+        layer += (2 * k * model.hidden_size * a + 4 * model.num_experts) / training.tensor_parallel_size
     head = float(max(head_token_bytes(model, one_token), 1))
     s_base = max(s_one - s_layer, 1.0)
     heads = model.num_attention_heads / training.tensor_parallel_size
