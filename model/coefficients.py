@@ -23,7 +23,15 @@ the dimensionless value from dimensionless config features (:func:`config_featur
 * ``β`` (bytes per token): the analytic activations a layer saves
   (:func:`model.analytic.activation_bytes_per_layer`) for ``dF``, ``dC``; the logits bytes
   (:func:`head_token_bytes`: no fp32 copy of logits that are fp32 already) for ``f0``, ``c0``;
-* ``γ`` (bytes per token × sequence): num_attention_heads × activation dtype bytes.
+  with MoE, the ``experts_per_token`` routed experts' MLPs, each token's hidden state dispatched to and gathered
+  from them and the fp32 router logits (:func:`scales`);
+* ``γ`` (bytes per token × sequence, eager attention scores): per head, the fp32 softmax HF's
+  ``eager_attention_forward`` makes (``softmax(..., dtype=torch.float32)``) plus, for ``dF``/``dC``, its saved cast
+  back to 16-bit activations (none in fp32): the traced per-layer score bytes over this are 1.0 in every
+  precision (they were 3 with 16-bit and 1 in fp32 over heads × activation bytes, the fp32/adamw_fused and
+  fp32/sgd_momentum leave-architecture-out losses of session 6); ``f0``/``c0``: the fp32 softmax alone.
+
+Constants are per tensor-parallel rank (:func:`model.parallel.tensor_parallel_rank_spec`).
 
 Token coefficients are clipped at 0 after prediction, so every composed phase is non-decreasing in
 micro-batch and sequence length by construction.
@@ -75,6 +83,9 @@ _BASIS_INDEX = (0, 1, 3)
 #: 1e-3 of a layer's activations or of its model states moves no composed peak measurably, and each learned
 #: target is a booster in the artifact
 NEGLIGIBLE = 1e-3
+#: artifact format; 2: eager-score, tensor-parallel and MoE scales (session 7), so boosters fitted on the scales
+#: of format 1 would predict other bytes and :meth:`CoefficientModel.load` refuses them
+FORMAT = "memfit-coefficients-2"
 TARGETS: tuple[tuple[str, str, str], ...] = tuple((p, q, c) for p in PHASES for q in QUANTITIES for c in PIECE)
 
 #: families with LayerNorm (else RMSNorm)
@@ -218,7 +229,8 @@ def scales(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
     Constants: the model states of the embeddings and head, or of one layer (:func:`small_model_states`).
     Per token: the analytic activations one layer saves (:func:`model.analytic.activation_bytes_per_layer`
     without the eager score term), or the logits and their fp32 copies (:func:`model.analytic.logits_bytes`).
-    Per token × sequence: heads × activation dtype bytes (eager attention scores).
+    Per token × sequence (eager attention scores, per tensor-parallel rank's heads): 4 bytes (fp32 softmax) plus
+    the activation dtype bytes of its saved 16-bit cast for a layer's increments, 4 bytes for the bases.
     """
     a = activation_dtype_bytes(training.precision)
     s_one, s_layer = small_model_states(model, training)
@@ -464,7 +476,7 @@ class CoefficientModel:
         d.mkdir(parents=True, exist_ok=True)
         for j, b in self.boosters_.items():
             b.save_model(str(d / f"coef_{j}.txt"))
-        meta = {"format": "memfit-coefficients-1", "feature_names": FEATURE_NAMES, "categorical": CATEGORICAL,
+        meta = {"format": FORMAT, "feature_names": FEATURE_NAMES, "categorical": CATEGORICAL,
                 "targets": ["|".join(t) for t in TARGETS], "constants": {str(j): c for j, c in self.constants_.items()},
                 "boosters": sorted(self.boosters_), "settings": self.settings_, "families": self.families_, "n_entries": self.n_entries_,
                 "params": {"n_estimators": self.n_estimators, "learning_rate": self.learning_rate,
@@ -479,11 +491,15 @@ class CoefficientModel:
         """Read what :meth:`save` wrote.
 
         Raises:
-            ValueError: the artifact was written for other features or targets.
+            ValueError: the artifact was written in another format (other target scales), for other features or
+                targets.
             FileNotFoundError: a file is missing.
         """
         d = Path(directory)
         meta = json.loads((d / "coefficients.json").read_text())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{d / 'coefficients.json'}: format {meta.get('format')!r}, not {FORMAT!r} (targets scaled "
+                             "otherwise); refit it")
         if meta.get("feature_names") != FEATURE_NAMES or meta.get("targets") != ["|".join(t) for t in TARGETS]:
             raise ValueError(f"{d / 'coefficients.json'}: written for other features or targets; refit it")
         self = cls(**meta["params"])
