@@ -223,6 +223,15 @@ def small_model_states(model: ModelSpec, training: TrainingConfig) -> tuple[floa
     return max(one, 1.0), max(states(2) - one, 1.0)
 
 
+#: LoRA target names that adapt an MLP linear (any other target list, and PEFT's default, adapts attention only)
+_MLP_TARGETS = ("mlp", "up_proj", "down_proj", "gate_proj", "fc1", "fc2", "c_fc", "c_proj", "dense_h_to_4h",
+                "dense_4h_to_h", "w1", "w2", "w3", "gate_up_proj")
+
+
+def _mlp_adapted(training: TrainingConfig) -> bool:
+    return any(t in _MLP_TARGETS for t in training.lora_target_modules or ())
+
+
 def scales(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
     """The physical scale of every target in :data:`TARGETS` (bytes, bytes per token, bytes per token·s).
 
@@ -239,6 +248,14 @@ def scales(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
     # MoE: every token runs through experts_per_token routed experts of width intermediate_size
     routed = model.model_copy(update={"intermediate_size": model.intermediate_size * (model.num_experts_per_token or 1)})
     layer = float(max(activation_bytes_per_layer(routed, one_token), 1))
+    if training.finetune is FineTune.LORA and not _mlp_adapted(training):
+        # frozen linears need no input saved for a weight gradient: with PEFT's attention-only default targets the
+        # out-projection, MLP input and second-linear inputs (Korthikanti's accounting, as above) are not saved
+        h = model.hidden_size
+        q = model.num_attention_heads * (model.head_dim or h // model.num_attention_heads)
+        # (gated MLPs: the product act(gate)·up; measured, a GeLU MLP's second-linear input stays saved)
+        f = model.intermediate_size if model.architecture in GATED_MLP_FAMILIES else 0
+        layer = max(layer - (2 * q + 2 * h + 2 * f) * a / 2 / training.tensor_parallel_size, 0.25 * layer)
     if model.num_experts:  # each token's hidden state dispatched to and gathered from its k experts, fp32 router logits
         k = model.num_experts_per_token or 1
         layer += (2 * k * model.hidden_size * a + 4 * model.num_experts) / training.tensor_parallel_size
