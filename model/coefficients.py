@@ -24,7 +24,8 @@ the dimensionless value from dimensionless config features (:func:`config_featur
   (:func:`model.analytic.activation_bytes_per_layer`) for ``dF``, ``dC``; the logits bytes
   (:func:`head_token_bytes`: no fp32 copy of logits that are fp32 already) for ``f0``, ``c0``;
   with MoE, the ``experts_per_token`` routed experts' MLPs, each token's hidden state dispatched to and gathered
-  from them and the fp32 router logits (:func:`scales`);
+  from them and the fp32 router logits; with LoRA on PEFT's attention-only default targets, without the inputs of
+  the frozen out-projection and MLP linears, which no weight gradient needs (:func:`scales`);
 * ``γ`` (bytes per token × sequence, eager attention scores): per head, the fp32 softmax HF's
   ``eager_attention_forward`` makes (``softmax(..., dtype=torch.float32)``) plus, for ``dF``/``dC``, its saved cast
   back to 16-bit activations (none in fp32): the traced per-layer score bytes over this are 1.0 in every
