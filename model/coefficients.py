@@ -23,7 +23,16 @@ the dimensionless value from dimensionless config features (:func:`config_featur
 * ``β`` (bytes per token): the analytic activations a layer saves
   (:func:`model.analytic.activation_bytes_per_layer`) for ``dF``, ``dC``; the logits bytes
   (:func:`head_token_bytes`: no fp32 copy of logits that are fp32 already) for ``f0``, ``c0``;
-* ``γ`` (bytes per token × sequence): num_attention_heads × activation dtype bytes.
+  with MoE, the ``experts_per_token`` routed experts' MLPs, each token's hidden state dispatched to and gathered
+  from them and the fp32 router logits; with LoRA on PEFT's attention-only default targets, without the inputs of
+  the frozen out-projection and MLP linears, which no weight gradient needs (:func:`scales`);
+* ``γ`` (bytes per token × sequence, eager attention scores): per head, the fp32 softmax HF's
+  ``eager_attention_forward`` makes (``softmax(..., dtype=torch.float32)``) plus, for ``dF``/``dC``, its saved cast
+  back to 16-bit activations (none in fp32): the traced per-layer score bytes over this are 1.0 in every
+  precision (they were 3 with 16-bit and 1 in fp32 over heads × activation bytes, the fp32/adamw_fused and
+  fp32/sgd_momentum leave-architecture-out losses of session 6); ``f0``/``c0``: the fp32 softmax alone.
+
+Constants are per tensor-parallel rank (:func:`model.parallel.tensor_parallel_rank_spec`).
 
 Token coefficients are clipped at 0 after prediction, so every composed phase is non-decreasing in
 micro-batch and sequence length by construction.
@@ -62,6 +71,7 @@ from model.analytic import (
     model_state_bytes,
 )
 from model.compose import PHASES, VARIANTS, layer_values
+from model.parallel import tensor_parallel_rank_spec
 
 #: the composition's quantities per phase, each a function of the small models' live bytes
 QUANTITIES = ("f0", "dF", "c0", "dC")
@@ -74,6 +84,9 @@ _BASIS_INDEX = (0, 1, 3)
 #: 1e-3 of a layer's activations or of its model states moves no composed peak measurably, and each learned
 #: target is a booster in the artifact
 NEGLIGIBLE = 1e-3
+#: artifact format; 2: eager-score, tensor-parallel and MoE scales (session 7), so boosters fitted on the scales
+#: of format 1 would predict other bytes and :meth:`CoefficientModel.load` refuses them
+FORMAT = "memfit-coefficients-2"
 TARGETS: tuple[tuple[str, str, str], ...] = tuple((p, q, c) for p in PHASES for q in QUANTITIES for c in PIECE)
 
 #: families with LayerNorm (else RMSNorm)
@@ -199,7 +212,8 @@ def small_model_states(model: ModelSpec, training: TrainingConfig) -> tuple[floa
     def states(n: int) -> float:
         total = int(emb + n * layer)
         trainable = total if full else int(model.trainable_params * n / L)
-        spec = model.model_copy(update={"num_layers": n, "total_params": total, "trainable_params": trainable})
+        spec = tensor_parallel_rank_spec(
+            model.model_copy(update={"num_layers": n, "total_params": total, "trainable_params": trainable}), training)
         held = float(model_state_bytes(spec, training).total_bytes)
         if training.sharding is Sharding.NONE:
             return held
@@ -210,24 +224,51 @@ def small_model_states(model: ModelSpec, training: TrainingConfig) -> tuple[floa
     return max(one, 1.0), max(states(2) - one, 1.0)
 
 
+#: LoRA target names that adapt an MLP linear (any other target list, and PEFT's default, adapts attention only)
+_MLP_TARGETS = ("mlp", "up_proj", "down_proj", "gate_proj", "fc1", "fc2", "c_fc", "c_proj", "dense_h_to_4h",
+                "dense_4h_to_h", "w1", "w2", "w3", "gate_up_proj")
+
+
+def _mlp_adapted(training: TrainingConfig) -> bool:
+    return any(t in _MLP_TARGETS for t in training.lora_target_modules or ())
+
+
 def scales(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
     """The physical scale of every target in :data:`TARGETS` (bytes, bytes per token, bytes per token·s).
 
     Constants: the model states of the embeddings and head, or of one layer (:func:`small_model_states`).
     Per token: the analytic activations one layer saves (:func:`model.analytic.activation_bytes_per_layer`
     without the eager score term), or the logits and their fp32 copies (:func:`model.analytic.logits_bytes`).
-    Per token × sequence: heads × activation dtype bytes (eager attention scores).
+    Per token × sequence (eager attention scores, per tensor-parallel rank's heads): 4 bytes (fp32 softmax) plus
+    the activation dtype bytes of its saved 16-bit cast for a layer's increments, 4 bytes for the bases.
     """
     a = activation_dtype_bytes(training.precision)
     s_one, s_layer = small_model_states(model, training)
     one_token = training.model_construct(**{**training.__dict__, "micro_batch_size": 1, "seq_len": 1,
                                             "attention": Attention.SDPA})
-    layer = float(max(activation_bytes_per_layer(model, one_token), 1))
+    # MoE: every token runs through experts_per_token routed experts of width intermediate_size
+    routed = model.model_copy(update={"intermediate_size": model.intermediate_size * (model.num_experts_per_token or 1)})
+    layer = float(max(activation_bytes_per_layer(routed, one_token), 1))
+    if training.finetune is FineTune.LORA and not _mlp_adapted(training):
+        # frozen linears need no input saved for a weight gradient: with PEFT's attention-only default targets the
+        # out-projection, MLP input and second-linear inputs (Korthikanti's accounting, as above) are not saved
+        h = model.hidden_size
+        q = model.num_attention_heads * (model.head_dim or h // model.num_attention_heads)
+        # (gated MLPs: the product act(gate)·up; measured, a GeLU MLP's second-linear input stays saved)
+        f = model.intermediate_size if model.architecture in GATED_MLP_FAMILIES else 0
+        layer = max(layer - (2 * q + 2 * h + 2 * f) * a / 2 / training.tensor_parallel_size, 0.25 * layer)
+    if model.num_experts:  # each token's hidden state dispatched to and gathered from its k experts, fp32 router logits
+        k = model.num_experts_per_token or 1
+        layer += (2 * k * model.hidden_size * a + 4 * model.num_experts) / training.tensor_parallel_size
     head = float(max(head_token_bytes(model, one_token), 1))
     s_base = max(s_one - s_layer, 1.0)
-    score = model.num_attention_heads * a / training.tensor_parallel_size
-    per_q = {"f0": (s_base, head, score), "c0": (s_base, head, score), "dF": (s_layer, layer, score),
-             "dC": (s_layer, layer, score)}
+    heads = model.num_attention_heads / training.tensor_parallel_size
+    # eager attention scores per element: the fp32 softmax (HF eager_attention_forward: softmax(dtype=float32))
+    # plus its cast back to 16-bit activations (a no-op in fp32)
+    saved_score = heads * (4 + (a if a < 4 else 0))
+    transient_score = heads * 4
+    per_q = {"f0": (s_base, head, transient_score), "c0": (s_base, head, transient_score),
+             "dF": (s_layer, layer, saved_score), "dC": (s_layer, layer, saved_score)}
     return np.array([per_q[q][PIECE.index(c)] for _p, q, c in TARGETS], dtype=np.float64)
 
 
@@ -352,8 +393,8 @@ class CoefficientModel:
     settings seen, :meth:`covers`), ``n_entries_``.
     """
 
-    def __init__(self, n_estimators: int = 150, learning_rate: float = 0.1, num_leaves: int = 15,
-                 min_child_samples: int = 3, objective: str = "l1") -> None:
+    def __init__(self, n_estimators: int = 300, learning_rate: float = 0.05, num_leaves: int = 15,
+                 min_child_samples: int = 5, objective: str = "l1") -> None:
         self.objective = objective
         self.n_estimators = n_estimators
         self.learning_rate = learning_rate
@@ -453,7 +494,7 @@ class CoefficientModel:
         d.mkdir(parents=True, exist_ok=True)
         for j, b in self.boosters_.items():
             b.save_model(str(d / f"coef_{j}.txt"))
-        meta = {"format": "memfit-coefficients-1", "feature_names": FEATURE_NAMES, "categorical": CATEGORICAL,
+        meta = {"format": FORMAT, "feature_names": FEATURE_NAMES, "categorical": CATEGORICAL,
                 "targets": ["|".join(t) for t in TARGETS], "constants": {str(j): c for j, c in self.constants_.items()},
                 "boosters": sorted(self.boosters_), "settings": self.settings_, "families": self.families_, "n_entries": self.n_entries_,
                 "params": {"n_estimators": self.n_estimators, "learning_rate": self.learning_rate,
@@ -468,11 +509,15 @@ class CoefficientModel:
         """Read what :meth:`save` wrote.
 
         Raises:
-            ValueError: the artifact was written for other features or targets.
+            ValueError: the artifact was written in another format (other target scales), for other features or
+                targets.
             FileNotFoundError: a file is missing.
         """
         d = Path(directory)
         meta = json.loads((d / "coefficients.json").read_text())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{d / 'coefficients.json'}: format {meta.get('format')!r}, not {FORMAT!r} (targets scaled "
+                             "otherwise); refit it")
         if meta.get("feature_names") != FEATURE_NAMES or meta.get("targets") != ["|".join(t) for t in TARGETS]:
             raise ValueError(f"{d / 'coefficients.json'}: written for other features or targets; refit it")
         self = cls(**meta["params"])
