@@ -54,10 +54,8 @@ import numpy as np
 
 from memfit.schema import (
     Attention,
-    CheckpointImpl,
     FineTune,
     ModelSpec,
-    Optimizer,
     Precision,
     Quantization,
     Sharding,
@@ -71,6 +69,7 @@ from model.analytic import (
     model_state_bytes,
 )
 from model.compose import PHASES, VARIANTS, layer_values
+from model.features import CATEGORIES
 from model.parallel import tensor_parallel_rank_spec
 
 #: the composition's quantities per phase, each a function of the small models' live bytes
@@ -102,15 +101,8 @@ _BIAS_FAMILIES = frozenset({"gpt2", "opt", "bloom", "gpt_neox", "phi", "gptj", "
 #: families with per-head q/k norms
 _QK_NORM_FAMILIES = frozenset({"qwen3", "qwen3_moe", "olmo2", "gemma3_text", "olmoe"})
 
-CATEGORICAL: dict[str, list[str]] = {
-    "precision": [e.value for e in Precision],
-    "optimizer": [e.value for e in Optimizer],
-    "sharding": [e.value for e in Sharding],
-    "attention": [e.value for e in Attention],
-    "finetune": [e.value for e in FineTune],
-    "checkpoint_impl": [e.value for e in CheckpointImpl],
-    "quantization": [e.value for e in Quantization],
-}
+#: the ratio model's categorical settings (model.features.CATEGORIES) plus the quantized base
+CATEGORICAL: dict[str, list[str]] = {**CATEGORIES, "quantization": [e.value for e in Quantization]}
 NUMERIC = ["ffn_ratio", "kv_ratio", "head_dim", "vocab_ratio", "log2_hidden", "num_attention_heads",
            "tied_embeddings", "gated_mlp", "layernorm", "parallel_residual", "qk_norm", "alibi",
            "learned_positions", "attention_bias", "gelu_tanh", "logit_softcapping", "sliding_window",
