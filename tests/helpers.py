@@ -37,6 +37,11 @@ def record(**over: Any) -> TelemetryRecord:
     return TelemetryRecord(**{p: owners[p](**d) for p, d in parts.items()}, **top)
 
 
+#: per-request timeout of the tests' calls to a real service: generous, because a model reload or the first
+#: request after start-up runs in the request on a CI box whose 2 cores the suite shares (httpx's default is 5 s)
+HTTP_TIMEOUT_S = 60.0
+
+
 def free_port() -> int:
     import socket
 

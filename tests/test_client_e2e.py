@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import memfit
-from tests.helpers import free_port, running_service
+from tests.helpers import HTTP_TIMEOUT_S, free_port, running_service
 from memfit.hf import decoder_layers, quiet_transformers
 from memfit.reporter import report_peak
 
@@ -189,7 +189,7 @@ def test_recommend_apply_train_report_retrain(service):
     why = _retrain_cli_usable()
     if why:
         pytest.skip(f"retraining step skipped: {why}")
-    before = httpx.get(service["url"] + "/models").json()
+    before = httpx.get(service["url"] + "/models", timeout=HTTP_TIMEOUT_S).json()
     syn = _synthetic_parquet(service["tmp"] / "synthetic.parquet")
     shipped = shutil.copy(SHIPPED, service["tmp"] / "shipped.parquet")  # the collector may be rewriting it
     proc = subprocess.run(
@@ -209,7 +209,7 @@ def test_recommend_apply_train_report_retrain(service):
 
         Registry(service["registry"]).promote(summary["version"])
     assert summary["rows"] >= 1 + 24  # our user-job row + the synthetic rows (+ the shipped ones)
-    after = httpx.get(service["url"] + "/models").json()
+    after = httpx.get(service["url"] + "/models", timeout=HTTP_TIMEOUT_S).json()  # it loads the new version first
     assert summary["version"] not in [v["version"] for v in before["versions"]]
     assert after["current"] == summary["version"] and after["serving"] == summary["version"]
     again = client.recommend(request)

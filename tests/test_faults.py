@@ -24,7 +24,7 @@ import pytest
 
 from data.store import TelemetryStore
 from model.registry import Registry, sha256_hex
-from tests.helpers import TINY_LLAMA, record, running_service
+from tests.helpers import HTTP_TIMEOUT_S, TINY_LLAMA, record, running_service
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "fault-token"
@@ -104,16 +104,16 @@ _subtly_wrong = _leaves(b"0.01")  # +0.01 per tree: plausible sizes, but not the
 ])
 def test_damaged_model_is_refused_and_last_good_serves(srv, damage, kw, why):
     base, reg = srv["url"], srv["registry"]
-    good = httpx.get(base + "/models").json()["serving"]
+    good = httpx.get(base + "/models", timeout=HTTP_TIMEOUT_S).json()["serving"]
     bad = _damaged_version(reg, damage, **kw)
     r = httpx.post(base + "/models/reload", headers=AUTH, timeout=180)
     assert r.status_code == 200 and r.json()["serving"] == good
     assert f"model {bad} refused" in r.json()["last_error"] and why in r.json()["last_error"]
-    ready = httpx.get(base + "/v2/health/ready").json()
+    ready = httpx.get(base + "/v2/health/ready", timeout=HTTP_TIMEOUT_S).json()
     assert ready["model_version"] == good and why in ready["details"]["model"]["refused"]
     assert str(reg.root) not in json.dumps(ready)  # no server paths
     assert httpx.post(base + "/recommend", json=LLAMA8B, timeout=30).json()["model_version"] == good
-    metrics = httpx.get(base + "/metrics").text
+    metrics = httpx.get(base + "/metrics", timeout=HTTP_TIMEOUT_S).text
     assert re.search(r"^memfit_model_load_failures_total [1-9]", metrics, re.MULTILINE)
     assert re.search(r"^memfit_model_refused 1\.0", metrics, re.MULTILINE)
     (reg.root / "CURRENT").write_text(good + "\n")  # back to the good one for the next case
@@ -125,10 +125,10 @@ def test_start_up_on_a_truncated_model_does_not_crash(srv, tmp_path):
     shutil.copytree(srv["registry"].root / srv["registry"].versions()[0], reg.root / "0001")
     _damaged_version(reg, _truncate, drop_canary=True)
     with running_service(reg.root, f"sqlite:///{tmp_path / 't.db'}", wait_for="/v2/health/live") as base:
-        r = httpx.get(base + "/v2/health/ready")
+        r = httpx.get(base + "/v2/health/ready", timeout=HTTP_TIMEOUT_S)
         assert r.status_code == 503 and r.headers["content-type"].startswith("application/problem+json")
         assert "does not parse" in r.json()["details"]["model"]["refused"]
-        assert httpx.get(base + "/v2/health/live").status_code == 200
+        assert httpx.get(base + "/v2/health/live", timeout=HTTP_TIMEOUT_S).status_code == 200
 
 
 # -- fault 5: a locked database gives 503 + Retry-After within 3 s; reads do not queue behind writes ----
@@ -169,7 +169,7 @@ def test_locked_store_answers_503_fast_and_reads_keep_answering(srv):
     ``python -m benchmarks.service_latency`` (step 5), not a timed assertion here."""
     base = srv["url"]
     deadline = time.time() + 120
-    while not httpx.get(base + "/v2/health/ready").json()["details"]["warmed_up"] and time.time() < deadline:
+    while not httpx.get(base + "/v2/health/ready", timeout=HTTP_TIMEOUT_S).json()["details"]["warmed_up"] and time.time() < deadline:
         time.sleep(0.5)
     locker = sqlite3.connect(srv["db"], timeout=0)
     locker.execute("BEGIN EXCLUSIVE")
@@ -201,11 +201,11 @@ def _unwritable_dir(tmp_path: Path) -> Path:
 def test_read_only_data_dir_recommends_and_refuses_writes(srv, tmp_path):
     data = _unwritable_dir(tmp_path)
     with running_service(srv["registry"].root, None, MEMFIT_DATA_DIR=str(data)) as base:
-        ready = httpx.get(base + "/v2/health/ready").json()
+        ready = httpx.get(base + "/v2/health/ready", timeout=HTTP_TIMEOUT_S).json()
         assert ready["read_only"] is True and "not writable" in ready["details"]["telemetry"] or \
             "cannot be opened" in ready["details"]["telemetry"]
         assert httpx.post(base + "/recommend", json=LLAMA8B, timeout=30).status_code == 200
-        r = httpx.post(base + "/telemetry", json=[record().model_dump(mode="json")])
+        r = httpx.post(base + "/telemetry", json=[record().model_dump(mode="json")], timeout=HTTP_TIMEOUT_S)
         assert r.status_code == 503 and r.headers["content-type"].startswith("application/problem+json")
         assert "read-only" in r.json()["detail"] and str(tmp_path) not in r.text
 
@@ -237,10 +237,10 @@ def test_image_entry_point_uses_the_environment_not_the_package_dir(tmp_path):
             except httpx.HTTPError:
                 time.sleep(0.5)
         assert proc.poll() is None, proc.stdout.read()[-3000:]
-        ready = httpx.get(base + "/v2/health/ready").json()
+        ready = httpx.get(base + "/v2/health/ready", timeout=HTTP_TIMEOUT_S).json()
         assert ready["telemetry_records"] > 1000 and ready["read_only"] is False
         assert httpx.post(base + "/recommend", json=LLAMA8B, timeout=30).status_code == 200
-        assert httpx.post(base + "/telemetry", json=[]).status_code == 401
+        assert httpx.post(base + "/telemetry", json=[], timeout=HTTP_TIMEOUT_S).status_code == 401
     finally:
         proc.terminate()
         proc.wait(30)
@@ -270,7 +270,7 @@ def test_implausible_telemetry_is_quarantined_with_reason(srv):
     inf_step = record(record_id="implausible-0002", peak_allocated_bytes=10**9, **h100).model_dump(mode="json")
     inf_step["measurement"]["step_time_s"] = math.inf
     body = json.dumps([huge, inf_step], allow_nan=True)  # Infinity, as a careless client sends it
-    r = httpx.post(srv["url"] + "/telemetry", content=body, headers={**AUTH, "content-type": "application/json"})
+    r = httpx.post(srv["url"] + "/telemetry", content=body, headers={**AUTH, "content-type": "application/json"}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 200, r.text
     q = r.json()["quarantined"]
     assert [x["record_id"] for x in q] == ["implausible-0001", "implausible-0002"] and not r.json()["stored"]
@@ -290,7 +290,7 @@ def test_no_token_on_a_public_bind_refuses_to_start(tmp_path):
 
 
 def test_writes_need_the_token(srv):
-    r = httpx.post(srv["url"] + "/telemetry", json=[])
+    r = httpx.post(srv["url"] + "/telemetry", json=[], timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
 
 
@@ -330,19 +330,19 @@ def test_unknown_model_type(srv, model_type):
 # -- fault 9: error classification -------------------------------------------------------------------
 def test_error_answers_name_field_and_range(srv):
     base = srv["url"]
-    r = httpx.post(base + "/recommend", json={**LLAMA8B, "training": {"micro_batch_size": True, "seq_len": 64}})
+    r = httpx.post(base + "/recommend", json={**LLAMA8B, "training": {"micro_batch_size": True, "seq_len": 64}}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 422
     assert r.json()["errors"][0] == {"field": "training.micro_batch_size", "message": "Input should be a valid integer",
                                      "allowed": "an integer in [1, 16384]"}
     nan = json.dumps({**LLAMA8B, "headroom_fraction": math.nan})
-    r = httpx.post(base + "/recommend", content=nan, headers={"content-type": "application/json"})
+    r = httpx.post(base + "/recommend", content=nan, headers={"content-type": "application/json"}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 422 and "finite number" in r.json()["detail"] and "[0, 0.9]" in r.json()["detail"]
     assert "greater than" not in r.json()["detail"]
-    r = httpx.post(base + "/recommend", content=json.dumps(LLAMA8B).encode())  # no content type
+    r = httpx.post(base + "/recommend", content=json.dumps(LLAMA8B).encode(), timeout=HTTP_TIMEOUT_S)  # no content type
     assert r.status_code == 415 and "no content-type" in r.json()["detail"]
-    r = httpx.post(base + "/recommend", json={**LLAMA8B, "model": "no-such-model"})
+    r = httpx.post(base + "/recommend", json={**LLAMA8B, "model": "no-such-model"}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "model" and "/" + "work" not in r.text
     r = httpx.post(base + "/predict", json={"items": [{"model": "gpt2", "training": {"micro_batch_size": 1,
-                                                                                       "seq_len": 64}, "k": 99}]})
+                                                                                       "seq_len": 64}, "k": 99}]}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "items.0.k"
     assert "[0, num_layers=12]" in r.json()["detail"]

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from model.registry import IncompatibleArtifact
-from tests.helpers import record, running_service
+from tests.helpers import HTTP_TIMEOUT_S, record, running_service
 
 LLAMA8B_8xH100 = {"model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192, "sharding": "zero3"},
                   "cluster": {"gpu": "H100-80GB", "gpu_count": 8}}
@@ -63,54 +63,54 @@ def test_bad_recommend_inputs_are_problems(server, body, word):
 
 def test_transport_level_bad_requests(server):
     base, _ = server
-    r = httpx.post(base + "/recommend", content=b"{oops", headers={"content-type": "application/json"})
+    r = httpx.post(base + "/recommend", content=b"{oops", headers={"content-type": "application/json"}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
     assert "invalid JSON" in r.json()["detail"]
-    r = httpx.post(base + "/recommend", content=b"x" * 300_000, headers={"content-type": "application/json"})
+    r = httpx.post(base + "/recommend", content=b"x" * 300_000, headers={"content-type": "application/json"}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 413
-    r = httpx.post(base + "/recommend", content=b"model=x", headers={"content-type": "text/plain"})
+    r = httpx.post(base + "/recommend", content=b"model=x", headers={"content-type": "text/plain"}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 415 and "application/json" in r.json()["detail"]
 
     def chunks():  # no Content-Length: the limit is enforced on the bytes that arrive
         for _ in range(50):
             yield b" " * 10_000
 
-    r = httpx.post(base + "/recommend", content=chunks(), headers={"content-type": "application/json"})
+    r = httpx.post(base + "/recommend", content=chunks(), headers={"content-type": "application/json"}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 413 and r.headers["content-type"].startswith("application/problem+json")
-    assert httpx.get(base + "/v2/health/live").status_code == 200  # still up
+    assert httpx.get(base + "/v2/health/live", timeout=HTTP_TIMEOUT_S).status_code == 200  # still up
 
 
 def test_predict_batch_and_k_range(server):
     base, _ = server
     items = [{"model": "gpt2", "training": {"micro_batch_size": 4, "seq_len": 1024}, "k": k} for k in (0, 6, 12)]
-    r = httpx.post(base + "/predict", json={"items": items})
+    r = httpx.post(base + "/predict", json={"items": items}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 200, r.text
     preds = r.json()["predictions"]
     assert [p["k"] for p in preds] == [0, 6, 12]
     assert all(p["upper_bound_bytes"] >= p["predicted_peak_bytes"] > 0 for p in preds)
-    r = httpx.post(base + "/predict", json={"items": [{**items[0], "k": 13}]})
+    r = httpx.post(base + "/predict", json={"items": [{**items[0], "k": 13}]}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 422 and "[0, num_layers=12]" in r.json()["detail"]
 
 
 def test_telemetry_roundtrip_and_token(server):
     base, _ = server
     rec = record(record_id="e2e-00000001").model_dump(mode="json")
-    assert httpx.post(base + "/telemetry", json=[rec]).status_code == 401
-    r = httpx.post(base + "/telemetry", json=[rec], headers={"Authorization": "Bearer tok"})
+    assert httpx.post(base + "/telemetry", json=[rec], timeout=HTTP_TIMEOUT_S).status_code == 401
+    r = httpx.post(base + "/telemetry", json=[rec], headers={"Authorization": "Bearer tok"}, timeout=HTTP_TIMEOUT_S)
     assert r.json()["stored"] == ["e2e-00000001"]
-    r = httpx.post(base + "/telemetry", json=[rec], headers={"Authorization": "Bearer tok"})
+    r = httpx.post(base + "/telemetry", json=[rec], headers={"Authorization": "Bearer tok"}, timeout=HTTP_TIMEOUT_S)
     assert r.json()["duplicates"] == ["e2e-00000001"]
 
 
 def test_models_hot_swap_and_refusal(server):
     base, reg = server
     first = reg.current()
-    assert httpx.get(base + "/models").json()["serving"] == first
+    assert httpx.get(base + "/models", timeout=HTTP_TIMEOUT_S).json()["serving"] == first
     # a new version is picked up without a restart
     new_dir = reg.root / f"{int(first) + 1:04d}"
     shutil.copytree(reg.root / first, new_dir)
     reg.promote(new_dir.name)
-    assert httpx.get(base + "/v2/health/ready").json()["model_version"] == new_dir.name
+    assert httpx.get(base + "/v2/health/ready", timeout=HTTP_TIMEOUT_S).json()["model_version"] == new_dir.name
     # a corrupt one is refused and the last good keeps serving
     bad = reg.root / f"{int(first) + 2:04d}"
     shutil.copytree(reg.root / first, bad)
@@ -120,17 +120,17 @@ def test_models_hot_swap_and_refusal(server):
     shutil.copy(reg.root / first / "model.txt", bad / "model.txt")
     reg.promote(bad.name)
     (bad / "model.txt").write_text("not a lightgbm model")  # ... and damage after promotion is refused at load
-    httpx.post(base + "/models/reload", headers={"Authorization": "Bearer tok"})
-    j = httpx.get(base + "/models").json()
+    httpx.post(base + "/models/reload", headers={"Authorization": "Bearer tok"}, timeout=HTTP_TIMEOUT_S)
+    j = httpx.get(base + "/models", timeout=HTTP_TIMEOUT_S).json()
     assert j["serving"] == new_dir.name and "refused" in j["last_error"]
-    assert httpx.post(base + "/recommend", json=LLAMA8B_8xH100).json()["model_version"] == new_dir.name
+    assert httpx.post(base + "/recommend", json=LLAMA8B_8xH100, timeout=HTTP_TIMEOUT_S).json()["model_version"] == new_dir.name
     reg.promote(first)  # rollback = moving the alias
-    assert httpx.post(base + "/models/reload", headers={"Authorization": "Bearer tok"}).json()["serving"] == first
+    assert httpx.post(base + "/models/reload", headers={"Authorization": "Bearer tok"}, timeout=HTTP_TIMEOUT_S).json()["serving"] == first
 
 
 def test_metrics_exposes_k_histogram(server):
     base, _ = server
-    httpx.post(base + "/recommend", json=LLAMA8B_8xH100)
-    text = httpx.get(base + "/metrics").text
+    httpx.post(base + "/recommend", json=LLAMA8B_8xH100, timeout=HTTP_TIMEOUT_S)
+    text = httpx.get(base + "/metrics", timeout=HTTP_TIMEOUT_S).text
     assert "memfit_recommended_k_bucket" in text or "memfit_predicted_peak_gib_bucket" in text
     assert "http_request_duration_seconds" in text
