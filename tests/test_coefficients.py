@@ -42,6 +42,18 @@ def held_out_model(entries):
     return CoefficientModel().fit([e for e in entries if e["model_name"] not in HELD_OUT])
 
 
+@pytest.fixture(scope="module")
+def scaled_targets(entries):
+    """(spec, training, targets over :func:`model.coefficients.scales`) per shipped entry: what the trees learn."""
+    from model.coefficients import scales
+
+    out = []
+    for e in entries:
+        spec, training, _hf = entry_configuration(e)
+        out.append((spec, training, fitted_pieces(e["terms"]) / scales(spec, training)))
+    return out
+
+
 def _entry(entries, name, **training):
     for e in entries:
         if e["model_name"] == name and all(e["training"].get(k) == v for k, v in training.items()):
@@ -183,21 +195,17 @@ def test_uncovered_settings_fall_back_to_the_ratio_model(held_out_model):
         predictor.curve(gpt2, frozen, gpt2_hf)
 
 
-def test_scales_make_targets_order_one_across_precision_and_sharding(entries):
+def test_scales_make_targets_order_one_across_precision_and_sharding(scaled_targets):
     """The fault behind the fp32 and sharded losses (issue 8): the head's per-token bytes over the analytic
     logits bytes were 0.67 in fp32 (no fp32 copy of fp32 logits) and 1.01 otherwise, and the embeddings'
     constants over their sharded model states reached 70 on 64 ranks (the gathered weights and full gradients
     are not sharded). With :func:`model.coefficients.head_token_bytes` and the gathered scale, both targets sit
     near 1 in every precision and sharding, so the trees need not learn the scale from a handful of entries."""
-    from model.coefficients import scales
-
     head = TARGETS.index(("fwd.head", "f0", "b*s"))
     emb = TARGETS.index(("bwd.emb", "f0", "1"))
     by_precision: dict[str, list[float]] = {}
     sharded_emb = []
-    for e in entries:
-        spec, training, _hf = entry_configuration(e)
-        y = fitted_pieces(e["terms"]) / scales(spec, training)
+    for spec, training, y in scaled_targets:
         if training.sharding.value == "none" and training.finetune.value == "full" and \
                 training.tensor_parallel_size == 1 and spec.num_experts is None:
             by_precision.setdefault(training.precision.value, []).append(y[head])
@@ -209,22 +217,18 @@ def test_scales_make_targets_order_one_across_precision_and_sharding(entries):
     assert len(sharded_emb) > 20 and float(np.max(sharded_emb)) < 3.0, (len(sharded_emb), max(sharded_emb))
 
 
-def test_eager_score_and_moe_scales_make_targets_order_one(entries):
+def test_eager_score_and_moe_scales_make_targets_order_one(scaled_targets):
     """Session 7: an un-checkpointed layer's eager score bytes per (token x sequence) over heads x activation bytes
     were 3.0 with 16-bit activations and 1.0 in fp32 (HF eager attention saves its fp32 softmax and, only when
     activations are 16-bit, the cast back), the fp32 leave-architecture-out losses (fp32/adamw_fused 10.8 %); over
     the fp32 softmax plus the saved cast both are 1.0. MoE layers' per-token bytes over a dense layer's
     activations were 3-9.6 (olmoe, qwen3-moe: 8 of 64-128 experts per token); counting the routed experts'
     MLPs, the dispatched hidden states and the router logits they are 1.0-2.7."""
-    from model.coefficients import scales
-
     score = TARGETS.index(("fwd.head", "dF", "b*s^2"))
     token = TARGETS.index(("fwd.head", "dF", "b*s"))
     by_bytes: dict[int, list[float]] = {}
     moe = []
-    for e in entries:
-        spec, training, _hf = entry_configuration(e)
-        y = fitted_pieces(e["terms"]) / scales(spec, training)
+    for spec, training, y in scaled_targets:
         if spec.num_experts:
             moe.append(y[token])
         # GPT-2, GPT-Neo, OPT and BLOOM compute their eager scores their own way (dropout, fp32 scores)
