@@ -54,7 +54,8 @@ def get(name: str) -> dict[str, Any]:
 
         close = difflib.get_close_matches(k, list(cat), n=5)
         raise UnknownModel("model", "a catalog name or a HF config.json object", message=(
-            f"model: unknown model {name!r}; close matches: {close or 'none'}; see data/architectures/"))
+            f"unknown model {name!r}; close matches: {close or 'none'}; the catalog's names and aliases: "
+            "`memfit models`"))
     return cat[k]
 
 

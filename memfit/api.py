@@ -265,7 +265,8 @@ class Recommendation(BaseModel):
     breakdown: dict[str, int] = Field(description="parts of predicted_peak_bytes; they add up to it exactly")
     peak_phase: str | None = Field(None, description="phase where the peak falls: fwd.layers, fwd.head, bwd.head, "
                                                      "bwd.layers, bwd.emb or opt (traced path)")
-    path: str = Field("traced", description="traced (composed from traced phases) or provisional (learned model)")
+    path: str = Field("traced", description="traced (composed from traced phases), provisional (learned model), or "
+                      "fallback (the client's checkpoint-every-layer plan when the service gave no answer)")
     overhead: dict[str, Any]
     recompute_overhead_fraction: float = Field(description="extra compute per step, fraction of step compute")
     host_memory_bytes: int = Field(0, description="host (CPU) memory needed per node by offloaded model states "

@@ -83,7 +83,8 @@ class FallbackRecommendation(Recommendation):
 
     The plan is **checkpoint every layer**: the most memory-saving layout activation checkpointing
     offers, at about 1/3 of a forward pass of extra compute per step. Nothing was predicted:
-    ``fits`` is True only in the sense that this is the plan to run; all byte figures are 0.
+    ``fits`` is True only in the sense that this is the plan to run; all byte figures are 0, and ``path`` is
+    ``"fallback"`` (no curve answered: neither traced nor provisional).
     ``layers`` lists every layer when the layer count is known (HF config dict, explicit architecture
     or a catalog name); otherwise (an unknown name) it is empty and ``num_layers`` is 0. Every
     consumer reads a fallback as "every layer" (:class:`memfit.CheckpointPlan`): :func:`memfit.apply`,
@@ -127,7 +128,7 @@ def fallback_recommendation(request: RecommendRequest | None, reason: str, *, mo
         except ValueError:
             capacity = 0
     return FallbackRecommendation(
-        fits=True, k=L if L else None, layers=list(range(L)), num_layers=L, predicted_peak_bytes=0,
+        fits=True, k=L if L else None, layers=list(range(L)), num_layers=L, predicted_peak_bytes=0, path="fallback",
         upper_bound_bytes=0, total_upper_bytes=0, capacity_bytes=capacity, usable_bytes=0, curve=[], breakdown={},
         overhead={}, recompute_overhead_fraction=round(1 / 3, 4) if L else 0.0, model_version=FALLBACK_VERSION,
         warnings=[(f"memfit service gave no answer ({reason}); safe fallback: checkpoint every layer "

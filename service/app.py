@@ -22,34 +22,17 @@ from fastapi import FastAPI
 from prometheus_fastapi_instrumentator import Instrumentator
 
 from data.store import TelemetryStore
-from model.overhead import OverheadModel
 from model.registry import Registry
 from model.terms import TermsCache
 from service import errors
 from service.deps import WriteQueue
 from service.limits import BodyLimitMiddleware
-from service.models import ModelHolder
+from service.models import ModelHolder, overhead_from
 from service.routers import admin, recommend, telemetry
 from service.settings import Settings
 from service.tracing import BackgroundTracer
 
 log = logging.getLogger("memfit.service")
-
-
-def _overhead_from(store: TelemetryStore | None) -> OverheadModel:
-    """Learn the GPU overhead from CUDA telemetry in the store (defaults when there is none)."""
-    import pandas as pd
-
-    if store is None:
-        return OverheadModel().fit(pd.DataFrame())
-    import sqlalchemy as sa
-
-    t = store.table
-    q = sa.select(t.c.method, t.c.device_name, t.c.peak_allocated_bytes, t.c.peak_reserved_bytes,
-                  t.c.outside_torch_bytes, t.c.oom).where(t.c.method == "cuda")
-    with store.engine.connect() as conn:
-        rows = pd.DataFrame(conn.execute(q).mappings().all())
-    return OverheadModel().fit(rows)
 
 
 def open_store(settings: Settings) -> tuple[TelemetryStore | None, str | None]:
@@ -77,7 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     store, reason = open_store(settings)
     terms = TermsCache(store.url if store is not None else None)  # read-only: traced terms kept in memory
     tracer = BackgroundTracer(terms)
-    holder = ModelHolder(Registry(settings.registry_dir), _overhead_from(store), terms=terms, tracer=tracer)
+    holder = ModelHolder(Registry(settings.registry_dir), overhead_from(store), terms=terms, tracer=tracer)
     holder.refresh()
     warmed_up = threading.Event()
 

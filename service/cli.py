@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--explain", action="store_true",
                      help="also print the memory breakdown and the curve over k as a chart")
 
-    sub.add_parser("models", help="list the catalog's model names")
+    sub.add_parser("models", help="list the catalog's model names, each with its aliases")
     sub.add_parser("gpus", help="list the known GPUs and their memory")
     return p
 
@@ -328,18 +328,18 @@ def recommend_local(req: RecommendRequest, registry: Path | None) -> Recommendat
     """The answer of the registry's current model (:class:`service.recommender.Recommender`)."""
     from model.registry import Registry
     from model.terms import TermsCache
-    from service.models import ModelHolder
+    from service.app import open_store
+    from service.models import ModelHolder, overhead_from
     from service.settings import Settings
     from service.tracing import InlineTracer
 
-    # the service's terms cache (shared with a running service on the same data directory); a configuration
-    # traced by neither is traced here once, so the command line gives the service's traced answer
-    try:
-        terms = TermsCache(Settings().db_url)
-    except Exception:  # noqa: BLE001 - a read-only or missing data directory: keep traced terms in memory
-        terms = TermsCache()
+    # the service's store, terms cache and GPU overhead (shared with a running service on the same data directory);
+    # a configuration traced by neither is traced here once, so the command line gives the service's answer
+    store, _reason = open_store(Settings())  # None where read-only: traced terms kept in memory
+    terms = TermsCache(store.url if store is not None else None)
     tracer = InlineTracer(terms, announce=lambda msg: print(f"memfit: {msg}", file=sys.stderr))
-    holder = ModelHolder(Registry(registry) if registry is not None else Registry(), terms=terms, tracer=tracer)
+    holder = ModelHolder(Registry(registry) if registry is not None else Registry(), overhead_from(store),
+                         terms=terms, tracer=tracer)
     holder.refresh()
     if holder.recommender is None:
         raise NoAnswer(f"no model registered ({holder.last_error or 'train one: python -m training.retrain'})")
@@ -518,7 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "models":
         from data import catalog
 
-        print("\n".join(catalog.names()))
+        for name in catalog.names():  # each name with the aliases --model also takes
+            aliases = catalog.get(name).get("aliases", [])
+            print(f"{name:<24} {', '.join(aliases)}".rstrip())
         return EXIT_FITS
     if a.command == "gpus":
         for name, size in GPUS.items():

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
+from data.store import TelemetryStore
 from model.overhead import OverheadModel
 from model.registry import IncompatibleArtifact, Registry
 from model.terms import TermsCache
@@ -23,6 +24,24 @@ MODEL_REFUSED = Gauge("memfit_model_refused", "1 while the registry's current ve
 MODEL_LOADED = Gauge("memfit_model_loaded", "1 while a model is serving")
 
 
+def overhead_from(store: TelemetryStore | None) -> OverheadModel:
+    """The GPU overhead learned from the CUDA telemetry in ``store`` and the shipped GPU pressure and validation
+    measurements (:meth:`model.overhead.OverheadModel.fit`); from the shipped measurements alone when ``store`` is
+    None. The service and the local command line both take it, so they give the same answer."""
+    import pandas as pd
+
+    if store is None:
+        return OverheadModel().fit(pd.DataFrame())
+    import sqlalchemy as sa
+
+    t = store.table
+    q = sa.select(t.c.method, t.c.device_name, t.c.peak_allocated_bytes, t.c.peak_reserved_bytes,
+                  t.c.outside_torch_bytes, t.c.oom).where(t.c.method == "cuda")
+    with store.engine.connect() as conn:
+        rows = pd.DataFrame(conn.execute(q).mappings().all())
+    return OverheadModel().fit(rows)
+
+
 class ModelHolder:
     """Keeps the last good :class:`Recommender`; :meth:`refresh` follows the registry's ``CURRENT``.
 
@@ -35,7 +54,7 @@ class ModelHolder:
     def __init__(self, registry: Registry, overhead: OverheadModel | None = None, terms: TermsCache | None = None,
                  tracer: BackgroundTracer | None = None) -> None:
         self.registry = registry
-        self.overhead = overhead or OverheadModel()
+        self.overhead = overhead or overhead_from(None)
         self.terms = terms if terms is not None else TermsCache()
         self.tracer = tracer
         self.recommender: Recommender | None = None

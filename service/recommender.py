@@ -264,11 +264,16 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
     model_parallel = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
     dp = t.data_parallel_size or max(1, gpu_count // model_parallel)
     world = dp * model_parallel
-    if world > gpu_count:
-        raise InvalidConfiguration("training.data_parallel_size", f"such that data*tensor*pipeline*context parallel "
+    if world > gpu_count:  # name the size the request set too large: data parallel, else the largest model-parallel
+        sizes = {"tensor_parallel_size": t.tensor_parallel_size, "pipeline_parallel_size": t.pipeline_parallel_size,
+                 "context_parallel_size": t.context_parallel_size}
+        field = "data_parallel_size" if t.data_parallel_size and model_parallel <= gpu_count else \
+            max(sizes, key=sizes.get)
+        raise InvalidConfiguration(f"training.{field}", f"such that data*tensor*pipeline*context parallel "
                                    f"size <= cluster.gpu_count={gpu_count}", message=(
-                                       f"training: data*tensor*pipeline*context parallel size = {world} exceeds "
-                                       f"cluster.gpu_count={gpu_count}"))
+                                       f"training: data*tensor*pipeline*context parallel size = {dp}*"
+                                       f"{t.tensor_parallel_size}*{t.pipeline_parallel_size}*{t.context_parallel_size}"
+                                       f" = {world} exceeds cluster.gpu_count={gpu_count}"))
     _check_model_parallel(t, spec)
     if t.frozen_layers > spec.num_layers:
         raise InvalidConfiguration("training.frozen_layers", f"an integer in [0, num_layers={spec.num_layers}]",
@@ -318,15 +323,20 @@ class CurveCache:
 
     A curve is a pure function of the model version, the traced terms and the configuration, so
     repeated configurations (the same job launched again, ``/recommend``'s alternatives) are answered
-    from here. A cached provisional curve is recomputed once its configuration's traced terms arrive
-    (looked for at most every ``recheck_s`` seconds). Least recently used entries go first beyond
-    ``maxsize``.
+    from here. A cached provisional curve is recomputed once its configuration's traced terms arrive, or once
+    the trace it was waiting for has ended without them (failed: its notes then say so instead of "ask again";
+    looked for at most every ``recheck_s`` seconds). Least recently used entries go first beyond ``maxsize``.
     """
 
     def __init__(self, predictor: MemoryPredictor, maxsize: int = 2048, recheck_s: float = 1.0) -> None:
         self.predictor, self.maxsize, self.recheck_s = predictor, maxsize, recheck_s
-        self._curves: OrderedDict[tuple[str, str, str], tuple[Curve, float]] = OrderedDict()
+        # key -> (curve, when last checked, whether it waits for a trace in the background tracer's queue)
+        self._curves: OrderedDict[tuple[str, str, str], tuple[Curve, float, bool]] = OrderedDict()
         self._lock = threading.Lock()
+
+    def _waiting(self, c: Curve) -> bool:
+        pending = getattr(getattr(self.predictor, "tracer", None), "pending", ())
+        return c.path == PROVISIONAL and c.terms_key is not None and c.terms_key in pending
 
     def curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None) -> Curve:
         key = (model.model_dump_json(), training.model_dump_json(exclude={"checkpoint_layers"}),
@@ -337,17 +347,18 @@ class CurveCache:
             if hit is not None:
                 self._curves.move_to_end(key)
         if hit is not None:
-            c, checked = hit
+            c, checked, waiting = hit
             stale = (c.path == PROVISIONAL and c.terms_key is not None and now - checked > self.recheck_s
-                     and self.predictor.terms.get(c.terms_key) is not None)
+                     and (self.predictor.terms.get(c.terms_key) is not None
+                          or (waiting and not self._waiting(c))))
             if not stale:
                 if c.path == PROVISIONAL and now - checked > self.recheck_s:
                     with self._lock:
-                        self._curves[key] = (c, now)
+                        self._curves[key] = (c, now, waiting)
                 return c
         c = self.predictor.curve(model, training, hf_config)
         with self._lock:
-            self._curves[key] = (c, now)
+            self._curves[key] = (c, now, self._waiting(c))
             while len(self._curves) > self.maxsize:
                 self._curves.popitem(last=False)
         return c

@@ -82,6 +82,7 @@ def test_catalog_name_and_unknown_name(run):
     assert json.loads(out)["model_name"] == "llama-3-8b"
     code, out, err = run("recommend", "--model", "llama-3-9b", "--gpu", "H200", *BASE)
     assert code == EXIT_BAD_INPUT and "close matches" in err and "llama-3-8b" in err and "--config" in err
+    assert "model: model:" not in err and "memfit models" in err
 
 
 def test_table_marks_the_chosen_k_and_explain_draws_the_curve(run):
@@ -106,7 +107,9 @@ def test_nothing_fits_exits_3_with_alternatives(run):
 @pytest.mark.parametrize("argv, flag, words", [
     (["--headroom", "2"], "--headroom", "less than or equal to 0.9"),
     (["--gpu-memory-gib", "-1"], "--gpu-memory-gib", "greater than 0"),
-    (["--pipeline-parallel", "2"], "", "exceeds cluster.gpu_count=1"),
+    (["--pipeline-parallel", "2"], "--pipeline-parallel", "= 2 exceeds cluster.gpu_count=1"),
+    (["--context-parallel", "3"], "--context-parallel", "1*1*1*3 = 3 exceeds cluster.gpu_count=1"),
+    (["--data-parallel", "2"], "--data-parallel", "2*1*1*1 = 2 exceeds cluster.gpu_count=1"),
     (["--frozen-layers", "40"], "--frozen-layers", "num_layers=28"),
     (["--frozen-layers", "4", "--lora-rank", "8"], "--frozen-layers", "full, LoRA or frozen"),
 ])
@@ -202,7 +205,8 @@ def test_unreachable_service_exits_1(capsys):
 
 def test_models_and_gpus_lists(run):
     code, out, _ = run("models")
-    assert code == EXIT_FITS and "llama-3-8b" in out.split()
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert code == EXIT_FITS and "mistral-7b" in lines["mistral-7b-v0.1"] and "llama-3.1-8b" in lines["llama-3-8b"]
     code, out, _ = run("gpus")
     assert code == EXIT_FITS and f"RTX-4090     {GPUS['RTX-4090'] / 2**30:7.2f} GiB" in out
 

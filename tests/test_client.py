@@ -86,7 +86,7 @@ def test_unreachable_gives_the_fallback_with_one_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="memfit"):
         rec = mock_client(handler, retries=2).recommend(**HF_REQ)
     assert len(calls) == 3
-    assert isinstance(rec, FallbackRecommendation) and rec.model_version == "fallback" and is_fallback(rec)
+    assert isinstance(rec, FallbackRecommendation) and rec.model_version == "fallback" and is_fallback(rec) and rec.path == "fallback"
     assert rec.k == 6 and rec.layers == list(range(6)) and rec.num_layers == 6  # layer count from the HF config
     assert "checkpoint every layer" in rec.warnings[0] and "unreachable" in rec.warnings[0]
     warnings_logged = [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -116,8 +116,10 @@ def test_422_detail_names_the_field_once():
     (["--zero", "3"], ("memfit: error: --zero/--sharding (training.sharding): must be 'none' when "
                        "data_parallel_size is 1")),
     # the same, with a message that names the section: was "... (training.data_parallel_size): training: data*..."
-    (["--gpus", "2", "--pipeline-parallel", "4"], ("memfit: error: --data-parallel (training.data_parallel_size): "
-                                                   "data*tensor*pipeline*context parallel size = 4 exceeds")),
+    # and the flag the user raised (was --data-parallel, which they had not passed)
+    (["--gpus", "2", "--pipeline-parallel", "4"], ("memfit: error: --pipeline-parallel (training.pipeline_parallel_size"
+                                                   "): data*tensor*pipeline*context parallel size = 1*1*4*1 = 4 "
+                                                   "exceeds")),
 ])
 def test_cli_errors_name_the_flag(small_registry, capsys, argv, expected):
     from service.cli import EXIT_BAD_INPUT, main

@@ -164,7 +164,8 @@ def test_schema_rejects_bad_parallel_settings():
     ({"context_parallel_size": 2, "attention": "eager"}, "training.attention"),
     ({"pipeline_parallel_size": 4, "pipeline_schedule": "interleaved_1f1b", "pipeline_chunks_per_rank": 3},
      "training.pipeline_chunks_per_rank"),
-    ({"tensor_parallel_size": 4, "context_parallel_size": 4}, "training.data_parallel_size"),
+    ({"tensor_parallel_size": 4, "context_parallel_size": 4}, "training.tensor_parallel_size"),
+    ({"tensor_parallel_size": 2, "data_parallel_size": 8}, "training.data_parallel_size"),
     # settings that would be ignored silently (found by a new-user trial)
     ({"num_micro_batches": 4}, "training.num_micro_batches"),  # no pipeline
     ({"pipeline_parallel_size": 2, "pipeline_chunks_per_rank": 4}, "training.pipeline_chunks_per_rank"),  # 1f1b

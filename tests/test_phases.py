@@ -160,6 +160,17 @@ def test_small_config_cuts_per_layer_lists():
          "vocab_size": 256, "layer_types": ["sliding_attention", "full_attention"] * 2}
     assert small_config(g, 2)["layer_types"] == ["sliding_attention", "full_attention"]
     assert small_config(g, 2)["num_hidden_layers"] == 2
+    # a model shallower than the traced depth (2 layers traced at 3 and 4): the pattern repeats, and HF's own
+    # check (num_hidden_layers == len(layer_types)) holds; it failed every trace of 2-layer Qwen3 configs
+    q = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256,
+         "layer_types": ["full_attention", "full_attention"]}
+    assert small_config(q, 3)["layer_types"] == ["full_attention"] * 3
+    assert small_config(g, 6)["layer_types"] == ["sliding_attention", "full_attention"] * 3
+    assert small_config(cfg, 5)["attention_types"] == [[[t], 1] for t in ["global", "local"] * 2 + ["global"]]
+    from memfit.hf import _hf_config
+
+    assert _hf_config(small_config(q, 3)).num_hidden_layers == 3
 
 
 def test_layer_period():

@@ -128,6 +128,35 @@ def test_curve_cache_reuses_curves_and_refreshes_a_provisional_one_once_traced()
     assert cache.curve(spec, t, {"model_type": "gpt2"}).path == TRACED and pred.calls == 3
 
 
+def test_curve_cache_recomputes_a_provisional_curve_once_its_trace_failed():
+    """A curve answered while its configuration waits in the background tracer's queue says "ask again"; once
+    the trace has failed, the next answer is recomputed and says so (it said "ask again" forever)."""
+    from memfit.schema import TrainingConfig
+    from model.curve import PROVISIONAL, Curve
+    from service.recommender import CurveCache
+    from data import catalog
+
+    class Tracer:
+        pending = {"key"}
+
+    class Predictor:
+        terms, tracer, calls = {}, Tracer(), 0
+
+        def curve(self, model, training, hf_config=None):
+            self.calls += 1
+            reason = "tracing it now" if "key" in self.tracer.pending else "tracing it failed"
+            return Curve(path=PROVISIONAL, points=[], floor_bytes=1, terms_key="key", reason=reason)
+
+    pred = Predictor()
+    cache = CurveCache(pred, recheck_s=0.0)
+    spec, t = catalog.spec("gpt2"), TrainingConfig(micro_batch_size=1, seq_len=64)
+    assert cache.curve(spec, t).reason == "tracing it now"
+    assert cache.curve(spec, t).reason == "tracing it now" and pred.calls == 1  # still queued: cached
+    Tracer.pending = set()  # the trace ended without terms
+    assert cache.curve(spec, t).reason == "tracing it failed" and pred.calls == 2
+    assert cache.curve(spec, t).reason == "tracing it failed" and pred.calls == 2
+
+
 def test_dependencies_can_be_swapped(client):
     """Routes take the recommender from service.deps: a test (or a deployment) swaps it in one place."""
     from memfit.errors import ModelUnavailable
@@ -201,3 +230,17 @@ def test_offload_values_are_422_naming_the_field_and_answers_carry_host_memory(c
     assert rec["host_memory_bytes"] > 0 and rec["breakdown"]["optimizer_states_bytes"] == 0
     r = client.post("/predict", json={"items": [{**body, "k": 0}]})
     assert r.status_code == 200 and r.json()["predictions"][0]["host_memory_bytes"] == rec["host_memory_bytes"]
+
+
+def test_local_command_line_and_service_take_the_same_gpu_overhead(tmp_path):
+    """A new user's `memfit recommend` gave k = 23 where the service said 24 for the README's own example: the
+    local holder took the unfitted default fragmentation, the service the one measured on GPUs. Both now take
+    :func:`service.models.overhead_from` (the shipped GPU pressure measurements without CUDA telemetry)."""
+    from model.overhead import FRAGMENTATION_RATIO
+    from model.registry import Registry
+    from service.models import ModelHolder, overhead_from
+
+    measured = overhead_from(None)
+    assert measured.fragmentation_source.startswith("median of") and measured.fragmentation_ratio != FRAGMENTATION_RATIO
+    holder = ModelHolder(Registry(tmp_path / "models"))
+    assert holder.overhead.to_dict() == measured.to_dict()

@@ -55,11 +55,11 @@ def _seed_registry(settings, retrain: bool) -> str | None:
             registry.promote(shipped.current())
         except OSError as err:
             return f"cannot write the registry {registry.root} ({err.strerror or type(err).__name__})"
-        print(f"[2/3] seeded the registry with the shipped model {shipped.current()}", flush=True)
+        print(f"      seeded the registry with the shipped model {shipped.current()}", flush=True)
     if retrain or registry.current() is None:
         from training.retrain import main as retrain_main
 
-        print("[2/3] training a model from the telemetry (first start only)", flush=True)
+        print("      training a model from the telemetry (first start only)", flush=True)
         rc = retrain_main(["--registry", str(registry.root), "--db", settings.db_url])
         if registry.current() is None:
             return f"retraining registered no current model (exit {rc})"
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if why is not None:
             print(f"error: {why}", file=sys.stderr)
             return 1
-    print(f"      model {_current(settings)} is current", flush=True)
+    print(f"[2/3] model {_current(settings)} is current", flush=True)
     if a.no_serve:
         return 0
     import uvicorn

@@ -83,7 +83,8 @@ def token_points(hf_config: dict[str, Any], long: bool = False) -> list[tuple[in
 
 
 def small_config(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """The same config with ``num_layers`` decoder layers (per-layer lists such as ``layer_types`` cut)."""
+    """The same config with ``num_layers`` decoder layers: per-layer lists such as ``layer_types`` cut, or
+    repeated cyclically where the small model is deeper than the model itself (a 2-layer model traced at 3)."""
     from memfit.hf import spec_fields_from_hf_config
 
     L = spec_fields_from_hf_config(hf_config)["num_layers"]
@@ -93,10 +94,10 @@ def small_config(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
             out[key] = num_layers
     for key, value in hf_config.items():
         if isinstance(value, list) and len(value) == L and key != "architectures":
-            out[key] = value[:num_layers]
+            out[key] = [value[i % L] for i in range(num_layers)]
     if isinstance(hf_config.get("attention_types"), list):  # GPT-Neo: [[pattern, repeats], ...]
         per_layer = [t for pattern, repeats in hf_config["attention_types"] for _ in range(repeats) for t in pattern]
-        out["attention_types"] = [[[t], 1] for t in per_layer[:num_layers]]
+        out["attention_types"] = [[[per_layer[i % len(per_layer)]], 1] for i in range(num_layers)]
     return out
 
 
