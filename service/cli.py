@@ -417,7 +417,11 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     if not rec.fits:
         head.add_row("shortfall", f"{gib(rec.shortfall_bytes)} GiB")
     if rec.parameters_per_rank is not None:
-        head.add_row("parameters per GPU", f"{rec.parameters_per_rank / 1e9:.3f} B")
+        t = rec.training or {}
+        dp = int(t.get("data_parallel_size") or 1)
+        stored = (f" ({t['sharding']} stores 1/{dp} of them per GPU between uses)"
+                  if t.get("sharding") in ("zero3", "fsdp_full_shard", "fsdp_shard_grad_op") and dp > 1 else "")
+        head.add_row("parameters per GPU", f"{rec.parameters_per_rank / 1e9:.3f} B{stored}")
     if rec.host_memory_bytes:
         head.add_row("host memory per node (offload)", f"{gib(rec.host_memory_bytes)} GiB")
     con.print(head)

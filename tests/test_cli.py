@@ -224,3 +224,11 @@ def test_offload_flags_show_host_memory(run):
     code, out, err = run("recommend", "--model", "llama-3-8b", "--gpu", "A100-80GB", "--micro-batch", "1",
                          "--seq-len", "128", "--offload-parameters", "cpu")
     assert code == 2 and "offload_optimizer='cpu'" in err
+
+
+def test_parameters_per_gpu_says_what_zero3_stores(run, monkeypatch):
+    # a new user read "parameters per GPU 8.030 B" under ZeRO-3 over 8 GPUs as the whole model on every GPU
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, err = run("recommend", "--model", "llama-3-8b", "--gpu", "H100-80GB", "--gpus", "8", "--zero", "3", *BASE)
+    assert code == EXIT_FITS, err
+    assert "8.030 B (zero3 stores 1/8 of them per GPU between uses)" in out
