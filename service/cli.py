@@ -37,7 +37,14 @@ from pydantic import ValidationError
 
 from memfit.api import GPUS, Recommendation, RecommendRequest, TrainingIn
 from memfit.schema import (
-    Attention, CheckpointImpl, Offload, Optimizer, PipelineSchedule, Precision, Quantization, Sharding,
+    Attention,
+    CheckpointImpl,
+    Offload,
+    Optimizer,
+    PipelineSchedule,
+    Precision,
+    Quantization,
+    Sharding,
 )
 
 GIB = 1 << 30
@@ -394,13 +401,22 @@ def curve_rows(rec: Recommendation, max_rows: int = 12) -> list:
     return [rec.curve[i] for i in sorted(keep)]
 
 
+def _console():  # a rich Console that leaves the exit code to main when the reader of stdout left
+    from rich.console import Console
+
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:  # rich's default exits with status 1, hiding "nothing fits" (3)
+            raise BrokenPipeError
+
+    return PipeConsole()
+
+
 def render(rec: Recommendation, *, explain: bool = False, label: str | None = None, console: Any = None) -> None:
     """Print the answer: verdict, the curve table with the chosen k marked, alternatives and warnings;
     with ``explain`` also the breakdown at k and the curve as a bar chart."""
-    from rich.console import Console
     from rich.table import Table
 
-    con = console or Console()
+    con = console or _console()
     title = f"memfit: {rec.model_name or label or 'model'} — {rec.num_layers} layers (predictor {rec.model_version})"
     head = Table(title=title, show_header=False)
     head.add_column("")
@@ -547,10 +563,14 @@ def main(argv: list[str] | None = None) -> int:
     except NoAnswer as err:
         print(f"memfit: no answer: {err}", file=sys.stderr)
         return EXIT_NO_ANSWER
-    if a.json:
-        print(json.dumps(rec.model_dump(mode="json"), indent=1))
-    else:
-        render(rec, explain=a.explain, label=str(a.config) if a.config is not None else a.model)
+    try:
+        if a.json:
+            print(json.dumps(rec.model_dump(mode="json"), indent=1))
+        else:
+            render(rec, explain=a.explain, label=str(a.config) if a.config is not None else a.model)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `memfit recommend ... | head`: the reader left; the exit code still tells the answer
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as the Python docs' SIGPIPE note advises
     return EXIT_FITS if rec.fits else EXIT_NO_FIT
 
 

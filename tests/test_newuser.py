@@ -210,3 +210,17 @@ def test_parameters_per_rank_counts_one_expert_parallel_shard():
     experts = 32 * 8 * 3 * 4096 * 14336  # layers x experts x (w1, w2, w3) x hidden x FFN
     rest = rec.parameters_per_rank - experts // 4
     assert rest == pytest.approx(46_702_792_704 - experts, rel=1e-3)
+
+
+def test_exit_code_survives_a_reader_that_leaves():
+    # `memfit recommend ... | head -1` under `set -o pipefail` exited 1 instead of 3 (nothing fits): rich's console
+    # exits with status 1 on a broken pipe
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "service.cli", "recommend", "--model", "llama-3-8b", "--gpu", "A100-80GB",
+           "--precision", "bf16_fp32_master", "--micro-batch", "1", "--seq-len", "128"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
+        proc.stdout.read(10)
+        proc.stdout.close()
+        assert proc.wait(timeout=300) == 3
