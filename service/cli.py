@@ -466,8 +466,14 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         parts = Table(title=f"breakdown at k={rec.k if rec.k is not None else rec.num_layers}")
         parts.add_column("part")
         parts.add_column("GiB", justify="right")
+        building = rec.peak_phase is not None and rec.peak_phase.startswith("bwd") and rec.peak_phase != "bwd.emb" \
+            and not rec.breakdown.get("gradients_bytes")
         for name, v in {**rec.breakdown, "overhead_bytes": rec.overhead.get("total_bytes", 0)}.items():
-            parts.add_row(name.removesuffix("_bytes").replace("_", " "), gib(v))
+            label = name.removesuffix("_bytes").replace("_", " ")
+            if building and name in ("gradients_bytes", "activations_bytes"):  # model.curve.breakdown's convention
+                label += (" (building up layer by layer: counted with activations)" if name == "gradients_bytes"
+                          else " (with the gradients built so far)")
+            parts.add_row(label, gib(v))
         if rec.host_memory_bytes:
             parts.add_row("host memory per node (not on the device)", gib(rec.host_memory_bytes))
         con.print(parts)

@@ -232,3 +232,16 @@ def test_parameters_per_gpu_says_what_zero3_stores(run, monkeypatch):
     code, out, err = run("recommend", "--model", "llama-3-8b", "--gpu", "H100-80GB", "--gpus", "8", "--zero", "3", *BASE)
     assert code == EXIT_FITS, err
     assert "8.030 B (zero3 stores 1/8 of them per GPU between uses)" in out
+
+
+def test_explain_says_where_the_gradients_are_while_they_build_up(run, monkeypatch):
+    # a new user read "gradients 0.00" at a peak in backward (here the head's) as "no gradients": they are
+    # building up layer by layer there and model.curve.breakdown counts them with the activations
+    monkeypatch.setenv("COLUMNS", "200")
+    argv = ("recommend", "--config", str(QWEN3), "--gpu", "RTX-4090", "--micro-batch", "1", "--seq-len", "4096")
+    code, out, err = run(*argv, "--json")
+    rec = json.loads(out)
+    assert code == EXIT_FITS and rec["peak_phase"] == "bwd.head" and rec["breakdown"]["gradients_bytes"] == 0, err
+    code, out, err = run(*argv, "--explain")
+    assert "gradients (building up layer by layer: counted with activations)" in out
+    assert "activations (with the gradients built so far)" in out
