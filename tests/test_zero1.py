@@ -160,7 +160,7 @@ def test_row_paths_counts_zero1_rows_with_a_traced_base_as_traced():
 
     df = pd.read_parquet(SHIPPED)
     z = df[(df.sharding == "zero1") & (df.model_name == "gpt2") & (df.precision == "amp_bf16")
-           & (df.micro_batch_size == 8) & (df.seq_len == 1024)].reset_index(drop=True)
+           & (df.optimizer == "adamw_foreach") & (df.micro_batch_size == 8) & (df.seq_len == 1024)].reset_index(drop=True)
     assert len(z) == 13  # one family: dp 8, AdamW foreach, full fine-tune; its unsharded base is shipped
     assert set(row_paths(z, TermsCache())) == {"traced"}
     assert set(row_paths(z, TermsCache(shipped_dir=None))) == {"provisional"}
