@@ -29,8 +29,7 @@ Every curve is shaped the same way, by construction:
 * **a bound whose width depends on the path and the configuration**: ``upper = point × (1 + margin)``
   with the margin of the :func:`margin_group` (traced, traced with sharding, provisional), each a
   split-conformal quantile of relative residuals on held-out architectures, never below the group's
-  measured floor (see :mod:`benchmarks.accuracy`); a group calibrated per precision regime takes the
-  regime's margin (:func:`mondrian_key`, :meth:`MemoryPredictor.margin`).
+  measured floor (see :mod:`benchmarks.accuracy`).
 
 Offloaded configurations (:mod:`model.offload`) are answered from the curve of their traced base
 (the same configuration without offload; FSDP full-shard for parameter offload) by
@@ -80,13 +79,6 @@ MARGIN_FLOORS = {TRACED: TRACED_MARGIN_FLOOR, TRACED_SHARDED: TRACED_SHARDED_MAR
 #: default relative bound margins per group until calibrated (measured in benchmarks/results/accuracy.txt)
 DEFAULT_MARGINS = {TRACED: TRACED_MARGIN_FLOOR, TRACED_SHARDED: TRACED_SHARDED_MARGIN_FLOOR, PROVISIONAL: 0.30,
                    PROVISIONAL_COEFFICIENTS: 0.30, PROVISIONAL_COEFFICIENTS_SHARDED: 0.30}
-
-
-def mondrian_key(group: str, precision: str) -> str:
-    """The margin key of ``group`` for one precision regime: :meth:`MemoryPredictor.margin` takes it where it was
-    calibrated (Mondrian conformal prediction, a quantile per category: Vovk, Gammerman & Shafer 2005,
-    "Algorithmic Learning in a Random World", Sec. 4.5), else the group's own margin."""
-    return f"{group}/{precision}"
 
 
 def margin_group(path: str, sharding: Sharding | str, composed: bool = False) -> str:
@@ -247,11 +239,6 @@ class MemoryPredictor:
         self.margins = {**DEFAULT_MARGINS, **(margins or {})}
         self.tracer = tracer
 
-    def margin(self, group: str, training: TrainingConfig) -> float:
-        """Relative bound margin of ``group`` for ``training``'s precision (:func:`mondrian_key`) where calibrated,
-        else the group's."""
-        return self.margins.get(mondrian_key(group, training.precision.value), self.margins[group])
-
     def curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None) -> Curve:
         """The whole curve over k = 0..``model.num_layers`` for one configuration (bytes per device).
 
@@ -350,7 +337,7 @@ class MemoryPredictor:
                 raw = raw + states.gradients_bytes
                 notes.append(f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches: "
                              "the learned answer for one micro-batch plus the whole gradient buffer (an upper bound)")
-        margin = self.margin(margin_group(path, training.sharding, learned), training)
+        margin = self.margins[margin_group(path, training.sharding, learned)]
         held = None if pipe is None else (lambda at: stage_states[pipe.bottleneck(at)])
         points = self._points(path, raw, phases, states, margin, held, training.accumulates_gradients)
         if path == PROVISIONAL:
@@ -434,7 +421,7 @@ class MemoryPredictor:
         if training.gradient_accumulation_steps > 1:
             notes.append(f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches: the "
                          "offloaded gradients accumulate in host memory, the device holds one micro-batch's peak")
-        margin = self.margin(margin_group(base.path, base_training.sharding, base.learned_coefficients), training)
+        margin = self.margins[margin_group(base.path, base_training.sharding, base.learned_coefficients)]
         return Curve(path=base.path, points=self._points(base.path, raw, phases, states, margin),
                      floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
                      raw_bytes=raw, phase_bytes=None, host_memory_bytes=host_memory_bytes(model, training),
@@ -462,7 +449,7 @@ class MemoryPredictor:
                                f"{model.trainable_params:,} trainable parameters (ZeroRedundancyOptimizer's "
                                "whole-parameter partition)")]
         group = margin_group(base.path, base_training_.sharding, base.learned_coefficients)
-        return Curve(path=base.path, points=self._points(base.path, raw, phases, states, self.margin(group, training), None,
+        return Curve(path=base.path, points=self._points(base.path, raw, phases, states, self.margins[group], None,
                                                          training.accumulates_gradients),
                      floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
                      raw_bytes=raw, phase_bytes=dev, learned_coefficients=base.learned_coefficients, margin_group=group)
@@ -486,7 +473,7 @@ class MemoryPredictor:
         if base.path == PROVISIONAL:
             notes.append(f"provisional answer (learned phase coefficients of the base, composed per phase): "
                          f"{base.reason}")
-        margin = self.margin(margin_group(base.path, training.sharding, base.learned_coefficients), training)
+        margin = self.margins[margin_group(base.path, training.sharding, base.learned_coefficients)]
         return Curve(path=base.path, points=self._points(base.path, raw, phases, states, margin, None,
                                                          training.accumulates_gradients),
                      floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,

@@ -23,7 +23,7 @@ from model.coefficients import (
     shipped_entries,
 )
 from model.compose import compose
-from model.curve import PROVISIONAL, PROVISIONAL_COEFFICIENTS, MemoryPredictor, margin_group, mondrian_key
+from model.curve import PROVISIONAL, PROVISIONAL_COEFFICIENTS, MemoryPredictor, margin_group
 from model.terms import TermsCache
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,9 +145,8 @@ def _monotone(values, increasing: bool) -> bool:
 
 def test_learned_curve_invariants(held_out_model):
     """On the learned path: monotone in k, micro-batch and seq_len, never below the state floor, breakdown
-    adding up, a peak phase per k, the provisional-coefficients margin group (fp32's own where calibrated, the
-    group's for the other precisions); 200 random configurations."""
-    margins = {PROVISIONAL_COEFFICIENTS: 0.11, PROVISIONAL: 0.5, mondrian_key(PROVISIONAL_COEFFICIENTS, "fp32"): 0.2}
+    adding up, a peak phase per k, the provisional-coefficients margin group; 200 random configurations."""
+    margins = {PROVISIONAL_COEFFICIENTS: 0.11, PROVISIONAL: 0.5}
     predictor = MemoryPredictor(None, TermsCache(shipped_dir=None), margins, coefficients=held_out_model)
     rng = random.Random(8)
     names = ["pythia-410m", "qwen2.5-1.5b", "llama-3.2-3b", "gpt2-xl", "opt-1.3b", "mistral-7b-v0.1", "phi-4"]
@@ -167,8 +166,7 @@ def test_learned_curve_invariants(held_out_model):
             continue
         checked += 1
         assert c.learned_coefficients and margin_group(c.path, "none", True) == PROVISIONAL_COEFFICIENTS
-        scale = 1.2 if base["precision"] == "fp32" else 1.11
-        assert all(p.upper_bytes == math.ceil(p.predicted_bytes * scale) for p in c.points)
+        assert all(p.upper_bytes == math.ceil(p.predicted_bytes * 1.11) for p in c.points)
         pts = [p.predicted_bytes for p in c.points]
         assert _monotone(pts, increasing=False)
         assert min(pts) >= c.floor_bytes
