@@ -26,6 +26,7 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -401,14 +402,19 @@ def curve_rows(rec: Recommendation, max_rows: int = 12) -> list:
     return [rec.curve[i] for i in sorted(keep)]
 
 
-def _console():  # a rich Console that leaves the exit code to main when the reader of stdout left
+@functools.cache
+def _pipe_console_class() -> type:  # rich is imported on first use: `memfit --help` stays fast
     from rich.console import Console
 
     class PipeConsole(Console):
         def on_broken_pipe(self) -> None:  # rich's default exits with status 1, hiding "nothing fits" (3)
             raise BrokenPipeError
 
-    return PipeConsole()
+    return PipeConsole
+
+
+def _console():  # a rich Console that leaves the exit code to main when the reader of stdout left
+    return _pipe_console_class()()
 
 
 def render(rec: Recommendation, *, explain: bool = False, label: str | None = None, console: Any = None) -> None:
@@ -466,8 +472,8 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         parts = Table(title=f"breakdown at k={rec.k if rec.k is not None else rec.num_layers}")
         parts.add_column("part")
         parts.add_column("GiB", justify="right")
-        building = rec.peak_phase is not None and rec.peak_phase.startswith("bwd") and rec.peak_phase != "bwd.emb" \
-            and not rec.breakdown.get("gradients_bytes")
+        # before bwd.emb the breakdown counts no gradients (model.curve.breakdown); from there on it counts them all
+        building = (rec.peak_phase or "").startswith("bwd") and not rec.breakdown.get("gradients_bytes")
         for name, v in {**rec.breakdown, "overhead_bytes": rec.overhead.get("total_bytes", 0)}.items():
             label = name.removesuffix("_bytes").replace("_", " ")
             if building and name in ("gradients_bytes", "activations_bytes"):  # model.curve.breakdown's convention
@@ -480,13 +486,19 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         con.print(curve_chart(rec))
 
     if rec.alternatives:
-        alt = Table(title="alternatives")
-        for col in ("change", "fits", "k", "bound+overhead GiB", "host GiB", "cost", "path"):
-            alt.add_column(col)
-        for a in rec.alternatives:
-            alt.add_row(a.description, "yes" if a.fits else "no", str(a.k), gib(a.total_upper_bytes),
-                        gib(a.host_memory_bytes) if a.host_memory_bytes else "-", a.cost, a.path)
+        # the figures in a table and each cost as a numbered line below it: one row per alternative stays
+        # readable in 80 columns (a cost column wrapped every row over a dozen lines)
+        host = any(a.host_memory_bytes for a in rec.alternatives)
+        alt = Table(title="alternatives (bound + overhead at k)")
+        for col in ("#", "change", "fits", "k", "GiB", *(("host GiB",) if host else ())):
+            alt.add_column(col, justify="left" if col == "change" else "right", ratio=1 if col == "change" else None)
+        for i, a in enumerate(rec.alternatives, 1):
+            change = a.description + ("" if a.path == "traced" else f" [dim]({a.path})[/]")
+            alt.add_row(str(i), change, "yes" if a.fits else "no", str(a.k), gib(a.total_upper_bytes),
+                        *((gib(a.host_memory_bytes) if a.host_memory_bytes else "-",) if host else ()))
         con.print(alt)
+        for i, a in enumerate(rec.alternatives, 1):
+            con.print(f"  {i}. cost: {a.cost}", highlight=False)
     for w in rec.warnings:
         con.print(f"[yellow]warning:[/yellow] {w}")
 

@@ -104,6 +104,27 @@ def test_nothing_fits_exits_3_with_alternatives(run):
     assert "does not fit at any k" in out and "alternatives" in out
 
 
+def test_alternatives_read_in_80_columns(run, monkeypatch):
+    """One table row per alternative (its change wraps, nothing else does) and each cost on a numbered line below
+    the table, so an 80-column terminal keeps the figures on one line (the cost column wrapped rows over a dozen
+    lines)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8",
+                       "--seq-len", "4096", "--json")
+    alternatives = json.loads(out)["alternatives"]
+    assert code == EXIT_NO_FIT and alternatives
+    code, out, _ = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8",
+                       "--seq-len", "4096")
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    start = next(i for i, line in enumerate(lines) if "alternatives" in line)
+    for i, a in enumerate(alternatives, 1):
+        row = next(line for line in lines[start:] if line.startswith(f"│ {i} │"))
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert cells[2:5] == ["yes" if a["fits"] else "no", str(a["k"]), f"{a['total_upper_bytes'] / 2**30:.2f}"]
+        assert any(line.startswith(f"  {i}. cost: {a['cost'][:30]}") for line in lines)
+
+
 @pytest.mark.parametrize("argv, flag, words", [
     (["--headroom", "2"], "--headroom", "less than or equal to 0.9"),
     (["--gpu-memory-gib", "-1"], "--gpu-memory-gib", "greater than 0"),
