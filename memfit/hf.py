@@ -129,6 +129,10 @@ def _hf_config(cfg: dict[str, Any]):
     # caller's dict (the catalog's cached entries, cache keys computed from it)
     kwargs = {k: copy.deepcopy(v) for k, v in cfg.items()
               if k not in ("model_type", "architectures", "transformers_version")}
+    if cfg.get("model_type") == "gemma" and kwargs.get("hidden_act") == "gelu":
+        # what transformers' GemmaConfig.__post_init__ does itself (the official configs' legacy value means the tanh
+        # approximation), without the warning it logs on every build (transformers/models/gemma/configuration_gemma.py)
+        kwargs["hidden_act"] = "gelu_pytorch_tanh"
     try:
         return AutoConfig.for_model(cfg["model_type"], **kwargs)
     except (KeyError, ValueError):

@@ -113,3 +113,15 @@ def test_spec_moe_fields():
     spec = catalog.spec("mixtral-8x7b")
     assert (spec.num_experts, spec.num_experts_per_token) == (8, 2)
     assert spec.num_layers == 32
+
+
+def test_gemma_legacy_gelu_builds_the_tanh_approximation_and_leaves_the_dict_alone():
+    """The official Gemma configs say ``hidden_act="gelu"``, which transformers builds as the tanh approximation
+    (and warns about on every build); memfit builds the same activation without the warning and keeps the
+    catalog's dict, whose hash keys the traced terms, unchanged."""
+    from memfit.hf import _hf_config
+
+    cfg = catalog.get("gemma-2b")["hf_config"]
+    assert cfg["hidden_act"] == "gelu"
+    assert _hf_config(cfg).hidden_act == "gelu_pytorch_tanh"
+    assert cfg["hidden_act"] == "gelu"
