@@ -182,8 +182,10 @@ def activation_bytes_per_layer(model: ModelSpec, training: TrainingConfig) -> in
     Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
     arXiv 2205.05198, Sec. 4.1 / Table 2: a GPT layer with 16-bit activations saves
     ``s·b·h·(34 + 5·a·s/h)`` bytes — attention block 11·sbh + 5·a·s²·b, MLP 19·sbh, two LayerNorms
-    4·sbh; with tensor parallel size t and sequence parallelism everything divides by t. We follow the
-    same accounting per tensor, generalised to what modern decoders differ in:
+    4·sbh. With tensor parallel size t and sequence parallelism everything divides by t (Sec. 4.2.2); without
+    sequence parallelism ``10·sbh`` stay whole on every rank — the two LayerNorm inputs, the inputs of the QKV
+    and first MLP linears, and the two dropout masks — and the rest divides by t: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``
+    (Sec. 4.2.1, Eq. 2). We follow the same accounting per tensor, generalised to what modern decoders differ in:
 
     * no dropout (the 1-byte masks, sbh + as²b + sbh, are dropped) unless the family is GPT-2/OPT/BLOOM;
     * grouped-query attention: K and V are ``s·b·kv·d`` each instead of ``s·b·h``;
@@ -213,7 +215,10 @@ def activation_bytes_per_layer(model: ModelSpec, training: TrainingConfig) -> in
         mlp = 2 * sbh + 2 * s * b * f + 2 * s * b * f  # first-linear input, GeLU input, second-linear input
     norms = 4 * sbh
     masks = 2 * sbh if dropout else 0
-    total = (attn + mlp + norms + masks) // t
+    if t == 1 or training.sequence_parallel:
+        total = (attn + mlp + norms + masks) // t
+    else:  # LayerNorm inputs, dropout masks and the QKV / first-MLP inputs (2·sbh each) are whole on every rank
+        total = norms + masks + 4 * sbh + (attn + mlp - 4 * sbh) // t
     return total * activation_dtype_bytes(training.precision) // 2
 
 

@@ -248,7 +248,10 @@ def scales(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
         q = model.num_attention_heads * (model.head_dim or h // model.num_attention_heads)
         # (gated MLPs: the product act(gate)·up; measured, a GeLU MLP's second-linear input stays saved)
         f = model.intermediate_size if model.architecture in GATED_MLP_FAMILIES else 0
-        layer = max(layer - (2 * q + 2 * h + 2 * f) * a / 2 / training.tensor_parallel_size, 0.25 * layer)
+        # (the MLP input is whole on every tensor-parallel rank without sequence parallelism: analytic, Eq. 2)
+        t = training.tensor_parallel_size
+        layer = max(layer - ((2 * q + 2 * f) / t + 2 * h / (t if training.sequence_parallel else 1)) * a / 2,
+                    0.25 * layer)
     if model.num_experts:  # each token's hidden state dispatched to and gathered from its k experts, fp32 router logits
         k = model.num_experts_per_token or 1
         layer += (2 * k * model.hidden_size * a + 4 * model.num_experts) / training.tensor_parallel_size

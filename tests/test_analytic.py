@@ -46,9 +46,13 @@ def test_korthikanti_gpt_layer():
     flash = TrainingConfig(micro_batch_size=b, seq_len=s, precision="amp_fp16", attention="sdpa")
     # flash/SDPA: no s^2 scores; an fp32 log-sum-exp (4*a*s*b) is saved instead
     assert activation_bytes_per_layer(m, flash) == s * b * h * 34 + 4 * a * s * b
-    tp = TrainingConfig(micro_batch_size=b, seq_len=s, precision="amp_fp16", attention="eager",
-                        tensor_parallel_size=8)
-    assert activation_bytes_per_layer(m, tp) == s * b * h * (34 + 5 * a * s // h) // 8
+    # Sec. 4.2: tensor parallel size t with sequence parallelism divides everything by t; without it 10*sbh
+    # (LayerNorm inputs, QKV and first-MLP inputs, dropout masks) stay whole: s*b*h*(10 + 24/t + 5*a*s/(h*t))
+    sp = TrainingConfig(micro_batch_size=b, seq_len=s, precision="amp_fp16", attention="eager",
+                        tensor_parallel_size=8, sequence_parallel=True)
+    assert activation_bytes_per_layer(m, sp) == s * b * h * (34 + 5 * a * s // h) // 8
+    tp = sp.model_copy(update={"sequence_parallel": False})
+    assert activation_bytes_per_layer(m, tp) == s * b * h * 10 + s * b * h * (24 + 5 * a * s // h) // 8
 
 
 def test_checkpointing_trades_layers_for_inputs():
