@@ -474,12 +474,15 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         parts.add_column("GiB", justify="right")
         # before bwd.emb the breakdown counts no gradients (model.curve.breakdown); from there on it counts them all
         building = (rec.peak_phase or "").startswith("bwd") and not rec.breakdown.get("gradients_bytes")
-        for name, v in {**rec.breakdown, "overhead_bytes": rec.overhead.get("total_bytes", 0)}.items():
+        shown = {**rec.breakdown, "overhead_bytes": rec.overhead.get("total_bytes", 0)}
+        for name, v in shown.items():
             label = name.removesuffix("_bytes").replace("_", " ")
             if building and name in ("gradients_bytes", "activations_bytes"):  # model.curve.breakdown's convention
                 label += (" (building up layer by layer: counted with activations)" if name == "gradients_bytes"
                           else " (with the gradients built so far)")
-            parts.add_row(label, gib(v))
+            parts.add_row(label, gib(v), end_section=name == "overhead_bytes")
+        # the parts add up to the predicted peak plus the overhead; the bound adds the margin on top of the peak
+        parts.add_row("total (predicted peak + overhead)", gib(sum(shown.values())), style="bold")
         if rec.host_memory_bytes:
             parts.add_row("host memory per node (not on the device)", gib(rec.host_memory_bytes))
         con.print(parts)

@@ -266,3 +266,7 @@ def test_explain_says_where_the_gradients_are_while_they_build_up(run, monkeypat
     code, out, err = run(*argv, "--explain")
     assert "gradients (building up layer by layer: counted with activations)" in out
     assert "activations (with the gradients built so far)" in out
+    # the parts add up to a total shown with them (a new user summed them and matched neither headline figure)
+    total = next(line for line in out.splitlines() if "total (predicted peak + overhead)" in line)
+    expected = (sum(rec["breakdown"].values()) + rec["overhead"]["total_bytes"]) / 2**30
+    assert total.strip("│ ").split()[-1] == f"{expected:.2f}"
