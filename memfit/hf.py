@@ -11,6 +11,9 @@ the memory-relevant shapes; the record's ``architecture`` keeps the original fam
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+from pathlib import Path
 from typing import Any
 
 from memfit.errors import InvalidConfiguration
@@ -212,6 +215,33 @@ def count_params_from_config(cfg: dict[str, Any]) -> int:
     return count_params(model)[0]
 
 
+#: PEFT's default LoRA target modules per ``model_type``, a snapshot (``scripts/peft_lora_targets.py`` writes it;
+#: ``tests/test_hf.py`` checks it against the installed PEFT): importing ``peft`` for the dict takes 8-9 s on a
+#: 2-core machine, most of a command-line answer
+PEFT_LORA_TARGETS_PATH = Path(__file__).with_name("peft_lora_targets.json")
+
+
+@functools.cache
+def _peft_lora_targets_snapshot() -> dict[str, list[str]]:
+    return json.loads(PEFT_LORA_TARGETS_PATH.read_text())["lora_target_modules"]
+
+
+def peft_default_lora_targets(model_type: str | None) -> list[str] | None:
+    """PEFT's default LoRA ``target_modules`` for ``model_type`` (None: PEFT has none), as
+    ``peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`` gives them: read from the
+    shipped snapshot (:data:`PEFT_LORA_TARGETS_PATH`), and from PEFT itself for a type the snapshot lacks (a
+    newer PEFT may know it)."""
+    snapshot = _peft_lora_targets_snapshot()
+    if model_type in snapshot:
+        return list(snapshot[model_type])
+    try:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+    except ImportError:
+        return None
+    found = defaults.get(model_type)
+    return list(found) if found is not None else None
+
+
 def lora_target_shapes(cfg: dict[str, Any], target_modules: list[str] | None) -> tuple[dict[str, list[tuple[int, int]]],
                                                                                     list[str]]:
     """The ``(in_features, out_features)`` of every matrix LoRA adapts, per target name, and the names of all
@@ -232,9 +262,7 @@ def lora_target_shapes(cfg: dict[str, Any], target_modules: list[str] | None) ->
     except ImportError:  # pragma: no cover
         Conv1D = ()
     if target_modules is None:
-        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
-
-        target_modules = defaults.get(cfg.get("model_type"))
+        target_modules = peft_default_lora_targets(cfg.get("model_type"))
         if target_modules is None:
             raise InvalidConfiguration("lora_target_modules", "a list of module names (PEFT has no default for "
                                        f"model_type {cfg.get('model_type')!r})", None)

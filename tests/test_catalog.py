@@ -125,3 +125,21 @@ def test_gemma_legacy_gelu_builds_the_tanh_approximation_and_leaves_the_dict_alo
     assert cfg["hidden_act"] == "gelu"
     assert _hf_config(cfg).hidden_act == "gelu_pytorch_tanh"
     assert cfg["hidden_act"] == "gelu"
+
+
+def test_peft_lora_target_snapshot_is_peft_mapping():
+    # memfit reads PEFT's default LoRA targets from a snapshot (importing peft costs most of a CLI answer); it must
+    # be the installed PEFT's dict: after a PEFT pin change, run `python scripts/peft_lora_targets.py`
+    import json
+
+    peft = pytest.importorskip("peft")
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+
+    from memfit.hf import PEFT_LORA_TARGETS_PATH, peft_default_lora_targets
+
+    snapshot = json.loads(PEFT_LORA_TARGETS_PATH.read_text())
+    assert snapshot["peft_version"] == peft.__version__
+    assert snapshot["lora_target_modules"] == {k: list(v) for k, v in mapping.items()}
+    assert peft_default_lora_targets("llama") == ["q_proj", "v_proj"]
+    assert peft_default_lora_targets("gpt2") == ["c_attn"]
+    assert peft_default_lora_targets("no-such-model-type") is None

@@ -15,7 +15,9 @@ def test_client_wheel_installs_only_memfit(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
                     "-w", str(tmp_path / "dist"), str(ROOT)], check=True, timeout=300, cwd=tmp_path)
     wheel = next((tmp_path / "dist").glob("memfit-*.whl"))
-    tops = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "memfit/peft_lora_targets.json" in names  # package data memfit.hf reads
+    tops = {n.split("/")[0] for n in names}
     assert tops == {"memfit", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     venv = tmp_path / "fresh"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
