@@ -16,7 +16,15 @@ from data import catalog
 from memfit.schema import TrainingConfig
 from model.compose import PEAK_PHASES, compose, compose_terms
 from training.collect import measure_family
-from training.phases import PHASES, envelope_pieces, small_config, token_points, trace_terms
+from training.phases import (
+    PHASES,
+    envelope_pieces,
+    linear_token_points,
+    small_config,
+    timeline_on_fit,
+    token_points,
+    trace_terms,
+)
 
 L = 6
 
@@ -53,6 +61,9 @@ def test_composed_peak_equals_full_measurement(name, fields):
     assert set(terms.coef) == {(1, 0), (2, 0), (1, 1), (2, 2)}
     assert all(set(p) == set(PHASES) for p in terms.coef.values())
     traced = set(terms.points)
+    # SDPA steps hold nothing quadratic in s (no explicit mask below a sliding window): three token points
+    # fix (1, b·s, s); eager attention keeps (b, heads, s, s) scores and takes all five
+    assert len(traced) == (5 if terms.attention == "eager" else 3)
     for b, s in [(3, 768), (1, 1000)]:
         assert (b, s) not in traced
         t = training.model_copy(update={"micro_batch_size": b, "seq_len": s})
@@ -149,6 +160,25 @@ def test_composition_reads_phases_not_one_total():
 def test_misaligned_timelines_are_refused():
     with pytest.raises(RuntimeError, match="differ"):
         envelope_pieces([[("rest", 1)], [("rest", 1), ("opt", 2)]], [(2, 4), (2, 8)], grid=None)
+
+
+def test_linear_check_passes_only_steps_without_s2_terms():
+    points = token_points({"model_type": "llama"})
+    three, check, rest = linear_token_points(points)
+    assert sorted([*three, check, rest]) == sorted(points) and {b for b, _ in three} == {2, 4}
+
+    def timeline(b, s, mask=0, batch_mask=0):  # live bytes after three events: weights, activations, a mask
+        return [("rest", 1 << 30), ("fwd.layers", (1 << 30) + 4096 * b * s + 512 * s),
+                ("bwd.head", 2048 * b * s + mask * s * s + batch_mask * b * s * s)]
+
+    assert timeline_on_fit([timeline(b, s) for b, s in three], three, [0, 1, 2], timeline(*check), check)
+    # an explicit 1-byte mask, (1, 1, s, s) or (b, 1, s, s): the check point is s1²/8 or s1²/4 bytes off the fit
+    for m in ({"mask": 1}, {"batch_mask": 1}):
+        assert not timeline_on_fit([timeline(b, s, **m) for b, s in three], three, [0, 1, 2],
+                                   timeline(*check, **m), check), m
+    # a step with one allocation more at the check point (a shape-dependent op sequence)
+    assert not timeline_on_fit([timeline(b, s) for b, s in three], three, [0, 1, 2],
+                               [*timeline(*check), ("opt", 1)], check)
 
 
 def test_small_config_cuts_per_layer_lists():

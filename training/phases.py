@@ -22,13 +22,17 @@ Each phase's live bytes are, per model variant, a linear function of the token-s
 :func:`model.compose.token_basis` = (1, b·s, s, b·s², s²) with b = micro-batch size and s = sequence length: activations
 and logits grow with b·s, rotary tables and position ids with s, eager attention scores with b·s²,
 masks with s². Five traced (b, s) points per variant determine the five coefficients exactly; the
-fit is checked against other token counts in ``tests/test_phases.py``.
+fit is checked against other token counts in ``tests/test_phases.py``. Without s² terms three points
+fix the linear part (1, b·s, s): the first small model's trace checks a fourth point (a new length) against
+that fit and traces the fifth only when it misses (eager attention always takes five), so an SDPA model without an
+explicit mask takes three steps per variant instead of five (:func:`linear_token_points`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +84,44 @@ def token_points(hf_config: dict[str, Any], long: bool = False) -> list[tuple[in
         s1 = 1 << ((w - 1).bit_length() - 1)  # the largest power of two < w
     s2, s3 = s1 // 4, s1 // 2
     return [(2, s1), (2, s2), (2, s3), (4, s2), (4, s1)]
+
+
+#: the :data:`model.compose.BASIS_NAMES` columns of live bytes linear in tokens: (1, b·s, s)
+LINEAR_COLUMNS = [0, 1, 2]
+#: the largest difference, bytes, between an event's traced live bytes at the check point and the linear fit
+#: through three points for the step to count as linear in tokens (measured: exactly 0 for linear steps; tens of
+#: MiB for Falcon-7B's explicit (b, 1, s, s) mask at s = 4096)
+LINEAR_CHECK_TOLERANCE_BYTES = 64 * 1024
+
+
+def linear_token_points(points: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], tuple[int, int], tuple[int, int]]:
+    """Split :func:`token_points`' five points into three that fix a fit on :data:`LINEAR_COLUMNS` (two lengths
+    at b = 2, the shorter again at b = 4), the check point (the middle length at b = 2) and the fifth point,
+    traced only when the check fails.
+
+    The check point's length is one the three do not have, so an s² term shows there whether it scales with
+    b or not: on these points the linear fit of ``b·s²`` misses the check point by +s1²/4 and that of ``s²``
+    by +s1²/8 (s1 the longest length), and a tensor's bytes are a sum of such monomials with non-negative
+    weights, so the misses cannot cancel. (A check at (4, s1) would pass a (1, 1, s, s) mask unseen: the fit
+    through the three points is exact there for a pure s² term.)
+    """
+    p = list(points)
+    return [p[0], p[1], p[3]], p[2], p[4]
+
+
+def timeline_on_fit(timelines: list[list[tuple[str, int]]], points: list[tuple[int, int]], columns: list[int],
+                    check: list[tuple[str, int]], check_point: tuple[int, int]) -> bool:
+    """Whether the timeline traced at ``check_point`` is, event by event, what the exact fit of ``timelines`` (traced
+    at ``points``) on the basis ``columns`` predicts there, to :data:`LINEAR_CHECK_TOLERANCE_BYTES`. False when
+    the op sequences differ."""
+    if len({len(t) for t in (*timelines, check)}) != 1 or \
+            len({tuple(p for p, _ in t) for t in (*timelines, check)}) != 1:
+        return False
+    X = np.stack([token_basis(b, s) for b, s in points])[:, columns]
+    Y = np.array([[v for _, v in t] for t in timelines], dtype=np.float64)
+    predicted = token_basis(*check_point)[columns] @ np.linalg.solve(X, Y)
+    return bool(np.abs(predicted - np.array([v for _, v in check], dtype=np.float64)).max()
+                <= LINEAR_CHECK_TOLERANCE_BYTES)
 
 
 def small_config(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -292,6 +334,11 @@ def _traced_step(run, opt, ids) -> list[tuple[str, int]]:
     return timeline
 
 
+def _traced_at(run, opt, micro_batch_size: int, seq_len: int) -> list[tuple[str, int]]:
+    """:func:`_traced_step` on input ids of shape (micro_batch_size, seq_len)."""
+    return _traced_step(run, opt, run.input_ids(micro_batch_size, seq_len))
+
+
 def _pruning_grid(hf_config: dict[str, Any], lo: int = 16, hi: int | None = None) -> np.ndarray:
     """(b, s) points, ``lo <= s <= hi``, on which the upper envelope of a phase's events is kept, shape
     (n, 5) in the basis."""
@@ -348,7 +395,10 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     :mod:`model.parallel`); everything else (precision, optimizer, sharding,
     attention, fine-tuning) is traced as given. ``micro_batch_one`` (default): also trace three sequence
     lengths at micro-batch 1 (``mb1_coef``, and ``long_mb1_coef`` past a sliding window), which
-    :func:`model.compose.compose_terms` uses for b = 1 instead of the b >= 2 fit.
+    :func:`model.compose.compose_terms` uses for b = 1 instead of the b >= 2 fit; two when the b >= 2 regime
+    is linear in tokens. ``points`` (default :func:`token_points`): trace exactly these and fit all five
+    basis columns; without it, a regime whose first trace is linear in tokens is traced at three points
+    (:func:`linear_token_points`, :func:`timeline_on_fit`).
 
     Raises:
         ValueError: a configuration the collector cannot run (see :func:`training.collect.prepared_model`).
@@ -379,25 +429,55 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
                                         "checkpoint_layers": []})
     period = layer_period(hf_config)
     depths = traced_depths(period, training.sharding)
+    # per b >= 2 regime: None until the first small model's trace has decided whether its live bytes carry
+    # s^2 terms (True: linear in tokens, three points suffice; see linear_token_points)
+    n_poly = 2 if w is not None else 1
+    linear: list[bool | None] = [None if points is None else False] * n_poly
+    fitted_points: list[list[tuple[int, int]]] = [pts for pts, _, _ in regimes]
+
+    def fit(r: int, pts, grid, cols, trace) -> dict[str, list[list[float]]]:
+        if r >= n_poly:
+            return fit_micro_batch_one(r, pts, grid, cols, trace)
+        if linear[r] is False or attention == "eager":  # eager attention keeps (b, heads, s, s) scores
+            linear[r] = False
+            timelines = [trace(b, s) for b, s in pts]
+        else:
+            three, check, rest = linear_token_points(pts)
+            timelines = [trace(b, s) for b, s in three]
+            if linear[r] is None:
+                extra = trace(*check)
+                linear[r] = timeline_on_fit(timelines, three, LINEAR_COLUMNS, extra, check)
+                if not linear[r]:
+                    timelines, pts = [*timelines, extra, trace(*rest)], [*three, check, rest]
+            if linear[r]:
+                pts, cols = three, LINEAR_COLUMNS
+        cols = list(range(len(BASIS_NAMES))) if cols is None else cols
+        fitted_points[r] = pts
+        return envelope_pieces(timelines, pts, grid, cols)
+
+    def fit_micro_batch_one(r: int, pts, grid, cols, trace):
+        # micro-batch 1 on (1, s, s^2), or on (1, s) when the b >= 2 regime is linear (at b = 1 some reshapes are
+        # views, so its op sequence differs from b >= 2 and it is fitted on its own points)
+        main = r - n_poly
+        if linear[main]:
+            pts, cols = [(1, s) for s in sorted({s for _, s in fitted_points[main]})], [0, 2]
+        fitted_points[r] = pts
+        return envelope_pieces([trace(b, s) for b, s in pts], pts, grid, cols)
+
     for n, depth in zip((1, 2), depths):
         with prepared_model(small_config(hf_config, depth), probe) as run:
             attention = run.training.attention.value
             opt = run.make_optimizer()
             _prime_optimizer(run.model, opt)
+            trace = functools.partial(_traced_at, run, opt)
             for c in (0, n):
                 apply_activation_checkpointing(run.model, list(range(depth if c else 0)), layers=run.layers,
                                                use_reentrant=reentrant)
-                for (pts, grid, cols), coef in zip(regimes, coefs):
-                    timelines = []
-                    for b, s in pts:
-                        ids = run.input_ids(b, s)
-                        timelines.append(_traced_step(run, opt, ids))
-                        del ids
-                    coef[(n, c)] = envelope_pieces(timelines, pts, grid, cols)
+                for r, ((pts, grid, cols), coef) in enumerate(zip(regimes, coefs)):
+                    coef[(n, c)] = fit(r, pts, grid, cols, trace)
             close_optimizer(opt)
-            del opt
-    n_poly = 2 if w is not None else 1
+            del opt, trace
     mb1 = coefs[n_poly:] if micro_batch_one else [None, None]
-    return PhaseTerms(coef=coefs[0], points=regimes[0][0], attention=attention, trace_s=time.perf_counter() - t0,
+    return PhaseTerms(coef=coefs[0], points=fitted_points[0], attention=attention, trace_s=time.perf_counter() - t0,
                       period=period, long_coef=coefs[1] if w is not None else None, long_min_seq_len=w,
                       depths=depths, mb1_coef=mb1[0], long_mb1_coef=mb1[1] if w is not None else None)
