@@ -309,21 +309,31 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
                                             "headroom_fraction": a.headroom, "layout": a.layout})
 
 
+def flag_problem(field: str, message: str, allowed: str | None = None) -> str:
+    """One problem with a request field as the command line says it: ``--flag (field): message (allowed: ...)``,
+    named by the flag that sets the field (:data:`FLAG_OF`) and with the allowed range worded as the service's
+    422 words it (:func:`service.errors.with_allowed`); the field (or its section, e.g. ``training: ``) is not
+    repeated at the start of the message. A field no flag sets is named alone (``field: message``)."""
+    from service.errors import with_allowed
+
+    section = field.split(".")[0]
+    message = with_allowed(message.removeprefix(f"{field}: ").removeprefix(f"{section}: "), allowed)
+    flag = FLAG_OF.get(field) or FLAG_OF.get(section)
+    return f"{flag} ({field}): {message}" if flag else f"{field or 'request'}: {message}"
+
+
 def describe_validation_error(err: ValidationError) -> str:
-    """One line per problem, named by the flag that set it: ``--seq-len: must be ... (got 0)``."""
+    """One line per problem (:func:`flag_problem`), with the value given: ``--seq-len (training.seq_len): ...``."""
     from memfit.errors import pydantic_error_field
 
     lines = []
     for e in err.errors():
         path = tuple(x for x in e["loc"] if not str(x).startswith(("function-", "dict[", "str")))
         # a check inside a validator (InvalidConfiguration) names its own field below the location
-        loc, msg, _allowed = pydantic_error_field(e, path)
-        flag = FLAG_OF.get(loc) or FLAG_OF.get(loc.split(".")[0]) or loc or "request"
-        if flag != loc:
-            msg = msg.removeprefix(f"{loc}: ").removeprefix(f"{loc.split('.')[0]}: ")
+        loc, msg, allowed = pydantic_error_field(e, path)
         got = e.get("input")
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-        lines.append(f"{flag}: {msg}{shown}")
+        lines.append(flag_problem(loc, msg, allowed) + shown)
     return "\n".join(dict.fromkeys(lines))
 
 
@@ -372,17 +382,11 @@ def recommend_remote(req: RecommendRequest, url: str, timeout_s: float) -> Recom
 
 
 def describe_rejection(err) -> str:
-    """The service's 422 field errors (:class:`memfit.client.RequestRejected`) one per line, named by the
-    flag that sets each field as :func:`describe_validation_error` names local ones:
-    ``--seq-len (training.seq_len): must be ... allowed: an integer in [1, 1048576]``; the service's
-    message alone when it names no field."""
-    lines = []
-    for e in err.errors:
-        field = str(e.get("field") or "")
-        flag = FLAG_OF.get(field) or FLAG_OF.get(field.split(".")[0])
-        msg = str(e.get("message") or "").removeprefix(f"{field}: ")
-        allowed = f" (allowed: {e['allowed']})" if e.get("allowed") and str(e["allowed"]) not in msg else ""
-        lines.append(f"{flag} ({field}): {msg}{allowed}" if flag else f"{field or 'request'}: {msg}{allowed}")
+    """The service's 422 field errors (:class:`memfit.client.RequestRejected`) one per line, as local ones are
+    (:func:`flag_problem`): ``--seq-len (training.seq_len): must be ... (allowed: an integer in [1, 1048576])``;
+    the service's message alone when it names no field."""
+    lines = [flag_problem(str(e.get("field") or ""), str(e.get("message") or ""), e.get("allowed"))
+             for e in err.errors]
     return "\n".join(dict.fromkeys(lines)) or str(err)
 
 
@@ -575,10 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except (InputError, ValueError) as err:  # an unknown model (UnknownModel) is a ValueError too
         text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-        flag = FLAG_OF.get(getattr(err, "field", ""))
-        if flag:  # a check of the recommender (InvalidConfiguration): name the flag as well as the field
-            text = text.removeprefix(f"{err.field}: ").removeprefix(f"{err.field.split('.')[0]}: ")
-            text = f"{flag} ({err.field}): {text}"
+        if FLAG_OF.get(getattr(err, "field", "")):  # a check of the recommender (InvalidConfiguration)
+            text = flag_problem(err.field, text, getattr(err, "allowed", None))
         print(f"memfit: error: {text}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except NoAnswer as err:

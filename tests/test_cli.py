@@ -142,6 +142,17 @@ def test_out_of_range_values_name_the_flag_not_a_pydantic_dump(run, argv, flag, 
     assert "validation error for" not in err and "pydantic" not in err and "Traceback" not in err
 
 
+def test_parallel_sizes_beyond_the_cluster_name_flag_field_and_allowed_range(run):
+    # a new user's `--tensor-parallel 16` on 8 GPUs printed "... = 16 exceeds cluster.gpu_count=8" without the
+    # allowed range that the service's 422 carries for the same request (service.errors.with_allowed words both)
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "H100-80GB", "--gpus", "8", *BASE,
+                         "--tensor-parallel", "16")
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err == ("memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
+                   "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: such that "
+                   "data*tensor*pipeline*context parallel size <= cluster.gpu_count=8)\n")
+
+
 def test_unreadable_configs_are_bad_input(run, tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "nomodel.json").write_text(json.dumps({"hidden_size": 64}))
