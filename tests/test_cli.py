@@ -11,6 +11,7 @@ import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -187,9 +188,9 @@ def test_help_has_text_choices_defaults_and_exit_codes(capsys):
 
 class _Stub(BaseHTTPRequestHandler):
     status = 503
-    body = {"detail": "model loading"}
+    body: ClassVar[dict] = {"detail": "model loading"}
 
-    def do_POST(self):  # noqa: N802 (http.server's name)
+    def do_POST(self):  # http.server's name
         self.rfile.read(int(self.headers.get("content-length", 0)))
         payload = json.dumps(self.body).encode()
         self.send_response(self.status)
@@ -210,8 +211,8 @@ class _Stub(BaseHTTPRequestHandler):
         {"field": "training.tensor_parallel_size", "message": "must divide num_attention_heads = 12",
          "allowed": "a divisor of 12"},
         {"field": "cluster.gpu_count", "message": "Input should be greater than or equal to 1", "allowed": None}]},
-     EXIT_BAD_INPUT, "--tensor-parallel (training.tensor_parallel_size): must divide num_attention_heads = 12 "
-                     "(allowed: a divisor of 12)\n--gpus (cluster.gpu_count): Input should be greater"),
+     EXIT_BAD_INPUT, ("--tensor-parallel (training.tensor_parallel_size): must divide num_attention_heads = 12 "
+                      "(allowed: a divisor of 12)\n--gpus (cluster.gpu_count): Input should be greater")),
 ])
 def test_service_answers_map_to_documented_exit_codes(capsys, status, body, code, words):
     handler = type("Handler", (_Stub,), {"status": status, "body": body})
