@@ -322,15 +322,25 @@ def flag_problem(field: str, message: str, allowed: str | None = None) -> str:
     return f"{flag} ({field}): {message}" if flag else f"{field or 'request'}: {message}"
 
 
+#: pydantic's error types that state one bound of a range ("less than or equal to 0.9"): said as the whole range
+BOUND_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+
+
 def describe_validation_error(err: ValidationError) -> str:
-    """One line per problem (:func:`flag_problem`), with the value given: ``--seq-len (training.seq_len): ...``."""
+    """One line per problem (:func:`flag_problem`), with the value given: ``--headroom (headroom_fraction): must be
+    a finite number in [0, 0.9] (got 2.0)``; the allowed range is the service's (:func:`service.errors.allowed_range`
+    of the request schema), and a value beyond one bound is told the whole range, not pydantic's one bound."""
     from memfit.errors import pydantic_error_field
+    from service.errors import allowed_range
 
     lines = []
     for e in err.errors():
         path = tuple(x for x in e["loc"] if not str(x).startswith(("function-", "dict[", "str")))
         # a check inside a validator (InvalidConfiguration) names its own field below the location
         loc, msg, allowed = pydantic_error_field(e, path)
+        allowed = allowed or allowed_range(RecommendRequest, path)
+        if allowed and e.get("type") in BOUND_ERRORS:
+            msg = f"must be {allowed}"
         got = e.get("input")
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
         lines.append(flag_problem(loc, msg, allowed) + shown)

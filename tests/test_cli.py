@@ -127,8 +127,8 @@ def test_alternatives_read_in_80_columns(run, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, flag, words", [
-    (["--headroom", "2"], "--headroom", "less than or equal to 0.9"),
-    (["--gpu-memory-gib", "-1"], "--gpu-memory-gib", "greater than 0"),
+    (["--headroom", "2"], "--headroom", "must be a finite number in [0, 0.9]"),
+    (["--gpu-memory-gib", "-1"], "--gpu-memory-gib", "must be a finite number in (0, 16384.0]"),
     (["--pipeline-parallel", "2"], "--pipeline-parallel", "= 2 exceeds cluster.gpu_count=1"),
     (["--context-parallel", "3"], "--context-parallel", "1*1*1*3 = 3 exceeds cluster.gpu_count=1"),
     (["--data-parallel", "2"], "--data-parallel", "2*1*1*1 = 2 exceeds cluster.gpu_count=1"),
@@ -141,6 +141,16 @@ def test_out_of_range_values_name_the_flag_not_a_pydantic_dump(run, argv, flag, 
     assert code == EXIT_BAD_INPUT and out == ""
     assert flag in err and words in err
     assert "validation error for" not in err and "pydantic" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["2", "-0.1"])
+def test_a_value_beyond_either_bound_is_told_the_whole_range(run, value):
+    # `--headroom 2` printed pydantic's one bound, "Input should be less than or equal to 0.9"; the range is the
+    # request schema's (headroom_fraction: ge=0, le=0.9), worded as the service's 422 words it
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "L4", *BASE, "--headroom", value)
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err == (f"memfit: error: --headroom (headroom_fraction): must be a finite number in [0, 0.9] "
+                   f"(got {float(value)})\n")
 
 
 def test_parallel_sizes_beyond_the_cluster_name_flag_field_and_allowed_range(run):
