@@ -186,6 +186,20 @@ def test_argparse_rejects_bad_flags_with_exit_2(capsys):
     assert "not allowed with argument" in err and "one of the arguments --gpu --gpu-memory-gib is required" in err
 
 
+def test_argparse_errors_are_short_and_point_to_help(capsys):
+    # `--micro-batch -1` printed argparse's 23-line usage block of every flag above the one-line error
+    with pytest.raises(SystemExit) as info:
+        main(["recommend", "--model", "gpt2", "--gpu", "L4", "--micro-batch", "-1", "--seq-len", "8"])
+    assert info.value.code == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == ("memfit recommend: error: argument --micro-batch: -1 must be >= 1\n"
+                                       "see `memfit recommend --help`\n")
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == ("memfit: error: the following arguments are required: {recommend,models,gpus}"
+                                       "\nsee `memfit --help`\n")
+
+
 def test_help_has_text_choices_defaults_and_exit_codes(capsys):
     with pytest.raises(SystemExit) as info:
         main(["recommend", "--help"])
