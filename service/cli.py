@@ -444,6 +444,7 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     """Print the answer: verdict, the curve table with the chosen k marked, alternatives and warnings;
     with ``explain`` also the breakdown at k and the curve as a bar chart."""
     from rich.table import Table
+    from rich.text import Text
 
     con = console or _console()
     title = f"memfit: {rec.model_name or label or 'model'} — {rec.num_layers} layers (predictor {rec.model_version})"
@@ -524,9 +525,21 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
                         *((gib(a.host_memory_bytes) if a.host_memory_bytes else "-",) if host else ()))
         con.print(alt)
         for i, a in enumerate(rec.alternatives, 1):
-            con.print(f"  {i}. cost: {a.cost}", highlight=False)
+            hanging(con, Text(f"  {i}. "), Text(f"cost: {a.cost}"))
     for w in rec.warnings:
-        con.print(f"[yellow]warning:[/yellow] {w}")
+        hanging(con, Text("warning: ", style="yellow"), Text(w))
+
+
+def hanging(con: Any, lead: Any, text: Any) -> None:
+    """Print ``lead`` then ``text`` (rich ``Text``), the wrapped lines of ``text`` indented under its first
+    character (a hanging indent), so a wrapped warning or cost stays under its bullet or number."""
+    from rich.table import Table
+
+    grid = Table.grid()
+    grid.add_column(no_wrap=True)
+    grid.add_column()
+    grid.add_row(lead, text)
+    con.print(grid, highlight=False)
 
 
 def curve_chart(rec: Recommendation, width: int = 40) -> Any:

@@ -126,6 +126,39 @@ def test_alternatives_read_in_80_columns(run, monkeypatch):
         assert any(line.startswith(f"  {i}. cost: {a['cost'][:30]}") for line in lines)
 
 
+def test_wrapped_costs_and_warnings_hang_under_their_number_or_bullet(run):
+    # in 80 columns a wrapped warning or cost went on at column 0, under "warning:" / "1.", not under its text
+    import io
+
+    from rich.console import Console
+
+    from memfit.api import Recommendation
+    from service.cli import render
+
+    code, out, _ = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8",
+                       "--seq-len", "4096", "--json")
+    rec = Recommendation.model_validate(json.loads(out))
+    assert code == EXIT_NO_FIT and rec.alternatives
+    rec.alternatives[0].cost = "smaller GEMMs: ~15% slower steps at the same global batch, " * 2  # two lines at least
+    rec.warnings.append("a warning long enough to wrap twice in eighty columns: " * 3)
+    buf = io.StringIO()
+    render(rec, console=Console(file=buf, width=80, color_system=None))
+    lines = [line.rstrip() for line in buf.getvalue().splitlines()]
+
+    def item(lead: str, text: str) -> list[str]:  # the lines of one item: its first and the indented ones after it
+        first = next(i for i, line in enumerate(lines) if line.startswith(lead + text[:30]))
+        rest = lines[first + 1:]
+        wrapped = rest[:next((i for i, line in enumerate(rest) if not line.startswith(" " * len(lead))), len(rest))]
+        assert all(line[len(lead)] != " " for line in wrapped), wrapped  # under the text, not deeper
+        assert " ".join([lines[first].removeprefix(lead), *(x.strip() for x in wrapped)]) == text.strip()
+        return wrapped
+
+    assert len(item("  1. ", f"cost: {rec.alternatives[0].cost}")) >= 1
+    for w in rec.warnings:
+        assert len(item("warning: ", w)) >= (len(w) > 80 - len("warning: ")), w
+    assert len(item("warning: ", rec.warnings[-1])) == 2
+
+
 @pytest.mark.parametrize("argv, flag, words", [
     (["--headroom", "2"], "--headroom", "must be a finite number in [0, 0.9]"),
     (["--gpu-memory-gib", "-1"], "--gpu-memory-gib", "must be a finite number in (0, 16384.0]"),
