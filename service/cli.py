@@ -443,12 +443,11 @@ def _console():  # a rich Console that leaves the exit code to main when the rea
 def render(rec: Recommendation, *, explain: bool = False, label: str | None = None, console: Any = None) -> None:
     """Print the answer: verdict, the curve table with the chosen k marked, alternatives and warnings;
     with ``explain`` also the breakdown at k and the curve as a bar chart."""
-    from rich.table import Table
     from rich.text import Text
 
     con = console or _console()
     title = f"memfit: {rec.model_name or label or 'model'} — {rec.num_layers} layers (predictor {rec.model_version})"
-    head = Table(title=title, show_header=False)
+    head = titled(title, show_header=False)
     head.add_column("")
     head.add_column("", justify="right")
     if rec.fits:
@@ -473,7 +472,7 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     con.print(head)
 
     if rec.stages:
-        stages = Table(title=f"pipeline stages (bottleneck: stage {rec.bottleneck_stage})")
+        stages = titled(f"pipeline stages (bottleneck: stage {rec.bottleneck_stage})")
         for col in ("stage", "layers", "k", "micro-batches in flight", "predicted GiB"):
             stages.add_column(col, justify="right")
         for st in rec.stages:
@@ -482,7 +481,7 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
                            style="bold" if st.stage == rec.bottleneck_stage else None)
         con.print(stages)
 
-    curve = Table(title="memory over k (GiB; k = checkpointed layers)")
+    curve = titled("memory over k (GiB; k = checkpointed layers)")
     for col in ("k", "predicted", "bound+overhead", "fits", ""):
         curve.add_column(col, justify="right" if col else "left")
     for c in curve_rows(rec):
@@ -493,7 +492,7 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     con.print(curve)
 
     if explain:
-        parts = Table(title=f"breakdown at k={rec.k if rec.k is not None else rec.num_layers}")
+        parts = titled(f"breakdown at k={rec.k if rec.k is not None else rec.num_layers}")
         parts.add_column("part")
         parts.add_column("GiB", justify="right")
         # before bwd.emb the breakdown counts no gradients (model.curve.breakdown); from there on it counts them all
@@ -516,7 +515,7 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         # the figures in a table and each cost as a numbered line below it: one row per alternative stays
         # readable in 80 columns (a cost column wrapped every row over a dozen lines)
         host = any(a.host_memory_bytes for a in rec.alternatives)
-        alt = Table(title="alternatives (bound + overhead at k)")
+        alt = titled("alternatives (bound + overhead at k)")
         for col in ("#", "change", "fits", "k", "GiB", *(("host GiB",) if host else ())):
             alt.add_column(col, justify="left" if col == "change" else "right", ratio=1 if col == "change" else None)
         for i, a in enumerate(rec.alternatives, 1):
@@ -528,6 +527,14 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
             hanging(con, Text(f"  {i}. "), Text(f"cost: {a.cost}"))
     for w in rec.warnings:
         hanging(con, Text("warning: ", style="yellow"), Text(w))
+
+
+def titled(title: str, **kwargs: Any) -> Any:
+    """A rich ``Table`` at least as wide as its title: a narrow table (the headline's two short columns in 80
+    columns) wrapped its title over two lines; only a title wider than the terminal wraps now."""
+    from rich.table import Table
+
+    return Table(title=title, min_width=len(title), **kwargs)
 
 
 def hanging(con: Any, lead: Any, text: Any) -> None:

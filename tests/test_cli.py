@@ -159,6 +159,30 @@ def test_wrapped_costs_and_warnings_hang_under_their_number_or_bullet(run):
     assert len(item("warning: ", rec.warnings[-1])) == 2
 
 
+def test_titles_fit_on_one_line_over_narrow_tables_in_80_columns(run):
+    # the README's `memfit recommend --config tests/data/qwen3-0.6b.json --gpu RTX-4090 ... --explain` wrapped the
+    # headline's title over its two short columns in 80 columns: "... 28 layers (predictor" / "0006)"
+    import io
+
+    from rich.console import Console
+
+    from memfit.api import Recommendation
+    from service.cli import render
+
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "RTX-4090", "--micro-batch", "1",
+                         "--seq-len", "4096", "--json")
+    rec = Recommendation.model_validate(json.loads(out))
+    assert code == EXIT_FITS, err
+    buf = io.StringIO()
+    render(rec, explain=True, label="tests/data/qwen3-0.6b.json", console=Console(file=buf, width=80,
+                                                                                    color_system=None))
+    lines = [line.strip() for line in buf.getvalue().splitlines()]
+    assert max(len(line) for line in lines) <= 80
+    for title in (f"memfit: tests/data/qwen3-0.6b.json — {rec.num_layers} layers (predictor {rec.model_version})",
+                  "memory over k (GiB; k = checkpointed layers)", f"breakdown at k={rec.k}"):
+        assert title in lines, title
+
+
 @pytest.mark.parametrize("argv, flag, words", [
     (["--headroom", "2"], "--headroom", "must be a finite number in [0, 0.9]"),
     (["--gpu-memory-gib", "-1"], "--gpu-memory-gib", "must be a finite number in (0, 16384.0]"),
