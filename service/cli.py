@@ -482,13 +482,16 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         con.print(stages)
 
     curve = titled("memory over k (GiB; k = checkpointed layers)")
-    for col in ("k", "predicted", "bound+overhead", "fits", ""):
+    # the last column only marks the chosen k: none is chosen when nothing fits, and the column stood empty
+    marked = rec.k is not None
+    for col in ("k", "predicted", "bound+overhead", "fits", *(("",) if marked else ())):
         curve.add_column(col, justify="right" if col else "left")
     for c in curve_rows(rec):
         chosen = c.k == rec.k
         fits = c.total_upper_bytes <= rec.usable_bytes
         curve.add_row(str(c.k), gib(c.predicted_bytes), gib(c.total_upper_bytes), "yes" if fits else "no",
-                      "[bold]◀ chosen k[/]" if chosen else "", style="bold green" if chosen else None)
+                      *(("[bold]◀ chosen k[/]" if chosen else "",) if marked else ()),
+                      style="bold green" if chosen else None)
     con.print(curve)
 
     if explain:

@@ -98,11 +98,20 @@ def test_table_marks_the_chosen_k_and_explain_draws_the_curve(run):
     assert chart and sum("◀ chosen k" in line for line in chart) == 1
 
 
-def test_nothing_fits_exits_3_with_alternatives(run):
+def test_nothing_fits_exits_3_with_alternatives(run, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     code, out, err = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8",
                          "--seq-len", "4096")
     assert code == EXIT_NO_FIT, err
     assert "does not fit at any k" in out and "alternatives" in out
+    # the curve table has no chosen-k column when no k is chosen (it stood empty on every row)
+    lines = out.splitlines()
+    start = [line.strip() for line in lines].index("memory over k (GiB; k = checkpointed layers)")
+    assert [c.strip() for c in lines[start + 2].strip("┃").split("┃")] == ["k", "predicted", "bound+overhead", "fits"]
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("└"))
+    rows = [[c.strip() for c in line.strip("│").split("│")] for line in lines[start + 4:end]]
+    assert [r[0] for r in rows] == ["0", "3", "6", "9", "12", "15", "18", "21", "24", "27", "28"]
+    assert all(len(r) == 4 and r[3] == "no" for r in rows), rows
 
 
 def test_alternatives_read_in_80_columns(run, monkeypatch):
