@@ -542,14 +542,18 @@ def titled(title: str, **kwargs: Any) -> Any:
 
 def hanging(con: Any, lead: Any, text: Any) -> None:
     """Print ``lead`` then ``text`` (rich ``Text``), the wrapped lines of ``text`` indented under its first
-    character (a hanging indent), so a wrapped warning or cost stays under its bullet or number."""
-    from rich.table import Table
+    character (a hanging indent), so a wrapped warning or cost stays under its bullet or number; no line is
+    padded with spaces to the terminal's width."""
+    from rich.text import Text
 
-    grid = Table.grid()
-    grid.add_column(no_wrap=True)
-    grid.add_column()
-    grid.add_row(lead, text)
-    con.print(grid, highlight=False)
+    indent = lead.cell_len
+    out = Text()
+    for i, line in enumerate(text.wrap(con, max(20, con.width - indent))):
+        line.rstrip()
+        out.append_text(lead if i == 0 else Text(" " * indent))
+        out.append_text(line)
+        out.append("\n")
+    con.print(out, end="", soft_wrap=True, highlight=False)
 
 
 def curve_chart(rec: Recommendation, width: int = 40) -> Any:

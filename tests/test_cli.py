@@ -152,13 +152,14 @@ def test_wrapped_costs_and_warnings_hang_under_their_number_or_bullet(run):
     rec.warnings.append("a warning long enough to wrap twice in eighty columns: " * 3)
     buf = io.StringIO()
     render(rec, console=Console(file=buf, width=80, color_system=None))
-    lines = [line.rstrip() for line in buf.getvalue().splitlines()]
+    lines = buf.getvalue().splitlines()
 
     def item(lead: str, text: str) -> list[str]:  # the lines of one item: its first and the indented ones after it
         first = next(i for i, line in enumerate(lines) if line.startswith(lead + text[:30]))
         rest = lines[first + 1:]
         wrapped = rest[:next((i for i, line in enumerate(rest) if not line.startswith(" " * len(lead))), len(rest))]
         assert all(line[len(lead)] != " " for line in wrapped), wrapped  # under the text, not deeper
+        assert all(line == line.rstrip() for line in (lines[first], *wrapped))  # not padded to the width
         assert " ".join([lines[first].removeprefix(lead), *(x.strip() for x in wrapped)]) == text.strip()
         return wrapped
 
