@@ -304,6 +304,15 @@ class _Stub(BaseHTTPRequestHandler):
         {"field": "cluster.gpu_count", "message": "Input should be greater than or equal to 1", "allowed": None}]},
      EXIT_BAD_INPUT, ("--tensor-parallel (training.tensor_parallel_size): must divide num_attention_heads = 12 "
                       "(allowed: a divisor of 12)\n--gpus (cluster.gpu_count): Input should be greater")),
+    # the service's 422 for `--tensor-parallel 16` on 8 GPUs (service.errors: InvalidConfiguration) reads as the
+    # local answer does (test_parallel_sizes_beyond_the_cluster_...): was "...): training: data*tensor*..."
+    (422, {"detail": "training: data*tensor*pipeline*context parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
+           "errors": [{"field": "training.tensor_parallel_size", "message": "training: data*tensor*pipeline*context "
+                       "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8", "allowed": "such that "
+                       "data*tensor*pipeline*context parallel size <= cluster.gpu_count=8"}]},
+     EXIT_BAD_INPUT, ("memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
+                      "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: such that "
+                      "data*tensor*pipeline*context parallel size <= cluster.gpu_count=8)\n")),
 ])
 def test_service_answers_map_to_documented_exit_codes(capsys, status, body, code, words):
     handler = type("Handler", (_Stub,), {"status": status, "body": body})
