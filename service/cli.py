@@ -346,8 +346,9 @@ def describe_validation_error(err: ValidationError) -> str:
     for e in err.errors():
         path = tuple(x for x in e["loc"] if not str(x).startswith(("function-", "dict[", "str")))
         # a check inside a validator (InvalidConfiguration) names its own field below the location
-        loc, msg, allowed = pydantic_error_field(e, path)
-        allowed = allowed or allowed_range(RecommendRequest, path)
+        loc, msg, own = pydantic_error_field(e, path)
+        # such a check words its allowed values in its message (shown as it is, as in the service's 422 detail)
+        allowed = None if own else allowed_range(RecommendRequest, path)
         if allowed and e.get("type") in BOUND_ERRORS:
             msg = f"must be {allowed}"
         got = e.get("input")

@@ -204,12 +204,14 @@ def with_allowed(message: str, allowed: str | None) -> str:
 
 def validation_detail(errors: list[dict[str, Any]]) -> str:
     """The 422 ``detail``: one ``field: message (allowed: ...)`` per error, joined by ``; ``. A message of an
-    :class:`InvalidConfiguration` raised inside a validator already names its field (and usually the allowed
-    values), so it keeps its wording (not ``field: field: ... (allowed: ...) (allowed: ...)``)."""
+    :class:`InvalidConfiguration` raised inside a validator already names its field and the allowed values,
+    so it is shown as it is (not ``field: field: ... (allowed: ...) (allowed: ...)``)."""
     parts = []
     for e in errors:
-        message = e["message"] if e["message"].startswith(f"{e['field']}:") else f"{e['field']}: {e['message']}"
-        parts.append(with_allowed(message, e.get("allowed")))
+        if e["message"].startswith(f"{e['field']}:"):
+            parts.append(e["message"])
+        else:
+            parts.append(with_allowed(f"{e['field']}: {e['message']}", e.get("allowed")))
     return "; ".join(parts)
 
 

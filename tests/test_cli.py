@@ -220,6 +220,16 @@ def test_a_value_beyond_either_bound_is_told_the_whole_range(run, value):
                    f"(got {float(value)})\n")
 
 
+def test_a_check_that_words_its_allowed_values_is_not_given_them_twice(run):
+    # the request schema's own check names the allowed shardings in its message; the CLI (as the service's 422
+    # detail) shows it as it is, without "(allowed: one of ['zero3', 'fsdp_full_shard'] ...)" after it
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "L4", "--gpus", "2", *BASE, "--zero", "1",
+                         "--offload-parameters", "cpu", "--offload-optimizer", "cpu")
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err == ("memfit: error: --zero/--sharding (training.sharding): offload_parameters='cpu' needs sharding in "
+                   "['zero3', 'fsdp_full_shard'] (or 'none' with data_parallel_size=1), got 'zero1'\n")
+
+
 def test_parallel_sizes_beyond_the_cluster_name_flag_field_and_allowed_range(run):
     # a new user's `--tensor-parallel 16` on 8 GPUs printed "... = 16 exceeds cluster.gpu_count=8" without the
     # allowed range that the service's 422 carries for the same request (service.errors.with_allowed words both)
