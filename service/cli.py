@@ -32,7 +32,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
@@ -104,12 +104,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a short error: the error and where the flags are listed (``memfit recommend --help``),
+    not argparse's usage block of every flag first (23 lines for ``recommend``, above a one-line error).
+    Exit code 2, as argparse's (bad input)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\nsee `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``memfit`` argument parser (subcommands ``recommend``, ``models``, ``gpus``)."""
     fmt = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog="memfit", description="Fit LLM training into GPU memory: which decoder layers "
-                                "to activation-checkpoint.", epilog=__doc__.split("Exit codes:")[1].join(
-                                    ["exit codes (memfit recommend):", ""]), formatter_class=fmt)
+    p = _Parser(prog="memfit", description="Fit LLM training into GPU memory: which decoder layers "
+                "to activation-checkpoint.", epilog=__doc__.split("Exit codes:")[1].join(
+                    ["exit codes (memfit recommend):", ""]), formatter_class=fmt)
     sub = p.add_subparsers(dest="command", required=True, metavar="{recommend,models,gpus}")
     r = sub.add_parser("recommend", help="how many (and which) layers to checkpoint", formatter_class=fmt,
                        description="The smallest number of checkpointed layers k whose predicted peak fits the GPU.",
@@ -309,21 +318,42 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
                                             "headroom_fraction": a.headroom, "layout": a.layout})
 
 
+def flag_problem(field: str, message: str, allowed: str | None = None) -> str:
+    """One problem with a request field as the command line says it: ``--flag (field): message (allowed: ...)``,
+    named by the flag that sets the field (:data:`FLAG_OF`) and with the allowed range worded as the service's
+    422 words it (:func:`service.errors.with_allowed`); the field (or its section, e.g. ``training: ``) is not
+    repeated at the start of the message. A field no flag sets is named alone (``field: message``)."""
+    from service.errors import with_allowed
+
+    section = field.split(".")[0]
+    message = with_allowed(message.removeprefix(f"{field}: ").removeprefix(f"{section}: "), allowed)
+    flag = FLAG_OF.get(field) or FLAG_OF.get(section)
+    return f"{flag} ({field}): {message}" if flag else f"{field or 'request'}: {message}"
+
+
+#: pydantic's error types that state one bound of a range ("less than or equal to 0.9"): said as the whole range
+BOUND_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+
+
 def describe_validation_error(err: ValidationError) -> str:
-    """One line per problem, named by the flag that set it: ``--seq-len: must be ... (got 0)``."""
+    """One line per problem (:func:`flag_problem`), with the value given: ``--headroom (headroom_fraction): must be
+    a finite number in [0, 0.9] (got 2.0)``; the allowed range is the service's (:func:`service.errors.allowed_range`
+    of the request schema), and a value beyond one bound is told the whole range, not pydantic's one bound."""
     from memfit.errors import pydantic_error_field
+    from service.errors import allowed_range
 
     lines = []
     for e in err.errors():
         path = tuple(x for x in e["loc"] if not str(x).startswith(("function-", "dict[", "str")))
         # a check inside a validator (InvalidConfiguration) names its own field below the location
-        loc, msg, _allowed = pydantic_error_field(e, path)
-        flag = FLAG_OF.get(loc) or FLAG_OF.get(loc.split(".")[0]) or loc or "request"
-        if flag != loc:
-            msg = msg.removeprefix(f"{loc}: ").removeprefix(f"{loc.split('.')[0]}: ")
+        loc, msg, own = pydantic_error_field(e, path)
+        # such a check words its allowed values in its message (shown as it is, as in the service's 422 detail)
+        allowed = None if own else allowed_range(RecommendRequest, path)
+        if allowed and e.get("type") in BOUND_ERRORS:
+            msg = f"must be {allowed}"
         got = e.get("input")
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-        lines.append(f"{flag}: {msg}{shown}")
+        lines.append(flag_problem(loc, msg, allowed) + shown)
     return "\n".join(dict.fromkeys(lines))
 
 
@@ -372,17 +402,11 @@ def recommend_remote(req: RecommendRequest, url: str, timeout_s: float) -> Recom
 
 
 def describe_rejection(err) -> str:
-    """The service's 422 field errors (:class:`memfit.client.RequestRejected`) one per line, named by the
-    flag that sets each field as :func:`describe_validation_error` names local ones:
-    ``--seq-len (training.seq_len): must be ... allowed: an integer in [1, 1048576]``; the service's
-    message alone when it names no field."""
-    lines = []
-    for e in err.errors:
-        field = str(e.get("field") or "")
-        flag = FLAG_OF.get(field) or FLAG_OF.get(field.split(".")[0])
-        msg = str(e.get("message") or "").removeprefix(f"{field}: ")
-        allowed = f" (allowed: {e['allowed']})" if e.get("allowed") and str(e["allowed"]) not in msg else ""
-        lines.append(f"{flag} ({field}): {msg}{allowed}" if flag else f"{field or 'request'}: {msg}{allowed}")
+    """The service's 422 field errors (:class:`memfit.client.RequestRejected`) one per line, as local ones are
+    (:func:`flag_problem`): ``--seq-len (training.seq_len): must be ... (allowed: an integer in [1, 1048576])``;
+    the service's message alone when it names no field."""
+    lines = [flag_problem(str(e.get("field") or ""), str(e.get("message") or ""), e.get("allowed"))
+             for e in err.errors]
     return "\n".join(dict.fromkeys(lines)) or str(err)
 
 
@@ -420,11 +444,11 @@ def _console():  # a rich Console that leaves the exit code to main when the rea
 def render(rec: Recommendation, *, explain: bool = False, label: str | None = None, console: Any = None) -> None:
     """Print the answer: verdict, the curve table with the chosen k marked, alternatives and warnings;
     with ``explain`` also the breakdown at k and the curve as a bar chart."""
-    from rich.table import Table
+    from rich.text import Text
 
     con = console or _console()
     title = f"memfit: {rec.model_name or label or 'model'} — {rec.num_layers} layers (predictor {rec.model_version})"
-    head = Table(title=title, show_header=False)
+    head = titled(title, show_header=False)
     head.add_column("")
     head.add_column("", justify="right")
     if rec.fits:
@@ -449,7 +473,7 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     con.print(head)
 
     if rec.stages:
-        stages = Table(title=f"pipeline stages (bottleneck: stage {rec.bottleneck_stage})")
+        stages = titled(f"pipeline stages (bottleneck: stage {rec.bottleneck_stage})")
         for col in ("stage", "layers", "k", "micro-batches in flight", "predicted GiB"):
             stages.add_column(col, justify="right")
         for st in rec.stages:
@@ -458,18 +482,21 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
                            style="bold" if st.stage == rec.bottleneck_stage else None)
         con.print(stages)
 
-    curve = Table(title="memory over k (GiB; k = checkpointed layers)")
-    for col in ("k", "predicted", "bound+overhead", "fits", ""):
+    curve = titled("memory over k (GiB; k = checkpointed layers)")
+    # the last column only marks the chosen k: none is chosen when nothing fits, and the column stood empty
+    marked = rec.k is not None
+    for col in ("k", "predicted", "bound+overhead", "fits", *(("",) if marked else ())):
         curve.add_column(col, justify="right" if col else "left")
     for c in curve_rows(rec):
         chosen = c.k == rec.k
         fits = c.total_upper_bytes <= rec.usable_bytes
         curve.add_row(str(c.k), gib(c.predicted_bytes), gib(c.total_upper_bytes), "yes" if fits else "no",
-                      "[bold]◀ chosen k[/]" if chosen else "", style="bold green" if chosen else None)
+                      *(("[bold]◀ chosen k[/]" if chosen else "",) if marked else ()),
+                      style="bold green" if chosen else None)
     con.print(curve)
 
     if explain:
-        parts = Table(title=f"breakdown at k={rec.k if rec.k is not None else rec.num_layers}")
+        parts = titled(f"breakdown at k={rec.k if rec.k is not None else rec.num_layers}")
         parts.add_column("part")
         parts.add_column("GiB", justify="right")
         # before bwd.emb the breakdown counts no gradients (model.curve.breakdown); from there on it counts them all
@@ -492,7 +519,7 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         # the figures in a table and each cost as a numbered line below it: one row per alternative stays
         # readable in 80 columns (a cost column wrapped every row over a dozen lines)
         host = any(a.host_memory_bytes for a in rec.alternatives)
-        alt = Table(title="alternatives (bound + overhead at k)")
+        alt = titled("alternatives (bound + overhead at k)")
         for col in ("#", "change", "fits", "k", "GiB", *(("host GiB",) if host else ())):
             alt.add_column(col, justify="left" if col == "change" else "right", ratio=1 if col == "change" else None)
         for i, a in enumerate(rec.alternatives, 1):
@@ -501,9 +528,33 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
                         *((gib(a.host_memory_bytes) if a.host_memory_bytes else "-",) if host else ()))
         con.print(alt)
         for i, a in enumerate(rec.alternatives, 1):
-            con.print(f"  {i}. cost: {a.cost}", highlight=False)
+            hanging(con, Text(f"  {i}. "), Text(f"cost: {a.cost}"))
     for w in rec.warnings:
-        con.print(f"[yellow]warning:[/yellow] {w}")
+        hanging(con, Text("warning: ", style="yellow"), Text(w))
+
+
+def titled(title: str, **kwargs: Any) -> Any:
+    """A rich ``Table`` at least as wide as its title: a narrow table (the headline's two short columns in 80
+    columns) wrapped its title over two lines; only a title wider than the terminal wraps now."""
+    from rich.table import Table
+
+    return Table(title=title, min_width=len(title), **kwargs)
+
+
+def hanging(con: Any, lead: Any, text: Any) -> None:
+    """Print ``lead`` then ``text`` (rich ``Text``), the wrapped lines of ``text`` indented under its first
+    character (a hanging indent), so a wrapped warning or cost stays under its bullet or number; no line is
+    padded with spaces to the terminal's width."""
+    from rich.text import Text
+
+    indent = lead.cell_len
+    out = Text()
+    for i, line in enumerate(text.wrap(con, max(20, con.width - indent))):
+        line.rstrip()
+        out.append_text(lead if i == 0 else Text(" " * indent))
+        out.append_text(line)
+        out.append("\n")
+    con.print(out, end="", soft_wrap=True, highlight=False)
 
 
 def curve_chart(rec: Recommendation, width: int = 40) -> Any:
@@ -575,10 +626,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except (InputError, ValueError) as err:  # an unknown model (UnknownModel) is a ValueError too
         text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-        flag = FLAG_OF.get(getattr(err, "field", ""))
-        if flag:  # a check of the recommender (InvalidConfiguration): name the flag as well as the field
-            text = text.removeprefix(f"{err.field}: ").removeprefix(f"{err.field.split('.')[0]}: ")
-            text = f"{flag} ({err.field}): {text}"
+        if FLAG_OF.get(getattr(err, "field", "")):  # a check of the recommender (InvalidConfiguration)
+            text = flag_problem(err.field, text, getattr(err, "allowed", None))
         print(f"memfit: error: {text}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except NoAnswer as err:

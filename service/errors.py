@@ -193,6 +193,15 @@ def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] 
     return out
 
 
+def with_allowed(message: str, allowed: str | None) -> str:
+    """``message (allowed: ...)``: the allowed range appended to a field's problem, unless there is none or the
+    message already names it (an :class:`InvalidConfiguration`'s own ``must be <allowed>`` or ``(allowed: ...)``).
+    The one wording of the allowed range in the service's 422 detail and in ``memfit recommend``'s errors."""
+    if not allowed or str(allowed) in message or "(allowed:" in message:
+        return message
+    return f"{message} (allowed: {allowed})"
+
+
 def validation_detail(errors: list[dict[str, Any]]) -> str:
     """The 422 ``detail``: one ``field: message (allowed: ...)`` per error, joined by ``; ``. A message of an
     :class:`InvalidConfiguration` raised inside a validator already names its field and the allowed values,
@@ -202,7 +211,7 @@ def validation_detail(errors: list[dict[str, Any]]) -> str:
         if e["message"].startswith(f"{e['field']}:"):
             parts.append(e["message"])
         else:
-            parts.append(f"{e['field']}: {e['message']}" + (f" (allowed: {e['allowed']})" if "allowed" in e else ""))
+            parts.append(with_allowed(f"{e['field']}: {e['message']}", e.get("allowed")))
     return "; ".join(parts)
 
 

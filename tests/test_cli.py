@@ -11,6 +11,7 @@ import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -97,11 +98,20 @@ def test_table_marks_the_chosen_k_and_explain_draws_the_curve(run):
     assert chart and sum("◀ chosen k" in line for line in chart) == 1
 
 
-def test_nothing_fits_exits_3_with_alternatives(run):
+def test_nothing_fits_exits_3_with_alternatives(run, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     code, out, err = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8",
                          "--seq-len", "4096")
     assert code == EXIT_NO_FIT, err
     assert "does not fit at any k" in out and "alternatives" in out
+    # the curve table has no chosen-k column when no k is chosen (it stood empty on every row)
+    lines = out.splitlines()
+    start = [line.strip() for line in lines].index("memory over k (GiB; k = checkpointed layers)")
+    assert [c.strip() for c in lines[start + 2].strip("┃").split("┃")] == ["k", "predicted", "bound+overhead", "fits"]
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("└"))
+    rows = [[c.strip() for c in line.strip("│").split("│")] for line in lines[start + 4:end]]
+    assert [r[0] for r in rows] == ["0", "3", "6", "9", "12", "15", "18", "21", "24", "27", "28"]
+    assert all(len(r) == 4 and r[3] == "no" for r in rows), rows
 
 
 def test_alternatives_read_in_80_columns(run, monkeypatch):
@@ -125,9 +135,67 @@ def test_alternatives_read_in_80_columns(run, monkeypatch):
         assert any(line.startswith(f"  {i}. cost: {a['cost'][:30]}") for line in lines)
 
 
+def test_wrapped_costs_and_warnings_hang_under_their_number_or_bullet(run):
+    # in 80 columns a wrapped warning or cost went on at column 0, under "warning:" / "1.", not under its text
+    import io
+
+    from rich.console import Console
+
+    from memfit.api import Recommendation
+    from service.cli import render
+
+    code, out, _ = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8",
+                       "--seq-len", "4096", "--json")
+    rec = Recommendation.model_validate(json.loads(out))
+    assert code == EXIT_NO_FIT and rec.alternatives
+    rec.alternatives[0].cost = "smaller GEMMs: ~15% slower steps at the same global batch, " * 2  # two lines at least
+    rec.warnings.append("a warning long enough to wrap twice in eighty columns: " * 3)
+    buf = io.StringIO()
+    render(rec, console=Console(file=buf, width=80, color_system=None))
+    lines = buf.getvalue().splitlines()
+
+    def item(lead: str, text: str) -> list[str]:  # the lines of one item: its first and the indented ones after it
+        first = next(i for i, line in enumerate(lines) if line.startswith(lead + text[:30]))
+        rest = lines[first + 1:]
+        wrapped = rest[:next((i for i, line in enumerate(rest) if not line.startswith(" " * len(lead))), len(rest))]
+        assert all(line[len(lead)] != " " for line in wrapped), wrapped  # under the text, not deeper
+        assert all(line == line.rstrip() for line in (lines[first], *wrapped))  # not padded to the width
+        assert " ".join([lines[first].removeprefix(lead), *(x.strip() for x in wrapped)]) == text.strip()
+        return wrapped
+
+    assert len(item("  1. ", f"cost: {rec.alternatives[0].cost}")) >= 1
+    for w in rec.warnings:
+        assert len(item("warning: ", w)) >= (len(w) > 80 - len("warning: ")), w
+    assert len(item("warning: ", rec.warnings[-1])) == 2
+
+
+def test_titles_fit_on_one_line_over_narrow_tables_in_80_columns(run):
+    # the README's `memfit recommend --config tests/data/qwen3-0.6b.json --gpu RTX-4090 ... --explain` wrapped the
+    # headline's title over its two short columns in 80 columns: "... 28 layers (predictor" / "0006)"
+    import io
+
+    from rich.console import Console
+
+    from memfit.api import Recommendation
+    from service.cli import render
+
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "RTX-4090", "--micro-batch", "1",
+                         "--seq-len", "4096", "--json")
+    rec = Recommendation.model_validate(json.loads(out))
+    assert code == EXIT_FITS, err
+    buf = io.StringIO()
+    render(rec, explain=True, label="tests/data/qwen3-0.6b.json", console=Console(file=buf, width=80,
+                                                                                    color_system=None))
+    lines = [line.strip() for line in buf.getvalue().splitlines()]
+    assert max(len(line) for line in lines) <= 80
+    for title in (f"memfit: tests/data/qwen3-0.6b.json — {rec.num_layers} layers (predictor {rec.model_version})",
+                  "memory over k (GiB; k = checkpointed layers)", f"breakdown at k={rec.k}"):
+        assert title in lines, title
+
+
 @pytest.mark.parametrize("argv, flag, words", [
-    (["--headroom", "2"], "--headroom", "less than or equal to 0.9"),
-    (["--gpu-memory-gib", "-1"], "--gpu-memory-gib", "greater than 0"),
+    (["--headroom", "2"], "--headroom", "must be a finite number in [0, 0.9]"),
+    (["--gpu-memory-gib", "-1"], "--gpu-memory-gib", "must be a finite number in (0, 16384.0]"),
     (["--pipeline-parallel", "2"], "--pipeline-parallel", "= 2 exceeds cluster.gpu_count=1"),
     (["--context-parallel", "3"], "--context-parallel", "1*1*1*3 = 3 exceeds cluster.gpu_count=1"),
     (["--data-parallel", "2"], "--data-parallel", "2*1*1*1 = 2 exceeds cluster.gpu_count=1"),
@@ -140,6 +208,37 @@ def test_out_of_range_values_name_the_flag_not_a_pydantic_dump(run, argv, flag, 
     assert code == EXIT_BAD_INPUT and out == ""
     assert flag in err and words in err
     assert "validation error for" not in err and "pydantic" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["2", "-0.1"])
+def test_a_value_beyond_either_bound_is_told_the_whole_range(run, value):
+    # `--headroom 2` printed pydantic's one bound, "Input should be less than or equal to 0.9"; the range is the
+    # request schema's (headroom_fraction: ge=0, le=0.9), worded as the service's 422 words it
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "L4", *BASE, "--headroom", value)
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err == (f"memfit: error: --headroom (headroom_fraction): must be a finite number in [0, 0.9] "
+                   f"(got {float(value)})\n")
+
+
+def test_a_check_that_words_its_allowed_values_is_not_given_them_twice(run):
+    # the request schema's own check names the allowed shardings in its message; the CLI (as the service's 422
+    # detail) shows it as it is, without "(allowed: one of ['zero3', 'fsdp_full_shard'] ...)" after it
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "L4", "--gpus", "2", *BASE, "--zero", "1",
+                         "--offload-parameters", "cpu", "--offload-optimizer", "cpu")
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err == ("memfit: error: --zero/--sharding (training.sharding): offload_parameters='cpu' needs sharding in "
+                   "['zero3', 'fsdp_full_shard'] (or 'none' with data_parallel_size=1), got 'zero1'\n")
+
+
+def test_parallel_sizes_beyond_the_cluster_name_flag_field_and_allowed_range(run):
+    # a new user's `--tensor-parallel 16` on 8 GPUs printed "... = 16 exceeds cluster.gpu_count=8" without the
+    # allowed range that the service's 422 carries for the same request (service.errors.with_allowed words both)
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "H100-80GB", "--gpus", "8", *BASE,
+                         "--tensor-parallel", "16")
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err == ("memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
+                   "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: such that "
+                   "data*tensor*pipeline*context parallel size <= cluster.gpu_count=8)\n")
 
 
 def test_unreadable_configs_are_bad_input(run, tmp_path):
@@ -164,6 +263,20 @@ def test_argparse_rejects_bad_flags_with_exit_2(capsys):
     assert "not allowed with argument" in err and "one of the arguments --gpu --gpu-memory-gib is required" in err
 
 
+def test_argparse_errors_are_short_and_point_to_help(capsys):
+    # `--micro-batch -1` printed argparse's 23-line usage block of every flag above the one-line error
+    with pytest.raises(SystemExit) as info:
+        main(["recommend", "--model", "gpt2", "--gpu", "L4", "--micro-batch", "-1", "--seq-len", "8"])
+    assert info.value.code == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == ("memfit recommend: error: argument --micro-batch: -1 must be >= 1\n"
+                                       "see `memfit recommend --help`\n")
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == ("memfit: error: the following arguments are required: {recommend,models,gpus}"
+                                       "\nsee `memfit --help`\n")
+
+
 def test_help_has_text_choices_defaults_and_exit_codes(capsys):
     with pytest.raises(SystemExit) as info:
         main(["recommend", "--help"])
@@ -176,9 +289,9 @@ def test_help_has_text_choices_defaults_and_exit_codes(capsys):
 
 class _Stub(BaseHTTPRequestHandler):
     status = 503
-    body = {"detail": "model loading"}
+    body: ClassVar[dict] = {"detail": "model loading"}
 
-    def do_POST(self):  # noqa: N802 (http.server's name)
+    def do_POST(self):  # http.server's name
         self.rfile.read(int(self.headers.get("content-length", 0)))
         payload = json.dumps(self.body).encode()
         self.send_response(self.status)
@@ -199,8 +312,17 @@ class _Stub(BaseHTTPRequestHandler):
         {"field": "training.tensor_parallel_size", "message": "must divide num_attention_heads = 12",
          "allowed": "a divisor of 12"},
         {"field": "cluster.gpu_count", "message": "Input should be greater than or equal to 1", "allowed": None}]},
-     EXIT_BAD_INPUT, "--tensor-parallel (training.tensor_parallel_size): must divide num_attention_heads = 12 "
-                     "(allowed: a divisor of 12)\n--gpus (cluster.gpu_count): Input should be greater"),
+     EXIT_BAD_INPUT, ("--tensor-parallel (training.tensor_parallel_size): must divide num_attention_heads = 12 "
+                      "(allowed: a divisor of 12)\n--gpus (cluster.gpu_count): Input should be greater")),
+    # the service's 422 for `--tensor-parallel 16` on 8 GPUs (service.errors: InvalidConfiguration) reads as the
+    # local answer does (test_parallel_sizes_beyond_the_cluster_...): was "...): training: data*tensor*..."
+    (422, {"detail": "training: data*tensor*pipeline*context parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
+           "errors": [{"field": "training.tensor_parallel_size", "message": "training: data*tensor*pipeline*context "
+                       "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8", "allowed": "such that "
+                       "data*tensor*pipeline*context parallel size <= cluster.gpu_count=8"}]},
+     EXIT_BAD_INPUT, ("memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
+                      "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: such that "
+                      "data*tensor*pipeline*context parallel size <= cluster.gpu_count=8)\n")),
 ])
 def test_service_answers_map_to_documented_exit_codes(capsys, status, body, code, words):
     handler = type("Handler", (_Stub,), {"status": status, "body": body})

@@ -110,8 +110,9 @@ def test_422_detail_names_the_field_once():
 
 @pytest.mark.parametrize("argv, expected", [
     # a check inside the request schema's validator: was "training: offload_optimizer: offload_parameters=..."
-    (["--offload-parameters", "cpu"], ("memfit: error: --offload-optimizer: offload_parameters='cpu' needs "
-                                       "offload_optimizer='cpu' (allowed: 'cpu')")),
+    # (now with the field, as every CLI field error names it: service.cli.flag_problem)
+    (["--offload-parameters", "cpu"], ("memfit: error: --offload-optimizer (training.offload_optimizer): "
+                                       "offload_parameters='cpu' needs offload_optimizer='cpu' (allowed: 'cpu')")),
     # a check of the recommender: was "training.sharding: must be ..." without the flag
     (["--zero", "3"], ("memfit: error: --zero/--sharding (training.sharding): must be 'none' when "
                        "data_parallel_size is 1")),
