@@ -524,7 +524,8 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
             alt.add_column(col, justify="left" if col == "change" else "right", ratio=1 if col == "change" else None)
         for i, a in enumerate(rec.alternatives, 1):
             change = a.description + ("" if a.path == "traced" else f" [dim]({a.path})[/]")
-            alt.add_row(str(i), change, "yes" if a.fits else "no", str(a.k), gib(a.total_upper_bytes),
+            alt.add_row(str(i), change, "yes" if a.fits else "no", "-" if a.k is None else str(a.k),
+                        gib(a.total_upper_bytes),
                         *((gib(a.host_memory_bytes) if a.host_memory_bytes else "-",) if host else ()))
         con.print(alt)
         for i, a in enumerate(rec.alternatives, 1):
