@@ -112,6 +112,13 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\nsee `{self.prog} --help`\n")
 
+    def parse_args(self, args=None, namespace=None):  # an unknown flag is the subcommand's error, not memfit's
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            subcommands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+            subcommands.get(getattr(ns, "command", None), self).error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``memfit`` argument parser (subcommands ``recommend``, ``models``, ``gpus``)."""

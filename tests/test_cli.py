@@ -276,6 +276,12 @@ def test_argparse_errors_are_short_and_point_to_help(capsys):
     assert info.value.code == EXIT_BAD_INPUT
     assert capsys.readouterr().err == ("memfit: error: the following arguments are required: {recommend,models,gpus}"
                                        "\nsee `memfit --help`\n")
+    # an unknown flag is the subcommand's error, pointing to that subcommand's help (it pointed to `memfit --help`)
+    with pytest.raises(SystemExit) as info:
+        main(["recommend", "--model", "gpt2", "--gpu", "L4", "--micro-batch", "1", "--seq-len", "8", "--bogus"])
+    assert info.value.code == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == ("memfit recommend: error: unrecognized arguments: --bogus\n"
+                                       "see `memfit recommend --help`\n")
 
 
 def test_help_has_text_choices_defaults_and_exit_codes(capsys):
