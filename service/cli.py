@@ -30,6 +30,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -615,16 +616,12 @@ def main(argv: list[str] | None = None) -> int:
     # bitsandbytes, imported through PEFT, warns on CPU that its optional CPU 4-bit matmul kernel package is
     # missing; memfit never runs that kernel, and the notice read as an error under the answer
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    if a.command == "models":
-        from data import catalog
-
-        for name in catalog.names():  # each name with the aliases --model also takes
-            aliases = catalog.get(name).get("aliases", [])
-            print(f"{name:<24} {', '.join(aliases)}".rstrip())
-        return EXIT_FITS
-    if a.command == "gpus":
-        for name, size in GPUS.items():
-            print(f"{name:<12} {size / GIB:7.2f} GiB")
+    if a.command in ("models", "gpus"):
+        try:
+            print_list(a.command)
+            sys.stdout.flush()
+        except BrokenPipeError:  # `memfit models | head`
+            _reader_left()
         return EXIT_FITS
     try:
         req = request_from_args(a)
@@ -648,8 +645,31 @@ def main(argv: list[str] | None = None) -> int:
             render(rec, explain=a.explain, label=str(a.config) if a.config is not None else a.model)
         sys.stdout.flush()
     except BrokenPipeError:  # `memfit recommend ... | head`: the reader left; the exit code still tells the answer
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as the Python docs' SIGPIPE note advises
+        _reader_left()
     return EXIT_FITS if rec.fits else EXIT_NO_FIT
+
+
+def _reader_left() -> None:
+    """Stdout's reader left (``| head``): the rest goes to devnull, as the Python docs' SIGPIPE note advises."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def print_list(command: str) -> None:
+    """``memfit models``: each catalog name with the aliases ``--model`` also takes, wrapped under the aliases to
+    the terminal's width; ``memfit gpus``: the known GPUs by usable memory (GiB), then name."""
+    if command == "models":
+        import textwrap
+
+        from data import catalog
+
+        width = max(40, shutil.get_terminal_size().columns)
+        for name in catalog.names():
+            aliases = ", ".join(catalog.get(name).get("aliases", []))
+            print(textwrap.fill(aliases, width, initial_indent=f"{name:<24} ", subsequent_indent=" " * 25,
+                                break_on_hyphens=False) if aliases else name)
+    else:
+        for name, size in sorted(GPUS.items(), key=lambda item: (item[1], item[0])):
+            print(f"{name:<12} {size / GIB:7.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -353,12 +353,18 @@ def test_unreachable_service_exits_1(capsys):
     assert "no answer" in capsys.readouterr().err
 
 
-def test_models_and_gpus_lists(run):
+def test_models_and_gpus_lists(run, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     code, out, _ = run("models")
-    lines = {line.split()[0]: line for line in out.splitlines()}
+    lines = {line.split()[0]: line for line in out.splitlines() if not line.startswith(" ")}
     assert code == EXIT_FITS and "mistral-7b" in lines["mistral-7b-v0.1"] and "llama-3.1-8b" in lines["llama-3-8b"]
+    # long alias lists wrap under the aliases (up to 149 columns before)
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert any(line.startswith(" " * 25) and line[25] != " " for line in out.splitlines())
     code, out, _ = run("gpus")
     assert code == EXIT_FITS and f"RTX-4090     {GPUS['RTX-4090'] / 2**30:7.2f} GiB" in out
+    sizes = [float(line.split()[1]) for line in out.splitlines()]
+    assert sizes == sorted(sizes) and len(sizes) == len(GPUS)  # by memory (listed in the table's order before)
 
 
 def test_layer_ranges():

@@ -225,3 +225,17 @@ def test_exit_code_survives_a_reader_that_leaves():
         proc.stdout.read(10)
         proc.stdout.close()
         assert proc.wait(timeout=300) == 3
+
+
+def test_lists_survive_a_reader_that_leaves():
+    # `memfit gpus | head -2` printed a BrokenPipeError traceback after the two lines
+    import subprocess
+    import sys
+
+    for command in ("gpus", "models"):
+        with subprocess.Popen([sys.executable, "-m", "service.cli", command], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) as proc:
+            proc.stdout.read(10)
+            proc.stdout.close()
+            assert proc.wait(timeout=120) == 0
+            assert b"Traceback" not in proc.stderr.read(), command
