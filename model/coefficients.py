@@ -381,11 +381,7 @@ class CoefficientModel:
     Args:
         n_estimators, learning_rate, num_leaves, min_child_samples, objective: LightGBM parameters (per target;
             the absolute-error objective: a few traced entries fit one piece badly, and they should not
-            pull the others). ``min_child_samples`` 10 (was 5): leaves of fewer entries let one held-out
-            architecture's per-layer terms follow a single family. Leave-architecture-out on the 1,014 term sets
-            (test folds only, ``min_child_samples`` 5 / 8 / 10 / 15 / 20): saving median error 4.75 / 4.07 /
-            3.76 / 3.27 / 4.32 %, MAPE 2.48 / 2.56 / 2.52 / 2.74 / 2.82 %; small-to-large at 5 / 10: saving 2.89 /
-            2.18 %, MAPE 2.34 / 2.42 % (chosen on those folds; session 10's note).
+            pull the others).
 
     Attributes (after :meth:`fit` or :meth:`load`): ``boosters_`` (target index -> ``lightgbm.Booster``;
     targets constant in the training set are kept as ``constants_``), ``settings_`` (the training
@@ -393,7 +389,7 @@ class CoefficientModel:
     """
 
     def __init__(self, n_estimators: int = 300, learning_rate: float = 0.05, num_leaves: int = 15,
-                 min_child_samples: int = 10, objective: str = "l1") -> None:
+                 min_child_samples: int = 5, objective: str = "l1") -> None:
         self.objective = objective
         self.n_estimators = n_estimators
         self.learning_rate = learning_rate
