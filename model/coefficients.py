@@ -381,7 +381,10 @@ class CoefficientModel:
     Args:
         n_estimators, learning_rate, num_leaves, min_child_samples, objective: LightGBM parameters (per target;
             the absolute-error objective: a few traced entries fit one piece badly, and they should not
-            pull the others).
+            pull the others). Measured and left out (session 10, 1,014 term sets): ``min_child_samples`` 10
+            took the leave-architecture-out saving error from 5.20 to 4.07 % (small-to-large 2.89 to 2.18 %)
+            but the bound's coverage from 95.6 to 94.6 % (small-to-large 100 to 93.4 %, one of 13 cases
+            "nothing fits" that fits); MAPE 2.77 to 2.81 % (``python -m benchmarks.accuracy``).
 
     Attributes (after :meth:`fit` or :meth:`load`): ``boosters_`` (target index -> ``lightgbm.Booster``;
     targets constant in the training set are kept as ``constants_``), ``settings_`` (the training
