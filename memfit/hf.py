@@ -216,7 +216,7 @@ def count_params_from_config(cfg: dict[str, Any]) -> int:
 
 
 #: PEFT's default LoRA target modules per ``model_type``, a snapshot (``scripts/peft_lora_targets.py`` writes it;
-#: ``tests/test_hf.py`` checks it against the installed PEFT): importing ``peft`` for the dict takes 8-9 s on a
+#: ``tests/test_catalog.py`` checks it against the installed PEFT): importing ``peft`` for the dict takes 8-9 s on a
 #: 2-core machine, most of a command-line answer
 PEFT_LORA_TARGETS_PATH = Path(__file__).with_name("peft_lora_targets.json")
 

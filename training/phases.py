@@ -114,12 +114,9 @@ def timeline_on_fit(timelines: list[list[tuple[str, int]]], points: list[tuple[i
     """Whether the timeline traced at ``check_point`` is, event by event, what the exact fit of ``timelines`` (traced
     at ``points``) on the basis ``columns`` predicts there, to :data:`LINEAR_CHECK_TOLERANCE_BYTES`. False when
     the op sequences differ."""
-    if len({len(t) for t in (*timelines, check)}) != 1 or \
-            len({tuple(p for p, _ in t) for t in (*timelines, check)}) != 1:
+    if not _aligned([*timelines, check]):
         return False
-    X = np.stack([token_basis(b, s) for b, s in points])[:, columns]
-    Y = np.array([[v for _, v in t] for t in timelines], dtype=np.float64)
-    predicted = token_basis(*check_point)[columns] @ np.linalg.solve(X, Y)
+    predicted = token_basis(*check_point) @ event_coefficients(timelines, points, columns)
     return bool(np.abs(predicted - np.array([v for _, v in check], dtype=np.float64)).max()
                 <= LINEAR_CHECK_TOLERANCE_BYTES)
 
@@ -349,6 +346,30 @@ def _pruning_grid(hf_config: dict[str, Any], lo: int = 16, hi: int | None = None
     return token_basis(b.ravel(), s.ravel())
 
 
+def _aligned(timelines: list[list[tuple[str, int]]]) -> bool:
+    """Whether the timelines have the same events in the same phases (the same op sequence)."""
+    return len({tuple(p for p, _ in t) for t in timelines}) == 1
+
+
+def event_coefficients(timelines: list[list[tuple[str, int]]], points: list[tuple[int, int]],
+                       columns: list[int] | None = None) -> np.ndarray:
+    """Every timeline event's live bytes solved exactly on the :func:`model.compose.token_basis` ``columns`` (default
+    all five; the others 0) from the timelines traced at ``points``: shape (5, events), bytes.
+
+    Raises:
+        RuntimeError: the timelines do not align (a shape-dependent branch in the model code).
+    """
+    if not _aligned(timelines):
+        raise RuntimeError(f"timelines of the traced token points differ (lengths {sorted({len(t) for t in timelines})}): "
+                           "the step's op sequence depends on the input shape")
+    cols = list(range(len(BASIS_NAMES))) if columns is None else list(columns)
+    X = np.stack([token_basis(b, s) for b, s in points])[:, cols]
+    Y = np.array([[v for _, v in t] for t in timelines], dtype=np.float64)  # (points, events)
+    theta = np.zeros((len(BASIS_NAMES), Y.shape[1]))
+    theta[cols] = np.linalg.solve(X, Y)
+    return theta
+
+
 def envelope_pieces(timelines: list[list[tuple[str, int]]], points: list[tuple[int, int]], grid: np.ndarray,
                     columns: list[int] | None = None) -> dict[str, list[list[float]]]:
     """Fit every timeline event's live bytes on :func:`model.compose.token_basis` and keep, per phase, the events on the
@@ -365,17 +386,8 @@ def envelope_pieces(timelines: list[list[tuple[str, int]]], points: list[tuple[i
     Raises:
         RuntimeError: the timelines do not align (a shape-dependent branch in the model code).
     """
-    lengths = {len(t) for t in timelines}
-    phases_seq = {tuple(p for p, _ in t) for t in timelines}
-    if len(lengths) != 1 or len(phases_seq) != 1:
-        raise RuntimeError(f"timelines of the traced token points differ (lengths {sorted(lengths)}): "
-                           "the step's op sequence depends on the input shape")
-    cols = list(range(len(BASIS_NAMES))) if columns is None else list(columns)
-    X = np.stack([token_basis(b, s) for b, s in points])[:, cols]
-    Y = np.array([[v for _, v in t] for t in timelines], dtype=np.float64)  # (points, events)
-    theta = np.zeros((len(BASIS_NAMES), Y.shape[1]))
-    theta[cols] = np.linalg.solve(X, Y)  # (5, events)
-    phase_of = np.array(next(iter(phases_seq)))
+    theta = event_coefficients(timelines, points, columns)
+    phase_of = np.array([p for p, _ in timelines[0]])
     values = grid @ theta  # (grid, events)
     out: dict[str, list[list[float]]] = {}
     for p in PHASES:
