@@ -3,8 +3,9 @@
 :class:`BackgroundTracer` is the ``tracer`` of :class:`model.curve.MemoryPredictor` in the service: when
 a curve is asked for a configuration whose traced terms are missing, the request is answered on the
 provisional path at once and the key is queued here. A worker thread traces the queue one key at a
-time, each in a fresh spawned process (:func:`trace_in_subprocess`: fake tensors, about 5 s for an
-8B-class model on 2 cores) that is killed after ``timeout_s`` — a model whose code is slow under fake
+time, each in a fresh spawned process (:func:`trace_in_subprocess`: fake tensors, 8B-class models in
+``benchmarks/results/trace_time.txt``; that process forks once more to trace its two small models side by side,
+:func:`training.phases.trace_terms`) that is killed after ``timeout_s`` — a model whose code is slow under fake
 tensors must not stall the queue. The result lands in the :class:`model.terms.TermsCache`, so the next
 request for that configuration is answered on the traced path. Torch never runs in the serving
 process; a key is traced at most once per process, and failures are remembered with their reason

@@ -131,6 +131,24 @@ def test_sliding_window_regimes_compose_on_both_sides():
             assert abs(c.points[k].predicted_bytes - m) / m < 2e-3, (b, s, k)
 
 
+def test_forked_trace_gives_the_same_terms(monkeypatch):
+    # the larger small model traced in a forked process (two CPUs) gives the terms a trace in one process gives:
+    # a sliding-window model, so both token regimes and both micro-batch-1 regimes travel back through the pipe
+    from training import phases
+
+    if not phases._can_fork():
+        pytest.skip("needs Linux with two CPUs")
+    forks = []
+    real_fork = phases._Forked
+    monkeypatch.setattr(phases, "_Forked", lambda *a: forks.append(a[1:]) or real_fork(*a))
+    cfg = small_width("mistral-7b-v0.1", sliding_window=1024)
+    training = TrainingConfig(micro_batch_size=1, seq_len=128, precision="bf16")
+    forked, alone = trace_terms(cfg, training).to_json(), trace_terms(cfg, training, parallel=False).to_json()
+    assert forks == [(2, 3)]  # model 2 of depth 3 went to the child, once
+    forked.pop("trace_s"), alone.pop("trace_s")
+    assert forked == alone and forked["long"]["mb1_coef"] is not None
+
+
 def test_composition_reads_phases_not_one_total():
     # A 4-layer curve whose small models peak in bwd.head but whose full model peaks in the optimizer
     # step at k = L: composing the total alone would miss the phase change.

@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,8 @@ from memfit.checkpointing import apply_activation_checkpointing
 from memfit.schema import CheckpointImpl, Offload, Sharding, TrainingConfig
 from model.compose import BASIS_NAMES, PHASES, token_basis
 from training.collect import _prime_optimizer, close_optimizer, max_seq_len, prepared_model
+
+log = logging.getLogger(__name__)
 
 #: sharding modes whose parameters FSDP2 gathers layer by layer
 SHARDED_PARAMETERS = frozenset({Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP_FULL_SHARD, Sharding.FSDP_SHARD_GRAD_OP})
@@ -397,8 +401,165 @@ def envelope_pieces(timelines: list[list[tuple[str, int]]], points: list[tuple[i
     return out
 
 
+class _TracePlan:
+    """What :func:`trace_terms` traces per small model: the token regimes (points, pruning grid, basis columns; the
+    b >= 2 polynomials first, ``n_poly`` of them, then their micro-batch-1 regimes) for one configuration."""
+
+    def __init__(self, hf_config: dict[str, Any], probe: TrainingConfig, regimes: list, n_poly: int,
+                 reentrant: bool, forced_points: bool) -> None:
+        self.hf_config, self.probe, self.regimes, self.n_poly = hf_config, probe, regimes, n_poly
+        self.reentrant, self.forced_points = reentrant, forced_points
+
+    def warm_up(self) -> None:
+        """One step of a one-layer model at the smallest traced length, its layer checkpointed: the first trace in
+        a process imports the modeling code, PyTorch's decompositions and the checkpointing wrappers (about 1,200
+        modules; seconds). Done before forking, the forked process inherits them instead of importing them again."""
+        with prepared_model(small_config(self.hf_config, 1), self.probe) as run:
+            opt = run.make_optimizer()
+            _prime_optimizer(run.model, opt)
+            apply_activation_checkpointing(run.model, [0], layers=run.layers, use_reentrant=self.reentrant)
+            _traced_at(run, opt, 1, self.probe.seq_len)
+            close_optimizer(opt)
+            del opt
+
+    def trace_model(self, n: int, depth: int, linear: list[bool | None] | None = None) -> dict[str, Any]:
+        """Trace the small model ``n`` (1 or 2) of ``depth`` decoder layers, none and all checkpointed, on every
+        regime. ``linear``: per b >= 2 regime, whether it is linear in tokens (None: this model's first trace checks,
+        :func:`timeline_on_fit`); default None each, False each with forced points.
+
+        Returns ``{"coef": per regime {(n, c): phase pieces}, "linear": per b >= 2 regime, "points": per regime the
+        fitted points, "attention": the attention implementation that ran}`` (JSON-safe but for the tuple keys).
+        """
+        linear = list(linear) if linear is not None else [False if self.forced_points else None] * self.n_poly
+        fitted_points: list[list[tuple[int, int]]] = [pts for pts, _, _ in self.regimes]
+        coefs: list[dict[tuple[int, int], dict[str, list[list[float]]]]] = [{} for _ in self.regimes]
+        n_poly = self.n_poly
+
+        def fit(r: int, pts, grid, cols, trace, attention: str) -> dict[str, list[list[float]]]:
+            if r >= n_poly:
+                # micro-batch 1 on (1, s, s^2), or on (1, s) when the b >= 2 regime is linear (at b = 1 some reshapes
+                # are views, so its op sequence differs from b >= 2 and it is fitted on its own points)
+                main = r - n_poly
+                if linear[main]:
+                    pts, cols = [(1, s) for s in sorted({s for _, s in fitted_points[main]})], [0, 2]
+                fitted_points[r] = pts
+                return envelope_pieces([trace(b, s) for b, s in pts], pts, grid, cols)
+            if linear[r] is False or attention == "eager":  # eager attention keeps (b, heads, s, s) scores
+                linear[r] = False
+                timelines = [trace(b, s) for b, s in pts]
+            else:
+                three, check, rest = linear_token_points(pts)
+                timelines = [trace(b, s) for b, s in three]
+                if linear[r] is None:
+                    extra = trace(*check)
+                    linear[r] = timeline_on_fit(timelines, three, LINEAR_COLUMNS, extra, check)
+                    if not linear[r]:
+                        timelines, pts = [*timelines, extra, trace(*rest)], [*three, check, rest]
+                if linear[r]:
+                    pts, cols = three, LINEAR_COLUMNS
+            cols = list(range(len(BASIS_NAMES))) if cols is None else cols
+            fitted_points[r] = pts
+            return envelope_pieces(timelines, pts, grid, cols)
+
+        with prepared_model(small_config(self.hf_config, depth), self.probe) as run:
+            attention = run.training.attention.value
+            opt = run.make_optimizer()
+            _prime_optimizer(run.model, opt)
+            trace = functools.partial(_traced_at, run, opt)
+            for c in (0, n):
+                apply_activation_checkpointing(run.model, list(range(depth if c else 0)), layers=run.layers,
+                                               use_reentrant=self.reentrant)
+                for r, ((pts, grid, cols), coef) in enumerate(zip(self.regimes, coefs)):
+                    coef[(n, c)] = fit(r, pts, grid, cols, trace, attention)
+            close_optimizer(opt)
+            del opt, trace
+        return {"coef": coefs, "linear": linear, "points": fitted_points, "attention": attention}
+
+
+def _can_fork() -> bool:
+    """Whether a small model may be traced in a forked process: Linux (fork is the start method there and safe for a
+    process whose torch ran only under fake tensors) with at least two CPUs for this process."""
+    import os
+    import sys
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return sys.platform == "linux" and cpus >= 2 and hasattr(os, "fork")
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have Linux kill this process when its parent ends (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, prctl(2)): the
+    service kills a trace past its time limit, and this half of it must not run on."""
+    import ctypes
+    import os
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent ended before the call
+        os._exit(1)
+
+
+class _Forked:
+    """``target(*args)`` (a :meth:`_TracePlan.trace_model`) running in a process forked with ``os.fork`` (the
+    service's tracing process is a daemonic ``multiprocessing`` process, which may not start ``multiprocessing``
+    children). The result comes back through a pipe as JSON (no pickle)."""
+
+    def __init__(self, target, *args) -> None:
+        import os
+
+        parent_pid = os.getpid()
+        read_fd, write_fd = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            code = 1
+            try:
+                os.close(read_fd)
+                _die_with_parent(parent_pid)
+                torch.set_num_threads(1)
+                try:
+                    out = target(*args)
+                    out["coef"] = [[[n, c, v] for (n, c), v in coef.items()] for coef in out["coef"]]
+                    msg = {"ok": out}
+                except Exception as err:  # noqa: BLE001 - the parent traces this model itself
+                    msg = {"error": f"{type(err).__name__}: {err}"}
+                with os.fdopen(write_fd, "wb") as f:
+                    f.write(json.dumps(msg).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+        self.read_fd = read_fd
+
+    def kill(self) -> None:
+        import os
+        import signal
+
+        os.kill(self.pid, signal.SIGKILL)
+        os.close(self.read_fd)
+        os.waitpid(self.pid, 0)
+
+    def result(self) -> dict[str, Any] | None:
+        """The forked trace's result, or None when it failed (the caller traces that model itself)."""
+        import os
+
+        with os.fdopen(self.read_fd, "rb") as f:
+            data = f.read()
+        os.waitpid(self.pid, 0)
+        msg = json.loads(data) if data else {"error": "the forked trace ended without a result"}
+        if "ok" not in msg:
+            log.warning("tracing the larger small model in a forked process failed (%s); tracing it here", msg["error"])
+            return None
+        out = msg["ok"]
+        out["coef"] = [{(n, c): v for n, c, v in coef} for coef in out["coef"]]
+        out["points"] = [[tuple(p) for p in pts] for pts in out["points"]]
+        return out
+
+
 def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
-                points: list[tuple[int, int]] | None = None, micro_batch_one: bool = True) -> PhaseTerms:
+                points: list[tuple[int, int]] | None = None, micro_batch_one: bool = True,
+                parallel: bool = True) -> PhaseTerms:
     """Trace the four small models of ``hf_config`` under ``training`` and fit per-phase coefficients.
 
     ``training``'s micro-batch size, sequence length, checkpoint layers, offload settings and pipeline and
@@ -410,7 +571,9 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     :func:`model.compose.compose_terms` uses for b = 1 instead of the b >= 2 fit; two when the b >= 2 regime
     is linear in tokens. ``points`` (default :func:`token_points`): trace exactly these and fit all five
     basis columns; without it, a regime whose first trace is linear in tokens is traced at three points
-    (:func:`linear_token_points`, :func:`timeline_on_fit`).
+    (:func:`linear_token_points`, :func:`timeline_on_fit`). ``parallel`` (default): on Linux with two CPUs or more,
+    the larger small model is traced in a forked process while this one traces the smaller
+    (``benchmarks/results/trace_time.txt``); the terms are the same either way.
 
     Raises:
         ValueError: a configuration the collector cannot run (see :func:`training.collect.prepared_model`).
@@ -434,9 +597,6 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     if micro_batch_one:
         regimes += [([(1, s) for s in sorted({s for _, s in pts})][:3], grid[grid[:, 1] == grid[:, 2]], [0, 2, 4])
                     for pts, grid, _ in regimes]
-    reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
-    coefs: list[dict[tuple[int, int], dict[str, list[list[float]]]]] = [{} for _ in regimes]
-    attention = training.attention.value
     probe = training.model_copy(update={"micro_batch_size": 1, "seq_len": min(p[1] for p in regimes[0][0]),
                                         "checkpoint_layers": []})
     period = layer_period(hf_config)
@@ -444,51 +604,29 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     # per b >= 2 regime: None until the first small model's trace has decided whether its live bytes carry
     # s^2 terms (True: linear in tokens, three points suffice; see linear_token_points)
     n_poly = 2 if w is not None else 1
-    linear: list[bool | None] = [None if points is None else False] * n_poly
-    fitted_points: list[list[tuple[int, int]]] = [pts for pts, _, _ in regimes]
-
-    def fit(r: int, pts, grid, cols, trace) -> dict[str, list[list[float]]]:
-        if r >= n_poly:
-            return fit_micro_batch_one(r, pts, grid, cols, trace)
-        if linear[r] is False or attention == "eager":  # eager attention keeps (b, heads, s, s) scores
-            linear[r] = False
-            timelines = [trace(b, s) for b, s in pts]
-        else:
-            three, check, rest = linear_token_points(pts)
-            timelines = [trace(b, s) for b, s in three]
-            if linear[r] is None:
-                extra = trace(*check)
-                linear[r] = timeline_on_fit(timelines, three, LINEAR_COLUMNS, extra, check)
-                if not linear[r]:
-                    timelines, pts = [*timelines, extra, trace(*rest)], [*three, check, rest]
-            if linear[r]:
-                pts, cols = three, LINEAR_COLUMNS
-        cols = list(range(len(BASIS_NAMES))) if cols is None else cols
-        fitted_points[r] = pts
-        return envelope_pieces(timelines, pts, grid, cols)
-
-    def fit_micro_batch_one(r: int, pts, grid, cols, trace):
-        # micro-batch 1 on (1, s, s^2), or on (1, s) when the b >= 2 regime is linear (at b = 1 some reshapes are
-        # views, so its op sequence differs from b >= 2 and it is fitted on its own points)
-        main = r - n_poly
-        if linear[main]:
-            pts, cols = [(1, s) for s in sorted({s for _, s in fitted_points[main]})], [0, 2]
-        fitted_points[r] = pts
-        return envelope_pieces([trace(b, s) for b, s in pts], pts, grid, cols)
-
-    for n, depth in zip((1, 2), depths):
-        with prepared_model(small_config(hf_config, depth), probe) as run:
-            attention = run.training.attention.value
-            opt = run.make_optimizer()
-            _prime_optimizer(run.model, opt)
-            trace = functools.partial(_traced_at, run, opt)
-            for c in (0, n):
-                apply_activation_checkpointing(run.model, list(range(depth if c else 0)), layers=run.layers,
-                                               use_reentrant=reentrant)
-                for r, ((pts, grid, cols), coef) in enumerate(zip(regimes, coefs)):
-                    coef[(n, c)] = fit(r, pts, grid, cols, trace)
-            close_optimizer(opt)
-            del opt, trace
+    plan = _TracePlan(hf_config, probe, regimes, n_poly, training.checkpoint_impl is CheckpointImpl.REENTRANT,
+                      forced_points=points is not None)
+    # the two small models are independent: the larger one is traced in a forked process while this one traces
+    # the smaller (each decides linearity on its own first trace; they agree, or both are traced again at all
+    # five points)
+    other = None
+    if parallel and _can_fork():
+        plan.warm_up()
+        other = _Forked(plan.trace_model, 2, depths[1])
+    try:
+        mine = plan.trace_model(1, depths[0])
+    except BaseException:
+        if other is not None:
+            other.kill()
+        raise
+    theirs = other.result() if other is not None else None
+    if theirs is None:
+        theirs = plan.trace_model(2, depths[1], mine["linear"])
+    elif theirs["linear"] != mine["linear"]:
+        forced = [False] * n_poly
+        mine, theirs = plan.trace_model(1, depths[0], forced), plan.trace_model(2, depths[1], forced)
+    coefs = [{**a, **b} for a, b in zip(mine["coef"], theirs["coef"])]
+    attention, fitted_points = mine["attention"], mine["points"]
     mb1 = coefs[n_poly:] if micro_batch_one else [None, None]
     return PhaseTerms(coef=coefs[0], points=fitted_points[0], attention=attention, trace_s=time.perf_counter() - t0,
                       period=period, long_coef=coefs[1] if w is not None else None, long_min_seq_len=w,
