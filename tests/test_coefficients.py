@@ -123,6 +123,10 @@ def test_artifacts_round_trip(tmp_path, entries):
     meta = json.loads(path.read_text())
     assert meta["format"] == FORMAT and len(meta["targets"]) == len(TARGETS)
     assert {p.suffix for p in tmp_path.iterdir()} == {".json", ".txt"}
+    # one booster per objective and learned target: the first objective's under the name a one-objective model used
+    assert meta["params"]["objectives"] == ["l1", "huber"]
+    assert {p.name for p in tmp_path.glob("coef_*.txt")} == {f"coef_{j}{s}.txt" for j in meta["boosters"]
+                                                           for s in ("", "_huber")}
     loaded = CoefficientModel.load(tmp_path)
     spec = catalog.spec("qwen2.5-0.5b")
     hf = catalog.get("qwen2.5-0.5b")["hf_config"]
@@ -136,6 +140,24 @@ def test_artifacts_round_trip(tmp_path, entries):
     path.write_text(json.dumps({**meta, "format": "memfit-coefficients-1"}))
     with pytest.raises(ValueError, match="format 'memfit-coefficients-1'"):
         CoefficientModel.load(tmp_path)
+
+
+def test_one_objective_artifacts_still_load(tmp_path, entries):
+    # written before session 11 ("objective": "l1", one coef_<j>.txt per target): loaded as a one-objective model that
+    # predicts what it predicted
+    m = CoefficientModel(n_estimators=20, objectives=("l1",)).fit(
+        [e for e in entries if e["model_name"] in ("gpt2", "opt-125m", "llama-3.2-1b")])
+    path = m.save(tmp_path)
+    meta = json.loads(path.read_text())
+    meta["params"]["objective"] = meta["params"].pop("objectives")[0]
+    path.write_text(json.dumps(meta))
+    loaded = CoefficientModel.load(tmp_path)
+    assert loaded.objectives == ("l1",) and all(len(b) == 1 for b in loaded.boosters_.values())
+    spec, hf = catalog.spec("qwen2.5-0.5b"), catalog.get("qwen2.5-0.5b")["hf_config"]
+    training = TrainingConfig(micro_batch_size=2, seq_len=2048, precision="bf16", optimizer="adamw_foreach")
+    np.testing.assert_array_equal(m.predict_pieces(spec, training, hf), loaded.predict_pieces(spec, training, hf))
+    with pytest.raises(ValueError, match="objectives must name"):
+        CoefficientModel(objectives=())
 
 
 def _monotone(values, increasing: bool) -> bool:
