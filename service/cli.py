@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from memfit.api import GPUS, Recommendation, RecommendRequest, TrainingIn
+from memfit.errors import close_names
 from memfit.schema import (
     Attention,
     CheckpointImpl,
@@ -92,7 +93,10 @@ def _gpu_name(text: str) -> str:
     for name in GPUS:
         if name.upper() == key:
             return name
-    raise argparse.ArgumentTypeError(f"unknown GPU {text!r}; choose from {', '.join(GPUS)} or give --gpu-memory-gib")
+    close = close_names(text, GPUS)  # as an unknown --model is told (data.catalog.get)
+    raise argparse.ArgumentTypeError(f"unknown GPU {text!r}; " + (
+        f"close matches: {', '.join(close)}; all GPUs: `memfit gpus`;" if close else
+        f"choose from {', '.join(GPUS)}") + " or give --gpu-memory-gib")
 
 
 def _positive_int(text: str) -> int:

@@ -264,6 +264,32 @@ def test_argparse_rejects_bad_flags_with_exit_2(capsys):
     assert "not allowed with argument" in err and "one of the arguments --gpu --gpu-memory-gib is required" in err
 
 
+def test_unknown_gpu_and_model_names_are_told_the_close_names(run, capsys):
+    # `--gpu H100` listed all 13 GPUs; an unknown --model printed its close names as a Python list,
+    # "close matches: ['llama2-13b', 'llama-3-8b', ...]", an alias and its catalog name both (memfit.errors.close_names)
+    with pytest.raises(SystemExit) as info:
+        main(["recommend", "--model", "gpt2", "--gpu", "H100", *BASE])
+    assert info.value.code == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == ("memfit recommend: error: argument --gpu: unknown GPU 'H100'; close matches: "
+                                       "H100-80GB, H100-94GB, H200; all GPUs: `memfit gpus`; or give "
+                                       "--gpu-memory-gib\nsee `memfit recommend --help`\n")
+    code, out, err = run("recommend", "--model", "llama3", "--gpu", "H200", *BASE)
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err == ("memfit: error: --model: unknown model 'llama3'; close matches: llama-2-13b, llama-3-8b, "
+                   "llama-3-70b, tinyllama-1.1b; the catalog's names and aliases: `memfit models`; or pass --config "
+                   "PATH for a model outside the catalog\n")
+
+
+def test_the_service_tells_an_unknown_gpu_its_close_names():
+    from memfit.api import gpu_memory_bytes
+    from memfit.errors import InvalidConfiguration
+
+    with pytest.raises(InvalidConfiguration) as info:
+        gpu_memory_bytes("h100_80")
+    assert str(info.value).endswith("got 'h100_80'; close matches: H100-80GB, A100-80GB, H100-94GB, A100-40GB")
+    assert "[" not in str(info.value) and info.value.allowed.startswith("one of A100-40GB, A100-80GB, A10G, ")
+
+
 def test_argparse_errors_are_short_and_point_to_help(capsys):
     # `--micro-batch -1` printed argparse's 23-line usage block of every flag above the one-line error
     with pytest.raises(SystemExit) as info:
