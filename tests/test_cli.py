@@ -237,9 +237,26 @@ def test_parallel_sizes_beyond_the_cluster_name_flag_field_and_allowed_range(run
     code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "H100-80GB", "--gpus", "8", *BASE,
                          "--tensor-parallel", "16")
     assert code == EXIT_BAD_INPUT and out == ""
+    # the rule was said twice: "... exceeds cluster.gpu_count=8 (allowed: such that data*tensor*pipeline*context
+    # parallel size <= cluster.gpu_count=8)"; the allowed range is now the flag's, with the other sizes as given
     assert err == ("memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
-                   "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: such that "
-                   "data*tensor*pipeline*context parallel size <= cluster.gpu_count=8)\n")
+                   "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: an integer in [1, 8])\n")
+
+
+def test_a_tensor_parallel_size_the_model_cannot_split_is_refused_before_the_predictor_loads(run, tmp_path):
+    # `--tensor-parallel 3` was refused after the registry, store and predictor had loaded (10 s), and it was told
+    # one rule of two (the KV heads'), then the other (the query heads') on the next try. The registry given here
+    # does not exist: the request's check (service.recommender.check_request) answers before it is opened
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "H100-80GB", "--gpus", "4", *BASE,
+                         "--tensor-parallel", "3", "--registry", str(tmp_path / "no-registry"), registry=False)
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err == ("memfit: error: --tensor-parallel (training.tensor_parallel_size): must be one of 1, 2, 4, 8, 16 "
+                   "(a divisor of num_attention_heads=16 that divides or is a multiple of num_key_value_heads=8), "
+                   "got 3\n")
+    # a size the model can split passes the check and reaches the registry, which does not exist (no answer)
+    code, _, err = run("recommend", "--config", str(QWEN3), "--gpu", "H100-80GB", "--gpus", "4", *BASE,
+                       "--tensor-parallel", "4", "--registry", str(tmp_path / "no-registry"), registry=False)
+    assert code == EXIT_NO_ANSWER and "tensor" not in err, err
 
 
 def test_unreadable_configs_are_bad_input(run, tmp_path):
@@ -351,11 +368,9 @@ class _Stub(BaseHTTPRequestHandler):
     # local answer does (test_parallel_sizes_beyond_the_cluster_...): was "...): training: data*tensor*..."
     (422, {"detail": "training: data*tensor*pipeline*context parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
            "errors": [{"field": "training.tensor_parallel_size", "message": "training: data*tensor*pipeline*context "
-                       "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8", "allowed": "such that "
-                       "data*tensor*pipeline*context parallel size <= cluster.gpu_count=8"}]},
+                       "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8", "allowed": "an integer in [1, 8]"}]},
      EXIT_BAD_INPUT, ("memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
-                      "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: such that "
-                      "data*tensor*pipeline*context parallel size <= cluster.gpu_count=8)\n")),
+                      "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: an integer in [1, 8])\n")),
 ])
 def test_service_answers_map_to_documented_exit_codes(capsys, status, body, code, words):
     handler = type("Handler", (_Stub,), {"status": status, "body": body})
