@@ -333,12 +333,12 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
 def flag_problem(field: str, message: str, allowed: str | None = None) -> str:
     """One problem with a request field as the command line says it: ``--flag (field): message (allowed: ...)``,
     named by the flag that sets the field (:data:`FLAG_OF`) and with the allowed range worded as the service's
-    422 words it (:func:`service.errors.with_allowed`); the field (or its section, e.g. ``training: ``) is not
+    422 words it (:func:`service.errors.field_problem`); the field (or its section, e.g. ``training: ``) is not
     repeated at the start of the message. A field no flag sets is named alone (``field: message``)."""
-    from service.errors import with_allowed
+    from service.errors import field_problem
 
     section = field.split(".")[0]
-    message = with_allowed(message.removeprefix(f"{field}: ").removeprefix(f"{section}: "), allowed)
+    message = field_problem(field, message, allowed)
     flag = FLAG_OF.get(field) or FLAG_OF.get(section)
     return f"{flag} ({field}): {message}" if flag else f"{field or 'request'}: {message}"
 
