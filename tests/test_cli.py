@@ -332,9 +332,27 @@ def test_help_has_text_choices_defaults_and_exit_codes(capsys):
         main(["recommend", "--help"])
     assert info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for needle in ("--config PATH", "HF id", "(default: amp_bf16)", "{fp32,amp_fp16,amp_bf16,bf16,bf16_fp32_master}",
+    for needle in ("--config PATH", "HF id", "(default: amp_bf16)", ("--precision NAME training numerics; one of: "
+                   "fp32, amp_fp16, amp_bf16, bf16, bf16_fp32_master (default: amp_bf16)"), "--zero {0,1,2,3}",
                    "(default: block)", "RTX-4090", "exit codes", "503", "3 nothing fits"):
         assert needle in text, needle
+
+
+@pytest.mark.parametrize("argv", [["recommend", "--help"], ["--help"]])
+def test_help_fits_the_terminal_width(capsys, monkeypatch, argv):
+    # with COLUMNS=80, `memfit recommend --help` had lines of 84 to 121 columns: the choices of --precision,
+    # --optimizer and --sharding as one unbreakable {a,b,...} word, and the exit codes kept as written (98)
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80, max(lines, key=len)
+    # an exit code's wrapped lines hang under its text
+    at = lines.index("    1  no answer: the service is unreachable, timed out or answered 5xx (e.g.")
+    assert lines[at + 1] == "       503 while it loads), or no local model is registered"
+    if argv[0] == "recommend":
+        assert "  --optimizer NAME      optimizer; one of: adamw_foreach, adamw_fused," in lines
 
 
 class _Stub(BaseHTTPRequestHandler):
@@ -368,7 +386,8 @@ class _Stub(BaseHTTPRequestHandler):
     # local answer does (test_parallel_sizes_beyond_the_cluster_...): was "...): training: data*tensor*..."
     (422, {"detail": "training: data*tensor*pipeline*context parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
            "errors": [{"field": "training.tensor_parallel_size", "message": "training: data*tensor*pipeline*context "
-                       "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8", "allowed": "an integer in [1, 8]"}]},
+                       "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
+                       "allowed": "an integer in [1, 8]"}]},
      EXIT_BAD_INPUT, ("memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
                       "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: an integer in [1, 8])\n")),
 ])
