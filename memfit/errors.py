@@ -32,9 +32,13 @@ class InvalidConfiguration(MemfitError, ValueError):
         return self.message
 
     def within(self, prefix: str) -> InvalidConfiguration:
-        """The same error with ``prefix.`` in front of the field (e.g. ``model``)."""
+        """The same error with ``prefix.`` in front of the field (e.g. ``model``), and in front of the message where
+        it starts with the field or its section (``training: ...``); a message that names no field (an unknown
+        model's) stays as it is (it read ``items.0.unknown model 'x'``)."""
+        section = self.field.split(".")[0]
+        named = self.message.startswith((f"{section}:", f"{section}."))
         return type(self)(f"{prefix}.{self.field}", self.allowed,
-                          message=f"{prefix}.{self.message}")
+                          message=f"{prefix}.{self.message}" if named else self.message)
 
 
 def pydantic_error_field(error: dict, path: tuple = ()) -> tuple[str, str, str | None]:

@@ -269,3 +269,6 @@ def test_recommender_check_422_detail_names_the_field_and_the_allowed_range(clie
     assert r.status_code == 422
     assert r.json()["detail"].startswith("model: unknown model 'gtp2'; close matches: gpt2")
     assert r.json()["detail"].endswith("(allowed: a catalog name or a HF config.json object)")
+    # an item's unknown model: the message was prefixed as if it named a field, "items.0.unknown model 'gtp2'"
+    r = client.post("/predict", json={"items": [{**body, "model": "gtp2", "k": 0}]})
+    assert r.json()["detail"].startswith("items.0.model: unknown model 'gtp2'; close matches: gpt2"), r.json()
