@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import UnknownModel
+from memfit.errors import UnknownModel, close_names
 from memfit.schema import ModelSpec
 
 ARCH_DIR = Path(__file__).parent / "architectures"
@@ -50,11 +50,10 @@ def get(name: str) -> dict[str, Any]:
     cat = load_catalog()
     k = _norm(name)
     if k not in cat:
-        import difflib
-
-        close = difflib.get_close_matches(k, list(cat), n=5)
+        # names and aliases are matched, each model suggested once by its catalog name
+        close = list(dict.fromkeys(cat[c]["name"] for c in close_names(k, cat, n=len(cat))))[:4]
         raise UnknownModel("model", "a catalog name or a HF config.json object", message=(
-            f"unknown model {name!r}; close matches: {close or 'none'}; the catalog's names and aliases: "
+            f"unknown model {name!r}; close matches: {', '.join(close) or 'none'}; the catalog's names and aliases: "
             "`memfit models`"))
     return cat[k]
 

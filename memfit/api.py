@@ -9,7 +9,7 @@ from typing import Annotated, Any, Self
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, model_validator
 
-from memfit.errors import InvalidConfiguration
+from memfit.errors import InvalidConfiguration, close_names
 from memfit.schema import (
     MAX_DEVICE_MEMORY_BYTES, MAX_GRADIENT_ACCUMULATION_STEPS, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WORLD,
     Attention, CheckpointImpl, FineTune, Offload, Optimizer, PipelineSchedule, Precision, Quantization, Sharding,
@@ -43,13 +43,17 @@ def gpu_memory_bytes(name: str) -> int:
     """Usable memory of a known GPU as PyTorch reports it (case-insensitive; ``_``/space/``-`` alike).
 
     Raises:
-        ValueError: unknown name; the message lists the known ones.
+        InvalidConfiguration (a ValueError): unknown name; the message lists the known ones and the close ones
+            (:func:`memfit.errors.close_names`).
     """
     key = name.strip().upper().replace("_", "-").replace(" ", "-")
     for known, size in GPUS.items():
         if known.upper() == key:
             return size
-    raise InvalidConfiguration("gpu", f"one of {sorted(GPUS)} (or give gpu_memory_bytes / gpu_memory_gib)", name)
+    allowed = f"one of {', '.join(sorted(GPUS))} (or give gpu_memory_bytes / gpu_memory_gib)"
+    close = close_names(name, GPUS)  # as the catalog suggests names for an unknown model (data.catalog.get)
+    raise InvalidConfiguration("gpu", allowed, message=f"gpu: must be {allowed}, got {name[:80]!r}" + (
+        f"; close matches: {', '.join(close)}" if close else ""))
 
 
 #: integers in requests are strict: JSON ``true``, ``4.0`` and ``"4"`` are refused, not read as 1 or 4

@@ -6,7 +6,9 @@ exists, the allowed range, so every answer to bad input names both.
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Iterable
 
 
 class MemfitError(Exception):
@@ -30,9 +32,13 @@ class InvalidConfiguration(MemfitError, ValueError):
         return self.message
 
     def within(self, prefix: str) -> InvalidConfiguration:
-        """The same error with ``prefix.`` in front of the field (e.g. ``model``)."""
+        """The same error with ``prefix.`` in front of the field (e.g. ``model``), and in front of the message where
+        it starts with the field or its section (``training: ...``); a message that names no field (an unknown
+        model's) stays as it is (it read ``items.0.unknown model 'x'``)."""
+        section = self.field.split(".")[0]
+        named = self.message.startswith((f"{section}:", f"{section}."))
         return type(self)(f"{prefix}.{self.field}", self.allowed,
-                          message=f"{prefix}.{self.message}")
+                          message=f"{prefix}.{self.message}" if named else self.message)
 
 
 def pydantic_error_field(error: dict, path: tuple = ()) -> tuple[str, str, str | None]:
@@ -46,6 +52,25 @@ def pydantic_error_field(error: dict, path: tuple = ()) -> tuple[str, str, str |
                 f"{prefix}.{inner.message}" if prefix else inner.message, inner.allowed)
     field = ".".join(str(x) for x in path) or "body"
     return field, str(error.get("msg", "")).removeprefix("Value error, "), None
+
+
+def close_names(name: str, names: Iterable[str], n: int = 4) -> list[str]:
+    """Up to ``n`` of ``names`` close to an unknown ``name``, closest first, each once: those that start with it
+    (``H100`` -> ``H100-80GB``), then :func:`difflib.get_close_matches`' (similarity ratio >= 0.6). Compared
+    case-insensitively with ``_`` and spaces read as ``-``, as the catalog and the GPU table read names; the names
+    are returned as given. The one suggestion of an unknown model name and an unknown GPU name."""
+    def norm(text: str) -> str:
+        return text.strip().lower().replace("_", "-").replace(" ", "-")
+
+    key, by_norm = norm(name), {}
+    for known in names:
+        by_norm.setdefault(norm(known), known)
+    if not key:
+        return []
+    ratio = {k: difflib.SequenceMatcher(None, key, k).ratio() for k in by_norm}
+    prefixed = sorted((k for k in by_norm if k.startswith(key)), key=lambda k: -ratio[k])
+    similar = difflib.get_close_matches(key, list(by_norm), n=len(by_norm))
+    return [by_norm[k] for k in dict.fromkeys([*prefixed, *similar])][:n]
 
 
 class UnknownArchitecture(InvalidConfiguration):

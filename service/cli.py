@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from memfit.api import GPUS, Recommendation, RecommendRequest, TrainingIn
+from memfit.errors import close_names
 from memfit.schema import (
     Attention,
     CheckpointImpl,
@@ -92,7 +93,10 @@ def _gpu_name(text: str) -> str:
     for name in GPUS:
         if name.upper() == key:
             return name
-    raise argparse.ArgumentTypeError(f"unknown GPU {text!r}; choose from {', '.join(GPUS)} or give --gpu-memory-gib")
+    close = close_names(text, GPUS)  # as an unknown --model is told (data.catalog.get)
+    raise argparse.ArgumentTypeError(f"unknown GPU {text!r}; " + (
+        f"close matches: {', '.join(close)}; all GPUs: `memfit gpus`;" if close else
+        f"choose from {', '.join(GPUS)}") + " or give --gpu-memory-gib")
 
 
 def _positive_int(text: str) -> int:
@@ -121,9 +125,53 @@ class _Parser(argparse.ArgumentParser):
         return ns
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's help, every line within the terminal's width (argparse's own: ``COLUMNS``, else
+    :func:`shutil.get_terminal_size`). argparse wraps at spaces only, so two things overran 80 columns (84 to 121):
+    a flag's choices, shown as one ``{a,b,...}`` word in the usage and the flag's line, and the exit codes, kept
+    line by line as written. Choices wider than :attr:`INLINE` columns are shown as ``NAME`` and listed in the
+    help, where they wrap; the description and epilog are filled to the width, each line that starts with a label
+    (``2  bad input: ...``) with its wrapped lines indented under the text after the label."""
+
+    INLINE = 40
+
+    def _listed(self, action: argparse.Action) -> bool:
+        choices = action.choices
+        return action.metavar is None and choices is not None and len(",".join(map(str, choices))) + 2 > self.INLINE
+
+    def _metavar_formatter(self, action: argparse.Action, default_metavar: str):
+        if self._listed(action):
+            return lambda size: ("NAME",) * size
+        return super()._metavar_formatter(action, default_metavar)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not self._listed(action):
+            return action.help
+        head, default, tail = text.partition(" (default")
+        return f"{head}; one of: {', '.join(map(str, action.choices or ()))}{default}{tail}"
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import re
+        import textwrap
+
+        items: list[list[Any]] = []  # [indent, hanging indent, text] per labelled line, its continuations joined
+        for line in text.splitlines():
+            lead = len(line) - len(line.lstrip())
+            if items and line.strip() and items[-1][2] and lead == items[-1][1] > items[-1][0]:
+                items[-1][2] += " " + line.strip()
+                continue
+            label = re.match(r"\s*\S+ {2,}", line)
+            items.append([lead, label.end() if label else lead, line.strip()])
+        return "\n".join(textwrap.fill(body, width, initial_indent=indent + " " * lead,
+                                       subsequent_indent=indent + " " * hang, break_long_words=False,
+                                       break_on_hyphens=False) if body else ""
+                         for lead, hang, body in items)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``memfit`` argument parser (subcommands ``recommend``, ``models``, ``gpus``)."""
-    fmt = argparse.RawDescriptionHelpFormatter
+    fmt = _Formatter
     p = _Parser(prog="memfit", description="Fit LLM training into GPU memory: which decoder layers "
                 "to activation-checkpoint.", epilog=__doc__.split("Exit codes:")[1].join(
                     ["exit codes (memfit recommend):", ""]), formatter_class=fmt)
@@ -329,12 +377,12 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
 def flag_problem(field: str, message: str, allowed: str | None = None) -> str:
     """One problem with a request field as the command line says it: ``--flag (field): message (allowed: ...)``,
     named by the flag that sets the field (:data:`FLAG_OF`) and with the allowed range worded as the service's
-    422 words it (:func:`service.errors.with_allowed`); the field (or its section, e.g. ``training: ``) is not
+    422 words it (:func:`service.errors.field_problem`); the field (or its section, e.g. ``training: ``) is not
     repeated at the start of the message. A field no flag sets is named alone (``field: message``)."""
-    from service.errors import with_allowed
+    from service.errors import field_problem
 
     section = field.split(".")[0]
-    message = with_allowed(message.removeprefix(f"{field}: ").removeprefix(f"{section}: "), allowed)
+    message = field_problem(field, message, allowed)
     flag = FLAG_OF.get(field) or FLAG_OF.get(section)
     return f"{flag} ({field}): {message}" if flag else f"{field or 'request'}: {message}"
 
@@ -371,7 +419,16 @@ class NoAnswer(RuntimeError):
 
 
 def recommend_local(req: RecommendRequest, registry: Path | None) -> Recommendation:
-    """The answer of the registry's current model (:class:`service.recommender.Recommender`)."""
+    """The answer of the registry's current model (:class:`service.recommender.Recommender`). The request's
+    parallel layout is checked against the model's shape first (:func:`service.recommender.check_request`), before
+    the registry, the store and the predictor load: a bad ``--tensor-parallel`` was told after 10 s, now after 2.
+
+    Raises:
+        InvalidConfiguration: the request cannot run (field named). NoAnswer: no model is registered.
+    """
+    from service.recommender import check_request
+
+    check_request(req)
     from model.registry import Registry
     from model.terms import TermsCache
     from service.app import open_store

@@ -4,7 +4,7 @@
 exception                                          status  body
 =================================================  ======  =========================================
 request validation (pydantic)                      422     each field, its problem, the allowed range
-:class:`memfit.errors.InvalidConfiguration`        422     the field and the allowed range
+:class:`memfit.errors.InvalidConfiguration`        422     the field and the allowed range (in detail too)
 (``UnknownArchitecture``, ``UnknownModel``)
 :class:`memfit.errors.ReadOnly`                    503     writes refused on a read-only server
 :class:`memfit.errors.StoreBusy`                   503     ``Retry-After`` header
@@ -202,6 +202,17 @@ def with_allowed(message: str, allowed: str | None) -> str:
     return f"{message} (allowed: {allowed})"
 
 
+def field_problem(field: str, message: str, allowed: str | None) -> str:
+    """A field's problem without the field: the message with its leading field name (or a section of it, e.g.
+    ``training: `` or ``items.0.training: ``) removed, then the allowed range (:func:`with_allowed`). Named by
+    its field in the 422 ``detail`` of a recommender check and by its flag in ``memfit recommend``'s errors
+    (:func:`service.cli.flag_problem`)."""
+    parts = field.split(".")
+    for n in range(len(parts), 0, -1):
+        message = message.removeprefix(".".join(parts[:n]) + ": ")
+    return with_allowed(message, allowed)
+
+
 def validation_detail(errors: list[dict[str, Any]]) -> str:
     """The 422 ``detail``: one ``field: message (allowed: ...)`` per error, joined by ``; ``. A message of an
     :class:`InvalidConfiguration` raised inside a validator already names its field and the allowed values,
@@ -232,8 +243,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidConfiguration)
     async def invalid(_request: Request, exc: InvalidConfiguration) -> Response:
-        return problem(422, exc.message, errors=[{"field": exc.field, "message": exc.message,
-                                                  "allowed": exc.allowed}])
+        # the detail names the field and its allowed range too, for a client that reads only the detail
+        return problem(422, f"{exc.field}: {field_problem(exc.field, exc.message, exc.allowed)}",
+                       errors=[{"field": exc.field, "message": exc.message, "allowed": exc.allowed}])
 
     @app.exception_handler(Unavailable)
     async def unavailable(_request: Request, exc: Unavailable) -> Response:

@@ -15,9 +15,8 @@ import threading
 import time
 from collections import OrderedDict
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 from pydantic import ValidationError
 
 from memfit.api import (
@@ -26,19 +25,21 @@ from memfit.api import (
     Prediction,
     PredictItem,
     Recommendation,
-    StageOut,
     RecommendRequest,
+    StageOut,
     TrainingIn,
 )
 from memfit.errors import InvalidConfiguration, UnknownArchitecture, pydantic_error_field
-from memfit.schema import FineTune, ModelSpec, Quantization, Sharding, TrainingConfig, check_moe_settings
+from memfit.schema import FineTune, ModelSpec, Quantization, TrainingConfig, check_moe_settings
 from model.curve import PROVISIONAL, Curve, MemoryPredictor, expert_parallel_rank
-from model.estimator import PeakMemoryRegressor
 from model.offload import host_memory_bytes
 from model.overhead import OverheadModel
 from model.parallel import pipeline_stages
 from model.recommend import Plan, candidate_changes, needs_alternatives, plan, rank_alternatives
 from model.terms import TermsCache
+
+if TYPE_CHECKING:  # LightGBM (2 s to import) loads with a registry's model, not with the request checks
+    from model.estimator import PeakMemoryRegressor
 
 
 @lru_cache(maxsize=1)
@@ -122,12 +123,32 @@ def _catalog_model(name: str) -> tuple[ModelSpec, dict[str, Any]]:
     return catalog.spec(name), catalog.get(name)["hf_config"]
 
 
-def _resolve_config(model: dict[str, Any] | ArchitectureIn,
-                    architecture_fallback: str | None) -> tuple[ModelSpec, dict[str, Any], list[str]]:
+def model_shape(model: str | dict[str, Any] | ArchitectureIn) -> ModelSpec:
+    """The model's shape (layers, widths, heads) without counting its parameters: a catalog name's spec, or a
+    config's fields with placeholder counts (``total_params = trainable_params = 1``). No ``meta`` build, no
+    transformers import: what the request checks of :func:`check_request` need.
+
+    Raises:
+        InvalidConfiguration (``UnknownModel``): the field is relative to the request's ``model``.
+    """
+    if isinstance(model, str):
+        return _catalog_model(model)[0]
+    try:
+        return _spec(_config_fields(model), total_params=1, trainable_params=1)
+    except InvalidConfiguration as err:
+        raise err.within("model") from err
+
+
+def _config_fields(model: dict[str, Any] | ArchitectureIn) -> dict[str, Any]:
     from memfit.hf import spec_fields_from_hf_config
 
+    return spec_fields_from_hf_config(model.hf_config() if isinstance(model, ArchitectureIn) else model)
+
+
+def _resolve_config(model: dict[str, Any] | ArchitectureIn,
+                    architecture_fallback: str | None) -> tuple[ModelSpec, dict[str, Any], list[str]]:
     cfg = model.hf_config() if isinstance(model, ArchitectureIn) else model
-    fields = spec_fields_from_hf_config(cfg)
+    fields = _config_fields(cfg)
     warnings = []
     arch = fields["architecture"]
     if arch not in known_architectures():
@@ -213,9 +234,46 @@ def _stages_out(p: Plan) -> list[StageOut]:
             for i, st in enumerate(pipe.stages)]
 
 
-def _check_model_parallel(t: TrainingIn, spec: ModelSpec) -> None:
-    """Tensor, sequence, context and pipeline parallel settings that cannot run, as 422s naming the field."""
-    tp, cp = t.tensor_parallel_size, t.context_parallel_size
+def check_request(req: RecommendRequest) -> None:
+    """The request's parallel layout against its model's shape (:func:`check_parallel` on :func:`model_shape`),
+    before any predictor is loaded or any parameter counted: ``memfit recommend`` runs it first, so a
+    ``--tensor-parallel`` the model cannot split is refused in about a second, not after the predictor's load.
+    :meth:`Recommender.recommend` runs the same checks (in :func:`training_config`).
+
+    Raises:
+        InvalidConfiguration: the field named (e.g. ``training.tensor_parallel_size``), with the allowed values.
+    """
+    check_parallel(req.training, model_shape(req.model), req.cluster.gpu_count)
+
+
+def tensor_parallel_sizes(spec: ModelSpec) -> list[int]:
+    """Tensor-parallel sizes that split the model's attention: a divisor of ``num_attention_heads`` (Megatron-LM
+    splits the query heads over the ranks: Shoeybi et al. 2019, arXiv 1909.08053, Sec. 3) that divides
+    ``num_key_value_heads`` or is a multiple of it (grouped KV heads split, or replicated over the ranks)."""
+    heads, kv = spec.num_attention_heads, spec.num_key_value_heads
+    return [tp for tp in range(1, heads + 1) if heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)]
+
+
+def check_parallel(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> int:
+    """Data, tensor, sequence, context and pipeline parallel settings that cannot run on ``gpu_count`` GPUs or
+    split this model (only its shape is read), as 422s naming the field and the allowed values. Returns the
+    data-parallel size (the request's, else the GPUs left over by the model-parallel sizes)."""
+    tp, pp, cp = t.tensor_parallel_size, t.pipeline_parallel_size, t.context_parallel_size
+    model_parallel = tp * pp * cp
+    dp = t.data_parallel_size or max(1, gpu_count // model_parallel)
+    world = dp * model_parallel
+    if world > gpu_count:  # name the size the request set too large: data parallel, else the largest model-parallel
+        sizes = {"data_parallel_size": dp, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                 "context_parallel_size": cp}
+        field = "data_parallel_size" if t.data_parallel_size and model_parallel <= gpu_count else \
+            max(list(sizes)[1:], key=sizes.get)
+        others = world // sizes[field]
+        # the rule is in the message once; the allowed values are this field's range with the others as given
+        allowed = (f"an integer in [1, {gpu_count // others}]" if others <= gpu_count else
+                   f"such that the product is at most cluster.gpu_count={gpu_count}")
+        raise InvalidConfiguration(f"training.{field}", allowed, message=(
+            f"training: data*tensor*pipeline*context parallel size = {dp}*{tp}*{pp}*{cp} = {world} exceeds "
+            f"cluster.gpu_count={gpu_count}"))
     if t.sequence_parallel and tp < 2:
         raise InvalidConfiguration("training.sequence_parallel", "true only with tensor_parallel_size >= 2",
                                    t.sequence_parallel)
@@ -227,13 +285,19 @@ def _check_model_parallel(t: TrainingIn, spec: ModelSpec) -> None:
     if cp > 1 and t.attention.value == "eager":
         raise InvalidConfiguration("training.attention", "sdpa or flash with context_parallel_size > 1 "
                                    "(ring attention runs the fused kernels)", t.attention.value)
-    if spec.num_key_value_heads % tp and tp % spec.num_key_value_heads:
-        raise InvalidConfiguration("training.tensor_parallel_size", f"a divisor or multiple of num_key_value_heads="
-                                   f"{spec.num_key_value_heads}", tp)
-    if t.pipeline_schedule.value == "interleaved_1f1b" and t.pipeline_parallel_size > 1 and \
-            spec.num_layers % (t.pipeline_parallel_size * t.pipeline_chunks_per_rank):
+    tp_sizes = tensor_parallel_sizes(spec)
+    if tp not in tp_sizes:
+        raise InvalidConfiguration("training.tensor_parallel_size", f"one of {', '.join(map(str, tp_sizes))} (a "
+                                   f"divisor of num_attention_heads={spec.num_attention_heads} that divides or is a "
+                                   f"multiple of num_key_value_heads={spec.num_key_value_heads})", tp)
+    if pp > spec.num_layers:
+        raise InvalidConfiguration("training.pipeline_parallel_size", f"an integer in [1, num_layers="
+                                   f"{spec.num_layers}]", pp)
+    if t.pipeline_schedule.value == "interleaved_1f1b" and pp > 1 and \
+            spec.num_layers % (pp * t.pipeline_chunks_per_rank):
         raise InvalidConfiguration("training.pipeline_chunks_per_rank", f"such that pipeline_parallel_size × chunks "
                                    f"divides num_layers={spec.num_layers}", t.pipeline_chunks_per_rank)
+    return dp
 
 
 @lru_cache(maxsize=256)
@@ -261,30 +325,10 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
     if quantization is not Quantization.NONE and t.finetune is not FineTune.LORA:
         raise InvalidConfiguration("training.quantization", "'none' unless finetune='lora' (with LoRA: one of "
                                    f"{', '.join(q.value for q in Quantization)})", quantization.value)
-    model_parallel = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
-    dp = t.data_parallel_size or max(1, gpu_count // model_parallel)
-    world = dp * model_parallel
-    if world > gpu_count:  # name the size the request set too large: data parallel, else the largest model-parallel
-        sizes = {"tensor_parallel_size": t.tensor_parallel_size, "pipeline_parallel_size": t.pipeline_parallel_size,
-                 "context_parallel_size": t.context_parallel_size}
-        field = "data_parallel_size" if t.data_parallel_size and model_parallel <= gpu_count else \
-            max(sizes, key=sizes.get)
-        raise InvalidConfiguration(f"training.{field}", f"such that data*tensor*pipeline*context parallel "
-                                   f"size <= cluster.gpu_count={gpu_count}", message=(
-                                       f"training: data*tensor*pipeline*context parallel size = {dp}*"
-                                       f"{t.tensor_parallel_size}*{t.pipeline_parallel_size}*{t.context_parallel_size}"
-                                       f" = {world} exceeds cluster.gpu_count={gpu_count}"))
-    _check_model_parallel(t, spec)
+    dp = check_parallel(t, spec, gpu_count)
     if t.frozen_layers > spec.num_layers:
         raise InvalidConfiguration("training.frozen_layers", f"an integer in [0, num_layers={spec.num_layers}]",
                                    t.frozen_layers)
-    # Megatron-style tensor parallelism splits attention heads, pipeline parallelism splits layers
-    if spec.num_attention_heads % t.tensor_parallel_size:
-        raise InvalidConfiguration("training.tensor_parallel_size", f"a divisor of num_attention_heads="
-                                   f"{spec.num_attention_heads}", t.tensor_parallel_size)
-    if t.pipeline_parallel_size > spec.num_layers:
-        raise InvalidConfiguration("training.pipeline_parallel_size", f"an integer in [1, num_layers="
-                                   f"{spec.num_layers}]", t.pipeline_parallel_size)
     if t.expert_parallel_size > dp or dp % t.expert_parallel_size:
         raise InvalidConfiguration("training.expert_parallel_size", f"a divisor of the data-parallel size {dp} "
                                    "(experts are split within the data-parallel ranks)", t.expert_parallel_size)
@@ -371,6 +415,8 @@ class Recommender:
                  telemetry_range: dict[str, float] | None = None, terms: TermsCache | None = None,
                  margins: dict[str, float] | None = None, tracer: Any = None, coefficients: Any = None) -> None:
         self.est, self.version = est, version
+        import pandas as pd
+
         self.overhead = overhead or OverheadModel().fit(pd.DataFrame())  # shipped GPU pressure figures
         self.range = telemetry_range or {}
         # coefficients: a fitted model.coefficients.CoefficientModel answers the provisional configurations it covers

@@ -237,9 +237,26 @@ def test_parallel_sizes_beyond_the_cluster_name_flag_field_and_allowed_range(run
     code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "H100-80GB", "--gpus", "8", *BASE,
                          "--tensor-parallel", "16")
     assert code == EXIT_BAD_INPUT and out == ""
+    # the rule was said twice: "... exceeds cluster.gpu_count=8 (allowed: such that data*tensor*pipeline*context
+    # parallel size <= cluster.gpu_count=8)"; the allowed range is now the flag's, with the other sizes as given
     assert err == ("memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
-                   "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: such that "
-                   "data*tensor*pipeline*context parallel size <= cluster.gpu_count=8)\n")
+                   "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: an integer in [1, 8])\n")
+
+
+def test_a_tensor_parallel_size_the_model_cannot_split_is_refused_before_the_predictor_loads(run, tmp_path):
+    # `--tensor-parallel 3` was refused after the registry, store and predictor had loaded (10 s), and it was told
+    # one rule of two (the KV heads'), then the other (the query heads') on the next try. The registry given here
+    # does not exist: the request's check (service.recommender.check_request) answers before it is opened
+    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "H100-80GB", "--gpus", "4", *BASE,
+                         "--tensor-parallel", "3", "--registry", str(tmp_path / "no-registry"), registry=False)
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err == ("memfit: error: --tensor-parallel (training.tensor_parallel_size): must be one of 1, 2, 4, 8, 16 "
+                   "(a divisor of num_attention_heads=16 that divides or is a multiple of num_key_value_heads=8), "
+                   "got 3\n")
+    # a size the model can split passes the check and reaches the registry, which does not exist (no answer)
+    code, _, err = run("recommend", "--config", str(QWEN3), "--gpu", "H100-80GB", "--gpus", "4", *BASE,
+                       "--tensor-parallel", "4", "--registry", str(tmp_path / "no-registry"), registry=False)
+    assert code == EXIT_NO_ANSWER and "tensor" not in err, err
 
 
 def test_unreadable_configs_are_bad_input(run, tmp_path):
@@ -262,6 +279,32 @@ def test_argparse_rejects_bad_flags_with_exit_2(capsys):
     err = capsys.readouterr().err
     assert "unknown GPU 'B300'" in err and "RTX-4090" in err and "must be >= 1" in err
     assert "not allowed with argument" in err and "one of the arguments --gpu --gpu-memory-gib is required" in err
+
+
+def test_unknown_gpu_and_model_names_are_told_the_close_names(run, capsys):
+    # `--gpu H100` listed all 13 GPUs; an unknown --model printed its close names as a Python list,
+    # "close matches: ['llama2-13b', 'llama-3-8b', ...]", an alias and its catalog name both (memfit.errors.close_names)
+    with pytest.raises(SystemExit) as info:
+        main(["recommend", "--model", "gpt2", "--gpu", "H100", *BASE])
+    assert info.value.code == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == ("memfit recommend: error: argument --gpu: unknown GPU 'H100'; close matches: "
+                                       "H100-80GB, H100-94GB, H200; all GPUs: `memfit gpus`; or give "
+                                       "--gpu-memory-gib\nsee `memfit recommend --help`\n")
+    code, out, err = run("recommend", "--model", "llama3", "--gpu", "H200", *BASE)
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err == ("memfit: error: --model: unknown model 'llama3'; close matches: llama-2-13b, llama-3-8b, "
+                   "llama-3-70b, tinyllama-1.1b; the catalog's names and aliases: `memfit models`; or pass --config "
+                   "PATH for a model outside the catalog\n")
+
+
+def test_the_service_tells_an_unknown_gpu_its_close_names():
+    from memfit.api import gpu_memory_bytes
+    from memfit.errors import InvalidConfiguration
+
+    with pytest.raises(InvalidConfiguration) as info:
+        gpu_memory_bytes("h100_80")
+    assert str(info.value).endswith("got 'h100_80'; close matches: H100-80GB, A100-80GB, H100-94GB, A100-40GB")
+    assert "[" not in str(info.value) and info.value.allowed.startswith("one of A100-40GB, A100-80GB, A10G, ")
 
 
 def test_argparse_errors_are_short_and_point_to_help(capsys):
@@ -289,9 +332,27 @@ def test_help_has_text_choices_defaults_and_exit_codes(capsys):
         main(["recommend", "--help"])
     assert info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for needle in ("--config PATH", "HF id", "(default: amp_bf16)", "{fp32,amp_fp16,amp_bf16,bf16,bf16_fp32_master}",
+    for needle in ("--config PATH", "HF id", "(default: amp_bf16)", ("--precision NAME training numerics; one of: "
+                   "fp32, amp_fp16, amp_bf16, bf16, bf16_fp32_master (default: amp_bf16)"), "--zero {0,1,2,3}",
                    "(default: block)", "RTX-4090", "exit codes", "503", "3 nothing fits"):
         assert needle in text, needle
+
+
+@pytest.mark.parametrize("argv", [["recommend", "--help"], ["--help"]])
+def test_help_fits_the_terminal_width(capsys, monkeypatch, argv):
+    # with COLUMNS=80, `memfit recommend --help` had lines of 84 to 121 columns: the choices of --precision,
+    # --optimizer and --sharding as one unbreakable {a,b,...} word, and the exit codes kept as written (98)
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80, max(lines, key=len)
+    # an exit code's wrapped lines hang under its text
+    at = lines.index("    1  no answer: the service is unreachable, timed out or answered 5xx (e.g.")
+    assert lines[at + 1] == "       503 while it loads), or no local model is registered"
+    if argv[0] == "recommend":
+        assert "  --optimizer NAME      optimizer; one of: adamw_foreach, adamw_fused," in lines
 
 
 class _Stub(BaseHTTPRequestHandler):
@@ -325,11 +386,10 @@ class _Stub(BaseHTTPRequestHandler):
     # local answer does (test_parallel_sizes_beyond_the_cluster_...): was "...): training: data*tensor*..."
     (422, {"detail": "training: data*tensor*pipeline*context parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
            "errors": [{"field": "training.tensor_parallel_size", "message": "training: data*tensor*pipeline*context "
-                       "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8", "allowed": "such that "
-                       "data*tensor*pipeline*context parallel size <= cluster.gpu_count=8"}]},
+                       "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
+                       "allowed": "an integer in [1, 8]"}]},
      EXIT_BAD_INPUT, ("memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
-                      "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: such that "
-                      "data*tensor*pipeline*context parallel size <= cluster.gpu_count=8)\n")),
+                      "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: an integer in [1, 8])\n")),
 ])
 def test_service_answers_map_to_documented_exit_codes(capsys, status, body, code, words):
     handler = type("Handler", (_Stub,), {"status": status, "body": body})

@@ -29,7 +29,7 @@ def _errors(client, training=None, cluster=None, model="llama-3-8b"):
 
 @pytest.mark.parametrize("training, cluster, field, words", [
     ({"sharding": "zero3"}, {"gpu": "H100-80GB", "gpu_count": 1}, "training.sharding", "data_parallel_size is 1"),
-    ({}, {"gpu": "H900"}, "cluster.gpu", "'H100-80GB'"),
+    ({}, {"gpu": "H900"}, "cluster.gpu", "H100-80GB, H100-94GB, H200, L4"),
     ({}, {"gpu": "H100-80GB", "gpu_memory_gib": 80}, "cluster.gpu", "exactly one of"),
     ({"finetune": "lora", "lora_target_modules": ["q_proj", "qproj"]}, None, "training.lora_target_modules",
      "'gate_proj'"),

@@ -98,7 +98,9 @@ def test_422_detail_names_the_field_once():
     exc = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.value.errors()])
     detail = validation_detail(_validation_errors(exc, RecommendRequest))
     assert detail.count("training.offload_optimizer") == 1 and detail.count("(allowed:") == 1, detail
-    assert detail.count("cluster.gpu") == 1 and detail.count("'H100-80GB'") == 1, detail
+    # the GPUs listed once, by name, not as a Python list (memfit.api.gpu_memory_bytes), and the close one named
+    assert detail.count("cluster.gpu") == 1 and detail.count("H100-80GB") == 1 and "['" not in detail, detail
+    assert detail.endswith("got 'B200'; close matches: H200"), detail
     # a plain pydantic error keeps its field prefix and its allowed range
     with pytest.raises(ValidationError) as err:
         RecommendRequest.model_validate({**body, "training": {"micro_batch_size": 0, "seq_len": 512},

@@ -244,3 +244,31 @@ def test_local_command_line_and_service_take_the_same_gpu_overhead(tmp_path):
     assert measured.fragmentation_source.startswith("median of") and measured.fragmentation_ratio != FRAGMENTATION_RATIO
     holder = ModelHolder(Registry(tmp_path / "models"))
     assert holder.overhead.to_dict() == measured.to_dict()
+
+
+def test_recommender_check_422_detail_names_the_field_and_the_allowed_range(client):
+    # the allowed range of a recommender check (InvalidConfiguration, service/errors.py) was only in errors[]:
+    # the detail read "training: data*tensor*pipeline*context parallel size = 1*16*1*1 = 16 exceeds
+    # cluster.gpu_count=8", naming neither the field nor what it may be
+    body = {"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64, "tensor_parallel_size": 16},
+            "cluster": {"gpu": "T4", "gpu_count": 8}}
+    r = client.post("/recommend", json=body)
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
+    assert r.json()["detail"] == ("training.tensor_parallel_size: data*tensor*pipeline*context parallel size = "
+                                  "1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: an integer in [1, 8])")
+    assert r.json()["errors"] == [{"field": "training.tensor_parallel_size", "message": "training: data*tensor*"
+                                   "pipeline*context parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
+                                   "allowed": "an integer in [1, 8]"}]
+    body["training"]["tensor_parallel_size"] = 5  # gpt2: 12 query and 12 KV heads
+    r = client.post("/predict", json={"items": [{**body, "k": 0}]})
+    assert r.status_code == 422
+    assert r.json()["detail"] == ("items.0.training.tensor_parallel_size: must be one of 1, 2, 3, 4, 6, 12 (a divisor "
+                                  "of num_attention_heads=12 that divides or is a multiple of num_key_value_heads=12)"
+                                  ", got 5")
+    r = client.post("/recommend", json={**body, "model": "gtp2"})
+    assert r.status_code == 422
+    assert r.json()["detail"].startswith("model: unknown model 'gtp2'; close matches: gpt2")
+    assert r.json()["detail"].endswith("(allowed: a catalog name or a HF config.json object)")
+    # an item's unknown model: the message was prefixed as if it named a field, "items.0.unknown model 'gtp2'"
+    r = client.post("/predict", json={"items": [{**body, "model": "gtp2", "k": 0}]})
+    assert r.json()["detail"].startswith("items.0.model: unknown model 'gtp2'; close matches: gpt2"), r.json()
