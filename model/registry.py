@@ -284,7 +284,9 @@ class Registry:
             files = sorted((tmp / COEFFICIENTS_DIR).iterdir())
             sums.update({f"{COEFFICIENTS_DIR}/{f.name}": sha256_hex(f.read_bytes()) for f in files})
             coef_meta = {"dir": COEFFICIENTS_DIR, "n_entries": coefficients.n_entries_,
-                         "boosters": len(coefficients.boosters_), "size_bytes": sum(f.stat().st_size for f in files)}
+                         "targets": len(coefficients.boosters_), "objectives": list(coefficients.objectives),
+                         "boosters": sum(len(b) for b in coefficients.boosters_.values()),
+                         "size_bytes": sum(f.stat().st_size for f in files)}
         import sklearn
         import torch
 

@@ -289,7 +289,8 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
         t0 = time.perf_counter()
         coefficients = make_coefficients().fit(entries)
         curve_est.coefficients_ = coefficients
-        log(f"      learned coefficients: {len(coefficients.boosters_)} boosters on {coefficients.n_entries_} "
+        log(f"      learned coefficients: {sum(len(b) for b in coefficients.boosters_.values())} boosters "
+            f"({len(coefficients.boosters_)} targets x {len(coefficients.objectives)} objectives) on {coefficients.n_entries_} "
             f"traced terms entries in {time.perf_counter() - t0:.1f}s")
     log(f"      bound margins per path: {curve_est.margins_}")
 
