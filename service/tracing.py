@@ -28,7 +28,7 @@ from model.terms import TermsCache
 
 log = logging.getLogger("memfit.service")
 
-#: a trace slower than this is abandoned (an 8B-class model takes about 5-15 s on 2 busy cores)
+#: a trace slower than this is abandoned (8B-class models take 7-20 s on 2 idle cores, benchmarks/results/trace_time.txt)
 TRACE_TIMEOUT_S = 120.0
 
 
