@@ -391,10 +391,11 @@ class CoefficientModel:
             sign often enough that the average beats both. Leave-architecture-out test folds over the 1,014 term
             sets (14,298 rows, :mod:`benchmarks.accuracy`'s folds, learned path only, session 11; chosen there):
             ``l1`` MAPE 2.48 %, saving median error 4.75 %; ``huber`` 2.74 / 3.19 %; ``l2`` 2.80 / 3.51 %; ``l1``
-            and ``huber`` averaged 2.39 / 2.87 %. Small-to-large (not used to choose; 182 rows, 10 families): ``l1``
-            2.34 / 2.89 %, ``huber`` 2.40 / 3.83 %, averaged 2.03 / 2.66 %. Measured and left out: ``min_child_samples`` 10 (session 10: saving
-            5.20 -> 4.07 % but the bound's coverage 95.6 -> 94.6 %), 8, 15, 20; ``num_leaves`` 7; 600 rounds at
-            half the learning rate; Huber for the token coefficients only; Huber's ``alpha`` 0.3.
+            and ``huber`` averaged 2.39 / 2.87 %. Small-to-large (not used to choose; 182 rows, 10 families):
+            ``l1`` 2.34 / 2.89 %, ``huber`` 2.40 / 3.83 %, averaged 2.03 / 2.66 %. Measured and left out:
+            ``min_child_samples`` 10 (session 10: saving 5.20 -> 4.07 % but the bound's coverage 95.6 -> 94.6 %),
+            8, 15, 20; ``num_leaves`` 7; 600 rounds at half the learning rate; Huber for the token coefficients
+            only; Huber's ``alpha`` 0.3.
 
     Attributes (after :meth:`fit` or :meth:`load`): ``boosters_`` (target index -> one ``lightgbm.Booster`` per
     objective;

@@ -601,9 +601,7 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
                                         "checkpoint_layers": []})
     period = layer_period(hf_config)
     depths = traced_depths(period, training.sharding)
-    # per b >= 2 regime: None until the first small model's trace has decided whether its live bytes carry
-    # s^2 terms (True: linear in tokens, three points suffice; see linear_token_points)
-    n_poly = 2 if w is not None else 1
+    n_poly = 2 if w is not None else 1  # the b >= 2 regimes (below and from a sliding window); mb1 ones follow
     plan = _TracePlan(hf_config, probe, regimes, n_poly, training.checkpoint_impl is CheckpointImpl.REENTRANT,
                       forced_points=points is not None)
     # the two small models are independent: the larger one is traced in a forked process while this one traces
