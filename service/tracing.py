@@ -3,10 +3,10 @@
 :class:`BackgroundTracer` is the ``tracer`` of :class:`model.curve.MemoryPredictor` in the service: when
 a curve is asked for a configuration whose traced terms are missing, the request is answered on the
 provisional path at once and the key is queued here. A worker thread traces the queue one key at a
-time, each in a fresh spawned process (:func:`trace_in_subprocess`: fake tensors, 8B-class models in
-``benchmarks/results/trace_time.txt``; that process forks once more to trace its two small models side by side,
-:func:`training.phases.trace_terms`) that is killed after ``timeout_s`` — a model whose code is slow under fake
-tensors must not stall the queue. The result lands in the :class:`model.terms.TermsCache`, so the next
+time in one spawned tracing process that imports PyTorch once and stays (:class:`TracingProcess`: fake
+tensors, 8B-class models in ``benchmarks/results/trace_time.txt``; it forks once more per trace to trace the two
+small models side by side, :func:`training.phases.trace_terms`). A trace past ``timeout_s`` kills that process —
+a model whose code is slow under fake tensors must not stall the queue — and the next trace starts a new one. The result lands in the :class:`model.terms.TermsCache`, so the next
 request for that configuration is answered on the traced path. Torch never runs in the serving
 process; a key is traced at most once per process, and failures are remembered with their reason
 and reported in the answer.
@@ -16,11 +16,13 @@ and reported in the answer.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 from memfit.schema import TrainingConfig
@@ -34,8 +36,6 @@ TRACE_TIMEOUT_S = 120.0
 
 def _exit_with_parent(parent_pid: int) -> None:
     """End this process when the process that spawned it is gone (SIGKILL included)."""
-    import time
-
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(1.0)
@@ -44,54 +44,131 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="memfit-parent-watch", daemon=True).start()
 
 
-def _trace_child(conn, parent_pid: int, hf_config: dict[str, Any], training_json: str) -> None:
+#: a tracing process is started afresh after this many traces: PyTorch's fake-tensor dispatch cache and the imported
+#: modeling code stay in it between traces (what makes the next trace faster), and must not grow without bound
+TRACES_PER_PROCESS = 32
+
+
+def _serve_traces(conn, parent_pid: int) -> None:
+    """The tracing process: import the tracer once, then answer one configuration per message until the pipe
+    closes. Messages are JSON both ways (``[hf_config, training_json]`` in; ``["ok", terms]`` or
+    ``["error", reason]`` out)."""
     _exit_with_parent(parent_pid)
     # the libraries' import-time chatter (DeepSpeed's accelerator notice, transformers' warnings) must not
     # reach the user's terminal or the server's log: the outcome goes back through the pipe
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
-    try:
-        from training.phases import trace_terms
+    from training.phases import trace_terms
 
-        conn.send(("ok", trace_terms(hf_config, TrainingConfig.model_validate_json(training_json)).to_json()))
-    except Exception as err:  # noqa: BLE001 - reported to the parent with its reason
-        conn.send(("error", f"{type(err).__name__}: {err}"))
-    finally:
-        conn.close()
+    conn.send_bytes(json.dumps(["ready", os.getpid()]).encode())
+    while True:
+        try:
+            hf_config, training_json = json.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        try:
+            reply = ["ok", trace_terms(hf_config, TrainingConfig.model_validate_json(training_json)).to_json()]
+        except Exception as err:  # noqa: BLE001 - reported to the parent with its reason
+            reply = ["error", f"{type(err).__name__}: {err}"]
+        conn.send_bytes(json.dumps(reply).encode())
+
+
+class TracingProcess:
+    """A spawned process that imports PyTorch and the tracer once and then traces configurations one at a time
+    (:func:`training.phases.trace_terms`). Spawning and importing cost seconds (``benchmarks/results/trace_time.txt``:
+    the one-off imports), so the service keeps one for all its traces. A trace past its time limit or a crash
+    kills the process; the next trace starts a fresh one, as does every :data:`TRACES_PER_PROCESS`-th.
+    """
+
+    def __init__(self) -> None:
+        self._proc: Any = None
+        self._conn: Any = None
+        self._traces = 0
+
+    @property
+    def pid(self) -> int | None:
+        """The tracing process's id; None when none is running."""
+        return self._proc.pid if self._proc is not None and self._proc.is_alive() else None
+
+    def start(self, timeout_s: float = TRACE_TIMEOUT_S) -> None:
+        """Start the tracing process unless one is running, and wait until it has imported the tracer.
+
+        Raises:
+            RuntimeError: the process did not become ready within ``timeout_s`` (it is killed) or died.
+        """
+        if self._proc is not None and self._proc.is_alive() and self._traces < TRACES_PER_PROCESS:
+            return
+        self.close()
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve_traces, args=(child, os.getpid()), daemon=True, name="memfit-trace")
+        proc.start()
+        child.close()
+        self._proc, self._conn, self._traces = proc, parent, 0
+        self._receive(timeout_s, "starting the tracing process")
+
+    def _receive(self, timeout_s: float, what: str) -> list:
+        try:
+            if not self._conn.poll(max(timeout_s, 0.0)):
+                self.close()
+                raise RuntimeError(f"{what} took longer than {timeout_s:g} s")
+            return json.loads(self._conn.recv_bytes())
+        except (EOFError, OSError) as err:
+            code = self._proc.exitcode if self._proc is not None else None
+            self.close()
+            raise RuntimeError(f"the tracing process died (exit code {code})") from err
+
+    def trace(self, hf_config: dict[str, Any], training: TrainingConfig,
+              timeout_s: float = TRACE_TIMEOUT_S) -> dict[str, Any]:
+        """:func:`training.phases.trace_terms` of one configuration in the tracing process; its JSON. Starting the
+        process (when none is running) counts towards ``timeout_s``.
+
+        Raises:
+            RuntimeError: the trace failed (with the process's reason), took longer than ``timeout_s`` (the
+                process is killed), or the process died.
+        """
+        deadline = time.monotonic() + timeout_s
+        self.start(timeout_s)
+        self._traces += 1
+        try:
+            self._conn.send_bytes(json.dumps([hf_config, training.model_dump_json()]).encode())
+        except OSError as err:
+            self.close()
+            raise RuntimeError("the tracing process died") from err
+        status, payload = self._receive(deadline - time.monotonic(), "tracing")
+        if status != "ok":
+            raise RuntimeError(payload)
+        return payload
+
+    def close(self) -> None:
+        """End the tracing process (killed if it is tracing)."""
+        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        if conn is not None:
+            conn.close()
+        if proc is not None:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
 
 
 def trace_in_subprocess(hf_config: dict[str, Any], training: TrainingConfig,
                         timeout_s: float = TRACE_TIMEOUT_S) -> dict[str, Any]:
-    """:func:`training.phases.trace_terms` in a spawned process, killed after ``timeout_s``; its JSON.
+    """:func:`training.phases.trace_terms` in a spawned process of its own, killed after ``timeout_s``; its JSON
+    (:class:`TracingProcess`, used once).
 
     Raises:
         RuntimeError: the trace failed (with the child's reason) or took longer than ``timeout_s``.
     """
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_trace_child, args=(child, os.getpid(), hf_config, training.model_dump_json()),
-                       daemon=True, name="memfit-trace")
-    proc.start()
-    child.close()
+    process = TracingProcess()
     try:
-        if not parent.poll(timeout_s):
-            raise RuntimeError(f"tracing took longer than {timeout_s:g} s")
-        status, payload = parent.recv()
-    except EOFError as err:
-        raise RuntimeError(f"the tracing process died (exit code {proc.exitcode})") from err
+        return process.trace(hf_config, training, timeout_s)
     finally:
-        if proc.is_alive():
-            proc.terminate()
-        proc.join(5)
-        parent.close()
-    if status != "ok":
-        raise RuntimeError(payload)
-    return payload
+        process.close()
 
 
 class BackgroundTracer:
-    """Trace missing terms keys one at a time in a worker thread, each in a child process.
+    """Trace missing terms keys one at a time in a worker thread, in one :class:`TracingProcess`.
 
     Attributes:
         pending: keys queued or being traced. failed: key -> reason of a failed trace (not retried).
@@ -129,13 +206,20 @@ class BackgroundTracer:
         return f"tracing it now ({each}); ask again for the traced answer"
 
     def _work(self) -> None:
+        process = TracingProcess()
+        try:
+            self._trace_queue(process)
+        finally:
+            process.close()
+
+    def _trace_queue(self, process: TracingProcess) -> None:
         while not self._stop.is_set():
             try:
                 key, hf_config, training = self._queue.get(timeout=0.5)
             except queue.Empty:
                 continue
             try:
-                self.cache.put(key, trace_in_subprocess(hf_config, training, self.timeout_s))
+                self.cache.put(key, process.trace(hf_config, training, self.timeout_s))
                 log.info("traced terms %s", key[:12])
             except Exception as err:  # noqa: BLE001 - a config the tracer can't run stays provisional
                 self.failed[key] = str(err)[:300]
@@ -145,7 +229,8 @@ class BackgroundTracer:
                     self.pending.discard(key)
 
     def shutdown(self) -> None:
-        """Stop after the trace in progress (its child process exits with the server)."""
+        """Stop after the trace in progress; the worker thread then ends the tracing process (which also ends
+        with the server)."""
         self._stop.set()
 
 

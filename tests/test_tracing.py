@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -10,7 +11,7 @@ from data import catalog
 from memfit.schema import TrainingConfig
 from model.curve import MemoryPredictor
 from model.terms import TermsCache, terms_key
-from service.tracing import BackgroundTracer, InlineTracer, trace_in_subprocess
+from service.tracing import BackgroundTracer, InlineTracer, TracingProcess, trace_in_subprocess
 
 SMALL = {**catalog.get("llama-3-8b")["hf_config"], "hidden_size": 256, "intermediate_size": 512,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096,
@@ -23,6 +24,30 @@ def test_a_trace_over_its_time_limit_is_abandoned():
     with pytest.raises(RuntimeError, match="longer than"):
         trace_in_subprocess(SMALL, TRAINING, timeout_s=0.2)
     assert time.perf_counter() - t0 < 10
+
+
+def test_one_tracing_process_traces_one_configuration_after_another():
+    from training.phases import trace_terms
+
+    wider = {**SMALL, "intermediate_size": 768}
+    process = TracingProcess()
+    try:
+        first = process.trace(SMALL, TRAINING)
+        pid = process.pid
+        second = process.trace(wider, TRAINING)
+        assert pid is not None and process.pid == pid  # imported once, kept for the next trace
+        with pytest.raises(RuntimeError, match="longer than"):
+            process.trace(SMALL, TRAINING, timeout_s=0.01)
+        assert process.pid is None  # killed past its time limit
+        again = process.trace(SMALL, TRAINING)
+        assert process.pid not in (None, pid)  # a fresh process
+    finally:
+        process.close()
+    assert process.pid is None
+    here = json.loads(json.dumps(trace_terms(SMALL, TRAINING).to_json()))  # as it comes through the pipe
+    for terms in (first, again):
+        assert {k: v for k, v in terms.items() if k != "trace_s"} == {k: v for k, v in here.items() if k != "trace_s"}
+    assert second["coef"] != first["coef"]
 
 
 def test_background_tracer_reports_failure_and_does_not_retry():
