@@ -66,9 +66,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        stop = threading.Event()
+        warming = None
         if settings.warm_up:
-            threading.Thread(target=_warm_up, args=(warmed_up,), name="memfit-warm-up", daemon=True).start()
+            warming = threading.Thread(target=_warm_up, args=(warmed_up, stop), name="memfit-warm-up", daemon=True)
+            warming.start()
         yield
+        # the warm-up builds models on the meta device, and transformers sets process-wide state while it builds
+        # one (the default dtype): it must not outlive the application into whatever the process runs next
+        stop.set()
+        if warming is not None:
+            warming.join()
         app.state.writes.executor.shutdown(wait=True)
         tracer.shutdown()
 
@@ -85,11 +93,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-def _warm_up(done: threading.Event) -> None:
+def _warm_up(done: threading.Event, stop: threading.Event) -> None:
     from service.recommender import warm_up
 
     try:
-        log.info("warm-up: %d catalog architectures resolved", warm_up())
+        log.info("warm-up: %d catalog architectures resolved", warm_up(stop))
     except Exception:
         log.exception("warm-up failed")
     finally:

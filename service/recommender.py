@@ -178,13 +178,16 @@ _SHAPE_KEYS = frozenset({"model_type", "num_hidden_layers", "n_layer", "num_laye
                          "head_dim", "tie_word_embeddings"})
 
 
-def warm_up() -> int:
-    """Import transformers and resolve every catalog HF config once (fills the caches); returns how many."""
+def warm_up(stop: threading.Event | None = None) -> int:
+    """Import transformers and resolve every catalog HF config once (fills the caches); returns how many.
+    ``stop``: when set, return before the next config (the application is shutting down)."""
     from data import catalog
 
     known_architectures()
     n = 0
     for name in catalog.names():
+        if stop is not None and stop.is_set():
+            break
         try:
             resolve_model(catalog.get(name)["hf_config"])
             n += 1

@@ -272,3 +272,15 @@ def test_recommender_check_422_detail_names_the_field_and_the_allowed_range(clie
     # an item's unknown model: the message was prefixed as if it named a field, "items.0.unknown model 'gtp2'"
     r = client.post("/predict", json={"items": [{**body, "model": "gtp2", "k": 0}]})
     assert r.json()["detail"].startswith("items.0.model: unknown model 'gtp2'; close matches: gpt2"), r.json()
+
+
+def test_the_warm_up_ends_with_the_application(tmp_path, small_registry):
+    # the warm-up thread builds catalog models on the meta device, and transformers sets the process-wide default
+    # dtype while it builds one: left running after the application, it doubled a fake-tensor measurement that
+    # the same process made next (tests/test_moe.py after tests/test_field_errors.py)
+    import threading
+
+    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 's.db'}", registry_dir=str(small_registry.root)))
+    with TestClient(app):
+        pass
+    assert not any(t.name == "memfit-warm-up" for t in threading.enumerate())
