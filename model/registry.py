@@ -32,10 +32,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -188,24 +191,42 @@ def check_canary(got: dict[str, dict[str, int]], stored: dict[str, dict[str, int
                                                f"(relative tolerance {CANARY_RTOL})")
 
 
-def _parse_in_child(model_text: bytes, meta: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """Parse ``model_text`` and run the canary in a child process; returns its canary predictions.
+def _parse_in_child(model_text: bytes, meta: dict[str, Any]) -> Callable[[], dict[str, dict[str, int]]]:
+    """Start parsing ``model_text`` and running the canary in a child process; returns a function that waits for
+    the child and returns its canary predictions. The caller works meanwhile (:meth:`Registry.load` checks and
+    parses the coefficient files), so the child's imports and parsing (~4 s on 2 cores) no longer add to them.
 
-    Raises:
+    Raises (the returned function):
         IncompatibleArtifact: the child crashed (e.g. a LightGBM segfault), timed out or refused.
     """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     payload = json.dumps({"params": meta.get("params", {})}).encode() + b"\n" + model_text
-    try:
-        done = subprocess.run([sys.executable, "-m", "model.registry"], input=payload, capture_output=True,
-                              timeout=CHILD_TIMEOUT_S, env=env, cwd=str(REPO_ROOT))
-    except subprocess.TimeoutExpired as err:
-        raise IncompatibleArtifact(f"parsing took over {CHILD_TIMEOUT_S} s") from err
-    if done.returncode != 0:
-        why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
-        last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
-        raise IncompatibleArtifact(f"the model file does not parse ({why}) {last[0][:300]}".rstrip())
-    return json.loads(done.stdout)
+    result: list[Any] = []
+
+    def run() -> None:  # the child's I/O in a thread: subprocess.run's own pipes, timeout and kill
+        try:
+            result.append(subprocess.run([sys.executable, "-m", "model.registry"], input=payload, capture_output=True,
+                                         check=False, timeout=CHILD_TIMEOUT_S, env=env, cwd=str(REPO_ROOT)))
+        except (subprocess.TimeoutExpired, OSError) as err:
+            result.append(err)
+
+    thread = threading.Thread(target=run, name="memfit-model-canary", daemon=True)
+    thread.start()
+
+    def wait() -> dict[str, dict[str, int]]:
+        thread.join()
+        done = result[0]
+        if isinstance(done, subprocess.TimeoutExpired):
+            raise IncompatibleArtifact(f"parsing took over {CHILD_TIMEOUT_S} s") from done
+        if isinstance(done, OSError):
+            raise done
+        if done.returncode != 0:
+            why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+            last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            raise IncompatibleArtifact(f"the model file does not parse ({why}) {last[0][:300]}".rstrip())
+        return json.loads(done.stdout)
+
+    return wait
 
 
 def _child_main() -> int:
@@ -237,7 +258,7 @@ def fingerprint(df) -> str:
 def _finite(obj: Any) -> Any:
     """NaN/inf -> None, recursively (JSON has no NaN)."""
     if isinstance(obj, float):
-        return obj if obj == obj and abs(obj) != float("inf") else None
+        return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
         return {k: _finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -360,9 +381,15 @@ class Registry:
         elif want != digest:
             raise IncompatibleArtifact(f"model {version}: {MODEL_FILE} sha256 {digest[:12]}... does not match "
                                        f"the registered {str(want)[:12]}... (file changed after registration)")
+        # the child parses model.txt while this process checks and parses the coefficient files; the child's verdict
+        # is still taken first, and model.txt parsed here only after it
+        wait = (lambda: _validated[digest]) if digest in _validated else _parse_in_child(text, meta)
         try:
-            if digest not in _validated:
-                _validated[digest] = _parse_in_child(text, meta)
+            coefficients, coefficients_error = _load_coefficients(d, meta), None
+        except IncompatibleArtifact as err:
+            coefficients, coefficients_error = None, err
+        try:
+            _validated[digest] = wait()
             check_canary(_validated[digest], meta.get("canary"))
         except IncompatibleArtifact as err:
             _validated.pop(digest, None)
@@ -370,10 +397,8 @@ class Registry:
         if meta.get("canary") is None:
             warnings.append(f"model {version} has no stored canary; checked against the model-state floor only")
         booster = lgb.Booster(model_str=text.decode())  # the same bytes parsed cleanly in the child
-        try:
-            coefficients = _load_coefficients(d, meta)
-        except IncompatibleArtifact as err:
-            raise IncompatibleArtifact(f"model {version}: {err}") from err
+        if coefficients_error is not None:
+            raise IncompatibleArtifact(f"model {version}: {coefficients_error}") from coefficients_error
         return LoadedModel(version, _estimator(booster, meta), meta, warnings, coefficients)
 
 
