@@ -211,6 +211,38 @@ def test_out_of_range_values_name_the_flag_not_a_pydantic_dump(run, argv, flag, 
     assert "validation error for" not in err and "pydantic" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--micro-batch", "-2"], "--micro-batch (training.micro_batch_size): must be an integer in [1, 16384] (got -2)"),
+    (["--micro-batch", "0"], "--micro-batch (training.micro_batch_size): must be an integer in [1, 16384] (got 0)"),
+    (["--seq-len", "-512"], "--seq-len (training.seq_len): must be an integer in [1, 4194304] (got -512)"),
+    (["--gpus", "0"], "--gpus (cluster.gpu_count): must be an integer in [1, 131072] (got 0)"),
+    (["--gpus-per-node", "-8"], "--gpus-per-node (cluster.gpus_per_node): must be an integer in [1, 1024] (got -8)"),
+    (["--tensor-parallel", "0"], ("--tensor-parallel (training.tensor_parallel_size): must be an integer in "
+                                 "[1, 1024] (got 0)")),
+    (["--lora-rank", "-16"], "--lora-rank (training.lora_rank): must be an integer in [1, 4096] (got -16)"),
+    (["--grad-accum", "0"], ("--grad-accum (training.gradient_accumulation_steps): must be an integer in "
+                            "[1, 65536] (got 0)")),
+    (["--moe-imbalance", "-1"], ("--moe-imbalance (training.moe_imbalance_factor): must be a finite number in "
+                                "[1.0, 4096.0] (got -1.0)")),
+])
+def test_negative_and_zero_numbers_name_the_flag_field_and_range(run, argv, expected):
+    # `--micro-batch -2` was argparse's "argument --micro-batch: -2 must be >= 1": no field, no upper bound, and
+    # worded unlike every other value out of range; the range is the request schema's, checked with the request
+    args = dict(zip(BASE[::2], BASE[1::2]))
+    args.update(zip(argv[::2], argv[1::2]))
+    code, out, err = run("recommend", "--model", "gpt2", "--gpu", "L4", *(x for kv in args.items() for x in kv))
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err == f"memfit: error: {expected}\n"
+
+
+def test_a_non_positive_timeout_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["recommend", "--model", "gpt2", "--gpu", "L4", *BASE, "--url", "http://127.0.0.1:9", "--timeout-s", "0"])
+    assert info.value.code == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == ("memfit recommend: error: argument --timeout-s: must be a finite number of "
+                                       "seconds > 0 (got 0)\nsee `memfit recommend --help`\n")
+
+
 @pytest.mark.parametrize("value", ["2", "-0.1"])
 def test_a_value_beyond_either_bound_is_told_the_whole_range(run, value):
     # `--headroom 2` printed pydantic's one bound, "Input should be less than or equal to 0.9"; the range is the
@@ -270,14 +302,14 @@ def test_unreadable_configs_are_bad_input(run, tmp_path):
 
 def test_argparse_rejects_bad_flags_with_exit_2(capsys):
     for argv in (["recommend", "--model", "gpt2", "--gpu", "B300", *BASE],
-                 ["recommend", "--model", "gpt2", "--gpu", "L4", "--micro-batch", "0", "--seq-len", "8"],
+                 ["recommend", "--model", "gpt2", "--gpu", "L4", "--micro-batch", "1.5", "--seq-len", "8"],
                  ["recommend", "--model", "gpt2", "--config", "x.json", "--gpu", "L4", *BASE],
                  ["recommend", "--model", "gpt2", *BASE]):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == EXIT_BAD_INPUT
     err = capsys.readouterr().err
-    assert "unknown GPU 'B300'" in err and "RTX-4090" in err and "must be >= 1" in err
+    assert "unknown GPU 'B300'" in err and "RTX-4090" in err and "'1.5' is not an integer" in err
     assert "not allowed with argument" in err and "one of the arguments --gpu --gpu-memory-gib is required" in err
 
 
@@ -310,9 +342,9 @@ def test_the_service_tells_an_unknown_gpu_its_close_names():
 def test_argparse_errors_are_short_and_point_to_help(capsys):
     # `--micro-batch -1` printed argparse's 23-line usage block of every flag above the one-line error
     with pytest.raises(SystemExit) as info:
-        main(["recommend", "--model", "gpt2", "--gpu", "L4", "--micro-batch", "-1", "--seq-len", "8"])
+        main(["recommend", "--model", "gpt2", "--gpu", "L4", "--micro-batch", "two", "--seq-len", "8"])
     assert info.value.code == EXIT_BAD_INPUT
-    assert capsys.readouterr().err == ("memfit recommend: error: argument --micro-batch: -1 must be >= 1\n"
+    assert capsys.readouterr().err == ("memfit recommend: error: argument --micro-batch: 'two' is not an integer\n"
                                        "see `memfit recommend --help`\n")
     with pytest.raises(SystemExit) as info:
         main([])
