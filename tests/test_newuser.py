@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from memfit.schema import ModelSpec, Optimizer, Precision, TrainingConfig
@@ -195,6 +197,13 @@ def test_cli_stderr_has_no_bitsandbytes_cpu_kernel_notice():
                            "--json"], check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "kernels" not in done.stderr, done.stderr
+    # stdout is the answer alone, read at the file descriptor (C-level library output included): one JSON document.
+    # The fake process group line a new user took for library chatter is the answer's own note on how the
+    # sharding was traced, inside that document, worded for the user
+    rec = json.loads(done.stdout)
+    assert rec["warnings"][0] == ("zero3 over 8 data-parallel ranks: rank 0's memory, traced in one process over "
+                                  "torch's fake process group of 8 ranks (no communication is run)")
+    assert done.stderr == ""
 
 
 def test_parameters_per_rank_counts_one_expert_parallel_shard():
