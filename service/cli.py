@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from memfit.api import GPUS, Recommendation, RecommendRequest, TrainingIn
+from memfit.api import GPUS, OPTIMIZER_ALIASES, Recommendation, RecommendRequest, TrainingIn
 from memfit.errors import close_names
 from memfit.schema import (
     Attention,
@@ -204,8 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=_integer, required=True, metavar="TOKENS", help="tokens per sequence")
     t.add_argument("--precision", choices=[x.value for x in Precision],
                    help=f"training numerics (default: {_default('precision')})")
-    t.add_argument("--optimizer", choices=[x.value for x in Optimizer],
-                   help=f"optimizer (default: {_default('optimizer')})")
+    t.add_argument("--optimizer", choices=[*(x.value for x in Optimizer), *OPTIMIZER_ALIASES],
+                   help=f"optimizer; adamw is PyTorch's default torch.optim.AdamW, which runs adamw_foreach on CUDA "
+                        f"(default: {_default('optimizer')})")
     shard = t.add_mutually_exclusive_group()
     shard.add_argument("--zero", type=int, choices=sorted(ZERO), help="DeepSpeed ZeRO stage (default: 0, no sharding)")
     shard.add_argument("--sharding", choices=[x.value for x in Sharding],

@@ -250,3 +250,28 @@ def test_lists_survive_a_reader_that_leaves():
             proc.stdout.close()
             assert proc.wait(timeout=120) == 0
             assert b"Traceback" not in proc.stderr.read(), command
+
+
+def test_adamw_is_pytorchs_default_adamw_the_foreach_one(small_registry, capsys):
+    # `--optimizer adamw` was refused ("invalid choice: 'adamw'"): a user naming PyTorch's torch.optim.AdamW() gets
+    # what it runs on CUDA, the foreach implementation (torch/optim/adam.py: use_fused=False, foreach on CUDA), taken
+    # at the edge as the one member adamw_foreach (no second name for the same optimizer inside)
+    from memfit.api import TrainingIn
+    from memfit.schema import Optimizer
+    from service.cli import main
+
+    assert TrainingIn.model_validate({"micro_batch_size": 1, "seq_len": 8, "optimizer": "adamw"}).optimizer is \
+        Optimizer.ADAMW_FOREACH
+    assert "adamw" not in {o.value for o in Optimizer}
+    answers = {}
+    for name in ("adamw", "adamw_foreach"):
+        code = main(["recommend", "--model", "gpt2", "--gpu", "A100-80GB", "--micro-batch", "1", "--seq-len",
+                     "1024", "--optimizer", name, "--json", "--registry", str(small_registry.root)])
+        answers[name] = json.loads(capsys.readouterr().out)
+        assert code == 0
+    assert answers["adamw"]["training"]["optimizer"] == "adamw_foreach"
+    assert answers["adamw"]["curve"] == answers["adamw_foreach"]["curve"]
+    with pytest.raises(SystemExit):
+        main(["recommend", "--help"])
+    assert "adamw is PyTorch's default torch.optim.AdamW, which runs adamw_foreach on CUDA" in \
+        " ".join(capsys.readouterr().out.split())
