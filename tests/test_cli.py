@@ -497,3 +497,26 @@ def test_explain_says_where_the_gradients_are_while_they_build_up(run, monkeypat
     total = next(line for line in out.splitlines() if "total (predicted peak + overhead)" in line)
     expected = (sum(rec["breakdown"].values()) + rec["overhead"]["total_bytes"]) / 2**30
     assert total.strip("│ ").split()[-1] == f"{expected:.2f}"
+
+
+def test_readme_commands_parse_into_valid_requests():
+    # the README's examples (--precision, --optimizer, --attention, --gpus among them) must be commands memfit
+    # takes: every flag and choice parsed by the real parser and every request valid, as a user pastes them
+    import re
+    import shlex
+
+    from service.cli import build_parser, request_from_args
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL)
+    commands = [line.split("#")[0] for block in blocks for line in block.replace("\\\n", " ").splitlines()
+                if line.startswith("memfit recommend --") and "..." not in line]
+    assert len(commands) >= 5
+    flags = set()
+    for line in commands:
+        argv = shlex.split(line)[1:]
+        req = request_from_args(build_parser().parse_args(argv))
+        flags.update(a for a in argv if a.startswith("--"))
+        if "--optimizer" in argv and argv[argv.index("--optimizer") + 1] == "adamw":
+            assert req.training.optimizer.value == "adamw_foreach"
+    assert {"--precision", "--optimizer", "--attention", "--gpus"} <= flags
