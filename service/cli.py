@@ -573,20 +573,30 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     con.print(curve)
 
     if explain:
-        parts = titled(f"breakdown at k={rec.k if rec.k is not None else rec.num_layers}")
+        parts = titled(f"breakdown at k={rec.k if rec.k is not None else rec.num_layers} (GiB, each rounded to 0.01)")
         parts.add_column("part")
         parts.add_column("GiB", justify="right")
         # before bwd.emb the breakdown counts no gradients (model.curve.breakdown); from there on it counts them all
         building = (rec.peak_phase or "").startswith("bwd") and not rec.breakdown.get("gradients_bytes")
-        shown = {**rec.breakdown, "overhead_bytes": rec.overhead.get("total_bytes", 0)}
-        for name, v in shown.items():
+        for name, v in rec.breakdown.items():
             label = name.removesuffix("_bytes").replace("_", " ")
             if building and name in ("gradients_bytes", "activations_bytes"):  # model.curve.breakdown's convention
                 label += (" (building up layer by layer: counted with activations)" if name == "gradients_bytes"
                           else " (with the gradients built so far)")
-            parts.add_row(label, gib(v), end_section=name == "overhead_bytes")
-        # the parts add up to the predicted peak plus the overhead; the bound adds the margin on top of the peak
-        parts.add_row("total (predicted peak + overhead)", gib(sum(shown.values())), style="bold")
+            parts.add_row(label, gib(v))
+        # the chain from the parts to what is compared with usable memory, each step named (the parts' sum and the
+        # headline's "upper bound + overhead" differed by the margin, which was printed nowhere):
+        # total_upper = upper bound + overhead at the bound (model.recommend.plan), upper bound = point + margin
+        margin = rec.upper_bound_bytes - rec.predicted_peak_bytes
+        overhead = int(rec.overhead.get("total_bytes", 0))
+        parts.add_section()
+        parts.add_row("predicted peak: the point prediction, the parts' sum", gib(rec.predicted_peak_bytes))
+        parts.add_row(f"+ margin to the upper bound ({margin / max(rec.predicted_peak_bytes, 1):.1%} of the point)",
+                      gib(margin))
+        parts.add_row("+ overhead: CUDA context, cuBLAS workspace, NCCL, fragmentation", gib(overhead))
+        parts.add_section()
+        parts.add_row(f"= upper bound + overhead (fits when <= usable {gib(rec.usable_bytes)})",
+                      gib(rec.total_upper_bytes), style="bold")
         if rec.host_memory_bytes:
             parts.add_row("host memory per node (not on the device)", gib(rec.host_memory_bytes))
         con.print(parts)
