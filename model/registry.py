@@ -42,12 +42,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightgbm as lgb
+if TYPE_CHECKING:
+    import lightgbm as lgb
 
-from model.estimator import PeakMemoryRegressor
-from model.features import FEATURE_NAMES
+    from model.estimator import PeakMemoryRegressor
+
+# lightgbm (with scikit-learn and SciPy, ~2.5 s) and the feature code are imported where they are used: the command
+# line starts the canary child (Registry.start_check) before it imports them, so the two imports overlap
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ROOT = REPO_ROOT / "data" / "models"
@@ -105,6 +108,8 @@ def _load_coefficients(d: Path, meta: dict[str, Any]) -> Any:
     Raises:
         IncompatibleArtifact: a file is missing or changed, or the canary is not reproduced.
     """
+    import lightgbm as lgb
+
     from model.coefficients import CoefficientModel
 
     if not meta.get("coefficients"):
@@ -139,6 +144,9 @@ def sha256_hex(data: bytes) -> str:
 
 
 def _estimator(booster: lgb.Booster, meta: dict[str, Any]) -> PeakMemoryRegressor:
+    from model.estimator import PeakMemoryRegressor
+    from model.features import FEATURE_NAMES
+
     est = PeakMemoryRegressor(**meta["params"])
     est.booster_ = booster
     est.conformal_log_margin_ = float(meta.get("conformal_log_margin", 0.0))
@@ -231,6 +239,10 @@ def _parse_in_child(model_text: bytes, meta: dict[str, Any]) -> Callable[[], dic
 
 def _child_main() -> int:
     """Child side of :func:`_parse_in_child`: stdin = JSON header line + model text; stdout = canary JSON."""
+    import lightgbm as lgb
+
+    from model.features import FEATURE_NAMES
+
     data = sys.stdin.buffer.read()
     header, _, text = data.partition(b"\n")
     meta = json.loads(header)
@@ -245,6 +257,8 @@ def _child_main() -> int:
 #: SHA-256 digests of model files this process has already validated in a child (parsing is
 #: deterministic: the same bytes need not be re-checked)
 _validated: dict[str, dict[str, dict[str, int]]] = {}
+#: children started ahead of :meth:`Registry.load` (:meth:`Registry.start_check`) by model file digest: their waiters
+_pending: dict[str, Callable[[], dict[str, dict[str, int]]]] = {}
 
 
 def fingerprint(df) -> str:
@@ -308,6 +322,7 @@ class Registry:
                          "targets": len(coefficients.boosters_), "objectives": list(coefficients.objectives),
                          "boosters": sum(len(b) for b in coefficients.boosters_.values()),
                          "size_bytes": sum(f.stat().st_size for f in files)}
+        import lightgbm as lgb
         import sklearn
         import torch
 
@@ -349,6 +364,23 @@ class Registry:
     def meta(self, version: str) -> dict[str, Any]:
         return json.loads((self.root / version / "meta.json").read_text())
 
+    def start_check(self, version: str | None = None) -> None:
+        """Start :meth:`load`'s canary child for ``version`` (default: current) now, before lightgbm and the feature
+        code are imported here: the child's imports and parse (~3-4 s) run while the caller imports and prepares,
+        and :meth:`load` waits for that child instead of starting one (the same check, the same verdict). Never
+        raises: a version that cannot be read or fails its checksum is left to :meth:`load`, which says why."""
+        try:
+            d = self.root / (version or self.current() or "")
+            meta = json.loads((d / "meta.json").read_text())
+            text = (d / MODEL_FILE).read_bytes()
+            digest = sha256_hex(text)
+            if (meta.get("artifact_sha256") or {}).get(MODEL_FILE, digest) != digest:
+                return
+        except (OSError, ValueError, AttributeError, TypeError):  # unreadable, not JSON, not a dict: load() says
+            return
+        if digest not in _validated and digest not in _pending:
+            _pending[digest] = _parse_in_child(text, meta)
+
     def load(self, version: str | None = None) -> LoadedModel:
         """Load a version (default: current) and check it can be served (see the module docstring).
 
@@ -357,6 +389,10 @@ class Registry:
             IncompatibleArtifact: checksum mismatch, unparsable file (even one that crashes the
                 parser), canary not reproduced or under the model-state floor, other format or features.
         """
+        import lightgbm as lgb
+
+        from model.features import FEATURE_NAMES
+
         version = version or self.current()
         if version is None:
             raise FileNotFoundError(f"no current model in {self.root}")
@@ -383,7 +419,9 @@ class Registry:
                                        f"the registered {str(want)[:12]}... (file changed after registration)")
         # the child parses model.txt while this process checks and parses the coefficient files; the child's verdict
         # is still taken first, and model.txt parsed here only after it
-        wait = (lambda: _validated[digest]) if digest in _validated else _parse_in_child(text, meta)
+        # a child started by start_check for these bytes is waited for, not started again
+        wait = (lambda: _validated[digest]) if digest in _validated else (_pending.pop(digest, None)
+                                                                           or _parse_in_child(text, meta))
         try:
             coefficients, coefficients_error = _load_coefficients(d, meta), None
         except IncompatibleArtifact as err:

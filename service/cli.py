@@ -442,6 +442,9 @@ def recommend_local(req: RecommendRequest, registry: Path | None) -> Recommendat
 
     check_request(req)
     from model.registry import Registry
+
+    models = Registry(registry) if registry is not None else Registry()
+    models.start_check()  # the model's canary child runs while the store, the terms and the predictor code load
     from model.terms import TermsCache
     from service.app import open_store
     from service.models import ModelHolder, overhead_from
@@ -453,7 +456,7 @@ def recommend_local(req: RecommendRequest, registry: Path | None) -> Recommendat
     store, _reason = open_store(Settings())  # None where read-only: traced terms kept in memory
     terms = TermsCache(store.url if store is not None else None)
     tracer = InlineTracer(terms, announce=lambda msg: print(f"memfit: {msg}", file=sys.stderr))
-    holder = ModelHolder(Registry(registry) if registry is not None else Registry(), overhead_from(store),
+    holder = ModelHolder(models, overhead_from(store),
                          terms=terms, tracer=tracer)
     holder.refresh()
     if holder.recommender is None:
