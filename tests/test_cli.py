@@ -385,7 +385,8 @@ def test_help_fits_the_terminal_width(capsys, monkeypatch, argv):
     at = lines.index("    1  no answer: the service is unreachable, timed out or answered 5xx (e.g.")
     assert lines[at + 1] == "       503 while it loads), or no local model is registered"
     if argv[0] == "recommend":
-        assert "  --optimizer NAME      optimizer; one of: adamw_foreach, adamw_fused," in lines
+        at = lines.index("  --optimizer NAME      optimizer; adamw is PyTorch's default")
+        assert lines[at + 2] == "                        one of: adamw_foreach, adamw_fused, sgd_momentum,"
 
 
 class _Stub(BaseHTTPRequestHandler):
