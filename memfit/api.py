@@ -95,6 +95,19 @@ def _coerce_model(v: Any) -> Any:
 
 ModelIn = Annotated[str | ArchitectureIn | dict[str, Any], BeforeValidator(_coerce_model)]
 
+#: optimizer names accepted at the API edge for an :class:`Optimizer` member: ``adamw`` is PyTorch's default
+#: ``torch.optim.AdamW()`` (neither ``foreach`` nor ``fused`` given), which on CUDA runs the foreach implementation:
+#: torch/optim/adam.py ``adam`` calls ``_default_to_fused_or_foreach(params, differentiable, use_fused=False)``
+#: (torch/optim/optimizer.py), foreach on CUDA tensors, fused never by default
+OPTIMIZER_ALIASES: dict[str, Optimizer] = {"adamw": Optimizer.ADAMW_FOREACH}
+
+
+def _optimizer_alias(value: Any) -> Any:
+    return OPTIMIZER_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
+OptimizerIn = Annotated[Optimizer, BeforeValidator(_optimizer_alias)]
+
 
 class TrainingIn(_In):
     """Training configuration without k (memfit chooses k)."""
@@ -102,7 +115,8 @@ class TrainingIn(_In):
     micro_batch_size: StrictInt = Field(ge=1, le=1 << 14)
     seq_len: StrictInt = Field(ge=1, le=1 << 22)
     precision: Precision = Precision.AMP_BF16
-    optimizer: Optimizer = Optimizer.ADAMW_FOREACH
+    optimizer: OptimizerIn = Field(Optimizer.ADAMW_FOREACH, description=(
+        "adamw (PyTorch's default torch.optim.AdamW) is taken as adamw_foreach, what it runs on CUDA"))
     sharding: Sharding = Sharding.NONE
     data_parallel_size: StrictInt | None = Field(None, ge=1, le=MAX_WORLD, description="default: gpu_count / (tp * pp)")
     tensor_parallel_size: StrictInt = Field(1, ge=1, le=1024)

@@ -242,10 +242,40 @@ def peft_default_lora_targets(model_type: str | None) -> list[str] | None:
     return list(found) if found is not None else None
 
 
+#: the output of :func:`lora_target_shapes` for PEFT's default targets of every catalog architecture, a snapshot
+#: (``scripts/lora_target_shapes.py`` writes it; ``tests/test_catalog.py`` checks it against meta builds): the meta
+#: build imports transformers' model code, about 4 s of a 16 s command-line answer that offers a LoRA alternative
+LORA_SHAPES_PATH = Path(__file__).with_name("lora_target_shapes.json")
+
+
+def lora_shapes_key(cfg: dict[str, Any], target_modules: list[str]) -> str:
+    """SHA-256 (hex) of a config dict and the resolved LoRA target names: the key of :data:`LORA_SHAPES_PATH`."""
+    import hashlib
+
+    text = json.dumps({"config": cfg, "targets": list(target_modules)}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.cache
+def _lora_shapes_snapshot() -> dict[str, Any]:
+    """The snapshot's entries, or none when it was written with another transformers than the installed one
+    (a module layout may have changed: the meta build answers)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        snapshot = json.loads(LORA_SHAPES_PATH.read_text())
+        installed = version("transformers")
+    except (OSError, ValueError, PackageNotFoundError):
+        return {}
+    return snapshot["entries"] if snapshot.get("transformers_version") == installed else {}
+
+
 def lora_target_shapes(cfg: dict[str, Any], target_modules: list[str] | None) -> tuple[dict[str, list[tuple[int, int]]],
                                                                                     list[str]]:
     """The ``(in_features, out_features)`` of every matrix LoRA adapts, per target name, and the names of all
-    adaptable matrices in the decoder layers, from a ``meta``-device build of ``cfg`` (no memory).
+    adaptable matrices in the decoder layers, from a ``meta``-device build of ``cfg`` (no memory); a config and
+    targets in the shipped snapshot (:data:`LORA_SHAPES_PATH`, the catalog's architectures with PEFT's default
+    targets, written by this function under the installed transformers) are read from it, with no build.
 
     Matching follows PEFT (``peft.tuners.tuners_utils.check_target_module_exists``): a module matches a
     target when its name equals it or ends with ``"." + target``; ``target_modules=None`` means PEFT's
@@ -255,17 +285,27 @@ def lora_target_shapes(cfg: dict[str, Any], target_modules: list[str] | None) ->
     Raises:
         InvalidConfiguration: no default exists for this ``model_type`` (field ``lora_target_modules``).
     """
+    if target_modules is None:
+        target_modules = peft_default_lora_targets(cfg.get("model_type"))
+        if target_modules is None:
+            raise InvalidConfiguration("lora_target_modules", "a list of module names (PEFT has no default for "
+                                       f"model_type {cfg.get('model_type')!r})", None)
+    hit = _lora_shapes_snapshot().get(lora_shapes_key(cfg, target_modules))
+    if hit is not None:  # run-length: [in, out, count] per target, in layer order
+        return ({t: [(i, o) for i, o, n in runs for _ in range(n)] for t, runs in hit["shapes"].items()},
+                list(hit["names"]))
+    return _built_lora_target_shapes(cfg, target_modules)
+
+
+def _built_lora_target_shapes(cfg: dict[str, Any], target_modules: list[str]) -> tuple[
+        dict[str, list[tuple[int, int]]], list[str]]:
+    """:func:`lora_target_shapes` from a ``meta``-device build of ``cfg`` (the snapshot's source)."""
     import torch
 
     try:
         from transformers.pytorch_utils import Conv1D
     except ImportError:  # pragma: no cover
         Conv1D = ()
-    if target_modules is None:
-        target_modules = peft_default_lora_targets(cfg.get("model_type"))
-        if target_modules is None:
-            raise InvalidConfiguration("lora_target_modules", "a list of module names (PEFT has no default for "
-                                       f"model_type {cfg.get('model_type')!r})", None)
     with torch.device("meta"):
         model = build_causal_lm(cfg)
     layers = decoder_layers(model)

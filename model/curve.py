@@ -362,7 +362,10 @@ class MemoryPredictor:
                          "per rank plus ring-attention key/value buffers"
                          + ("" if path == TRACED else ": the provisional answer is for the whole sequence"))
         if training.sharding is not Sharding.NONE and path == TRACED:
-            notes.append(f"sharding traced over a fake process group of {training.data_parallel_size} ranks")
+            # what the trace was, not a fault: the memory is rank 0's, traced in one process (no GPUs, no network)
+            notes.append(f"{training.sharding.value} over {training.data_parallel_size} data-parallel ranks: rank 0's "
+                         f"memory, traced in one process over torch's fake process group of "
+                         f"{training.data_parallel_size} ranks (no communication is run)")
         paged = optimizer_state_bytes_per_param(training)[1] * model.trainable_params
         if paged:
             notes.append(f"{training.optimizer.value}: about {paged / 1e9:.2f} GB of optimizer states live in CUDA "

@@ -32,19 +32,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightgbm as lgb
+if TYPE_CHECKING:
+    import lightgbm as lgb
 
-from model.estimator import PeakMemoryRegressor
-from model.features import FEATURE_NAMES
+    from model.estimator import PeakMemoryRegressor
+
+# lightgbm (with scikit-learn and SciPy, ~2.5 s) and the feature code are imported where they are used: the command
+# line starts the canary child (Registry.start_check) before it imports them, so the two imports overlap
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ROOT = REPO_ROOT / "data" / "models"
@@ -102,6 +108,8 @@ def _load_coefficients(d: Path, meta: dict[str, Any]) -> Any:
     Raises:
         IncompatibleArtifact: a file is missing or changed, or the canary is not reproduced.
     """
+    import lightgbm as lgb
+
     from model.coefficients import CoefficientModel
 
     if not meta.get("coefficients"):
@@ -136,6 +144,9 @@ def sha256_hex(data: bytes) -> str:
 
 
 def _estimator(booster: lgb.Booster, meta: dict[str, Any]) -> PeakMemoryRegressor:
+    from model.estimator import PeakMemoryRegressor
+    from model.features import FEATURE_NAMES
+
     est = PeakMemoryRegressor(**meta["params"])
     est.booster_ = booster
     est.conformal_log_margin_ = float(meta.get("conformal_log_margin", 0.0))
@@ -188,28 +199,50 @@ def check_canary(got: dict[str, dict[str, int]], stored: dict[str, dict[str, int
                                                f"(relative tolerance {CANARY_RTOL})")
 
 
-def _parse_in_child(model_text: bytes, meta: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """Parse ``model_text`` and run the canary in a child process; returns its canary predictions.
+def _parse_in_child(model_text: bytes, meta: dict[str, Any]) -> Callable[[], dict[str, dict[str, int]]]:
+    """Start parsing ``model_text`` and running the canary in a child process; returns a function that waits for
+    the child and returns its canary predictions. The caller works meanwhile (:meth:`Registry.load` checks and
+    parses the coefficient files), so the child's imports and parsing (~4 s on 2 cores) no longer add to them.
 
-    Raises:
+    Raises (the returned function):
         IncompatibleArtifact: the child crashed (e.g. a LightGBM segfault), timed out or refused.
     """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     payload = json.dumps({"params": meta.get("params", {})}).encode() + b"\n" + model_text
-    try:
-        done = subprocess.run([sys.executable, "-m", "model.registry"], input=payload, capture_output=True,
-                              timeout=CHILD_TIMEOUT_S, env=env, cwd=str(REPO_ROOT))
-    except subprocess.TimeoutExpired as err:
-        raise IncompatibleArtifact(f"parsing took over {CHILD_TIMEOUT_S} s") from err
-    if done.returncode != 0:
-        why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
-        last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
-        raise IncompatibleArtifact(f"the model file does not parse ({why}) {last[0][:300]}".rstrip())
-    return json.loads(done.stdout)
+    result: list[Any] = []
+
+    def run() -> None:  # the child's I/O in a thread: subprocess.run's own pipes, timeout and kill
+        try:
+            result.append(subprocess.run([sys.executable, "-m", "model.registry"], input=payload, capture_output=True,
+                                         check=False, timeout=CHILD_TIMEOUT_S, env=env, cwd=str(REPO_ROOT)))
+        except (subprocess.TimeoutExpired, OSError) as err:
+            result.append(err)
+
+    thread = threading.Thread(target=run, name="memfit-model-canary", daemon=True)
+    thread.start()
+
+    def wait() -> dict[str, dict[str, int]]:
+        thread.join()
+        done = result[0]
+        if isinstance(done, subprocess.TimeoutExpired):
+            raise IncompatibleArtifact(f"parsing took over {CHILD_TIMEOUT_S} s") from done
+        if isinstance(done, OSError):
+            raise done
+        if done.returncode != 0:
+            why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+            last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            raise IncompatibleArtifact(f"the model file does not parse ({why}) {last[0][:300]}".rstrip())
+        return json.loads(done.stdout)
+
+    return wait
 
 
 def _child_main() -> int:
     """Child side of :func:`_parse_in_child`: stdin = JSON header line + model text; stdout = canary JSON."""
+    import lightgbm as lgb
+
+    from model.features import FEATURE_NAMES
+
     data = sys.stdin.buffer.read()
     header, _, text = data.partition(b"\n")
     meta = json.loads(header)
@@ -224,6 +257,8 @@ def _child_main() -> int:
 #: SHA-256 digests of model files this process has already validated in a child (parsing is
 #: deterministic: the same bytes need not be re-checked)
 _validated: dict[str, dict[str, dict[str, int]]] = {}
+#: children started ahead of :meth:`Registry.load` (:meth:`Registry.start_check`) by model file digest: their waiters
+_pending: dict[str, Callable[[], dict[str, dict[str, int]]]] = {}
 
 
 def fingerprint(df) -> str:
@@ -237,7 +272,7 @@ def fingerprint(df) -> str:
 def _finite(obj: Any) -> Any:
     """NaN/inf -> None, recursively (JSON has no NaN)."""
     if isinstance(obj, float):
-        return obj if obj == obj and abs(obj) != float("inf") else None
+        return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
         return {k: _finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -287,6 +322,7 @@ class Registry:
                          "targets": len(coefficients.boosters_), "objectives": list(coefficients.objectives),
                          "boosters": sum(len(b) for b in coefficients.boosters_.values()),
                          "size_bytes": sum(f.stat().st_size for f in files)}
+        import lightgbm as lgb
         import sklearn
         import torch
 
@@ -328,6 +364,23 @@ class Registry:
     def meta(self, version: str) -> dict[str, Any]:
         return json.loads((self.root / version / "meta.json").read_text())
 
+    def start_check(self, version: str | None = None) -> None:
+        """Start :meth:`load`'s canary child for ``version`` (default: current) now, before lightgbm and the feature
+        code are imported here: the child's imports and parse (~3-4 s) run while the caller imports and prepares,
+        and :meth:`load` waits for that child instead of starting one (the same check, the same verdict). Never
+        raises: a version that cannot be read or fails its checksum is left to :meth:`load`, which says why."""
+        try:
+            d = self.root / (version or self.current() or "")
+            meta = json.loads((d / "meta.json").read_text())
+            text = (d / MODEL_FILE).read_bytes()
+            digest = sha256_hex(text)
+            if (meta.get("artifact_sha256") or {}).get(MODEL_FILE, digest) != digest:
+                return
+        except (OSError, ValueError, AttributeError, TypeError):  # unreadable, not JSON, not a dict: load() says
+            return
+        if digest not in _validated and digest not in _pending:
+            _pending[digest] = _parse_in_child(text, meta)
+
     def load(self, version: str | None = None) -> LoadedModel:
         """Load a version (default: current) and check it can be served (see the module docstring).
 
@@ -336,6 +389,10 @@ class Registry:
             IncompatibleArtifact: checksum mismatch, unparsable file (even one that crashes the
                 parser), canary not reproduced or under the model-state floor, other format or features.
         """
+        import lightgbm as lgb
+
+        from model.features import FEATURE_NAMES
+
         version = version or self.current()
         if version is None:
             raise FileNotFoundError(f"no current model in {self.root}")
@@ -360,9 +417,17 @@ class Registry:
         elif want != digest:
             raise IncompatibleArtifact(f"model {version}: {MODEL_FILE} sha256 {digest[:12]}... does not match "
                                        f"the registered {str(want)[:12]}... (file changed after registration)")
+        # the child parses model.txt while this process checks and parses the coefficient files; the child's verdict
+        # is still taken first, and model.txt parsed here only after it
+        # a child started by start_check for these bytes is waited for, not started again
+        wait = (lambda: _validated[digest]) if digest in _validated else (_pending.pop(digest, None)
+                                                                           or _parse_in_child(text, meta))
         try:
-            if digest not in _validated:
-                _validated[digest] = _parse_in_child(text, meta)
+            coefficients, coefficients_error = _load_coefficients(d, meta), None
+        except IncompatibleArtifact as err:
+            coefficients, coefficients_error = None, err
+        try:
+            _validated[digest] = wait()
             check_canary(_validated[digest], meta.get("canary"))
         except IncompatibleArtifact as err:
             _validated.pop(digest, None)
@@ -370,10 +435,8 @@ class Registry:
         if meta.get("canary") is None:
             warnings.append(f"model {version} has no stored canary; checked against the model-state floor only")
         booster = lgb.Booster(model_str=text.decode())  # the same bytes parsed cleanly in the child
-        try:
-            coefficients = _load_coefficients(d, meta)
-        except IncompatibleArtifact as err:
-            raise IncompatibleArtifact(f"model {version}: {err}") from err
+        if coefficients_error is not None:
+            raise IncompatibleArtifact(f"model {version}: {coefficients_error}") from coefficients_error
         return LoadedModel(version, _estimator(booster, meta), meta, warnings, coefficients)
 
 

@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from memfit.api import GPUS, Recommendation, RecommendRequest, TrainingIn
+from memfit.api import GPUS, OPTIMIZER_ALIASES, Recommendation, RecommendRequest, TrainingIn
 from memfit.errors import close_names
 from memfit.schema import (
     Attention,
@@ -99,13 +99,24 @@ def _gpu_name(text: str) -> str:
         f"choose from {', '.join(GPUS)}") + " or give --gpu-memory-gib")
 
 
-def _positive_int(text: str) -> int:
+def _integer(text: str) -> int:
+    """An integer flag's value. Its range is the request schema's (:class:`memfit.api.RecommendRequest`), checked
+    with the request, so ``--micro-batch -2`` is told the flag, the field and the allowed range as any value out of
+    range is (:func:`describe_validation_error`), not argparse's bare ``-2 must be >= 1``."""
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+
+
+def _seconds(text: str) -> float:
+    """``--timeout-s``: a finite number of seconds > 0 (not a request field: checked here)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0 (got {text})")
     return value
 
 
@@ -189,36 +200,37 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a HF config.json, or a model folder holding one (any architecture)")
 
     t = r.add_argument_group("training (per GPU)")
-    t.add_argument("--micro-batch", type=_positive_int, required=True, metavar="N", help="sequences per GPU per step")
-    t.add_argument("--seq-len", type=_positive_int, required=True, metavar="TOKENS", help="tokens per sequence")
+    t.add_argument("--micro-batch", type=_integer, required=True, metavar="N", help="sequences per GPU per step")
+    t.add_argument("--seq-len", type=_integer, required=True, metavar="TOKENS", help="tokens per sequence")
     t.add_argument("--precision", choices=[x.value for x in Precision],
                    help=f"training numerics (default: {_default('precision')})")
-    t.add_argument("--optimizer", choices=[x.value for x in Optimizer],
-                   help=f"optimizer (default: {_default('optimizer')})")
+    t.add_argument("--optimizer", choices=[*(x.value for x in Optimizer), *OPTIMIZER_ALIASES],
+                   help=f"optimizer; adamw is PyTorch's default torch.optim.AdamW, which runs adamw_foreach on CUDA "
+                        f"(default: {_default('optimizer')})")
     shard = t.add_mutually_exclusive_group()
     shard.add_argument("--zero", type=int, choices=sorted(ZERO), help="DeepSpeed ZeRO stage (default: 0, no sharding)")
     shard.add_argument("--sharding", choices=[x.value for x in Sharding],
                        help="sharding by name, e.g. fsdp_full_shard (instead of --zero)")
-    t.add_argument("--data-parallel", type=_positive_int, metavar="N",
+    t.add_argument("--data-parallel", type=_integer, metavar="N",
                    help="data-parallel size (default: GPUs / (tensor x pipeline parallel))")
-    t.add_argument("--tensor-parallel", type=_positive_int, metavar="N",
+    t.add_argument("--tensor-parallel", type=_integer, metavar="N",
                    help=f"tensor-parallel size (default: {_default('tensor_parallel_size')})")
-    t.add_argument("--pipeline-parallel", type=_positive_int, metavar="N",
+    t.add_argument("--pipeline-parallel", type=_integer, metavar="N",
                    help=f"pipeline stages (default: {_default('pipeline_parallel_size')})")
-    t.add_argument("--context-parallel", type=_positive_int, metavar="N",
+    t.add_argument("--context-parallel", type=_integer, metavar="N",
                    help=f"context-parallel size, divides --seq-len (default: {_default('context_parallel_size')})")
     t.add_argument("--sequence-parallel", action="store_true", default=None,
                    help="Megatron sequence parallelism over the tensor-parallel ranks")
     t.add_argument("--pipeline-schedule", choices=[x.value for x in PipelineSchedule],
                    help=f"pipeline schedule (default: {_default('pipeline_schedule')})")
-    t.add_argument("--micro-batches", type=_positive_int, metavar="M",
+    t.add_argument("--micro-batches", type=_integer, metavar="M",
                    help="micro-batches per step through the pipeline (default: the stage count)")
-    t.add_argument("--pipeline-chunks", type=_positive_int, metavar="V",
+    t.add_argument("--pipeline-chunks", type=_integer, metavar="V",
                    help=f"model chunks per rank, interleaved_1f1b (default: {_default('pipeline_chunks_per_rank')})")
     t.add_argument("--attention", choices=[x.value for x in Attention],
                    help=f"attention kernel (default: {_default('attention')})")
-    t.add_argument("--lora-rank", type=_positive_int, metavar="R", help="LoRA fine-tune with this rank (default: full)")
-    t.add_argument("--frozen-layers", type=_positive_int, metavar="N",
+    t.add_argument("--lora-rank", type=_integer, metavar="R", help="LoRA fine-tune with this rank (default: full)")
+    t.add_argument("--frozen-layers", type=_integer, metavar="N",
                    help="frozen fine-tune: the input embeddings and the first N decoder layers frozen (default: full)")
     t.add_argument("--lora-targets", metavar="NAMES",
                    help="with --lora-rank: comma-separated module names LoRA adapts, PEFT's target_modules, e.g. "
@@ -229,14 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer step fused into backward per parameter (torchtune optimizer_in_bwd)")
     t.add_argument("--quantization", choices=[x.value for x in Quantization],
                    help="QLoRA base weights, with --lora-rank (default: the config's quantization_config, else none)")
-    t.add_argument("--grad-accum", type=_positive_int, metavar="N",
+    t.add_argument("--grad-accum", type=_integer, metavar="N",
                    help="gradient accumulation steps: micro-batches per optimizer step (default: 1)")
     t.add_argument("--offload-optimizer", choices=[x.value for x in Offload],
                    help="cpu: optimizer states + fp32 master weights in host memory (ZeRO-Offload; default: none)")
     t.add_argument("--offload-parameters", choices=[x.value for x in Offload],
                    help="cpu: parameters in host memory too (ZeRO-3 offload_param, FSDP2 CPUOffloadPolicy; default: "
                         "none)")
-    t.add_argument("--expert-parallel", type=_positive_int, metavar="N",
+    t.add_argument("--expert-parallel", type=_integer, metavar="N",
                    help=f"MoE: ranks the experts are split over (default: {_default('expert_parallel_size')})")
     t.add_argument("--moe-imbalance", type=float, metavar="F",
                    help=f"MoE: the hottest expert's share relative to balanced, >= 1 "
@@ -246,8 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     mem = c.add_mutually_exclusive_group(required=True)
     mem.add_argument("--gpu", type=_gpu_name, metavar="NAME", help=f"GPU model, one of: {', '.join(GPUS)}")
     mem.add_argument("--gpu-memory-gib", type=float, metavar="GIB", help="device memory in GiB (instead of --gpu)")
-    c.add_argument("--gpus", type=_positive_int, default=1, metavar="N", help="GPUs in the job (default: 1)")
-    c.add_argument("--gpus-per-node", type=_positive_int, metavar="N",
+    c.add_argument("--gpus", type=_integer, default=1, metavar="N", help="GPUs in the job (default: 1)")
+    c.add_argument("--gpus-per-node", type=_integer, metavar="N",
                    help="GPUs sharing one host, for the host memory of offload (default: min(GPUs, 8))")
     c.add_argument("--headroom", type=float, default=0.05, metavar="FRACTION",
                    help="share of device memory kept free, 0..0.9 (default: 0.05)")
@@ -258,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     o = r.add_argument_group("answer")
     o.add_argument("--url", help="ask the memfit service at this URL instead of the local model registry")
     o.add_argument("--registry", type=Path, metavar="DIR", help="local model registry folder (default: the shipped data/models)")
-    o.add_argument("--timeout-s", type=float, default=10.0, metavar="SECONDS", help="service timeout in seconds (default: 10)")
+    o.add_argument("--timeout-s", type=_seconds, default=10.0, metavar="SECONDS", help="service timeout in seconds (default: 10)")
     out = o.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the answer as JSON (bytes)")
     out.add_argument("--explain", action="store_true",
@@ -430,6 +442,9 @@ def recommend_local(req: RecommendRequest, registry: Path | None) -> Recommendat
 
     check_request(req)
     from model.registry import Registry
+
+    models = Registry(registry) if registry is not None else Registry()
+    models.start_check()  # the model's canary child runs while the store, the terms and the predictor code load
     from model.terms import TermsCache
     from service.app import open_store
     from service.models import ModelHolder, overhead_from
@@ -441,7 +456,7 @@ def recommend_local(req: RecommendRequest, registry: Path | None) -> Recommendat
     store, _reason = open_store(Settings())  # None where read-only: traced terms kept in memory
     terms = TermsCache(store.url if store is not None else None)
     tracer = InlineTracer(terms, announce=lambda msg: print(f"memfit: {msg}", file=sys.stderr))
-    holder = ModelHolder(Registry(registry) if registry is not None else Registry(), overhead_from(store),
+    holder = ModelHolder(models, overhead_from(store),
                          terms=terms, tracer=tracer)
     holder.refresh()
     if holder.recommender is None:
@@ -561,20 +576,30 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     con.print(curve)
 
     if explain:
-        parts = titled(f"breakdown at k={rec.k if rec.k is not None else rec.num_layers}")
+        parts = titled(f"breakdown at k={rec.k if rec.k is not None else rec.num_layers} (GiB, each rounded to 0.01)")
         parts.add_column("part")
         parts.add_column("GiB", justify="right")
         # before bwd.emb the breakdown counts no gradients (model.curve.breakdown); from there on it counts them all
         building = (rec.peak_phase or "").startswith("bwd") and not rec.breakdown.get("gradients_bytes")
-        shown = {**rec.breakdown, "overhead_bytes": rec.overhead.get("total_bytes", 0)}
-        for name, v in shown.items():
+        for name, v in rec.breakdown.items():
             label = name.removesuffix("_bytes").replace("_", " ")
             if building and name in ("gradients_bytes", "activations_bytes"):  # model.curve.breakdown's convention
                 label += (" (building up layer by layer: counted with activations)" if name == "gradients_bytes"
                           else " (with the gradients built so far)")
-            parts.add_row(label, gib(v), end_section=name == "overhead_bytes")
-        # the parts add up to the predicted peak plus the overhead; the bound adds the margin on top of the peak
-        parts.add_row("total (predicted peak + overhead)", gib(sum(shown.values())), style="bold")
+            parts.add_row(label, gib(v))
+        # the chain from the parts to what is compared with usable memory, each step named (the parts' sum and the
+        # headline's "upper bound + overhead" differed by the margin, which was printed nowhere):
+        # total_upper = upper bound + overhead at the bound (model.recommend.plan), upper bound = point + margin
+        margin = rec.upper_bound_bytes - rec.predicted_peak_bytes
+        overhead = int(rec.overhead.get("total_bytes", 0))
+        parts.add_section()
+        parts.add_row("predicted peak: the point prediction, the parts' sum", gib(rec.predicted_peak_bytes))
+        parts.add_row(f"+ margin to the upper bound ({margin / max(rec.predicted_peak_bytes, 1):.1%} of the point)",
+                      gib(margin))
+        parts.add_row("+ overhead: CUDA context, cuBLAS workspace, NCCL, fragmentation", gib(overhead))
+        parts.add_section()
+        parts.add_row(f"= upper bound + overhead (fits when <= usable {gib(rec.usable_bytes)})",
+                      gib(rec.total_upper_bytes), style="bold")
         if rec.host_memory_bytes:
             parts.add_row("host memory per node (not on the device)", gib(rec.host_memory_bytes))
         con.print(parts)

@@ -16,7 +16,7 @@ from data.catalog import ARCH_DIR
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from memfit.hf import count_params_from_config, quiet_transformers  # noqa: E402
+from memfit.hf import count_params_from_config, quiet_transformers
 
 ENTRIES = {e["name"]: e for e in (json.loads(p.read_text()) for p in sorted(ARCH_DIR.glob("*.json")))}
 REL_TOL = 0.01
@@ -143,3 +143,35 @@ def test_peft_lora_target_snapshot_is_peft_mapping():
     assert peft_default_lora_targets("llama") == ["q_proj", "v_proj"]
     assert peft_default_lora_targets("gpt2") == ["c_attn"]
     assert peft_default_lora_targets("no-such-model-type") is None
+
+
+def test_lora_target_shapes_snapshot_matches_meta_builds():
+    # memfit reads the LoRA matrices' shapes of catalog architectures from a snapshot (the meta build imports
+    # transformers' model code: ~4 s of a 16 s CLI answer); it must be this transformers' build: after a transformers
+    # or PEFT pin change or a catalog edit, run `PYTHONPATH=. python scripts/lora_target_shapes.py`
+    import json
+    from importlib.metadata import version
+
+    from data import catalog
+    from memfit.hf import (
+        LORA_SHAPES_PATH,
+        _built_lora_target_shapes,
+        lora_shapes_key,
+        lora_target_shapes,
+        peft_default_lora_targets,
+    )
+
+    snapshot = json.loads(LORA_SHAPES_PATH.read_text())
+    assert snapshot["transformers_version"] == version("transformers")
+    entries = snapshot["entries"]
+    with_default = [n for n in catalog.names()
+                    if peft_default_lora_targets(catalog.get(n)["hf_config"].get("model_type")) is not None]
+    assert sorted(e["model"] for e in entries.values()) == sorted(with_default)
+    for name in ("gpt2", "pythia-70m", "llama-3.2-1b"):
+        cfg = catalog.get(name)["hf_config"]
+        targets = peft_default_lora_targets(cfg["model_type"])
+        assert lora_shapes_key(cfg, targets) in entries
+        assert lora_target_shapes(cfg, None) == _built_lora_target_shapes(cfg, targets)
+    shapes, names = lora_target_shapes(catalog.get("llama-3-8b")["hf_config"], None)
+    assert shapes == {"q_proj": [(4096, 4096)] * 32, "v_proj": [(4096, 1024)] * 32}  # 8 KV heads of 128
+    assert names == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]

@@ -265,7 +265,7 @@ def test_torn_spool_line_does_not_block_good_records(srv, tmp_path):
 
 # -- fault 7: implausible telemetry is quarantined; an open write endpoint is refused -----------------
 def test_implausible_telemetry_is_quarantined_with_reason(srv):
-    h100 = dict(device_name="NVIDIA H100 80GB HBM3", device_memory_bytes=80 * 10**9, method="cuda")
+    h100 = {"device_name": "NVIDIA H100 80GB HBM3", "device_memory_bytes": 80 * 10**9, "method": "cuda"}
     huge = record(record_id="implausible-0001", peak_allocated_bytes=10**15, oom=False, **h100).model_dump(mode="json")
     inf_step = record(record_id="implausible-0002", peak_allocated_bytes=10**9, **h100).model_dump(mode="json")
     inf_step["measurement"]["step_time_s"] = math.inf
@@ -284,7 +284,7 @@ def test_no_token_on_a_public_bind_refuses_to_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MEMFIT_TOKEN"}
     env.update(MEMFIT_HOST="0.0.0.0", MEMFIT_PORT="1", MEMFIT_DATA_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-m", "service"], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+                          check=False, timeout=120)
     assert done.returncode != 0 and "MEMFIT_TOKEN is required" in done.stderr
     assert "Traceback" not in done.stderr
 
@@ -346,3 +346,35 @@ def test_error_answers_name_field_and_range(srv):
                                                                                        "seq_len": 64}, "k": 99}]}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "items.0.k"
     assert "[0, num_layers=12]" in r.json()["detail"]
+
+
+def test_start_check_runs_the_canary_child_ahead_and_load_takes_its_verdict(small_registry, tmp_path, monkeypatch):
+    # the command line starts the canary child before it imports lightgbm (2.5 s) and the predictor code: load() must
+    # wait for that child, not start a second, and take its verdict; a file failing its checksum starts none
+    import model.registry as registry_module
+    from model.registry import IncompatibleArtifact
+
+    reg = Registry(tmp_path / "models")
+    shutil.copytree(small_registry.root / small_registry.current(), reg.root / "0001")
+    (reg.root / "CURRENT").write_text("0001\n")
+    digest = sha256_hex((reg.root / "0001" / "model.txt").read_bytes())
+    monkeypatch.delitem(registry_module._validated, digest, raising=False)  # validated by the fixture's promote
+    reg.start_check()
+    assert digest in registry_module._pending
+    started = registry_module._parse_in_child
+
+    def no_second_child(text, meta):
+        raise AssertionError("load() started a second canary child")
+
+    monkeypatch.setattr(registry_module, "_parse_in_child", no_second_child)
+    loaded = reg.load()
+    assert loaded.version == "0001" and digest not in registry_module._pending
+    assert registry_module._validated[digest] == reg.meta("0001")["canary"]  # the child's canary, as registered
+    monkeypatch.setattr(registry_module, "_parse_in_child", started)
+    f = reg.root / "0001" / "model.txt"
+    f.write_bytes(_truncate(f.read_bytes()))
+    reg.start_check()
+    assert sha256_hex(f.read_bytes()) not in registry_module._pending
+    with pytest.raises(IncompatibleArtifact, match="sha256"):
+        reg.load()
+    Registry(tmp_path / "no-such-registry").start_check()  # nothing to check: load() says so, start_check never raises

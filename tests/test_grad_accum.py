@@ -15,8 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from memfit.errors import InvalidConfiguration
-from memfit.schema import ModelSpec, Offload, TrainingConfig
+from memfit.schema import Offload, TrainingConfig
 from model.terms import terms_key
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 4,
@@ -65,7 +64,7 @@ def _tiny_params() -> int:
 
 
 def test_later_micro_batches_repeat_the_second(fp32_ga2, fake_ga2, monkeypatch):
-    import training.collect as collect
+    from training import collect
 
     monkeypatch.setattr(collect, "accumulation_micro_batches", lambda training: 4)
     assert _peaks(fp32_ga2) == fake_ga2
@@ -246,9 +245,10 @@ def test_mistral_7b_micro_batch_one_with_accumulation_on_an_a100():
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--grad-accum", "0"], "error: argument --grad-accum: 0 must be >= 1"),
-    (["--grad-accum", "4", "--optimizer-in-backward"], "memfit: error: --grad-accum (training.gradient_accumulation_"
-                                                       "steps): must be 1 with optimizer_in_backward"),
+    (["--grad-accum", "0"], ("memfit: error: --grad-accum (training.gradient_accumulation_steps): must be an integer "
+                            "in [1, 65536] (got 0)")),
+    (["--grad-accum", "4", "--optimizer-in-backward"], ("memfit: error: --grad-accum (training.gradient_accumulation_"
+                                                       "steps): must be 1 with optimizer_in_backward")),
 ])
 def test_cli_refuses_bad_accumulation_naming_the_flag(small_registry, capsys, argv, expected):
     from service.cli import main
@@ -256,7 +256,7 @@ def test_cli_refuses_bad_accumulation_naming_the_flag(small_registry, capsys, ar
     try:
         code = main(["recommend", "--model", "llama-3-8b", "--gpu", "A100-80GB", "--micro-batch", "1", "--seq-len",
                      "128", "--registry", str(small_registry.root), *argv])
-    except SystemExit as exit_:  # argparse refuses a non-positive count itself
+    except SystemExit as exit_:  # argparse refuses a value that is not an integer
         code = exit_.code
     err = capsys.readouterr().err
     assert code == 2 and expected in err, err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from memfit.schema import ModelSpec, Optimizer, Precision, TrainingConfig
@@ -195,6 +197,13 @@ def test_cli_stderr_has_no_bitsandbytes_cpu_kernel_notice():
                            "--json"], check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "kernels" not in done.stderr, done.stderr
+    # stdout is the answer alone, read at the file descriptor (C-level library output included): one JSON document.
+    # The fake process group line a new user took for library chatter is the answer's own note on how the
+    # sharding was traced, inside that document, worded for the user
+    rec = json.loads(done.stdout)
+    assert rec["warnings"][0] == ("zero3 over 8 data-parallel ranks: rank 0's memory, traced in one process over "
+                                  "torch's fake process group of 8 ranks (no communication is run)")
+    assert done.stderr == ""
 
 
 def test_parameters_per_rank_counts_one_expert_parallel_shard():
@@ -241,3 +250,28 @@ def test_lists_survive_a_reader_that_leaves():
             proc.stdout.close()
             assert proc.wait(timeout=120) == 0
             assert b"Traceback" not in proc.stderr.read(), command
+
+
+def test_adamw_is_pytorchs_default_adamw_the_foreach_one(small_registry, capsys):
+    # `--optimizer adamw` was refused ("invalid choice: 'adamw'"): a user naming PyTorch's torch.optim.AdamW() gets
+    # what it runs on CUDA, the foreach implementation (torch/optim/adam.py: use_fused=False, foreach on CUDA), taken
+    # at the edge as the one member adamw_foreach (no second name for the same optimizer inside)
+    from memfit.api import TrainingIn
+    from memfit.schema import Optimizer
+    from service.cli import main
+
+    assert TrainingIn.model_validate({"micro_batch_size": 1, "seq_len": 8, "optimizer": "adamw"}).optimizer is \
+        Optimizer.ADAMW_FOREACH
+    assert "adamw" not in {o.value for o in Optimizer}
+    answers = {}
+    for name in ("adamw", "adamw_foreach"):
+        code = main(["recommend", "--model", "gpt2", "--gpu", "A100-80GB", "--micro-batch", "1", "--seq-len",
+                     "1024", "--optimizer", name, "--json", "--registry", str(small_registry.root)])
+        answers[name] = json.loads(capsys.readouterr().out)
+        assert code == 0
+    assert answers["adamw"]["training"]["optimizer"] == "adamw_foreach"
+    assert answers["adamw"]["curve"] == answers["adamw_foreach"]["curve"]
+    with pytest.raises(SystemExit):
+        main(["recommend", "--help"])
+    assert "adamw is PyTorch's default torch.optim.AdamW, which runs adamw_foreach on CUDA" in \
+        " ".join(capsys.readouterr().out.split())
