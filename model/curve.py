@@ -368,7 +368,7 @@ class MemoryPredictor:
                          f"{training.data_parallel_size} ranks (no communication is run)")
         paged = optimizer_state_bytes_per_param(training)[1] * model.trainable_params
         if paged:
-            notes.append(f"{training.optimizer.value}: about {paged / 1e9:.2f} GB of optimizer states live in CUDA "
+            notes.append(f"{training.optimizer.value}: about {paged / 2**30:.2f} GiB of optimizer states live in CUDA "
                          "unified memory (cudaMallocManaged), outside PyTorch's allocator: not in the peak allocated "
                          "bytes; the driver pages them to host RAM when the device is full")
         return Curve(path=path, points=points, floor_bytes=floor, terms_key=key, reason=reason if path ==

@@ -13,4 +13,7 @@ if __name__ == "__main__":
         s = Settings()
     except ValidationError as err:
         sys.exit(f"memfit: refusing to start: {'; '.join(e['msg'].removeprefix('Value error, ') for e in err.errors())}")
-    uvicorn.run(create_app(s), host=s.host, port=s.port, log_level="warning")
+    app = create_app(s)
+    # uvicorn logs at warning level only: say once where the service answers (stderr, like the logs)
+    print(f"memfit: serving on http://{s.host}:{s.port} (docs at /docs; stop with Ctrl-C)", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=s.host, port=s.port, log_level="warning")

@@ -545,9 +545,13 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     if rec.parameters_per_rank is not None:
         t = rec.training or {}
         dp = int(t.get("data_parallel_size") or 1)
-        stored = (f" ({t['sharding']} stores 1/{dp} of them per GPU between uses)"
-                  if t.get("sharding") in ("zero3", "fsdp_full_shard", "fsdp_shard_grad_op") and dp > 1 else "")
-        head.add_row("parameters per GPU", f"{rec.parameters_per_rank / 1e9:.3f} B{stored}")
+        n = rec.parameters_per_rank
+        if t.get("sharding") in ("zero3", "fsdp_full_shard", "fsdp_shard_grad_op") and dp > 1:
+            # two new users read the gathered count as the whole model on every GPU: both figures, each named
+            head.add_row("parameters per GPU", f"{n / dp / 1e9:.3f} B stored between uses ({t['sharding']}: 1/{dp} "
+                                               f"each), {n / 1e9:.3f} B gathered while in use")
+        else:
+            head.add_row("parameters per GPU", f"{n / 1e9:.3f} B")
     if rec.host_memory_bytes:
         head.add_row("host memory per node (offload)", f"{gib(rec.host_memory_bytes)} GiB")
     con.print(head)

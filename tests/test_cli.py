@@ -481,7 +481,7 @@ def test_parameters_per_gpu_says_what_zero3_stores(run, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     code, out, err = run("recommend", "--model", "llama-3-8b", "--gpu", "H100-80GB", "--gpus", "8", "--zero", "3", *BASE)
     assert code == EXIT_FITS, err
-    assert "8.030 B (zero3 stores 1/8 of them per GPU between uses)" in out
+    assert "1.004 B stored between uses (zero3: 1/8 each), 8.030 B gathered while in use" in out
 
 
 def test_explain_says_where_the_gradients_are_while_they_build_up(run, monkeypatch):
