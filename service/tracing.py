@@ -242,7 +242,8 @@ class InlineTracer:
 
     def __call__(self, key: str, hf_config: dict[str, Any], training: TrainingConfig) -> str:
         if self.announce is not None:
-            self.announce("tracing this configuration once (usually 5-30 s) ...")
+            self.announce("tracing this configuration once (usually 10-40 s on two busy cores: a process starts, "
+                          "imports PyTorch and traces four small models) ...")
         try:
             self.cache.put(key, trace_in_subprocess(hf_config, training, self.timeout_s))
         except RuntimeError as err:
