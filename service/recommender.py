@@ -30,7 +30,7 @@ from memfit.api import (
     TrainingIn,
 )
 from memfit.errors import InvalidConfiguration, UnknownArchitecture, pydantic_error_field
-from memfit.schema import FineTune, ModelSpec, Quantization, TrainingConfig, check_moe_settings
+from memfit.schema import GIB, FineTune, ModelSpec, Quantization, TrainingConfig, check_moe_settings
 from model.curve import PROVISIONAL, Curve, MemoryPredictor, expert_parallel_rank
 from model.offload import host_memory_bytes
 from model.overhead import OverheadModel
@@ -517,7 +517,16 @@ class Recommender:
             out.append(f"data*tensor*pipeline*context parallel size = {used} uses {used} of the "
                        f"{req.cluster.gpu_count} GPUs")
         if p.fits and p.k is not None and p.total_upper_bytes[p.k] > 0.97 * p.usable_bytes:
-            out.append("headroom thin: the bound at k is within 3% of usable memory")
+            # the smallest k that fits is often close to the line (a new user read the bare warning as noise):
+            # say how close, and what one more checkpointed layer buys
+            left = p.usable_bytes - p.total_upper_bytes[p.k]
+            msg = (f"headroom thin: at k={p.k} the bound plus overhead leaves {left / GIB:.2f} GiB "
+                   f"({100 * left / p.usable_bytes:.1f} % of usable memory, which already keeps the headroom)")
+            nxt = [k for k in range(p.k + 1, len(p.total_upper_bytes)) if p.total_upper_bytes[k] < p.total_upper_bytes[p.k]]
+            if nxt:
+                more = p.usable_bytes - p.total_upper_bytes[nxt[0]]
+                msg += f"; k={nxt[0]} leaves {more / GIB:.2f} GiB"
+            out.append(msg)
         out.append("torch.compile can erase or invert checkpointing savings; the prediction assumes eager mode")
         if not p.fits:
             out.append("no k fits: checkpointing every layer is not enough; see alternatives")

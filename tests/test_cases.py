@@ -93,3 +93,18 @@ def test_llama_2_7b_fsdp_on_four_rtx_4090(recommender):
     assert rec.path == "traced"
     assert rec.fits and rec.curve[-1].total_upper_bytes <= rec.usable_bytes
     assert rec.curve[-1].predicted_bytes <= 22.9e9
+
+
+def test_thin_headroom_says_how_much_is_left_and_what_one_more_layer_buys(recommender):
+    # the README's Llama-3-8B ZeRO-3 example: the smallest fitting k sits near the line, and the bare
+    # "within 3 %" warning read as noise to a new user
+    req = RecommendRequest.model_validate({
+        "model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192, "sharding": "zero3"},
+        "cluster": {"gpu": "H100-80GB", "gpu_count": 8}})
+    rec = recommender.recommend(req)
+    (thin,) = [w for w in rec.warnings if w.startswith("headroom thin")]
+    left = rec.usable_bytes - rec.total_upper_bytes
+    assert 0 <= left < 0.03 * rec.usable_bytes
+    assert f"at k={rec.k} the bound plus overhead leaves {left / GIB:.2f} GiB" in thin
+    nxt = next(c for c in rec.curve[rec.k + 1:] if c.total_upper_bytes < rec.total_upper_bytes)
+    assert f"; k={nxt.k} leaves {(rec.usable_bytes - nxt.total_upper_bytes) / GIB:.2f} GiB" in thin
