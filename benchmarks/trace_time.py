@@ -73,7 +73,8 @@ def main() -> int:
             print(f"  service traces {name} {change} {precision.value}: {dt:.2f} s")
     finally:
         process.close()
-    print(f"slowest never-seen 8B-class trace in the service's tracing process: {slowest_service:.2f} s (target <= 10 s)")
+    print(f"slowest never-seen 8B-class trace in the service's tracing process: {slowest_service:.2f} s "
+          "(target <= 10 s)")
     slowest = 0.0
     for name, change, precision in CASES:
         cfg = {**catalog.get(name)["hf_config"], **change}

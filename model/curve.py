@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from memfit.schema import ModelSpec, Sharding, TrainingConfig
+from memfit.schema import GIB, ModelSpec, Sharding, TrainingConfig
 from model.analytic import ModelStates, model_state_bytes, optimizer_state_bytes_per_param
 from model.compose import PEAK_PHASES, compose, compose_terms
 from model.parallel import ParallelCurve, compose_pipeline, pipeline_stages
@@ -368,7 +368,7 @@ class MemoryPredictor:
                          f"{training.data_parallel_size} ranks (no communication is run)")
         paged = optimizer_state_bytes_per_param(training)[1] * model.trainable_params
         if paged:
-            notes.append(f"{training.optimizer.value}: about {paged / 2**30:.2f} GiB of optimizer states live in CUDA "
+            notes.append(f"{training.optimizer.value}: about {paged / GIB:.2f} GiB of optimizer states live in CUDA "
                          "unified memory (cudaMallocManaged), outside PyTorch's allocator: not in the peak allocated "
                          "bytes; the driver pages them to host RAM when the device is full")
         return Curve(path=path, points=points, floor_bytes=floor, terms_key=key, reason=reason if path ==

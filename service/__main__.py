@@ -15,5 +15,6 @@ if __name__ == "__main__":
         sys.exit(f"memfit: refusing to start: {'; '.join(e['msg'].removeprefix('Value error, ') for e in err.errors())}")
     app = create_app(s)
     # uvicorn logs at warning level only: say once where the service answers (stderr, like the logs)
-    print(f"memfit: serving on http://{s.host}:{s.port} (docs at /docs; stop with Ctrl-C)", file=sys.stderr, flush=True)
+    print(f"memfit: serving on http://{s.host}:{s.port} (docs at /docs; stop with Ctrl-C)", file=sys.stderr,
+          flush=True)
     uvicorn.run(app, host=s.host, port=s.port, log_level="warning")

@@ -270,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     o = r.add_argument_group("answer")
     o.add_argument("--url", help="ask the memfit service at this URL instead of the local model registry")
     o.add_argument("--registry", type=Path, metavar="DIR", help="local model registry folder (default: the shipped data/models)")
-    o.add_argument("--timeout-s", type=_seconds, default=10.0, metavar="SECONDS", help="service timeout in seconds (default: 10)")
+    o.add_argument("--timeout-s", type=_seconds, default=10.0, metavar="SECONDS",
+                   help="service timeout in seconds (default: 10)")
     out = o.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the answer as JSON (bytes)")
     out.add_argument("--explain", action="store_true",

@@ -522,10 +522,10 @@ class Recommender:
             left = p.usable_bytes - p.total_upper_bytes[p.k]
             msg = (f"headroom thin: at k={p.k} the bound plus overhead leaves {left / GIB:.2f} GiB "
                    f"({100 * left / p.usable_bytes:.1f} % of usable memory, which already keeps the headroom)")
-            nxt = [k for k in range(p.k + 1, len(p.total_upper_bytes)) if p.total_upper_bytes[k] < p.total_upper_bytes[p.k]]
-            if nxt:
-                more = p.usable_bytes - p.total_upper_bytes[nxt[0]]
-                msg += f"; k={nxt[0]} leaves {more / GIB:.2f} GiB"
+            totals = p.total_upper_bytes
+            nxt = next((k for k in range(p.k + 1, len(totals)) if totals[k] < totals[p.k]), None)
+            if nxt is not None:
+                msg += f"; k={nxt} leaves {(p.usable_bytes - totals[nxt]) / GIB:.2f} GiB"
             out.append(msg)
         out.append("torch.compile can erase or invert checkpointing savings; the prediction assumes eager mode")
         if not p.fits:

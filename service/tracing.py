@@ -6,8 +6,9 @@ provisional path at once and the key is queued here. A worker thread traces the 
 time in one spawned tracing process that imports PyTorch once and stays (:class:`TracingProcess`: fake
 tensors, 8B-class models in ``benchmarks/results/trace_time.txt``; it forks once more per trace to trace the two
 small models side by side, :func:`training.phases.trace_terms`). A trace past ``timeout_s`` kills that process —
-a model whose code is slow under fake tensors must not stall the queue — and the next trace starts a new one. The result lands in the :class:`model.terms.TermsCache`, so the next
-request for that configuration is answered on the traced path. Torch never runs in the serving
+a model whose code is slow under fake tensors must not stall the queue — and the next trace starts a new one.
+The result lands in the :class:`model.terms.TermsCache`, so the next request for that configuration is
+answered on the traced path. Torch never runs in the serving
 process; a key is traced at most once per process, and failures are remembered with their reason
 and reported in the answer.
 
@@ -30,7 +31,7 @@ from model.terms import TermsCache
 
 log = logging.getLogger("memfit.service")
 
-#: a trace slower than this is abandoned (8B-class models take 7-20 s on 2 idle cores, benchmarks/results/trace_time.txt)
+#: a trace slower than this is abandoned (8B-class models: 5-18 s on 2 idle cores, benchmarks/results/trace_time.txt)
 TRACE_TIMEOUT_S = 120.0
 
 
