@@ -232,3 +232,28 @@ def test_token_points_respect_learned_positions():
     assert max(s for _, s in token_points({"model_type": "gpt2", "n_positions": 1024})) == 1024
     assert max(s for _, s in token_points({"model_type": "llama"})) == 4096
     assert all(b >= 2 for b, _ in token_points({"model_type": "llama"}))
+
+
+REPLAY_CASES = [
+    ("qwen2.5-0.5b", {"precision": "bf16_fp32_master", "optimizer": "adamw_foreach"}),  # frees bf16 grads mid-step
+    ("llama-3-8b", {"precision": "bf16", "optimizer": "adamw_fused", "sharding": "fsdp_full_shard",
+                    "data_parallel_size": 4}),  # DTensor states
+    ("llama-3-8b", {"precision": "amp_bf16", "optimizer": "adafactor", "gradient_accumulation_steps": 4}),
+]
+
+
+@pytest.mark.parametrize("name,fields", REPLAY_CASES, ids=[f"{n}-{f['optimizer']}" for n, f in REPLAY_CASES])
+def test_replayed_optimizer_step_gives_the_terms_of_real_steps(name, fields, monkeypatch):
+    # the optimizer step is traced once per small model and replayed in its later steps (OptimizerReplay): the terms
+    # must be those of stepping every time, byte for byte
+    from training import phases
+
+    cfg = small_width(name)
+    training = TrainingConfig(micro_batch_size=1, seq_len=128, **fields)
+    replayed = trace_terms(cfg, training, micro_batch_one=False, parallel=False).to_json()
+    steps = []
+    monkeypatch.setattr(phases.OptimizerReplay, "step", lambda self, tracker, opt: steps.append(1) or opt.step())
+    stepped = trace_terms(cfg, training, micro_batch_one=False, parallel=False).to_json()
+    assert len(steps) >= 12  # two small models, two variants, three or more token points each
+    replayed.pop("trace_s"), stepped.pop("trace_s")
+    assert replayed == stepped
