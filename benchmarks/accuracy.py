@@ -2,6 +2,7 @@
 
     python -m benchmarks.accuracy --files data/telemetry/telemetry.parquet
     python -m benchmarks.accuracy --db sqlite:////tmp/x.db --json out.json --report-dir /tmp/acc
+    python -m benchmarks.accuracy --files data/telemetry/telemetry.parquet --jobs 2   # two folds at once
 
 For each split (leave-architecture-out, small-to-large; :mod:`model.evaluate`), every row is answered
 by :meth:`model.curve.MemoryPredictor.curve` as the service answers it (:class:`model.evaluate.CurveEstimator`:
@@ -80,16 +81,17 @@ HEADER = (f"  {'path (rows)':<26} {'n':>5} {'MAPE %':>8} {'p95 %':>7} {'max %':>
           f"{'excess%':>7} {'exactk%':>7} {'OOM%':>5} {'noFit%':>6}")
 
 
-def evaluate_split(df, split: str, make_served, make_provisional, paths, make_learned=None) -> tuple[list[str], dict]:
-    """The runs of one split; returns printable lines and the figures."""
+def evaluate_split(df, split: str, make_served, make_provisional, paths, make_learned=None,
+                   n_jobs: int = 1) -> tuple[list[str], dict]:
+    """The runs of one split (folds ``n_jobs`` at once); returns printable lines and the figures."""
     y = df["peak_allocated_bytes"].to_numpy(dtype="float64")
     t0 = time.perf_counter()
-    pred, upper, s = cross_evaluate(df, make_served, split)
+    pred, upper, s = cross_evaluate(df, make_served, split, n_jobs=n_jobs)
     if s.get("skipped"):
         return [f"  skipped ({s['skipped']})"], {"skipped": s["skipped"]}
-    p_pred, p_upper, _ = cross_evaluate(df, make_provisional, split)
+    p_pred, p_upper, _ = cross_evaluate(df, make_provisional, split, n_jobs=n_jobs)
     if make_learned is not None:
-        l_pred, l_upper, _ = cross_evaluate(df, make_learned, split)
+        l_pred, l_upper, _ = cross_evaluate(df, make_learned, split, n_jobs=n_jobs)
     tested = np.isfinite(pred)
     analytic = baseline_predictions(df)["analytic"]
     lines = [f"  {int(tested.sum())} held-out rows of {len(s['test_architectures'])} architectures, "
@@ -151,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", choices=SPLITS, action="append", help="run only this split (repeatable; default all)")
     p.add_argument("--no-learned", action="store_true", help="skip the learned-coefficients run")
     p.add_argument("--report-dir", help="also write the full report (model.report) here")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="folds evaluated at once, each in a worker process (default 1; the figures do not "
+                        "depend on it)")
     a = p.parse_args(argv)
+    if a.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {a.jobs}")
 
     from model.coefficients import CoefficientModel, shipped_entries
     from model.estimator import PeakMemoryRegressor
@@ -190,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     for split in a.split or SPLITS:
         print(f"\n{split}:")
         lines, figs = evaluate_split(df, split, make_served, make_provisional, paths,
-                                     None if a.no_learned else make_learned)
+                                     None if a.no_learned else make_learned, n_jobs=a.jobs)
         print("\n".join(lines), flush=True)
         if "oof" in figs:
             pred_upper = figs.pop("oof")

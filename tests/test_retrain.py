@@ -206,6 +206,7 @@ def test_dry_run_registers_nothing(db, tmp_path, capsys):
     ["--params", "[1]"],
     ["--params", '{"bogus": 1}'],
     ["--n-estimators", "0"],
+    ["--jobs", "0"],
 ])
 def test_bad_input_exits_2(db, tmp_path, capsys, args):
     argv = ["--db", db, "--registry", str(tmp_path / "models"), "--quiet", *args]
@@ -240,6 +241,32 @@ def test_splits_that_cannot_be_formed_are_skipped(db):
     assert "both sides" in s["skipped"]
     with pytest.raises(ValueError):
         cross_evaluate(two, lambda: None, "random")
+
+
+def test_folds_in_worker_processes_give_the_same_predictions(db):
+    # cross_evaluate(n_jobs=2) fits and answers two folds at once in joblib's worker processes: the predictions,
+    # bounds and scores are those of the folds run one after another here
+    from model.estimator import PeakMemoryRegressor
+    from model.evaluate import CurveEstimator, cross_evaluate
+    from model.terms import TermsCache
+
+    df, _ = load_rows(db)
+    terms = TermsCache()
+
+    def make():
+        return CurveEstimator(terms, lambda: PeakMemoryRegressor(n_estimators=40, n_jobs=1))
+
+    lines = []
+    pred, upper, s = cross_evaluate(df, make, "leave_architecture_out")
+    pred2, upper2, s2 = cross_evaluate(df, make, "leave_architecture_out", progress=lines.append, n_jobs=2)
+    assert s["n_folds"] > 2 and np.isfinite(pred).sum() == len(df)
+    np.testing.assert_array_equal(pred2, pred)
+    np.testing.assert_array_equal(upper2, upper)
+    assert s2["metrics"] == s["metrics"] and s2["oracle"] == s["oracle"]
+    assert [ln.split(":")[0] for ln in lines] == [f"leave_architecture_out fold {i + 1}/{s['n_folds']}"
+                                                  for i in range(s["n_folds"])]
+    with pytest.raises(ValueError, match="n_jobs must be >= 1"):
+        cross_evaluate(df, make, "leave_architecture_out", n_jobs=0)
 
 
 def test_a_version_refused_at_promotion_is_reported_not_raised(db, tmp_path, capsys, monkeypatch):

@@ -139,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(model.coefficients; default on)")
     p.add_argument("--coefficient-estimators", type=int, help="boosting rounds per coefficient (default: the "
                                                               "CoefficientModel's)")
+    p.add_argument("--jobs", type=int, default=1, help="evaluation folds run at once, each in a worker process "
+                                                       "(default 1; the evaluation does not depend on it)")
     p.add_argument("--dry-run", action="store_true", help="evaluate and report, register nothing")
     p.add_argument("--min-rows", type=int, default=100, help="fewest valid rows to train on (default 100)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -232,6 +234,8 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
         raise BadInput(f"rows of {len(set(groups))} architecture(s); need >= {MIN_ARCHITECTURES} "
                        "(calibration holds out architectures)")
 
+    if a.jobs < 1:
+        raise BadInput(f"--jobs must be >= 1, got {a.jobs}")
     make_coefficients = entries = None
     if a.coefficients:
         from model.coefficients import CoefficientModel, shipped_entries
@@ -254,7 +258,7 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
     results: dict[str, Any] = {}
     oof: tuple[np.ndarray, np.ndarray] | None = None
     for split in SPLITS:
-        pred, upper, s = cross_evaluate(df, make_curve, split, progress=lambda m: log(f"      {m}"))
+        pred, upper, s = cross_evaluate(df, make_curve, split, progress=lambda m: log(f"      {m}"), n_jobs=a.jobs)
         results[split] = s
         if split == "leave_architecture_out":
             oof = (pred, upper)
