@@ -212,6 +212,8 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
         raise BadInput("--engine dask needs --dask-address")
     if a.min_rows < 1:
         raise BadInput("--min-rows must be >= 1")
+    if a.jobs < 1:
+        raise BadInput(f"--jobs must be >= 1, got {a.jobs}")
     params = _estimator_params(a)
     registry = Registry(a.registry)
 
@@ -234,8 +236,6 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
         raise BadInput(f"rows of {len(set(groups))} architecture(s); need >= {MIN_ARCHITECTURES} "
                        "(calibration holds out architectures)")
 
-    if a.jobs < 1:
-        raise BadInput(f"--jobs must be >= 1, got {a.jobs}")
     make_coefficients = entries = None
     if a.coefficients:
         from model.coefficients import CoefficientModel, shipped_entries
