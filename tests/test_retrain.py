@@ -295,7 +295,9 @@ def test_retrain_registers_learned_coefficients_and_the_service_serves_them(db, 
 
     reg_dir = tmp_path / "models"
     fast = [a for a in FAST if a != "--no-coefficients"]
-    code, s = _run(capsys, "--db", db, "--registry", str(reg_dir), "--coefficient-estimators", "3", *fast)
+    # two evaluation folds at once: the job's closures (coefficient model, curve) travel to joblib's workers
+    code, s = _run(capsys, "--db", db, "--registry", str(reg_dir), "--coefficient-estimators", "3", "--jobs", "2",
+                   *fast)
     assert code == EXIT_OK, s
     reg = Registry(reg_dir)
     meta = reg.meta("0001")
