@@ -49,8 +49,8 @@ def scaled_targets(entries):
 
     out = []
     for e in entries:
-        spec, training, _hf = entry_configuration(e)
-        out.append((spec, training, fitted_pieces(e["terms"]) / scales(spec, training)))
+        spec, training, hf = entry_configuration(e)
+        out.append((spec, training, fitted_pieces(e["terms"]) / scales(spec, training, hf)))
     return out
 
 
@@ -260,3 +260,25 @@ def test_eager_score_and_moe_scales_make_targets_order_one(scaled_targets):
     medians = {a: float(np.median(v)) for a, v in by_bytes.items()}
     assert set(medians) == {2, 4} and all(0.95 < m < 1.05 for m in medians.values()), medians
     assert len(moe) >= 12 and 0.9 < min(moe) and max(moe) < 3.0, sorted(moe)
+
+
+@pytest.mark.parametrize("name", ["opt-125m", "opt-350m", "gpt-neo-125m", "llama-3.2-1b", "qwen2.5-0.5b"])
+def test_parameter_split_counts_what_the_model_code_builds(name):
+    """The constants' scales split the parameters as the model's code does (model.coefficients.parameter_split):
+    outside the decoder layers plus num_layers times one layer is the published count (OPT-125m's published count is
+    1,536 lower: a final norm). The vocab x hidden formula
+    missed OPT's and GPT-Neo's learned position tables (1.6 M) and OPT-350m's 512-wide embeddings with their
+    input and output projections (a base 78 % too large)."""
+    from model.coefficients import parameter_split
+
+    entry = catalog.get(name)
+    spec = catalog.spec(name)
+    base, layer = parameter_split(entry["hf_config"])
+    assert spec.total_params == int(entry["published_params"])
+    assert abs(base + spec.num_layers * layer - spec.total_params) <= (1536 if name == "opt-125m" else 0)
+    formula = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    if name == "opt-350m":
+        assert formula / base > 1.7
+    elif name in ("opt-125m", "gpt-neo-125m"):
+        assert base - formula == (2048 + (2 if name == "opt-125m" else 0)) * 768 + 2 * 768  # positions, final norm
+    assert parameter_split(None) is None
