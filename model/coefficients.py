@@ -44,6 +44,7 @@ Artifacts: one LightGBM booster per coefficient in LightGBM's text format plus `
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 from collections.abc import Iterable
@@ -188,6 +189,27 @@ def head_token_bytes(model: ModelSpec, training: TrainingConfig) -> int:
     return full - 4 * sbv
 
 
+#: :func:`parameter_split` of every catalog architecture and reduced MoE model, by :func:`parameter_split_key`
+#: (``scripts/parameter_splits.py`` writes it; ``tests/test_coefficients.py`` checks it against meta builds): the
+#: builds import transformers' model code, 4-8 s of a command-line answer on a 2-core machine
+PARAMETER_SPLITS_PATH = Path(__file__).resolve().parent.parent / "data" / "parameter_splits.json"
+
+
+@functools.cache
+def _parameter_splits_snapshot() -> dict[str, list[int]]:
+    try:
+        return json.loads(PARAMETER_SPLITS_PATH.read_text())["splits"]
+    except FileNotFoundError:
+        return {}
+
+
+def parameter_split_key(hf_config: dict[str, Any]) -> str:
+    """SHA-256 (hex) of the config's memory-relevant keys (:func:`model.terms.canonical_config`)."""
+    from model.terms import canonical_config
+
+    return hashlib.sha256(json.dumps(canonical_config(hf_config), sort_keys=True).encode()).hexdigest()
+
+
 @functools.lru_cache(maxsize=1024)
 def _parameter_split(config_json: str) -> tuple[int, int] | None:
     import torch
@@ -213,10 +235,16 @@ def parameter_split(hf_config: dict[str, Any] | None) -> tuple[int, int] | None:
     Outside the layers are the token embeddings and head, and what a vocabulary-times-hidden count misses:
     learned position tables (OPT-125m, GPT-Neo-125m: 1.6 M, 3.9 % of their embeddings), the input and output
     projections of OPT-350m (its embeddings are 512 wide, not 1,024: the count was 78 % high) and final norms.
+    Catalog architectures are read from the shipped snapshot (:data:`PARAMETER_SPLITS_PATH`).
     """
     if not hf_config:
         return None
-    return _parameter_split(json.dumps(hf_config, sort_keys=True))
+    hit = _parameter_splits_snapshot().get(parameter_split_key(hf_config))
+    if hit is not None:
+        return int(hit[0]), int(hit[1])
+    from model.terms import canonical_config
+
+    return _parameter_split(json.dumps(canonical_config(hf_config), sort_keys=True))
 
 
 def small_model_states(model: ModelSpec, training: TrainingConfig,

@@ -282,3 +282,23 @@ def test_parameter_split_counts_what_the_model_code_builds(name):
     elif name in ("opt-125m", "gpt-neo-125m"):
         assert base - formula == (2048 + (2 if name == "opt-125m" else 0)) * 768 + 2 * 768  # positions, final norm
     assert parameter_split(None) is None
+
+
+def test_parameter_split_snapshot_covers_the_catalog_and_matches_meta_builds():
+    """The shipped snapshot (scripts/parameter_splits.py) answers every catalog architecture without building it;
+    sampled entries equal the meta builds under the installed transformers (run the script when this fails)."""
+    import json
+
+    from model.coefficients import _parameter_split, _parameter_splits_snapshot, parameter_split, parameter_split_key
+    from model.terms import canonical_config
+
+    snapshot = _parameter_splits_snapshot()
+    names = catalog.names()
+    assert all(parameter_split_key(catalog.get(n)["hf_config"]) in snapshot for n in names)
+    misses = _parameter_split.cache_info().misses
+    parameter_split(catalog.get("mistral-7b-v0.1")["hf_config"])
+    assert _parameter_split.cache_info().misses == misses  # read, not built
+    for name in random.Random(0).sample(names, 4) + ["opt-350m"]:
+        cfg = catalog.get(name)["hf_config"]
+        built = _parameter_split(json.dumps(canonical_config(cfg), sort_keys=True))
+        assert list(built) == snapshot[parameter_split_key(cfg)], name

@@ -1,0 +1,26 @@
+"""Write ``data/parameter_splits.json``, the snapshot of :func:`model.coefficients.parameter_split` (parameters outside
+the decoder layers, parameters of one layer; meta-device builds under the installed transformers) for every catalog
+architecture and reduced MoE model, which the learned-coefficient path reads instead of importing transformers'
+model code. Run after changing the catalog (``data/architectures``) or the transformers pin:
+
+    python scripts/parameter_splits.py
+"""
+
+import json
+from importlib.metadata import version
+
+from data import catalog
+from model.coefficients import PARAMETER_SPLITS_PATH, _parameter_split, parameter_split_key
+from model.terms import canonical_config
+from training.moe_telemetry import REDUCED_MOE
+
+if __name__ == "__main__":
+    configs = [catalog.get(name)["hf_config"] for name in catalog.names()] + list(REDUCED_MOE.values())
+    splits = {}
+    for cfg in configs:
+        split = _parameter_split(json.dumps(canonical_config(cfg), sort_keys=True))
+        if split is not None:
+            splits[parameter_split_key(cfg)] = list(split)
+    PARAMETER_SPLITS_PATH.write_text(json.dumps({"transformers": version("transformers"),
+                                                 "splits": dict(sorted(splits.items()))}, indent=0) + "\n")
+    print(f"{len(splits)} of {len(configs)} configs -> {PARAMETER_SPLITS_PATH}")
