@@ -203,24 +203,26 @@ def _parameter_splits_snapshot() -> dict[str, list[int]]:
         return {}
 
 
-def parameter_split_key(hf_config: dict[str, Any]) -> str:
-    """SHA-256 (hex) of the config's memory-relevant keys (:func:`model.terms.canonical_config`)."""
+def _canonical_json(hf_config: dict[str, Any]) -> str:
     from model.terms import canonical_config
 
-    return hashlib.sha256(json.dumps(canonical_config(hf_config), sort_keys=True).encode()).hexdigest()
+    return json.dumps(canonical_config(hf_config), sort_keys=True)
+
+
+def parameter_split_key(hf_config: dict[str, Any]) -> str:
+    """SHA-256 (hex) of the config's memory-relevant keys (:func:`model.terms.canonical_config`)."""
+    return hashlib.sha256(_canonical_json(hf_config).encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=1024)
 def _parameter_split(config_json: str) -> tuple[int, int] | None:
-    import torch
-
-    from memfit.hf import build_causal_lm, count_params, quiet_transformers
+    from memfit.hf import count_params_from_config, quiet_transformers
     from training.phases import small_config
 
     cfg = json.loads(config_json)
     try:
-        with torch.device("meta"), quiet_transformers():
-            one, two = (count_params(build_causal_lm(small_config(cfg, n)))[0] for n in (1, 2))
+        with quiet_transformers():
+            one, two = (count_params_from_config(small_config(cfg, n)) for n in (1, 2))
     except Exception:  # noqa: BLE001 - a config transformers cannot build here: the caller's formula split
         return None
     layer = two - one
@@ -239,12 +241,11 @@ def parameter_split(hf_config: dict[str, Any] | None) -> tuple[int, int] | None:
     """
     if not hf_config:
         return None
-    hit = _parameter_splits_snapshot().get(parameter_split_key(hf_config))
+    body = _canonical_json(hf_config)
+    hit = _parameter_splits_snapshot().get(hashlib.sha256(body.encode()).hexdigest())
     if hit is not None:
         return int(hit[0]), int(hit[1])
-    from model.terms import canonical_config
-
-    return _parameter_split(json.dumps(canonical_config(hf_config), sort_keys=True))
+    return _parameter_split(body)
 
 
 def small_model_states(model: ModelSpec, training: TrainingConfig,

@@ -10,15 +10,14 @@ import json
 from importlib.metadata import version
 
 from data import catalog
-from model.coefficients import PARAMETER_SPLITS_PATH, _parameter_split, parameter_split_key
-from model.terms import canonical_config
+from model.coefficients import PARAMETER_SPLITS_PATH, _canonical_json, _parameter_split, parameter_split_key
 from training.moe_telemetry import REDUCED_MOE
 
 if __name__ == "__main__":
     configs = [catalog.get(name)["hf_config"] for name in catalog.names()] + list(REDUCED_MOE.values())
     splits = {}
     for cfg in configs:
-        split = _parameter_split(json.dumps(canonical_config(cfg), sort_keys=True))
+        split = _parameter_split(_canonical_json(cfg))
         if split is not None:
             splits[parameter_split_key(cfg)] = list(split)
     PARAMETER_SPLITS_PATH.write_text(json.dumps({"transformers": version("transformers"),
