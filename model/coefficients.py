@@ -72,7 +72,7 @@ from model.analytic import (
 )
 from model.compose import PHASES, VARIANTS, layer_values
 from model.features import CATEGORIES
-from model.parallel import tensor_parallel_rank_spec
+from model.parallel import expert_parallel_rank_spec, tensor_parallel_rank_spec
 
 #: the composition's quantities per phase, each a function of the small models' live bytes
 QUANTITIES = ("f0", "dF", "c0", "dC")
@@ -86,9 +86,11 @@ _BASIS_INDEX = (0, 1, 3)
 #: target is a booster in the artifact
 NEGLIGIBLE = 1e-3
 #: artifact format; 2: eager-score, tensor-parallel and MoE scales (session 7); 3: constants scaled by the exact
-#: parameters outside and inside one decoder layer (:func:`parameter_split`, session 13). Boosters fitted on the scales
-#: of an older format would predict other bytes, and :meth:`CoefficientModel.load` refuses them
-FORMAT = "memfit-coefficients-3"
+#: parameters outside and inside one decoder layer (:func:`parameter_split`, session 13);
+#: 4: an expert-parallel rank's constants scaled by its own experts (:func:`rank_hf_config`, session 14).
+#: Boosters fitted on the scales of an older format would predict other bytes, and :meth:`CoefficientModel.load`
+#: refuses them
+FORMAT = "memfit-coefficients-4"
 TARGETS: tuple[tuple[str, str, str], ...] = tuple((p, q, c) for p in PHASES for q in QUANTITIES for c in PIECE)
 
 #: families with LayerNorm (else RMSNorm)
@@ -248,6 +250,20 @@ def parameter_split(hf_config: dict[str, Any] | None) -> tuple[int, int] | None:
     return _parameter_split(body)
 
 
+def rank_hf_config(hf_config: dict[str, Any] | None, training: TrainingConfig) -> dict[str, Any] | None:
+    """The HF config of what one expert-parallel rank builds: ``hf_config`` with ``num_experts /
+    expert_parallel_size`` routed experts (:func:`training.moe.local_expert_config`, the tracer's shard); ``hf_config``
+    itself without expert parallelism, and None when there is no config or its experts do not split that way."""
+    if not hf_config or training.expert_parallel_size == 1:
+        return hf_config
+    from training.moe import local_expert_config
+
+    try:
+        return local_expert_config(hf_config, training.expert_parallel_size)
+    except ValueError:
+        return None
+
+
 def small_model_states(model: ModelSpec, training: TrainingConfig,
                        hf_config: dict[str, Any] | None = None) -> tuple[float, float]:
     """(model-state bytes of the one-layer model, of one decoder layer): the scales of the constants.
@@ -263,12 +279,16 @@ def small_model_states(model: ModelSpec, training: TrainingConfig,
     weights (FSDP full shard, ZeRO-3) and the full gradients before their reduce-scatter (every sharding)
     of the unit being computed — measured on the shipped traced terms, the embeddings' live bytes over their
     sharded states alone reach 70 over 64 ranks, where over this scale they stay near 1.
+    With expert parallelism a rank holds ``num_experts / expert_parallel_size`` experts of each MoE layer
+    (:func:`rank_hf_config`), as the tracer builds it: counting every expert put the held-out MoE models with four
+    expert-parallel ranks 113-202 % high (session 13).
     """
     L = model.num_layers
-    split = parameter_split(hf_config)
+    split = parameter_split(rank_hf_config(hf_config, training))
     if split is not None:
         emb, layer = split
     else:
+        model = expert_parallel_rank_spec(model, training)  # the formula split of the rank's experts
         emb = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
         layer = max(model.total_params - emb, L) / L
     full = model.trainable_params >= model.total_params

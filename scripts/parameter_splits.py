@@ -1,7 +1,8 @@
 """Write ``data/parameter_splits.json``, the snapshot of :func:`model.coefficients.parameter_split` (parameters outside
 the decoder layers, parameters of one layer; meta-device builds under the installed transformers) for every catalog
-architecture and reduced MoE model, which the learned-coefficient path reads instead of importing transformers'
-model code. Run after changing the catalog (``data/architectures``) or the transformers pin:
+architecture and reduced MoE model, and of one expert-parallel rank's shard of each MoE model, which the
+learned-coefficient path reads instead of importing transformers' model code. Run after changing the catalog
+(``data/architectures``) or the transformers pin:
 
     python scripts/parameter_splits.py
 """
@@ -11,10 +12,14 @@ from importlib.metadata import version
 
 from data import catalog
 from model.coefficients import PARAMETER_SPLITS_PATH, _canonical_json, _parameter_split, parameter_split_key
+from training.moe import local_expert_config, num_routed_experts
 from training.moe_telemetry import REDUCED_MOE
 
 if __name__ == "__main__":
     configs = [catalog.get(name)["hf_config"] for name in catalog.names()] + list(REDUCED_MOE.values())
+    # one expert-parallel rank's shard of every MoE model, for expert-parallel sizes 2, 4, 8, ... dividing its experts
+    configs += [local_expert_config(cfg, ep) for cfg in list(configs) if (experts := num_routed_experts(cfg))
+                for ep in (2 ** i for i in range(1, experts.bit_length())) if experts % ep == 0]
     splits = {}
     for cfg in configs:
         split = _parameter_split(_canonical_json(cfg))
