@@ -149,3 +149,15 @@ def test_moe_settings_are_checked_against_the_model():
     assert err.value.field == "training.expert_parallel_size"
     with pytest.raises(ValueError, match="expert_parallel_size: must be a divisor of data_parallel_size=1"):
         TrainingConfig(micro_batch_size=1, seq_len=8, expert_parallel_size=2)
+
+
+def test_lora_with_peft_default_targets_runs_on_mixtral():
+    """PEFT 0.21 under transformers 5 leaves Mixtral's default LoRA targets an empty set (NoMatchingPeftModuleError,
+    found by a new-user trial: every Mixtral LoRA request without target modules fell back to the learned path); the
+    collector passes PEFT's default mapping (q_proj, v_proj) itself, and the step adapts exactly those."""
+    t = TrainingConfig(micro_batch_size=2, seq_len=64, precision="bf16", finetune="lora", lora_rank=4)
+    explicit = t.model_copy(update={"lora_target_modules": ["q_proj", "v_proj"]})
+    measure(TINY_MOE["mixtral"], explicit)  # the first step in a process allocates 2 KiB more (a one-off cache)
+    default, named = (measure(TINY_MOE["mixtral"], c) for c in (t, explicit))
+    assert default.measurement.peak_allocated_bytes == named.measurement.peak_allocated_bytes > 0
+    assert default.model.trainable_params == named.model.trainable_params > 0

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from memfit.checkpointing import apply_activation_checkpointing
-from memfit.hf import build_causal_lm, decoder_layers, model_spec, quiet_transformers
+from memfit.hf import build_causal_lm, decoder_layers, model_spec, peft_default_lora_targets, quiet_transformers
 from memfit.schema import (
     Attention, CheckpointImpl, ClusterSpec, FineTune, Measurement, Method, Offload, Optimizer, Phase, Precision,
     Quantization, Sharding, TelemetryRecord, TrainingConfig, check_moe_settings,
@@ -199,8 +199,12 @@ def _apply_finetune(model, training: TrainingConfig, layers) -> Any:
     if training.finetune is FineTune.LORA:
         from peft import LoraConfig, get_peft_model
 
+        # PEFT's default targets, passed explicitly: PEFT 0.21 under transformers 5 leaves them an empty set for
+        # Mixtral (NoMatchingPeftModuleError) though its mapping has q_proj, v_proj; for the other families the
+        # explicit list adapts the same modules
+        targets = training.lora_target_modules or peft_default_lora_targets(model.config.model_type)
         cfg = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0,
-                         target_modules=training.lora_target_modules, task_type="CAUSAL_LM")
+                         target_modules=targets, task_type="CAUSAL_LM")
         with _module_to_via_set_data():
             return get_peft_model(model, cfg)
     if training.finetune is FineTune.FROZEN:
