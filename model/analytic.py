@@ -115,12 +115,26 @@ class ModelStates:
         return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
 
 
+def routed_expert_share(model: ModelSpec, training: TrainingConfig) -> float:
+    """The fraction of the parameters one expert-parallel rank holds (``model``: that rank's counts,
+    :func:`model.parallel.expert_parallel_rank_spec`) that are its routed experts: ``num_layers · num_experts /
+    expert_parallel_size`` gated MLPs of ``3 · hidden · intermediate`` parameters (the same shapes as there); 0 without
+    expert parallelism."""
+    ep = training.expert_parallel_size
+    if ep == 1 or not model.num_experts or model.total_params <= 0:
+        return 0.0
+    experts = model.num_layers * (model.num_experts // ep) * 3 * model.hidden_size * model.intermediate_size
+    return min(experts / model.total_params, 1.0)
+
+
 def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower_bound: bool = False) -> ModelStates:
     """Weights, gradients and optimizer states held by one data-parallel rank.
 
     Args:
         model: total and trainable parameter counts are used (LoRA/frozen: states only for trainable).
-        training: precision, optimizer, sharding and data-parallel size.
+        training: precision, optimizer, sharding, data-parallel size (and expert-parallel size: a rank's routed
+            experts are sharded over ``data_parallel_size / expert_parallel_size`` ranks only,
+            :func:`routed_expert_share`).
         zero1_lower_bound: ZeRO-1 as run by ``torch.distributed.optim.ZeroRedundancyOptimizer``
             partitions whole parameters greedily, so rank 0's share of the optimizer states is not
             exactly 1/N; with True, ZeRO-1 optimizer states count as 0, a guaranteed lower bound.
@@ -148,17 +162,28 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
     opt = int(trainable * states_per_param)
     n = training.data_parallel_size
     s = training.sharding
+    # expert parallelism: the routed experts a rank holds are sharded only over the data-parallel ranks that hold the
+    # same experts (data_parallel_size / expert_parallel_size: DeepSpeed-MoE's expert-data-parallel group, torchtitan's
+    # dp_shard_mod_ep mesh), everything else over all of them; LoRA adapters are not on the experts by default
+    n_expert = max(n // training.expert_parallel_size, 1)
+    share = routed_expert_share(model, training)
+    trainable_share = share if trainable >= total else 0.0
+
+    def shard(x: int, f: float) -> int:
+        e = int(x * f)
+        return e // n_expert + (x - e) // n
+
     if s in (Sharding.ZERO3, Sharding.FSDP_FULL_SHARD):
-        weights, grads, opt = weights // n, grads // n, opt // n
+        weights, grads, opt = shard(weights, share), shard(grads, trainable_share), shard(opt, trainable_share)
     elif s in (Sharding.ZERO2, Sharding.FSDP_SHARD_GRAD_OP):
         # full parameters stay gathered through backward; with autocast-style mixed precision the
         # gathered copy is half precision and the fp32 weights are a shard (FSDP2 MixedPrecisionPolicy,
         # DeepSpeed's fp16/bf16 params + partitioned fp32 master: ZeRO paper 2Ψ + 14Ψ/N)
         if training.precision in (Precision.AMP_BF16, Precision.AMP_FP16):
-            weights = 2 * total + weights // n
-        grads, opt = grads // n, opt // n
+            weights = 2 * total + shard(weights, share)
+        grads, opt = shard(grads, trainable_share), shard(opt, trainable_share)
     elif s is Sharding.ZERO1:
-        opt = 0 if zero1_lower_bound else opt // n
+        opt = 0 if zero1_lower_bound else shard(opt, trainable_share)
     if training.offload_optimizer is Offload.CPU:
         opt = 0
     if training.offload_parameters is Offload.CPU:

@@ -88,3 +88,36 @@ def test_mixtral_expert_parallel_8_on_the_provisional_path_counts_one_rank(recom
     assert rec.parameters_per_rank == pytest.approx(46_702_792_704 - experts + experts / 8, rel=0.001)
     states = 8 * rec.parameters_per_rank  # pure bf16: weights, gradients and two bf16 AdamW moments
     assert states < rec.curve[-1].predicted_bytes < states + 25 * GIB
+
+
+def test_expert_parallel_with_zero3_shards_the_experts_only_over_their_replicas(recommender):
+    """A new-user trial: Mixtral-8x7B with 4 expert-parallel ranks and ZeRO-3 over the same 4 GPUs was answered
+    46 GiB, fitting at k = 0 on an 80 GB card, because ZeRO-3 divided the rank's experts by 4 once more. ZeRO and
+    FSDP shard a rank's experts only over the ranks holding the same experts (data_parallel_size /
+    expert_parallel_size = 1 here: DeepSpeed-MoE's expert-data-parallel group, torchtitan's dp_shard_mod_ep mesh)
+    and the rest over all 4, so the model states are those of ZeRO-3 without expert parallelism (87 GiB) and
+    nothing fits; over 8 GPUs the experts are sharded in two."""
+    from data import catalog
+    from memfit.schema import TrainingConfig
+    from model.analytic import model_state_bytes
+    from model.parallel import expert_parallel_rank_spec
+
+    spec = catalog.spec("mixtral-8x7b")
+    experts = 32 * 8 * 3 * 4096 * 14336
+    rest = spec.total_params - experts
+
+    def states(ep: int, dp: int, sharding: str) -> int:
+        t = TrainingConfig(micro_batch_size=1, seq_len=4096, precision="bf16", sharding=sharding,
+                           data_parallel_size=dp, expert_parallel_size=ep)
+        return model_state_bytes(expert_parallel_rank_spec(spec, t), t).total_bytes
+
+    # pure bf16 AdamW: 8 bytes per parameter (weights, gradients, two bf16 moments)
+    assert states(4, 4, "zero3") == pytest.approx(8 * (experts / 4 + rest / 4), rel=1e-6)
+    assert states(4, 8, "zero3") == pytest.approx(8 * (experts / 4 / 2 + rest / 8), rel=1e-6)
+    assert states(4, 4, "none") == pytest.approx(8 * (experts / 4 + rest), rel=1e-6)
+    assert states(1, 4, "zero3") == pytest.approx(states(4, 4, "zero3"), rel=1e-6)
+    req = RecommendRequest.model_validate({"model": "mixtral-8x7b", "training": {
+        "micro_batch_size": 1, "seq_len": 4096, "precision": "bf16", "expert_parallel_size": 4,
+        "data_parallel_size": 4, "sharding": "zero3"}, "cluster": {"gpu": "H100-80GB", "gpu_count": 4}})
+    rec = recommender.recommend(req)
+    assert rec.curve[-1].predicted_bytes >= states(4, 4, "zero3") > 80 * GIB and not rec.fits and rec.k is None
