@@ -536,3 +536,20 @@ def test_readme_commands_parse_into_valid_requests():
         if "--optimizer" in argv and argv[argv.index("--optimizer") + 1] == "adamw":
             assert req.training.optimizer.value == "adamw_foreach"
     assert {"--precision", "--optimizer", "--attention", "--gpus"} <= flags
+
+
+def test_readme_curl_bodies_are_valid_requests():
+    # a new user had to read /openapi.json to learn /predict's body: the README now shows one; each curl body there
+    # must be a request the service takes
+    import json
+    import re
+
+    from memfit.api import PredictRequest, RecommendRequest
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    calls = re.findall(r"curl -s -X POST http://[^/]+/(\w+) .*?-d '(.*?)'", readme, flags=re.DOTALL)
+    kinds = {path: [] for path in ("recommend", "predict")}
+    for path, body in calls:
+        kinds[path].append({"recommend": RecommendRequest, "predict": PredictRequest}[path].model_validate(
+            json.loads(body)))
+    assert kinds["recommend"] and kinds["predict"] and kinds["predict"][0].items[0].k == 16
