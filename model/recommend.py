@@ -232,8 +232,9 @@ def rank_alternatives(alternatives: list, current_recompute_fraction: float | No
     Ranking rule: (1) the category, in :data:`CATEGORIES` order — changes that keep the hardware and the
     training update come first, then more hardware, then changed numerics (pure bf16, 8-bit states), then
     training other weights (LoRA, QLoRA); (2) within a category, the least throughput loss
-    (``throughput_loss_fraction``: the change's own cost plus its recompute, k / 3L); (3) the lower
-    predicted peak. When the current plan fits with heavy recompute (``current_recompute_fraction`` given),
+    (``throughput_loss_fraction``: the change's own cost plus its recompute, k / 3L); (3) the fewer GPUs (a
+    ``change`` with ``gpu_count``: the smallest cluster that fits comes first, not the one with the lowest peak
+    per GPU); (4) the lower predicted peak. When the current plan fits with heavy recompute (``current_recompute_fraction`` given),
     only alternatives that lose less throughput than that recompute are kept. When nothing fits, the three
     closest to fitting (smallest ``total_upper_bytes``) are returned instead.
 
@@ -255,4 +256,5 @@ def rank_alternatives(alternatives: list, current_recompute_fraction: float | No
         return [] if current_recompute_fraction is not None else \
             sorted(alternatives, key=lambda a: a.total_upper_bytes)[:3]
     return sorted(fitting, key=lambda a: (CATEGORIES.index(a.category), a.throughput_loss_fraction,
+                                          (getattr(a, "change", None) or {}).get("gpu_count", 0),
                                           a.predicted_peak_bytes))

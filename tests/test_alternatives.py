@@ -23,6 +23,15 @@ def test_rank_by_category_then_throughput_loss_then_peak():
     assert [a.description for a in ranked] == ["zero3", "zero3-bigger-peak", "offload", "gpus", "bf16", "lora"]
 
 
+def test_fewer_gpus_first_among_equally_cheap_hardware():
+    # a new user saw "ZeRO-3 over 64 GPUs" before 32 and 16 (the lower peak per GPU won the tie): the smallest
+    # cluster that fits comes first
+    more = [Alternative(description=f"ZeRO-3 over {n} GPUs", change={"gpu_count": n, "sharding": "zero3"}, fits=True,
+                        k=0, predicted_peak_bytes=1000 // n, total_upper_bytes=1000 // n, category="more_hardware",
+                        throughput_loss_fraction=0.0) for n in (64, 16, 32)]
+    assert [a.change["gpu_count"] for a in rank_alternatives(more)] == [16, 32, 64]
+
+
 def test_heavy_recompute_keeps_only_cheaper_changes():
     ranked = rank_alternatives([alt("offload", "same_training", 0.3), alt("bf16", "numerics", 0.02),
                                 alt("zero2", "same_training", 0.1)], current_recompute_fraction=0.25)
