@@ -234,8 +234,8 @@ def rank_alternatives(alternatives: list, current_recompute_fraction: float | No
     training other weights (LoRA, QLoRA); (2) within a category, the least throughput loss
     (``throughput_loss_fraction``: the change's own cost plus its recompute, k / 3L); (3) the fewer GPUs (a
     ``change`` with ``gpu_count``: the smallest cluster that fits comes first, not the one with the lowest peak
-    per GPU); (4) the lower predicted peak. When the current plan fits with heavy recompute (``current_recompute_fraction`` given),
-    only alternatives that lose less throughput than that recompute are kept. When nothing fits, the three
+    per GPU); (4) the lower predicted peak. When the current plan fits with heavy recompute
+    (``current_recompute_fraction`` given), only alternatives that lose less throughput than that recompute are kept. When nothing fits, the three
     closest to fitting (smallest ``total_upper_bytes``) are returned instead.
 
     Args:
