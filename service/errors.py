@@ -138,16 +138,24 @@ def _unwrap(annotation: Any) -> Any:
 def allowed_range(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | None:
     """The allowed values of the field at ``loc`` inside ``model`` in words, e.g. ``an integer in [1, 16384]``."""
     info = None
+    is_list = False
     for key in loc:
         if isinstance(key, int) or model is None:  # list index
+            is_list = False
             continue
         info = model.model_fields.get(str(key))
         if info is None:
             return None
         inner = _unwrap(info.annotation)
-        if typing.get_origin(inner) is list:
+        is_list = typing.get_origin(inner) is list
+        if is_list:
             inner = _unwrap(typing.get_args(inner)[0])
         model = inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
+    if info is not None and is_list:  # the list itself (e.g. an empty batch): its length bounds
+        lo = next((m.min_length for m in info.metadata if isinstance(m, at.MinLen)), 0)
+        hi = next((m.max_length for m in info.metadata if isinstance(m, at.MaxLen)), None)
+        if lo or hi is not None:
+            return f"a list of {lo} to {hi} items" if hi is not None else f"a list of at least {lo} items"
     if info is None or model is not None:
         return None
     kind = _unwrap(info.annotation)

@@ -246,6 +246,14 @@ def test_local_command_line_and_service_take_the_same_gpu_overhead(tmp_path):
     assert holder.overhead.to_dict() == measured.to_dict()
 
 
+def test_an_empty_or_oversized_batch_is_422_with_the_allowed_length(client):
+    # a new user's {"items": []} got a 422 without an allowed range, where every other field names one
+    r = client.post("/predict", json={"items": []})
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
+    assert r.json()["errors"][0]["field"] == "items" and r.json()["errors"][0]["allowed"] == "a list of 1 to 1024 items"
+    assert "(allowed: a list of 1 to 1024 items)" in r.json()["detail"]
+
+
 def test_recommender_check_422_detail_names_the_field_and_the_allowed_range(client):
     # the allowed range of a recommender check (InvalidConfiguration, service/errors.py) was only in errors[]:
     # the detail read "training: data*tensor*pipeline*context parallel size = 1*16*1*1 = 16 exceeds
