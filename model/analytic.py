@@ -115,16 +115,21 @@ class ModelStates:
         return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
 
 
+def routed_expert_params(model: ModelSpec, num_experts: int) -> int:
+    """Parameters of ``num_experts`` routed experts in every decoder layer, at most ``total_params``: each expert is a
+    gated MLP of ``3 · hidden · intermediate`` parameters (Mixtral, OLMoE, Qwen-MoE, DeepSeek: ``intermediate_size`` is
+    the expert's width, :func:`memfit.hf.spec_fields_from_hf_config`)."""
+    return min(model.num_layers * num_experts * 3 * model.hidden_size * model.intermediate_size, model.total_params)
+
+
 def routed_expert_share(model: ModelSpec, training: TrainingConfig) -> float:
     """The fraction of the parameters one expert-parallel rank holds (``model``: that rank's counts,
-    :func:`model.parallel.expert_parallel_rank_spec`) that are its routed experts: ``num_layers · num_experts /
-    expert_parallel_size`` gated MLPs of ``3 · hidden · intermediate`` parameters (the same shapes as there); 0 without
-    expert parallelism."""
+    :func:`model.parallel.expert_parallel_rank_spec`) that are its ``num_experts / expert_parallel_size`` routed
+    experts (:func:`routed_expert_params`); 0 without expert parallelism."""
     ep = training.expert_parallel_size
     if ep == 1 or not model.num_experts or model.total_params <= 0:
         return 0.0
-    experts = model.num_layers * (model.num_experts // ep) * 3 * model.hidden_size * model.intermediate_size
-    return min(experts / model.total_params, 1.0)
+    return routed_expert_params(model, model.num_experts // ep) / model.total_params
 
 
 def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower_bound: bool = False) -> ModelStates:

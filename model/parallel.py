@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import FineTune, ModelSpec, PipelineSchedule, TrainingConfig
-from model.analytic import activation_dtype_bytes, model_state_bytes
+from model.analytic import activation_dtype_bytes, model_state_bytes, routed_expert_params
 from model.compose import PEAK_PHASES, compose, layer_values
 
 #: model families whose decoder layers follow the Llama-style tensor-parallel plan of
@@ -83,9 +83,8 @@ def expert_parallel_rank_spec(model: ModelSpec, training: TrainingConfig) -> Mod
     """``model`` with the parameter counts one expert-parallel rank holds, from the shapes alone (the spec
     itself without experts or with ``expert_parallel_size`` 1).
 
-    Each routed expert is a gated MLP of ``3 · hidden · intermediate`` parameters (Mixtral, OLMoE, Qwen-MoE,
-    DeepSeek: ``intermediate_size`` is the expert's width, :func:`memfit.hf.spec_fields_from_hf_config`), so a
-    rank holds ``num_layers · num_experts / P`` of them plus everything else; trainable parameters shrink in
+    A rank holds ``num_layers · num_experts / P`` routed experts (:func:`model.analytic.routed_expert_params`)
+    plus everything else; trainable parameters shrink in
     proportion under full fine-tuning and stay as given otherwise (LoRA adapters are not on the experts by
     default). :func:`model.curve.expert_parallel_rank` counts the same thing exactly on a meta build when the
     HF config is known.
@@ -93,8 +92,7 @@ def expert_parallel_rank_spec(model: ModelSpec, training: TrainingConfig) -> Mod
     ep = training.expert_parallel_size
     if ep == 1 or not model.num_experts:
         return model
-    experts = model.num_layers * model.num_experts * 3 * model.hidden_size * model.intermediate_size
-    experts = min(experts, model.total_params)
+    experts = routed_expert_params(model, model.num_experts)
     total = model.total_params - experts + -(-experts // ep)
     full = model.trainable_params >= model.total_params
     trainable = total if full else min(model.trainable_params, total)
