@@ -20,6 +20,7 @@ from training.phases import (
     PHASES,
     envelope_pieces,
     linear_token_points,
+    micro_batch_one_on_fit,
     small_config,
     timeline_on_fit,
     token_points,
@@ -129,6 +130,44 @@ def test_sliding_window_regimes_compose_on_both_sides():
         c = MemoryPredictor(None, cache).curve(spec, t, cfg)
         for k, m in zip((0, L), measured):
             assert abs(c.points[k].predicted_bytes - m) / m < 2e-3, (b, s, k)
+
+
+def test_micro_batch_one_on_the_fit_drops_only_missing_allocations():
+    # two b >= 2 timelines on (1, b·s): one event a b = 1 trace does not make (a view there) is dropped; a b = 1 event
+    # with other bytes, or one the fit does not have, sends b = 1 to its own traces
+    points = [(2, 100), (4, 100)]
+    per_token = [1000, 3000, 2000]  # live bytes per b·s token after each event
+    timelines = [[("fwd.layers", 50 + v * b * s) for v in per_token] for b, s in points]
+    at_one = [("fwd.layers", 50 + v * 300) for v in per_token]
+    folded = micro_batch_one_on_fit(timelines, points, [0, 1], [at_one[0], at_one[2]], (1, 300))
+    assert folded is not None and folded.shape == (5, 2)
+    assert folded[0].tolist() == pytest.approx([50, 50]) and folded[2].tolist() == pytest.approx([1000, 2000])
+    assert not folded[1].any() and not folded[3].any()
+    assert micro_batch_one_on_fit(timelines, points, [0, 1], [at_one[0], ("fwd.layers", 50 + 2500 * 300)],
+                                  (1, 300)) is None
+    assert micro_batch_one_on_fit(timelines, points, [0, 1], [*at_one, ("fwd.layers", 1)], (1, 300)) is None
+    assert micro_batch_one_on_fit(timelines, points, [0, 1], at_one, (2, 300)) is None  # not micro-batch 1
+
+
+def test_micro_batch_one_from_the_fit_composes_as_its_own_traces(monkeypatch):
+    # Mistral-shaped, sliding window: b = 1 traces at each regime's longest length are on the b >= 2 fits (its
+    # logits reshape is a view at b = 1: one allocation fewer), so 6 of the 27 traces per small model are not
+    # run, and the b = 1 curves are those of micro-batch 1 fitted on its own traces (to the byte)
+    from training import phases
+
+    cfg = small_width("mistral-7b-v0.1", sliding_window=1024)
+    training = TrainingConfig(micro_batch_size=1, seq_len=128, precision="bf16")
+    calls = []
+    real = phases._traced_at
+    monkeypatch.setattr(phases, "_traced_at", lambda *a, **k: calls.append(a[2:4]) or real(*a, **k))
+    checked = trace_terms(cfg, training, parallel=False).to_json()
+    n_checked = len(calls)
+    monkeypatch.setattr(phases, "micro_batch_one_on_fit", lambda *a: None)
+    own = trace_terms(cfg, training, parallel=False).to_json()
+    assert len(calls) - n_checked == n_checked + 2 * 6  # per small model: 1 of 2 b = 1 traces per c below, 1 of 3 above
+    for s in (64, 500, 1023, 1024, 1500, 2048):
+        a, b = compose_terms(checked, L, 1, s), compose_terms(own, L, 1, s)
+        assert a.peak_bytes.tolist() == b.peak_bytes.tolist() and a.phase == b.phase, s
 
 
 def test_forked_trace_gives_the_same_terms(monkeypatch):

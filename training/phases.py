@@ -125,6 +125,46 @@ def timeline_on_fit(timelines: list[list[tuple[str, int]]], points: list[tuple[i
                 <= LINEAR_CHECK_TOLERANCE_BYTES)
 
 
+#: the most allocation events a micro-batch-1 timeline may lack against the b >= 2 fit and still be answered by it
+#: (:func:`micro_batch_one_on_fit`; measured: one, a reshape of the logits that is a view at b = 1)
+MICRO_BATCH_ONE_DROPPED_EVENTS = 8
+
+
+def micro_batch_one_on_fit(timelines: list[list[tuple[str, int]]], points: list[tuple[int, int]], columns: list[int],
+                           check: list[tuple[str, int]], check_point: tuple[int, int]) -> np.ndarray | None:
+    """The b >= 2 fit of ``timelines`` (traced at ``points``, on the basis ``columns``) at micro-batch 1, as event
+    coefficients on (1, s, s²) (shape (5, events), bytes: ``b·s`` folded into ``s`` and ``b·s²`` into ``s²``), when
+    the micro-batch-1 timeline ``check`` traced at ``check_point`` is on it; else None.
+
+    On it means: walking both in order, every event of ``check`` is the next event of the fit in the same phase
+    with the fit's live bytes there (to :data:`LINEAR_CHECK_TOLERANCE_BYTES`), the fit's events in between being
+    allocations b = 1 does not make (a reshape that is a view at b = 1 and a copy from b = 2 on, at most
+    :data:`MICRO_BATCH_ONE_DROPPED_EVENTS`). Those are dropped from the returned coefficients, so they are the
+    micro-batch-1 timeline itself at ``check_point``. Where a view keeps its base alive instead (FSDP + LoRA on a
+    pythia-shaped model: 2 hidden vectors per token per layer more at b = 1, ``tests/test_phases.py``), later
+    events' bytes differ and the check fails: micro-batch 1 is then fitted on its own traces.
+    """
+    if check_point[0] != 1:
+        return None
+    theta = event_coefficients(timelines, points, columns)
+    predicted = token_basis(*check_point) @ theta
+    fit_phases = [p for p, _ in timelines[0]]
+    kept, i = [], 0
+    for phase, live in check:
+        while i < len(fit_phases) and not (fit_phases[i] == phase
+                                            and abs(predicted[i] - live) <= LINEAR_CHECK_TOLERANCE_BYTES):
+            i += 1
+        if i == len(fit_phases) or i - len(kept) > MICRO_BATCH_ONE_DROPPED_EVENTS:
+            return None
+        kept.append(i)
+        i += 1
+    if len(fit_phases) - len(kept) > MICRO_BATCH_ONE_DROPPED_EVENTS:
+        return None
+    folded = np.zeros((theta.shape[0], len(kept)))
+    folded[0], folded[2], folded[4] = theta[0, kept], theta[1, kept] + theta[2, kept], theta[3, kept] + theta[4, kept]
+    return folded
+
+
 def small_config(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """The same config with ``num_layers`` decoder layers: per-layer lists such as ``layer_types`` cut, or
     repeated cyclically where the small model is deeper than the model itself (a 2-layer model traced at 3)."""
@@ -217,7 +257,8 @@ class PhaseTerms:
     long_coef: dict[tuple[int, int], dict[str, list[list[float]]]] | None = None
     long_min_seq_len: int | None = None
     depths: tuple[int, int] | None = None
-    #: micro-batch 1, traced on its own (``mb1_coef``; ``long_mb1_coef`` from ``long_min_seq_len`` on): None
+    #: micro-batch 1 on its own (``mb1_coef``; ``long_mb1_coef`` from ``long_min_seq_len`` on; the b >= 2 fit at b = 1
+    #: where a b = 1 trace is on it, :func:`micro_batch_one_on_fit`): None
     #: in terms traced before it existed, which then compose b = 1 from the b >= 2 fit
     mb1_coef: dict[tuple[int, int], dict[str, list[list[float]]]] | None = None
     long_mb1_coef: dict[tuple[int, int], dict[str, list[list[float]]]] | None = None
@@ -425,8 +466,13 @@ def envelope_pieces(timelines: list[list[tuple[str, int]]], points: list[tuple[i
     Raises:
         RuntimeError: the timelines do not align (a shape-dependent branch in the model code).
     """
-    theta = event_coefficients(timelines, points, columns)
-    phase_of = np.array([p for p, _ in timelines[0]])
+    return _envelope(event_coefficients(timelines, points, columns), [p for p, _ in timelines[0]], grid)
+
+
+def _envelope(theta: np.ndarray, phases: list[str], grid: np.ndarray) -> dict[str, list[list[float]]]:
+    """Per phase, the events of ``theta`` (shape (5, events), bytes; ``phases`` the phase of each event) that are
+    the max of their phase somewhere on ``grid``, as coefficient vectors (:func:`envelope_pieces`)."""
+    phase_of = np.array(phases)
     values = grid @ theta  # (grid, events)
     out: dict[str, list[list[float]]] = {}
     for p in PHASES:
@@ -470,15 +516,24 @@ class _TracePlan:
         coefs: list[dict[tuple[int, int], dict[str, list[list[float]]]]] = [{} for _ in self.regimes]
         n_poly = self.n_poly
 
+        main_fits: dict[int, tuple[list, list[tuple[int, int]], list[int]]] = {}  # this c's b >= 2 traces
+
         def fit(r: int, pts, grid, cols, trace, attention: str) -> dict[str, list[list[float]]]:
             if r >= n_poly:
                 # micro-batch 1 on (1, s, s^2), or on (1, s) when the b >= 2 regime is linear (at b = 1 some reshapes
-                # are views, so its op sequence differs from b >= 2 and it is fitted on its own points)
+                # can be views, so its op sequence differs from b >= 2 and it is fitted on its own points) -- unless
+                # a trace at its longest length is on the b >= 2 fit (:func:`micro_batch_one_on_fit`)
                 main = r - n_poly
                 if linear[main]:
                     pts, cols = [(1, s) for s in sorted({s for _, s in fitted_points[main]})], [0, 2]
+                check = trace(*pts[-1])
+                if not self.forced_points:
+                    theta = micro_batch_one_on_fit(*main_fits[main], check, pts[-1])
+                    if theta is not None:
+                        fitted_points[r] = [pts[-1]]
+                        return _envelope(theta, [p for p, _ in check], grid)
                 fitted_points[r] = pts
-                return envelope_pieces([trace(b, s) for b, s in pts], pts, grid, cols)
+                return envelope_pieces([trace(b, s) for b, s in pts[:-1]] + [check], pts, grid, cols)
             if linear[r] is False or attention == "eager":  # eager attention keeps (b, heads, s, s) scores
                 linear[r] = False
                 timelines = [trace(b, s) for b, s in pts]
@@ -494,6 +549,7 @@ class _TracePlan:
                     pts, cols = three, LINEAR_COLUMNS
             cols = list(range(len(BASIS_NAMES))) if cols is None else cols
             fitted_points[r] = pts
+            main_fits[r] = (timelines, pts, cols)
             return envelope_pieces(timelines, pts, grid, cols)
 
         with prepared_model(small_config(self.hf_config, depth), self.probe) as run:
@@ -601,11 +657,14 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     context parallel sizes are ignored (the traced points and :data:`VARIANTS` replace the first three;
     offload is composed on these terms by :mod:`model.offload`, pipeline and context parallelism by
     :mod:`model.parallel`); everything else (precision, optimizer, sharding,
-    attention, fine-tuning) is traced as given. ``micro_batch_one`` (default): also trace three sequence
-    lengths at micro-batch 1 (``mb1_coef``, and ``long_mb1_coef`` past a sliding window), which
-    :func:`model.compose.compose_terms` uses for b = 1 instead of the b >= 2 fit; two when the b >= 2 regime
-    is linear in tokens. ``points`` (default :func:`token_points`): trace exactly these and fit all five
-    basis columns; without it, a regime whose first trace is linear in tokens is traced at three points
+    attention, fine-tuning) is traced as given. ``micro_batch_one`` (default): also give micro-batch 1
+    coefficients of its own (``mb1_coef``, and ``long_mb1_coef`` past a sliding window), which
+    :func:`model.compose.compose_terms` uses for b = 1 instead of the b >= 2 fit. Per regime and small model, one
+    trace at b = 1 and the regime's longest length checks whether b = 1 is on the b >= 2 fit
+    (:func:`micro_batch_one_on_fit`); where it is, the fit gives them, else two more lengths are traced (one when
+    the b >= 2 regime is linear in tokens) and b = 1 is fitted on its own. ``points`` (default
+    :func:`token_points`): trace exactly these and fit all five basis columns (and micro-batch 1 on its own traces);
+    without it, a regime whose first trace is linear in tokens is traced at three points
     (:func:`linear_token_points`, :func:`timeline_on_fit`). ``parallel`` (default): on Linux with two CPUs or more,
     the larger small model is traced in a forked process while this one traces the smaller
     (``benchmarks/results/trace_time.txt``); the terms are the same either way.
