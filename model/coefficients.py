@@ -49,7 +49,7 @@ import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightgbm as lgb
 import numpy as np
@@ -87,10 +87,12 @@ _BASIS_INDEX = (0, 1, 3)
 NEGLIGIBLE = 1e-3
 #: artifact format; 2: eager-score, tensor-parallel and MoE scales (session 7); 3: constants scaled by the exact
 #: parameters outside and inside one decoder layer (:func:`parameter_split`, session 13);
-#: 4: an expert-parallel rank's constants scaled by its own experts (:func:`rank_hf_config`, session 14).
+#: 4: an expert-parallel rank's constants scaled by its own experts (:func:`rank_hf_config`, session 14);
+#: 5: shared state constants as (count, fixed bytes) pairs (:func:`shared_state_constants`, session 15), the
+#: parameter-split snapshot with one layer's parameter tensors.
 #: Boosters fitted on the scales of an older format would predict other bytes, and :meth:`CoefficientModel.load`
 #: refuses them
-FORMAT = "memfit-coefficients-4"
+FORMAT = "memfit-coefficients-5"
 TARGETS: tuple[tuple[str, str, str], ...] = tuple((p, q, c) for p in PHASES for q in QUANTITIES for c in PIECE)
 
 #: families with LayerNorm (else RMSNorm)
@@ -216,25 +218,44 @@ def parameter_split_key(hf_config: dict[str, Any]) -> str:
     return hashlib.sha256(_canonical_json(hf_config).encode()).hexdigest()
 
 
+class ParameterSplit(NamedTuple):
+    """:func:`parameter_split`: parameters outside the decoder layers and in one, and one layer's parameter tensors."""
+
+    outside: int
+    layer: int
+    layer_tensors: int
+
+
+def _meta_counts(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(parameters, parameter tensors) of a ``meta``-device build of ``cfg`` (tied weights once)."""
+    import torch
+
+    from memfit.hf import build_causal_lm, count_params
+
+    with torch.device("meta"):
+        model = build_causal_lm(cfg)
+    return count_params(model)[0], sum(1 for _ in model.parameters())
+
+
 @functools.lru_cache(maxsize=1024)
-def _parameter_split(config_json: str) -> tuple[int, int] | None:
-    from memfit.hf import count_params_from_config, quiet_transformers
+def _parameter_split(config_json: str) -> ParameterSplit | None:
+    from memfit.hf import quiet_transformers
     from training.phases import small_config
 
     cfg = json.loads(config_json)
     try:
         with quiet_transformers():
-            one, two = (count_params_from_config(small_config(cfg, n)) for n in (1, 2))
+            (one, t_one), (two, t_two) = (_meta_counts(small_config(cfg, n)) for n in (1, 2))
     except Exception:  # noqa: BLE001 - a config transformers cannot build here: the caller's formula split
         return None
     layer = two - one
-    return (one - layer, layer) if layer > 0 and one > layer else None
+    return ParameterSplit(one - layer, layer, t_two - t_one) if layer > 0 and one > layer else None
 
 
-def parameter_split(hf_config: dict[str, Any] | None) -> tuple[int, int] | None:
-    """(parameters outside the decoder layers, parameters of one decoder layer) of the model ``hf_config``
-    describes, counted on ``meta``-device builds of it with one and with two decoder layers (tied weights once);
-    None without a config or where it does not build. Cached per config.
+def parameter_split(hf_config: dict[str, Any] | None) -> ParameterSplit | None:
+    """(parameters outside the decoder layers, parameters of one decoder layer, parameter tensors of one decoder
+    layer) of the model ``hf_config`` describes, counted on ``meta``-device builds of it with one and with two
+    decoder layers (tied weights once); None without a config or where it does not build. Cached per config.
 
     Outside the layers are the token embeddings and head, and what a vocabulary-times-hidden count misses:
     learned position tables (OPT-125m, GPT-Neo-125m: 1.6 M, 3.9 % of their embeddings), the input and output
@@ -246,7 +267,7 @@ def parameter_split(hf_config: dict[str, Any] | None) -> tuple[int, int] | None:
     body = _canonical_json(hf_config)
     hit = _parameter_splits_snapshot().get(hashlib.sha256(body.encode()).hexdigest())
     if hit is not None:
-        return int(hit[0]), int(hit[1])
+        return ParameterSplit(*(int(x) for x in hit))
     return _parameter_split(body)
 
 
@@ -286,7 +307,7 @@ def small_model_states(model: ModelSpec, training: TrainingConfig,
     L = model.num_layers
     split = parameter_split(rank_hf_config(hf_config, training))
     if split is not None:
-        emb, layer = split
+        emb, layer = split.outside, split.layer
     else:
         model = expert_parallel_rank_spec(model, training)  # the formula split of the rank's experts
         emb = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
@@ -485,31 +506,64 @@ def setting_key(training: TrainingConfig) -> str:
     return json.dumps(training_key_fields(training), sort_keys=True)
 
 
-def shared_state_constants(names: list[str], keys: list[str], Y: np.ndarray) -> dict[str, dict[int, float]]:
+def _per_layer(j: int) -> bool:
+    """Whether target ``j`` is a per-layer increment (``dF``, ``dC``) rather than a base (``f0``, ``c0``)."""
+    return TARGETS[j][1].startswith("d")
+
+
+def layer_tensors(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> int:
+    """Parameter tensors of one decoder layer of what one rank builds (:func:`parameter_split` of
+    :func:`rank_hf_config`); 0 where the config does not build."""
+    split = parameter_split(rank_hf_config(hf_config, training))
+    return 0 if split is None else split.layer_tensors
+
+
+def shared_state_constants(names: list[str], keys: list[str], Y: np.ndarray, S: np.ndarray,
+                           T: np.ndarray) -> dict[str, dict[int, tuple[float, float]]]:
     """Per training setting (:func:`setting_key`), the :data:`STATE_CONSTANTS` its traced architectures share.
 
     Args:
         names: model name of each entry; keys: its setting key; Y: its dimensionless targets, shape
-            ``(len(names), len(TARGETS))``.
+            ``(len(names), len(TARGETS))``; S: their scales (:func:`scales`, bytes), the same shape; T: the
+            parameter tensors of one decoder layer of each entry (:func:`layer_tensors`), shape ``(len(names),)``.
 
     Returns:
-        ``{setting key: {target index: median}}`` for the targets where at least :data:`SHARED_MIN_ARCHITECTURES`
-        architectures have the setting and :data:`SHARED_MIN_SHARE` of the entries lie within
-        :data:`SHARED_RELATIVE_TOLERANCE` of their median. GPT-Neo's at-rest layer constant (0.787 where the others
-        have 0.75) is the kind of entry the share leaves room for.
+        ``{setting key: {target index: (count, fixed_bytes)}}`` for the targets where at least
+        :data:`SHARED_MIN_ARCHITECTURES` architectures have the setting and :data:`SHARED_MIN_SHARE` of the entries
+        lie within :data:`SHARED_RELATIVE_TOLERANCE` of their median. GPT-Neo's at-rest layer constant (0.787 where
+        the others have 0.75) is the kind of entry the share leaves room for. A constant's bytes are ``count ×
+        scale + fixed_bytes × n``: a count of the states (0.75 at rest with fp32 AdamW states over the states scale,
+        1.25 in its foreach step) plus bytes that do not grow with the parameters, per parameter tensor of a layer
+        for the per-layer targets (``n`` = :func:`layer_tensors`: AdamW's one-element ``step`` tensor per parameter,
+        a 512-byte block each) and once for the bases (``n`` = 1: amp_fp16's gradient-scaler tensors; the
+        embeddings' and final norm's ``step``). ``count`` and ``fixed_bytes`` are the Theil-Sen line (Sen 1968,
+        JASA 63) of the constants over ``n / scale``; with one such value, the median and 0. On the traced
+        amp_fp16 foreach-AdamW entries every layer's excess over 1.25 × its scale is exactly 512 bytes per tensor
+        (9 for Llama, 12 for GPT-2 and Pythia, 16 for OPT); the median alone had charged the small models' step
+        tensors in proportion to a large model's states: Llama-2-70B's step 15 MiB high, small-to-large (session
+        15).
     """
+    from scipy.stats import theilslopes
+
     by_key: dict[str, list[int]] = {}
     for i, key in enumerate(keys):
         by_key.setdefault(key, []).append(i)
-    out: dict[str, dict[int, float]] = {}
+    out: dict[str, dict[int, tuple[float, float]]] = {}
     for key, rows in by_key.items():
         if len({names[i] for i in rows}) < SHARED_MIN_ARCHITECTURES:
             continue
         for j in STATE_CONSTANTS:
             v = Y[rows, j]
             med = float(np.median(v))
-            if np.mean(np.abs(v - med) <= SHARED_RELATIVE_TOLERANCE * abs(med)) >= SHARED_MIN_SHARE:
-                out.setdefault(key, {})[j] = med
+            if np.mean(np.abs(v - med) <= SHARED_RELATIVE_TOLERANCE * abs(med)) < SHARED_MIN_SHARE:
+                continue
+            x = (T[rows] if _per_layer(j) else np.ones(len(rows))) / S[rows, j]
+            if np.ptp(x) > 0:
+                with np.errstate(invalid="ignore"):  # its confidence interval, unused, can take a root of < 0
+                    fixed, count = theilslopes(v, x)[:2]
+                out.setdefault(key, {})[j] = (float(count), float(fixed))
+            else:
+                out.setdefault(key, {})[j] = (med, 0.0)
     return out
 
 
@@ -546,7 +600,8 @@ class CoefficientModel:
     Attributes (after :meth:`fit` or :meth:`load`): ``boosters_`` (target index -> one ``lightgbm.Booster`` per
     objective;
     targets constant in the training set are kept as ``constants_``), ``shared_`` (setting key -> target index
-    -> shared state constant), ``settings_`` (the training settings seen, :meth:`covers`), ``n_entries_``.
+    -> shared state constant as (count, fixed bytes), :func:`shared_state_constants`), ``settings_`` (the training
+    settings seen, :meth:`covers`), ``n_entries_``.
     """
 
     def __init__(self, n_estimators: int = 300, learning_rate: float = 0.05, num_leaves: int = 15,
@@ -579,7 +634,7 @@ class CoefficientModel:
         Raises:
             ValueError: no entries.
         """
-        X, Y, settings, specs, names, keys = [], [], set(), [], [], []
+        X, Y, S, T, settings, specs, names, keys = [], [], [], [], set(), [], [], []
         self.skipped_ = []
         for e in entries:
             if e["training"].get("gradient_accumulation"):  # model.curve adds the gradient buffer to steps of one
@@ -594,7 +649,9 @@ class CoefficientModel:
             names.append(e["model_name"])
             keys.append(setting_key(training))
             X.append(config_features(spec, training, hf))
-            Y.append(fitted_pieces(e["terms"]) / scales(spec, training, hf))
+            S.append(scales(spec, training, hf))
+            T.append(layer_tensors(spec, training, hf))
+            Y.append(fitted_pieces(e["terms"]) / S[-1])
             settings.add(self.setting(training))
         if not X:
             raise ValueError("CoefficientModel.fit needs at least one terms entry")
@@ -614,7 +671,7 @@ class CoefficientModel:
             ds = lgb.Dataset(X, label=y, feature_name=FEATURE_NAMES, categorical_feature=cat, free_raw_data=True)
             self.boosters_[j] = [lgb.train(self._params(o), ds, num_boost_round=self.n_estimators)
                                  for o in self.objectives]
-        self.shared_ = shared_state_constants(names, keys, Y)
+        self.shared_ = shared_state_constants(names, keys, Y, np.asarray(S), np.asarray(T, dtype=np.float64))
         self.settings_ = sorted(settings)
         self.n_entries_ = len(X)
         return self
@@ -636,9 +693,12 @@ class CoefficientModel:
             y[j] = c
         for j, boosters in self.boosters_.items():
             y[j] = np.mean([b.predict(x, num_threads=1)[0] for b in boosters])
-        for j, c in self.shared_.get(setting_key(training), {}).items():
-            y[j] = c
-        out = y * scales(model, training, hf_config)
+        scale = scales(model, training, hf_config)
+        out = y * scale
+        shared = self.shared_.get(setting_key(training), {})
+        n_tensors = layer_tensors(model, training, hf_config) if shared else 0
+        for j, (count, fixed) in shared.items():
+            out[j] = count * scale[j] + fixed * (n_tensors if _per_layer(j) else 1)
         for j, (_p, _q, c) in enumerate(TARGETS):
             if c != "1":
                 out[j] = max(out[j], 0.0)
@@ -662,7 +722,7 @@ class CoefficientModel:
                 b.save_model(str(d / _booster_file(j, o, self.objectives)))
         meta = {"format": FORMAT, "feature_names": FEATURE_NAMES, "categorical": CATEGORICAL,
                 "targets": ["|".join(t) for t in TARGETS], "constants": {str(j): c for j, c in self.constants_.items()},
-                "shared": {key: {str(j): c for j, c in v.items()} for key, v in self.shared_.items()},
+                "shared": {key: {str(j): list(c) for j, c in v.items()} for key, v in self.shared_.items()},
                 "boosters": sorted(self.boosters_), "settings": self.settings_, "families": self.families_, "n_entries": self.n_entries_,
                 "params": {"n_estimators": self.n_estimators, "learning_rate": self.learning_rate,
                            "num_leaves": self.num_leaves, "min_child_samples": self.min_child_samples,
@@ -692,7 +752,8 @@ class CoefficientModel:
             params["objectives"] = (params.pop("objective"),)
         self = cls(**params)
         self.constants_ = {int(j): float(c) for j, c in meta["constants"].items()}
-        self.shared_ = {key: {int(j): float(c) for j, c in v.items()} for key, v in meta.get("shared", {}).items()}
+        self.shared_ = {key: {int(j): (float(c[0]), float(c[1])) for j, c in v.items()}
+                        for key, v in meta.get("shared", {}).items()}
         self.boosters_ = {int(j): [lgb.Booster(model_file=str(d / _booster_file(int(j), o, self.objectives)))
                                    for o in self.objectives] for j in meta["boosters"]}
         self.settings_ = list(meta["settings"])

@@ -276,13 +276,26 @@ def test_state_constants_shared_by_a_setting_are_used_exactly(entries, held_out_
     )
 
     Y = np.ones((6, len(TARGETS)))
+    S = np.full_like(Y, 1e9)
+    T = np.full(6, 9.0)
+    names = ["a", "b", "c", "d", "e", "f"]
     j = STATE_CONSTANTS[0]
     Y[:, j] = [1.25, 1.25, 1.25, 1.25, 1.25, 1.3]
-    shared = shared_state_constants(["a", "b", "c", "d", "e", "f"], ["s"] * 6, Y)
+    shared = shared_state_constants(names, ["s"] * 6, Y, S, T)
     assert j not in shared["s"] and len(shared["s"]) == len(STATE_CONSTANTS) - 1  # five of six agree: 83 % < 90 %
     Y[5, j] = 1.25
-    assert shared_state_constants(["a", "b", "c", "d", "e", "f"], ["s"] * 6, Y)["s"][j] == 1.25
-    assert shared_state_constants(["a", "a", "b", "b", "b", "b"], ["s"] * 6, Y) == {}  # two architectures
+    assert shared_state_constants(names, ["s"] * 6, Y, S, T)["s"][j] == (1.25, 0.0)
+    assert shared_state_constants(["a", "a", "b", "b", "b", "b"], ["s"] * 6, Y, S, T) == {}  # two architectures
+    # a count plus bytes that do not grow with the parameters: once for a base (2 KiB of gradient-scaler tensors), per
+    # parameter tensor for a layer (a 512-byte step tensor each: 9 for Llama, 16 for OPT); the median would charge a
+    # large model the small models' bytes in proportion to its states
+    layer = next(k for k in STATE_CONSTANTS if TARGETS[k][1] == "dF")
+    S[:, j] = S[:, layer] = [1e8, 2e8, 5e8, 1e9, 4e9, 2e10]
+    T[:] = [16, 12, 9, 9, 16, 9]
+    Y[:, j] = 1.25 + 2048 / S[:, j]
+    Y[:, layer] = 1.25 + 512 * T / S[:, layer]
+    shared = shared_state_constants(names, ["s"] * 6, Y, S, T)["s"]
+    assert shared[j] == pytest.approx((1.25, 2048), rel=1e-9) and shared[layer] == pytest.approx((1.25, 512), rel=1e-9)
     errors = []
     for name in HELD_OUT:
         for e in entries:
@@ -339,7 +352,9 @@ def test_parameter_split_counts_what_the_model_code_builds(name):
 
     entry = catalog.get(name)
     spec = catalog.spec(name)
-    base, layer = parameter_split(entry["hf_config"])
+    base, layer, tensors = parameter_split(entry["hf_config"])
+    # parameter tensors of a layer: 2 norms + q, k, v, o + 3 gated-MLP linears (Llama); biases and 2 MLP linears (OPT)
+    assert tensors == {"llama-3.2-1b": 9, "opt-125m": 16}.get(name, tensors)
     assert spec.total_params == int(entry["published_params"])
     assert abs(base + spec.num_layers * layer - spec.total_params) <= (1536 if name == "opt-125m" else 0)
     formula = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
