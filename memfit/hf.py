@@ -175,7 +175,40 @@ def canonical_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
         :data:`IGNORED_CONFIG_KEYS` (it cannot be traced either).
     """
     text = json.dumps(cfg, sort_keys=True, default=str)
-    return json.loads(_canonical_hf_config_json(text))
+    hit = _canonical_snapshot().get(_config_sha(text))
+    return dict(hit["config"]) if hit is not None else json.loads(_canonical_hf_config_json(text))
+
+
+#: :func:`canonical_hf_config` and :func:`config_assumptions` of every catalog architecture and reduced MoE model
+#: under the pinned transformers, by the SHA-256 of the config's JSON (``scripts/rekey_canonical.py`` writes it;
+#: ``tests/test_config_key.py`` checks it): building a config imports transformers, seconds of a command-line answer
+CANONICAL_CONFIGS_PATH = Path(__file__).with_name("canonical_configs.json")
+
+
+def _config_sha(cfg_json: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(cfg_json.encode()).hexdigest()
+
+
+@functools.cache
+def _canonical_snapshot() -> dict[str, Any]:
+    """The snapshot's entries, or none when it was written with another transformers than the installed one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        snapshot = json.loads(CANONICAL_CONFIGS_PATH.read_text())
+        installed = version("transformers")
+    except (OSError, ValueError, PackageNotFoundError):
+        return {}
+    return snapshot["entries"] if snapshot.get("transformers_version") == installed else {}
+
+
+def canonical_snapshot_entry(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(key, entry) of ``cfg`` for :data:`CANONICAL_CONFIGS_PATH`, computed by building the config."""
+    text = json.dumps(cfg, sort_keys=True, default=str)
+    return _config_sha(text), {"config": json.loads(_canonical_hf_config_json(text)),
+                               "assumptions": _config_assumptions(text)}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -204,7 +237,9 @@ def config_assumptions(cfg: dict[str, Any]) -> str | None:
     ``GradientCheckpointingLayer`` in transformers/modeling_layers.py), and the dropout probabilities above zero,
     as the config gives them (their masks are saved for backward; keys with ``dropout`` or ``pdrop`` in their name,
     GPT-2's unused sequence-summary head aside)."""
-    return _config_assumptions(json.dumps(cfg, sort_keys=True, default=str))
+    text = json.dumps(cfg, sort_keys=True, default=str)
+    hit = _canonical_snapshot().get(_config_sha(text))
+    return hit["assumptions"] if hit is not None else _config_assumptions(text)
 
 
 @functools.lru_cache(maxsize=1024)

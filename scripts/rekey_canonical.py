@@ -11,7 +11,9 @@ serialised in full (``memfit.describe()``) had different keys. :func:`model.term
   about 4 MB for 64 characters a line);
 * re-keys ``data/parameter_splits.json`` (its values unchanged) and, in place, the small terms files beside the
   tests (``tests/data/terms_*.jsonl``);
-* checks that every line and every split is found under its new key, and fails otherwise.
+* checks that every line and every split is found under its new key, and fails otherwise;
+* writes ``memfit/canonical_configs.json``, the canonical configs of the catalog (read without importing
+  transformers).
 
 Run it after adding terms keyed by an older memfit, or after changing the transformers pin:
 
@@ -50,6 +52,19 @@ def entry_training(entry: dict) -> TrainingConfig:
 def _legacy_split_key(cfg: dict) -> str:
     body = json.dumps({k: v for k, v in sorted(cfg.items()) if k not in _LEGACY_IGNORED}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()
+
+
+def write_canonical_configs() -> int:
+    """Write the snapshot of the catalog's and the reduced MoE models' canonical configs; returns its entries."""
+    from data import catalog
+    from memfit.hf import CANONICAL_CONFIGS_PATH, canonical_snapshot_entry
+    from training.moe_telemetry import REDUCED_MOE
+
+    configs = [catalog.get(name)["hf_config"] for name in catalog.names()] + list(REDUCED_MOE.values())
+    entries = dict(canonical_snapshot_entry(c) for c in configs)
+    CANONICAL_CONFIGS_PATH.write_text(json.dumps({"transformers_version": version("transformers"),
+                                                  "entries": dict(sorted(entries.items()))}, sort_keys=True) + "\n")
+    return len(entries)
 
 
 def rekey_terms() -> tuple[int, int]:
@@ -133,6 +148,7 @@ def check() -> None:
 
 
 if __name__ == "__main__":
+    print(f"canonical configs: {write_canonical_configs()} entries")
     lines, changed = rekey_terms()
     n_splits = rekey_splits()
     for extra in sorted(TESTS_DATA.glob("terms_*.jsonl")):

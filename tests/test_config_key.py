@@ -116,3 +116,22 @@ def test_the_service_answers_both_forms_of_gpt2_medium_alike():
     assert [a.path for a in answers] == [TRACED, TRACED]
     assert answers[0].predicted_peak_bytes == answers[1].predicted_peak_bytes
     assert answers[0].predicted_peak_bytes / GIB == pytest.approx(9.939, abs=5e-4)
+
+
+def test_the_catalogs_canonical_configs_are_read_without_importing_transformers():
+    """The shipped snapshot (scripts/rekey_canonical.py) equals the configs built now, and a catalog request's key and
+    notes are made without importing transformers (seconds of a command-line answer)."""
+    import subprocess
+    import sys
+
+    from memfit.hf import _canonical_snapshot, canonical_snapshot_entry
+
+    snapshot = _canonical_snapshot()
+    for name in catalog.names():
+        key, entry = canonical_snapshot_entry(catalog.get(name)["hf_config"])
+        assert snapshot[key] == entry, name
+    code = ("import sys; from data import catalog; from memfit.hf import config_assumptions; "
+            "from memfit.schema import TrainingConfig; from model.terms import terms_key; "
+            "cfg = catalog.get('llama-3-8b')['hf_config']; terms_key(cfg, TrainingConfig(micro_batch_size=1, seq_len=8)); "
+            "assert config_assumptions(cfg); assert 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
