@@ -249,7 +249,8 @@ class Alternative(BaseModel):
     cost: str = Field("", description="recompute / throughput cost of the change, in words")
     category: str = Field("same_training", description="what the change gives up, in ranking order: same_training "
                                                       "(same hardware and update), more_hardware, numerics, "
-                                                      "trained_weights (LoRA/QLoRA train other weights)")
+                                                      "trained_weights (LoRA/QLoRA train other weights), "
+                                                      "shorter_sequence")
     throughput_loss_fraction: float = Field(0.0, description="estimated throughput loss of the change plus its "
                                                              "recompute, fraction of step time")
 

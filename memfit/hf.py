@@ -148,6 +148,125 @@ def _hf_config(cfg: dict[str, Any]):
         )
 
 
+#: HF config keys that never change a training step's memory: provenance, labels, dtype (the training precision
+#: decides it), token ids, and ``use_cache``, which memfit takes as False (:func:`memfit.checkpointing.apply` sets
+#: it, and transformers 5.24 turns it off itself whenever gradient checkpointing is on:
+#: ``GradientCheckpointingLayer`` in transformers/modeling_layers.py, ``merge_with_config_defaults`` in
+#: transformers/utils/generic.py); every shipped term was traced with it off (:func:`build_causal_lm`)
+IGNORED_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
+                                 "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "auto_map",
+                                 "quantization_config", "_commit_hash", "output_attentions", "output_hidden_states",
+                                 "id2label", "label2id", "task_specific_params"})
+
+
+def canonical_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One dict per model: what sets the model ``cfg`` builds apart from its config class's defaults.
+
+    transformers builds the config (:func:`_hf_config`, which also normalises aliases such as GPT-2's
+    ``hidden_size``/``n_embd`` and ``rope_theta`` into ``rope_parameters``), it is serialised in full
+    (``to_json_string(use_diff=False)``), and :data:`IGNORED_CONFIG_KEYS` and every value equal to the config
+    class's default are dropped (not for a family transformers does not know, built as Llama from its shapes);
+    ``model_type`` is kept as given (such a family keeps its name). So a
+    model's published ``config.json`` fields and its full serialisation (what :func:`memfit.describe` sends)
+    give the same dict. Dropout probabilities stay as given: they change what a training step saves.
+
+    Returns:
+        A new dict, keys sorted, JSON values. A config transformers cannot build is returned as given, less
+        :data:`IGNORED_CONFIG_KEYS` (it cannot be traced either).
+    """
+    text = json.dumps(cfg, sort_keys=True, default=str)
+    hit = _canonical_snapshot().get(_config_sha(text))
+    return dict(hit["config"]) if hit is not None else json.loads(_canonical_hf_config_json(text))
+
+
+#: :func:`canonical_hf_config` and :func:`config_assumptions` of every catalog architecture and reduced MoE model
+#: under the pinned transformers, by the SHA-256 of the config's JSON (``scripts/rekey_canonical.py`` writes it;
+#: ``tests/test_config_key.py`` checks it): building a config imports transformers, seconds of a command-line answer
+CANONICAL_CONFIGS_PATH = Path(__file__).with_name("canonical_configs.json")
+
+
+def _config_sha(cfg_json: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(cfg_json.encode()).hexdigest()
+
+
+@functools.cache
+def _canonical_snapshot() -> dict[str, Any]:
+    """The snapshot's entries, or none when it was written with another transformers than the installed one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        snapshot = json.loads(CANONICAL_CONFIGS_PATH.read_text())
+        installed = version("transformers")
+    except (OSError, ValueError, PackageNotFoundError):
+        return {}
+    return snapshot["entries"] if snapshot.get("transformers_version") == installed else {}
+
+
+def canonical_snapshot_entry(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(key, entry) of ``cfg`` for :data:`CANONICAL_CONFIGS_PATH`, computed by building the config."""
+    text = json.dumps(cfg, sort_keys=True, default=str)
+    return _config_sha(text), {"config": json.loads(_canonical_hf_config_json(text)),
+                               "assumptions": _config_assumptions(text)}
+
+
+@functools.lru_cache(maxsize=1024)
+def _canonical_hf_config_json(cfg_json: str) -> str:
+    cfg = json.loads(cfg_json)
+    try:
+        with quiet_transformers():
+            conf = _hf_config(cfg)
+            full = json.loads(conf.to_json_string(use_diff=False))
+            defaults = _class_defaults_json(type(conf))
+    except Exception:  # noqa: BLE001 - transformers refused it: the given keys are all there is to key on
+        out = {k: v for k, v in cfg.items() if k not in IGNORED_CONFIG_KEYS}
+        return json.dumps(out, sort_keys=True, default=str)
+    # a family transformers does not know is built as Llama from its shapes: keep them all (dropping Llama's
+    # defaults would lose the layer count of a 32-layer model)
+    default = json.loads(defaults) if conf.model_type == cfg.get("model_type") else {}
+    out = {k: v for k, v in full.items() if k not in IGNORED_CONFIG_KEYS and (k not in default or default[k] != v)}
+    out["model_type"] = cfg.get("model_type")
+    return json.dumps(out, sort_keys=True)
+
+
+def config_assumptions(cfg: dict[str, Any]) -> str | None:
+    """What an answer for ``cfg`` assumes of the config keys that change a training step, in words (None when the
+    config does not build): ``use_cache`` off (the traced terms ran without a KV cache: :func:`memfit.checkpointing.apply`
+    sets ``use_cache=False``, and transformers 5.24 turns it off whenever gradient checkpointing is on,
+    ``GradientCheckpointingLayer`` in transformers/modeling_layers.py), and the dropout probabilities above zero,
+    as the config gives them (their masks are saved for backward; keys with ``dropout`` or ``pdrop`` in their name,
+    GPT-2's unused sequence-summary head aside)."""
+    text = json.dumps(cfg, sort_keys=True, default=str)
+    hit = _canonical_snapshot().get(_config_sha(text))
+    return hit["assumptions"] if hit is not None else _config_assumptions(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _config_assumptions(cfg_json: str) -> str | None:
+    cfg = json.loads(cfg_json)
+    try:
+        with quiet_transformers():
+            full = json.loads(_hf_config(cfg).to_json_string(use_diff=False))
+    except Exception:  # noqa: BLE001 - a config transformers refuses has no assumptions to state
+        return None
+    drop = {k: v for k, v in sorted(full.items()) if ("dropout" in k or "pdrop" in k) and not k.startswith("summary_")
+            and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    parts = []
+    if full.get("use_cache"):
+        parts.append("use_cache=False (memfit.apply sets it; transformers turns it off under gradient checkpointing)")
+    if drop:
+        parts.append("dropout as configured: " + ", ".join(f"{k}={v:g}" for k, v in drop.items())
+                     + " (the masks are saved for backward)")
+    return "model config as traced: " + "; ".join(parts) if parts else None
+
+
+@functools.lru_cache(maxsize=256)
+def _class_defaults_json(config_class) -> str:
+    """A config class's defaults, serialised in full (``to_json_string(use_diff=False)``)."""
+    return config_class().to_json_string(use_diff=False)
+
+
 def build_causal_lm(cfg: dict[str, Any], *, dtype=None, attention: str = "sdpa"):
     """Build ``AutoModelForCausalLM`` from a config dict with random weights on the current device/mode.
 

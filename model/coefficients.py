@@ -264,11 +264,11 @@ def parameter_split(hf_config: dict[str, Any] | None) -> ParameterSplit | None:
     """
     if not hf_config:
         return None
-    body = _canonical_json(hf_config)
-    hit = _parameter_splits_snapshot().get(hashlib.sha256(body.encode()).hexdigest())
+    hit = _parameter_splits_snapshot().get(parameter_split_key(hf_config))
     if hit is not None:
         return ParameterSplit(*(int(x) for x in hit))
-    return _parameter_split(body)
+    # built from the config as given: the canonical one leaves out its class's defaults, which the layer count may be
+    return _parameter_split(json.dumps(hf_config, sort_keys=True))
 
 
 def rank_hf_config(hf_config: dict[str, Any] | None, training: TrainingConfig) -> dict[str, Any] | None:

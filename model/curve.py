@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from memfit.schema import GIB, ModelSpec, Sharding, TrainingConfig
+from memfit.schema import GIB, CheckpointImpl, FineTune, ModelSpec, Sharding, TrainingConfig
 from model.analytic import ModelStates, model_state_bytes, optimizer_state_bytes_per_param
 from model.compose import PEAK_PHASES, compose, compose_terms
 from model.parallel import ParallelCurve, compose_pipeline, pipeline_stages
@@ -96,8 +96,6 @@ def uniform_configuration(training: TrainingConfig, period: int) -> bool:
     embeddings change the bottom layer's backward) and a layer-type ``period`` of 1 (k cutting through a
     sliding/full pattern is charged the average layer). Mondrian conformal (Vovk et al. 2005, "Algorithmic
     Learning in a Random World", ch. 4): such answers are calibrated apart, in :data:`TRACED_SHARDED_UNIFORM`."""
-    from memfit.schema import FineTune
-
     return training.micro_batch_size >= 2 and training.finetune is FineTune.FULL and period == 1
 
 
@@ -397,6 +395,17 @@ class MemoryPredictor:
             notes.append(f"bound {100 * margin:.1f} % above the point: sharded steps at micro-batch 1, with LoRA or "
                          f"frozen layers, or with a layer-type pattern are composed less exactly than the others "
                          f"({100 * self.margins[TRACED_SHARDED_UNIFORM]:.1f} %)")
+        if training.checkpoint_impl is CheckpointImpl.REENTRANT and training.finetune is not FineTune.FULL:
+            notes.append("reentrant checkpointing behind frozen embeddings: the checkpointed layers' inputs do not "
+                         "require grad, so without a fix they get no gradients (or the step fails); answered as "
+                         "memfit.apply runs it, with model.enable_input_require_grads(); use_reentrant=False "
+                         "(checkpoint_impl non_reentrant) is the other fix")
+        if hf_config is not None:  # keys that change a step but not the key's meaning (memfit.hf.canonical_hf_config)
+            from memfit.hf import config_assumptions
+
+            assumed = config_assumptions(hf_config)
+            if assumed:
+                notes.append(assumed)
         paged = optimizer_state_bytes_per_param(training)[1] * model.trainable_params
         if paged:
             notes.append(f"{training.optimizer.value}: about {paged / GIB:.2f} GiB of optimizer states live in CUDA "

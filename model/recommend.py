@@ -13,6 +13,7 @@ layers have no backward and checkpointing them recomputes nothing (:mod:`model.f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,8 +119,16 @@ def plan(predictor: MemoryPredictor, model: ModelSpec, training: TrainingConfig,
 
 
 # -- what fits instead --------------------------------------------------------------------------------
-#: categories of change, in ranking order: what the change gives up
-CATEGORIES = ("same_training", "more_hardware", "numerics", "trained_weights")
+#: categories of change, in ranking order: what the change gives up (``shorter_sequence``: the context the model
+#: trains on)
+CATEGORIES = ("same_training", "more_hardware", "numerics", "trained_weights", "shorter_sequence")
+#: a sequence at least this long is a long context: context parallelism is worth trying, and when nothing fits the
+#: alternatives include the longest shorter sequence that fits (:func:`longest_fitting_seq_len`)
+LONG_CONTEXT_TOKENS = 8192
+#: the shorter sequence lengths tried are multiples of this many tokens
+SEQ_LEN_STEP_TOKENS = 1024
+#: context-parallel sizes offered over more GPUs at a long context
+CONTEXT_PARALLEL_SIZES = (2, 4, 8)
 #: heavy recompute: a plan that fits only with more than this share of the layers checkpointed gets alternatives
 HEAVY_RECOMPUTE_SHARE = 0.5
 
@@ -198,6 +207,18 @@ def candidate_changes(training: TrainingConfig, model: ModelSpec, gpu_count: int
         out.append(Candidate(f"context parallel over {cp} GPUs (activations split along the sequence)",
                              {"context_parallel_size": cp, "data_parallel_size": n // cp}, "same_training", 0.1,
                              "ring attention exchanges K/V blocks each layer: ~10% slower"))
+    if training.context_parallel_size == 1 and training.seq_len >= LONG_CONTEXT_TOKENS:
+        # more GPUs, each holding 1/cp of the sequence; the data-parallel size and the sharding group follow the
+        # request schema's rules for the new gpu_count (the caller validates the changed request)
+        unsharded = training.sharding in (Sharding.NONE, Sharding.ZERO1)
+        for cp in (c for c in CONTEXT_PARALLEL_SIZES if training.seq_len % c == 0):
+            cost = f"{cp}x the GPUs; ring attention exchanges K/V blocks each layer: ~10% slower"
+            out.append(Candidate(f"context parallel {cp} over {cp * n} GPUs ({training.seq_len // cp} tokens each)",
+                                 {"gpu_count": cp * n, "context_parallel_size": cp}, "more_hardware", 0.1, cost))
+            if unsharded:  # torchtitan's layout: FSDP over the data x context-parallel ranks
+                out.append(Candidate(f"context parallel {cp} over {cp * n} GPUs with ZeRO-3 / FSDP full-shard",
+                                     {"gpu_count": cp * n, "context_parallel_size": cp, "sharding": "zero3"},
+                                     "more_hardware", 0.15, cost + "; 1.5x data-parallel communication"))
     for more in (2 * n, 4 * n, 8 * n):
         out.append(Candidate(f"ZeRO-3 over {more} GPUs", {"gpu_count": more, "sharding": "zero3",
                                                           "data_parallel_size": more}, "more_hardware", 0.05,
@@ -226,12 +247,30 @@ def candidate_changes(training: TrainingConfig, model: ModelSpec, gpu_count: int
     return out
 
 
+def longest_fitting_seq_len(seq_len: int, fits: Callable[[int], bool], step: int = SEQ_LEN_STEP_TOKENS) -> int | None:
+    """The longest multiple of ``step`` below ``seq_len`` for which ``fits(length)`` holds, by bisection; None when
+    not even ``step`` fits (or ``seq_len <= step``). ``fits`` is taken as monotone (a length fits when a longer one
+    does): the traced curve is monotone in sequence length (:mod:`model.curve`). Calls ``fits`` about
+    log2(seq_len / step) + 1 times.
+    """
+    lo, hi = 1, (seq_len - 1) // step  # multiples of step below seq_len: 1..hi
+    if hi < 1 or not fits(step):
+        return None
+    while lo < hi:  # invariant: lo * step fits
+        mid = (lo + hi + 1) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
 def rank_alternatives(alternatives: list, current_recompute_fraction: float | None = None) -> list:
     """Rank planned alternatives: the ones that fit first, by cost.
 
     Ranking rule: (1) the category, in :data:`CATEGORIES` order — changes that keep the hardware and the
     training update come first, then more hardware, then changed numerics (pure bf16, 8-bit states), then
-    training other weights (LoRA, QLoRA); (2) within a category, the least throughput loss
+    training other weights (LoRA, QLoRA), then a shorter sequence; (2) within a category, the least throughput loss
     (``throughput_loss_fraction``: the change's own cost plus its recompute, k / 3L); (3) the fewer GPUs (a
     ``change`` with ``gpu_count``: the smallest cluster that fits comes first, not the one with the lowest peak
     per GPU); (4) the lower predicted peak. When the current plan fits with heavy recompute

@@ -21,11 +21,10 @@ from typing import Any
 from memfit.schema import Attention, FineTune, ModelSpec, Optimizer, Quantization, Sharding, TrainingConfig
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "terms"
-
-# HF config keys that never change a training step's memory (provenance, inference-only settings).
-_IGNORED_KEYS = frozenset({"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
-                           "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "auto_map",
-                           "quantization_config", "_commit_hash", "output_attentions", "output_hidden_states"})
+#: ``{"keys": {stored key: terms_key}}`` for the shipped lines keyed before the config was canonicalised
+#: (:func:`canonical_config`); written by ``scripts/rekey_canonical.py``, which recomputes each line's key from its
+#: model's config and its training fields. Read with :func:`shipped_keys`; a line not in it is keyed canonically.
+CANONICAL_KEYS_NAME = "canonical_keys.json"
 
 
 #: bitsandbytes optimizers (training/bnb.py): traced and measured without sharding only
@@ -105,8 +104,13 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
 
 
 def canonical_config(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """The memory-relevant part of a HF config dict (provenance and inference-only keys dropped)."""
-    return {k: v for k, v in sorted(hf_config.items()) if k not in _IGNORED_KEYS}
+    """The config part of every key (:func:`terms_key`, :func:`model.coefficients.parameter_split_key`): one dict
+    per model, whether it is given as its published ``config.json`` fields or serialised in full
+    (:func:`memfit.hf.canonical_hf_config`: built by transformers, provenance, ``use_cache`` and class defaults
+    dropped)."""
+    from memfit.hf import canonical_hf_config
+
+    return canonical_hf_config(hf_config)
 
 
 def training_key_fields(training: TrainingConfig) -> dict[str, Any]:
@@ -152,10 +156,25 @@ def _moe_key_fields(training: TrainingConfig) -> dict[str, Any]:
 
 
 def terms_key(hf_config: dict[str, Any], training: TrainingConfig) -> str:
-    """SHA-256 (hex) of the canonical config and :func:`training_key_fields`."""
+    """SHA-256 (hex) of the canonical config (:func:`canonical_config`) and :func:`training_key_fields`.
+
+    Shipped entries keyed before the config was canonicalised are found through :data:`CANONICAL_KEYS_PATH`."""
     body = json.dumps({"config": canonical_config(hf_config), "training": training_key_fields(training)},
                       sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()
+
+
+def shipped_keys(folder: Path | None = SHIPPED_DIR) -> dict[str, str]:
+    """The stored key -> :func:`terms_key` map of a terms folder (:data:`CANONICAL_KEYS_NAME`; empty when none)."""
+    path = Path(folder) / CANONICAL_KEYS_NAME if folder else None
+    if path is None or not path.is_file():
+        return {}
+    return json.loads(path.read_text())["keys"]
+
+
+def entry_key(entry: dict[str, Any], keys: dict[str, str]) -> str:
+    """The :func:`terms_key` of a shipped line: its stored ``key`` through ``keys`` (:func:`shipped_keys`)."""
+    return keys.get(entry["key"], entry["key"])
 
 
 class TermsCache:
@@ -165,16 +184,17 @@ class TermsCache:
         url: SQLAlchemy URL of the database holding the ``phase_terms`` table; None keeps run-time
             entries in memory only.
         shipped_dir: folder of shipped ``*.jsonl`` files (one JSON object per line with ``key`` and
-            ``terms``).
+            ``terms``); a stored key listed in its :data:`CANONICAL_KEYS_NAME` is read as the key it maps to.
     """
 
     def __init__(self, url: str | None = None, shipped_dir: Path | None = SHIPPED_DIR) -> None:
         self._mem: dict[str, dict[str, Any]] = {}
+        keys = shipped_keys(shipped_dir)
         for path in sorted(Path(shipped_dir).glob("*.jsonl")) if shipped_dir and Path(shipped_dir).is_dir() else []:
             for line in path.read_text().splitlines():
                 if line.strip():
                     entry = json.loads(line)
-                    self._mem.setdefault(entry["key"], entry["terms"])
+                    self._mem.setdefault(entry_key(entry, keys), entry["terms"])
         self._engine = self._table = None
         if url is not None:
             import sqlalchemy as sa

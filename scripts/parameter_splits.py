@@ -11,7 +11,7 @@ import json
 from importlib.metadata import version
 
 from data import catalog
-from model.coefficients import PARAMETER_SPLITS_PATH, _canonical_json, _parameter_split, parameter_split_key
+from model.coefficients import PARAMETER_SPLITS_PATH, _parameter_split, parameter_split_key
 from training.moe import local_expert_config, num_routed_experts
 from training.moe_telemetry import REDUCED_MOE
 
@@ -22,7 +22,7 @@ if __name__ == "__main__":
                 for ep in (2 ** i for i in range(1, experts.bit_length())) if experts % ep == 0]
     splits = {}
     for cfg in configs:
-        split = _parameter_split(_canonical_json(cfg))
+        split = _parameter_split(json.dumps(cfg, sort_keys=True))
         if split is not None:
             splits[parameter_split_key(cfg)] = list(split)
     PARAMETER_SPLITS_PATH.write_text(json.dumps({"transformers": version("transformers"),

@@ -35,7 +35,17 @@ from model.curve import PROVISIONAL, Curve, MemoryPredictor, expert_parallel_ran
 from model.offload import host_memory_bytes
 from model.overhead import OverheadModel
 from model.parallel import pipeline_stages
-from model.recommend import Plan, candidate_changes, needs_alternatives, plan, rank_alternatives
+from model.recommend import (
+    LONG_CONTEXT_TOKENS,
+    SEQ_LEN_STEP_TOKENS,
+    Candidate,
+    Plan,
+    candidate_changes,
+    longest_fitting_seq_len,
+    needs_alternatives,
+    plan,
+    rank_alternatives,
+)
 from model.terms import TermsCache
 
 if TYPE_CHECKING:  # LightGBM (2 s to import) loads with a registry's model, not with the request checks
@@ -550,13 +560,46 @@ class Recommender:
             except (ValidationError, InvalidConfiguration):
                 continue
             p = self._plan(spec, t, cfg, req, gpus, self._alternative_curves)
-            ranks = min(req.cluster.gpus_per_node or 8, gpus)
-            out.append(Alternative(
-                description=cand.description, change=cand.change, fits=p.fits, k=p.k,
-                predicted_peak_bytes=p.at.predicted_bytes, total_upper_bytes=p.total_upper_bytes[p.at.k],
-                host_memory_bytes=host_memory_bytes(spec, t, ranks), path=p.curve.path,
-                cost=f"{cand.cost}; recompute of {p.k or 0}/{spec.num_layers} layers ~{p.recompute_fraction:.0%}"
-                     " of step compute" if p.fits else cand.cost,
-                category=cand.category,
-                throughput_loss_fraction=round(cand.throughput_loss_fraction + p.recompute_fraction, 4)))
+            out.append(_alternative(cand, p, spec, t, req, gpus))
+        if not current.fits and training.seq_len >= LONG_CONTEXT_TOKENS:
+            shorter = self._shorter_sequence(base_spec, cfg, req)
+            if shorter is not None:
+                out.append(shorter)
         return rank_alternatives(out, current_recompute_fraction=current.recompute_fraction if current.fits else None)
+
+    def _shorter_sequence(self, base_spec: ModelSpec, cfg: dict[str, Any], req: RecommendRequest) -> Alternative | None:
+        """The longest shorter sequence that fits, with its k (:func:`model.recommend.longest_fitting_seq_len`), each
+        length planned through the same curve as the request; None when not even the shortest step fits."""
+        plans: dict[int, tuple[Plan, ModelSpec, TrainingConfig]] = {}
+
+        def fits(seq_len: int) -> bool:
+            try:
+                t_in = TrainingIn.model_validate({**req.training.model_dump(), "seq_len": seq_len})
+                t, spec = training_config(t_in, base_spec, req.cluster.gpu_count, cfg)
+            except (ValidationError, InvalidConfiguration):  # e.g. not a multiple of the context-parallel size
+                return False
+            plans[seq_len] = (self._plan(spec, t, cfg, req, req.cluster.gpu_count, self._alternative_curves), spec, t)
+            return plans[seq_len][0].fits
+
+        best = longest_fitting_seq_len(req.training.seq_len, fits)
+        if best is None:
+            return None
+        p, spec, t = plans[best]
+        cand = Candidate(f"seq_len {best} (the longest multiple of {SEQ_LEN_STEP_TOKENS} tokens below "
+                         f"{req.training.seq_len} that fits)", {"seq_len": best}, "shorter_sequence", 0.0,
+                         f"trains on {best}-token sequences instead of {req.training.seq_len}: a shorter context")
+        return _alternative(cand, p, spec, t, req, req.cluster.gpu_count)
+
+
+def _alternative(cand: Candidate, p: Plan, spec: ModelSpec, t: TrainingConfig, req: RecommendRequest,
+                 gpus: int) -> Alternative:
+    """A planned candidate change as the answer lists it."""
+    ranks = min(req.cluster.gpus_per_node or 8, gpus)
+    return Alternative(
+        description=cand.description, change=cand.change, fits=p.fits, k=p.k,
+        predicted_peak_bytes=p.at.predicted_bytes, total_upper_bytes=p.total_upper_bytes[p.at.k],
+        host_memory_bytes=host_memory_bytes(spec, t, ranks), path=p.curve.path,
+        cost=f"{cand.cost}; recompute of {p.k or 0}/{spec.num_layers} layers ~{p.recompute_fraction:.0%}"
+             " of step compute" if p.fits else cand.cost,
+        category=cand.category,
+        throughput_loss_fraction=round(cand.throughput_loss_fraction + p.recompute_fraction, 4))

@@ -140,3 +140,66 @@ def test_recompute_fraction_counts_no_recompute_for_frozen_layers():
     frozen = TrainingConfig(micro_batch_size=1, seq_len=512, finetune="frozen", frozen_layers=4)
     assert recompute_fraction(4, 16, frozen) == 0.0
     assert recompute_fraction(12, 16, frozen) == pytest.approx(8 / (16 + 24))
+
+
+def test_longest_fitting_seq_len_bisects_multiples_of_the_step():
+    from model.recommend import longest_fitting_seq_len
+
+    asked = []
+
+    def fits(s: int) -> bool:
+        asked.append(s)
+        return s <= 20_700
+
+    assert longest_fitting_seq_len(32_768, fits) == 20_480
+    assert len(asked) <= 7 and all(s % 1024 == 0 and s < 32_768 for s in asked)
+    assert longest_fitting_seq_len(32_768, lambda s: False) is None
+    assert longest_fitting_seq_len(32_768, lambda s: True) == 31_744  # shorter, never the request's own length
+    assert longest_fitting_seq_len(1024, lambda s: True) is None
+
+
+def test_long_context_offers_context_parallel_over_more_gpus():
+    spec = ModelSpec(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=14336, vocab_size=128256, total_params=8_030_261_248,
+                     trainable_params=8_030_261_248)
+    changes = [c.change for c in candidate_changes(TrainingConfig(micro_batch_size=1, seq_len=32768), spec, 1)]
+    for cp in (2, 4, 8):  # the data-parallel size is left to the request schema's default for the new gpu_count
+        assert {"gpu_count": cp, "context_parallel_size": cp} in changes
+        assert {"gpu_count": cp, "context_parallel_size": cp, "sharding": "zero3"} in changes
+    short = [c.change for c in candidate_changes(TrainingConfig(micro_batch_size=1, seq_len=4096), spec, 1)]
+    assert not any("context_parallel_size" in c for c in short)
+
+
+@pytest.fixture(scope="module")
+def shipped_recommender():
+    from model.registry import Registry
+    from service.recommender import Recommender
+
+    loaded = Registry().load()
+    return Recommender(loaded.estimator, loaded.version, telemetry_range=loaded.meta.get("telemetry_range"),
+                       margins=loaded.meta.get("bound_margins"), coefficients=loaded.coefficients)
+
+
+def test_llama_3_8b_at_32k_on_one_h100_is_offered_a_shorter_sequence_and_context_parallel(shipped_recommender):
+    # issue 28.8: nothing fits at 32k (110.4 GiB at k = 32 with the overhead); a shorter sequence and context
+    # parallelism were not among the alternatives
+    from memfit.api import RecommendRequest
+
+    body = {"model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 32768, "precision": "bf16"},
+            "cluster": {"gpu": "H100-94GB"}}
+    rec = shipped_recommender.recommend(RecommendRequest.model_validate(body))
+    assert not rec.fits and rec.path == "traced"
+    by_change = {tuple(sorted(a.change.items())): a for a in rec.alternatives}
+    cp_k = {cp: by_change[(("context_parallel_size", cp), ("gpu_count", cp))].k for cp in (2, 4, 8)}
+    assert cp_k == {2: 30, 4: 18, 8: 0}
+    shorter = by_change[(("seq_len", 20480),)]
+    assert shorter.fits and shorter.k == 32 and shorter.category == "shorter_sequence" and shorter.path == "traced"
+    # each alternative is the answer to the changed request, and the next multiple of 1024 does not fit
+    for change in ({"seq_len": 20480}, {"seq_len": 21504}, {"gpu_count": 4, "context_parallel_size": 4}):
+        changed = {**body, "training": {**body["training"], **{k: v for k, v in change.items() if k != "gpu_count"}},
+                   "cluster": {**body["cluster"], "gpu_count": change.get("gpu_count", 1)}}
+        direct = shipped_recommender.recommend(RecommendRequest.model_validate(changed))
+        if change.get("seq_len") == 21504:
+            assert not direct.fits
+        else:
+            assert direct.fits and direct.k == by_change[tuple(sorted(change.items()))].k

@@ -98,9 +98,9 @@ def test_terms_mb1_merge_replaces_entries_in_place(tmp_path):
     got = [json.loads(line) for line in path.read_text().splitlines()]
     assert [e["key"] for e in got] == [e["key"] for e in src]
     assert "mb1" in got[1]["terms"] and "mb1" not in got[0]["terms"] and "mb1" not in got[2]["terms"]
-    from model.terms import terms_key
+    from model.terms import entry_key, shipped_keys, terms_key
 
-    assert terms_key(hf_config_of(src[0]["model_name"]), entry_training(src[0])) == src[0]["key"]
+    assert terms_key(hf_config_of(src[0]["model_name"]), entry_training(src[0])) == entry_key(src[0], shipped_keys())
 
 
 def test_traced_training_names_the_base_of_composed_configurations():

@@ -74,3 +74,18 @@ def test_inline_tracer_answers_on_the_traced_path():
     spec = catalog.spec(SMALL)
     c = p.curve(spec, TRAINING, SMALL)
     assert c.path == "traced" and said and cache.get(terms_key(SMALL, TRAINING)) is not None
+
+
+def test_reentrant_checkpointing_behind_frozen_embeddings_is_traced_as_memfit_apply_runs_it():
+    # issue 28.7: LoRA (frozen embeddings) + reentrant checkpointing failed the trace ("element 0 of tensors does not
+    # require grad") and the answer fell back to the learned path without naming the cause
+    training = TrainingConfig(micro_batch_size=1, seq_len=512, finetune="lora", lora_rank=8,
+                              checkpoint_impl="reentrant")
+    cache = TermsCache(shipped_dir=None)
+    p = MemoryPredictor(None, cache, tracer=InlineTracer(cache))
+    spec = catalog.spec(SMALL)
+    c = p.curve(spec.model_copy(update={"trainable_params": 200_000}), training, SMALL)
+    assert c.path == "traced" and cache.get(terms_key(SMALL, training)) is not None
+    note = next(n for n in c.notes if n.startswith("reentrant checkpointing behind frozen embeddings"))
+    assert "enable_input_require_grads()" in note and "use_reentrant=False" in note
+    assert c.points[0].predicted_bytes > c.points[-1].predicted_bytes  # checkpointing still saves memory

@@ -241,6 +241,19 @@ def _module_to_via_set_data():
         torch.nn.Module.to = orig
 
 
+def checkpoint_as_applied(model, layers, chosen: list[int], use_reentrant: bool):
+    """Checkpoint the ``chosen`` layers as :func:`memfit.checkpointing.apply` does: reentrant checkpointing of a layer
+    whose inputs do not require grad (frozen embeddings: LoRA, QLoRA) gets ``model.enable_input_require_grads()``,
+    apply's fix, without which the checkpointed layers get no gradients and a step whose head is frozen too fails
+    ("element 0 of tensors does not require grad"). Returns the :class:`memfit.checkpointing.AppliedCheckpointing`."""
+    from memfit.checkpointing import frozen_input_trap
+
+    plan = apply_activation_checkpointing(model, chosen, layers=layers, use_reentrant=use_reentrant)
+    if use_reentrant and frozen_input_trap(model, layers, chosen) is not None:
+        model.enable_input_require_grads()
+    return plan
+
+
 @contextlib.contextmanager
 def _cuda_sdpa_kernels():
     """Make SDPA under fake tensors pick the kernels CUDA picks, and HF build the masks real runs build.
@@ -609,7 +622,7 @@ def measure_family(
         method = run.method
 
         for plan_layers in checkpoint_plans:
-            plan = apply_activation_checkpointing(model, plan_layers, layers=layers, use_reentrant=reentrant)
+            plan = checkpoint_as_applied(model, layers, plan_layers, reentrant)
             opt = run.make_optimizer()
             if prime:
                 _prime_optimizer(model, opt)

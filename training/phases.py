@@ -42,10 +42,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from memfit.checkpointing import apply_activation_checkpointing
 from memfit.schema import CheckpointImpl, Offload, Sharding, TrainingConfig
 from model.compose import BASIS_NAMES, PHASES, token_basis
-from training.collect import _prime_optimizer, close_optimizer, max_seq_len, prepared_model
+from training.collect import _prime_optimizer, checkpoint_as_applied, close_optimizer, max_seq_len, prepared_model
 
 log = logging.getLogger(__name__)
 
@@ -498,7 +497,7 @@ class _TracePlan:
         with prepared_model(small_config(self.hf_config, 1), self.probe) as run:
             opt = run.make_optimizer()
             _prime_optimizer(run.model, opt)
-            apply_activation_checkpointing(run.model, [0], layers=run.layers, use_reentrant=self.reentrant)
+            checkpoint_as_applied(run.model, run.layers, [0], self.reentrant)
             _traced_at(run, opt, 1, self.probe.seq_len)
             close_optimizer(opt)
             del opt
@@ -558,8 +557,7 @@ class _TracePlan:
             _prime_optimizer(run.model, opt)
             trace = functools.partial(_traced_at, run, opt, replay=OptimizerReplay())
             for c in (0, n):
-                apply_activation_checkpointing(run.model, list(range(depth if c else 0)), layers=run.layers,
-                                               use_reentrant=self.reentrant)
+                checkpoint_as_applied(run.model, run.layers, list(range(depth if c else 0)), self.reentrant)
                 for r, ((pts, grid, cols), coef) in enumerate(zip(self.regimes, coefs)):
                     coef[(n, c)] = fit(r, pts, grid, cols, trace, attention)
             close_optimizer(opt)

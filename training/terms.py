@@ -20,7 +20,7 @@ from typing import Any
 from data import catalog
 from memfit.errors import UnknownModel
 from memfit.schema import FineTune, ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
-from model.terms import not_traceable_reason, terms_key, training_key_fields
+from model.terms import entry_key, not_traceable_reason, shipped_keys, terms_key, training_key_fields
 
 #: the settings a request gets when it says nothing (memfit.api defaults), traced for every catalog model
 DEFAULT_SETTINGS = [
@@ -116,8 +116,9 @@ def run(jobs: list[tuple[str, TrainingConfig]], out: Path) -> dict[str, Any]:
     from training.phases import trace_terms
 
     done = set()
+    keys = shipped_keys(out.parent)
     for path in out.parent.glob("*.jsonl"):  # other shards' files count as done too
-        done |= {json.loads(line)["key"] for line in path.read_text().splitlines() if line.strip()}
+        done |= {entry_key(json.loads(line), keys) for line in path.read_text().splitlines() if line.strip()}
     out.parent.mkdir(parents=True, exist_ok=True)
     stats: dict[str, Any] = {"traced": 0, "skipped": 0, "failed": [], "slowest_s": 0.0, "slowest": None}
     with out.open("a") as fh:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.schema import TrainingConfig
-from model.terms import key_training_fields, terms_key
+from model.terms import entry_key, key_training_fields, shipped_keys, terms_key
 from training.terms import hf_config_of, shard_spec
 
 
@@ -70,6 +70,7 @@ def retrace(path: Path, out_dir: Path, shard: tuple[int, int] = (0, 1), models: 
     out = out_dir / f"{path.stem}.{i}.jsonl"
     done = {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()} if out.exists() else set()
     entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    keys = shipped_keys(path.parent)
     todo = [e for e in entries if stale_reason(e) and (models is None or e["model_name"] in models)][i::n]
     stats: dict[str, Any] = {"traced": 0, "skipped": 0, "failed": []}
     with out.open("a") as fh:
@@ -79,7 +80,7 @@ def retrace(path: Path, out_dir: Path, shard: tuple[int, int] = (0, 1), models: 
                 continue
             cfg = hf_config_of(e["model_name"])
             training = entry_training(e)
-            if terms_key(cfg, training) != e["key"]:
+            if terms_key(cfg, training) != entry_key(e, keys):
                 raise ValueError(f"{path}: entry {e['key']} ({e['model_name']}) does not match its training fields")
             t0 = time.perf_counter()
             try:
