@@ -1,6 +1,7 @@
 """The traced answer against every shipped real-CUDA row, per family.
 
     python -m benchmarks.cuda_rows            # prints the table; writes benchmarks/results/cuda_rows.txt
+    python -m benchmarks.cuda_rows --trace    # + traces the gap families' rows with and without CUDA semantics
 
 Rows: the ``method=cuda`` records under ``data/telemetry/gpu_validation/*/`` (``gpu_records.jsonl`` and
 ``catalog_records.jsonl``: ``torch.cuda.max_memory_allocated`` of one step after a warm-up step, on an H200).
@@ -24,6 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 ROWS_DIR = ROOT / "data" / "telemetry" / "gpu_validation"
 RESULTS = ROOT / "benchmarks" / "results" / "cuda_rows.txt"
+TRACE_RESULTS = ROOT / "benchmarks" / "results" / "cuda_rows_traced.txt"
 ROW_FILES = ("gpu_records.jsonl", "catalog_records.jsonl")
 
 #: (model_name, precision, attention) of families whose CUDA kernels or autocast dtypes differ from the CPU trace
@@ -164,10 +166,88 @@ def table(scored: list[Scored]) -> str:
     return "\n".join(lines)
 
 
+#: same-kernel families traced next to the gap families, to show the CUDA semantics leave them where they are
+CONTROL_FAMILIES = {("llama-3.2-1b", "amp_bf16", "sdpa"), ("qwen2.5-3b", "amp_fp16", "sdpa"),
+                    ("pythia-410m", "amp_fp16", "sdpa"), ("bloom-560m", "amp_bf16", "eager")}
+
+
+def trace_rows(generation: str = "sm90", families: set[tuple[str, str, str]] | None = None) -> list[dict[str, Any]]:
+    """Trace every catalog-run configuration of the gap families (and :data:`CONTROL_FAMILIES`) with the fake
+    tracer, as shipped (CPU semantics) and inside :func:`training.cuda_policy.cuda_step_semantics`; one model
+    build per configuration and mode, all its k in one go. Returns one dict per row: the row's key, CUDA bytes,
+    traced bytes before and after."""
+    import contextlib
+
+    from memfit.schema import TrainingConfig
+    from training.collect import measure_family
+    from training.cuda_policy import cuda_step_semantics
+    from training.terms import hf_config_of
+
+    families = families if families is not None else set(KNOWN_GAPS) | CONTROL_FAMILIES
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for _source, r in cuda_rows():
+        t = r["training"]
+        if (r["model"]["model_name"], t["precision"], t["attention"]) not in families:
+            continue
+        key = json.dumps({"model": r["model"]["model_name"], **{k: v for k, v in t.items()
+                                                                 if k != "checkpoint_layers"}}, sort_keys=True)
+        if all(len(x["training"]["checkpoint_layers"]) != len(t["checkpoint_layers"]) for x in groups.get(key, [])):
+            groups.setdefault(key, []).append(r)
+    out = []
+    for rows in groups.values():
+        rows.sort(key=lambda r: len(r["training"]["checkpoint_layers"]))
+        name = rows[0]["model"]["model_name"]
+        training = TrainingConfig.model_validate(rows[0]["training"])
+        plans = [r["training"]["checkpoint_layers"] for r in rows]
+        traced = {}
+        for mode in ("cpu", "cuda"):
+            ctx = cuda_step_semantics(generation) if mode == "cuda" else contextlib.nullcontext()
+            with ctx:
+                traced[mode] = [rec.measurement.peak_allocated_bytes for rec in measure_family(
+                    hf_config_of(name), training, plans, model_name=name, device="fake", steps=1, prime=True)]
+        for i, r in enumerate(rows):
+            t = r["training"]
+            out.append({"model": name, "precision": t["precision"], "attention": t["attention"],
+                        "micro_batch_size": t["micro_batch_size"], "seq_len": t["seq_len"],
+                        "k": len(t["checkpoint_layers"]), "cuda_bytes": r["measurement"]["peak_allocated_bytes"],
+                        "before_bytes": traced["cpu"][i], "after_bytes": traced["cuda"][i],
+                        "gap": KNOWN_GAPS.get((name, t["precision"], t["attention"]), "same-kernel")})
+        print(f"traced {name} {training.precision.value} {training.attention.value}", file=sys.stderr, flush=True)
+    return out
+
+
+def trace_table(rows: list[dict[str, Any]], generation: str = "sm90") -> str:
+    """Before (CPU semantics) -> after (CUDA ``generation`` semantics) per traced row and per family."""
+    lines = [f"fake tracer vs CUDA (H200); after = training.cuda_policy.cuda_step_semantics({generation!r})",
+             (f"{'family':<15} {'model':<15} {'precision':<9} {'attn':<6} {'k':>3} {'CUDA GiB':>9} {'before':>8} "
+              f"{'after':>8} {'before %':>9} {'after %':>8}")]
+    for r in sorted(rows, key=lambda r: (r["gap"], r["model"], r["precision"], r["attention"], r["k"])):
+        b = (r["before_bytes"] - r["cuda_bytes"]) / r["cuda_bytes"]
+        a = (r["after_bytes"] - r["cuda_bytes"]) / r["cuda_bytes"]
+        lines.append(f"{r['gap']:<15} {r['model']:<15} {r['precision']:<9} {r['attention']:<6} {r['k']:>3} "
+                     f"{r['cuda_bytes'] / 2**30:>9.3f} {r['before_bytes'] / 2**30:>8.3f} {r['after_bytes'] / 2**30:>8.3f} "
+                     f"{100 * b:>+9.2f} {100 * a:>+8.2f}")
+    lines.append("")
+    lines.append(f"{'family':<15} {'rows':>4} {'worst before %':>15} {'worst after %':>14}")
+    fams: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        fams.setdefault(r["gap"], []).append(r)
+    for name, g in sorted(fams.items()):
+        wb = max(((r["before_bytes"] - r["cuda_bytes"]) / r["cuda_bytes"] for r in g), key=abs)
+        wa = max(((r["after_bytes"] - r["cuda_bytes"]) / r["cuda_bytes"] for r in g), key=abs)
+        lines.append(f"{name:<15} {len(g):>4} {100 * wb:>+15.2f} {100 * wa:>+14.2f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
     text = table(score())
     print(text)
     RESULTS.write_text(text + "\n")
+    if "--trace" in argv:
+        traced = trace_table(trace_rows())
+        print(traced)
+        TRACE_RESULTS.write_text(traced + "\n")
     return 0
 
 
