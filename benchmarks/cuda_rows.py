@@ -189,8 +189,7 @@ def trace_rows(generation: str = "sm90", families: set[tuple[str, str, str]] | N
         t = r["training"]
         if (r["model"]["model_name"], t["precision"], t["attention"]) not in families:
             continue
-        key = json.dumps({"model": r["model"]["model_name"], **{k: v for k, v in t.items()
-                                                                 if k != "checkpoint_layers"}}, sort_keys=True)
+        key = json.dumps([r["model"]["model_name"], *(t[f] for f in _TRAINING_IN if f in t)])  # both dates: once
         if all(len(x["training"]["checkpoint_layers"]) != len(t["checkpoint_layers"]) for x in groups.get(key, [])):
             groups.setdefault(key, []).append(r)
     out = []
