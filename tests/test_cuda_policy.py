@@ -76,10 +76,30 @@ def test_falcon_style_multi_query_with_mask_runs_math_and_saves_fp32_probabiliti
         fused = _saved(lambda: F.scaled_dot_product_attention(q, k, k, attn_mask=mask))
         with cuda_step_semantics("sm90"):
             assert sdpa_backend(q, k, mask, 0.0, False, False) is SdpaBackend.MATH
-            assert sdpa_backend(q, k, None, 0.0, True, True) is SdpaBackend.FLASH
+            assert sdpa_backend(q, k, None, 0.0, True, True) is SdpaBackend.CUDNN  # sm90 prefers cuDNN (9.19)
             math = _saved(lambda: F.scaled_dot_product_attention(q, k, k, attn_mask=mask))
     assert not any(t.shape[-2:] == (32, 32) and t.dtype == torch.float32 for t in fused)
     assert any(t.shape[-2:] == (32, 32) and t.dtype == torch.float32 and t.numel() >= 4 * 32 * 32 for t in math)
+
+
+def test_sdpa_inputs_are_autocast_and_cudnn_output_is_head_major():
+    """Phi-3's rotary embedding leaves q and k in fp32; autocast hands SDPA 16-bit q, k, v, and cuDNN (sm90, cuDNN
+    9.19: Phi-3's masked head dim 96) returns a (B, H, S, D)-contiguous output."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), collect._cuda_sdpa_kernels(), torch.autocast("cpu", dtype=torch.bfloat16):
+        q = torch.randn(2, 4, 64, 96, requires_grad=True)  # fp32, as after Phi-3's rotary embedding
+        v = torch.randn(2, 4, 64, 96, dtype=torch.bfloat16, requires_grad=True)
+        mask = torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()
+        before = F.scaled_dot_product_attention(q, q, v, attn_mask=mask)
+        with cuda_step_semantics("sm90"):
+            assert sdpa_backend(v, v, mask, 0.0, False, False) is SdpaBackend.CUDNN  # sees the autocast 16-bit q
+            after = F.scaled_dot_product_attention(q, q, v, attn_mask=mask)
+        with cuda_step_semantics("sm90", cudnn_version=None):
+            assert sdpa_backend(v, v, mask, 0.0, False, False) is SdpaBackend.EFFICIENT
+            efficient = F.scaled_dot_product_attention(q, q, v, attn_mask=mask)
+    assert before.dtype == torch.float32 and after.dtype == torch.bfloat16
+    assert after.is_contiguous() and not efficient.is_contiguous()  # efficient: (B, S, H, D) storage
 
 
 def _cuda_row(model: str, attention: str, k: int) -> int:

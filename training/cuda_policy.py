@@ -13,6 +13,8 @@ lists them). :func:`cuda_step_semantics` makes the traced step follow CUDA's ins
 * **dropout** — ``F.dropout`` in training runs ``torch.native_dropout``, the fused kernel CUDA takes
   (``Dropout.cpp``, ``is_fused_kernel_acceptable``), which saves a 1-byte bool mask instead of the CPU's
   noise tensor in the input's dtype.
+* **SDPA inputs** — :func:`autocast_sdpa_args` casts q, k, v and a float mask to the autocast dtype, as autocast
+  does for ``scaled_dot_product_attention`` (the stand-in kernels are called below autocast).
 * **SDPA** — :func:`sdpa_backend` answers which backend the generation would run
   (:func:`model.cuda_semantics.select_backend`); :func:`training.collect._cuda_sdpa_kernels` runs the
   ``_scaled_dot_product_attention_math`` composite where that is math (e.g. Falcon's one key head without
@@ -51,6 +53,11 @@ FP32_SET_OPT_DTYPE_ENTRY_POINTS = (
     (torch.Tensor, "log_softmax"), (torch, "sum"), (torch.Tensor, "sum"), (torch, "cumsum"),
     (torch.Tensor, "cumsum"), (torch, "prod"), (torch.Tensor, "prod"),
 )
+
+#: cuDNN version the 2026-12-04 H200 rows imply (torch 2.11 + CUDA 13; inferred, not read on the machine): newer than
+#: 9.15.0, since Phi-3's masked attention (head dim 96) keeps cuDNN's (B, H, S, D) output plus its transposed copy,
+#: and at most 9.22, since Gemma-3's head dim 256 stays on the memory-efficient kernel
+ROWS_CUDNN_VERSION = 91900
 
 _state: dict[str, Any] = {"generation": None, "cudnn_version": None, "mqa_broadcast": False}
 
@@ -92,9 +99,13 @@ def _fused_dropout(orig):
 
 @contextlib.contextmanager
 def cuda_step_semantics(generation: GpuGeneration | str = GpuGeneration.SM90, *, autocast: bool = True,
-                        dropout: bool = True, cudnn_version: int | None = None, mqa_broadcast: bool = False):
+                        dropout: bool = True, cudnn_version: int | None = ROWS_CUDNN_VERSION,
+                        mqa_broadcast: bool = False):
     """Within the block, traced steps follow CUDA's autocast lists, fused dropout and ``generation``'s SDPA
     backend choice (see the module docstring). Not reentrant.
+
+    ``cudnn_version`` (cuDNN's integer form, 91900 = 9.19): decides whether sm90 prefers cuDNN attention and its
+    head-dim limit (:func:`model.cuda_semantics.priority_order`); None: cuDNN not preferred.
 
     Raises:
         ValueError: ``generation`` is not a :class:`~model.cuda_semantics.GpuGeneration` value.
@@ -120,6 +131,23 @@ def cuda_step_semantics(generation: GpuGeneration | str = GpuGeneration.SM90, *,
         _state.update(generation=None, cudnn_version=None, mqa_broadcast=False)
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
+
+
+def autocast_sdpa_args(query, key, value, attn_mask):
+    """``(query, key, value, attn_mask)`` as autocast hands them to the SDPA kernel inside
+    :func:`cuda_step_semantics`: ``scaled_dot_product_attention`` is on the lower-precision list of CUDA (and CPU)
+    autocast, so floating inputs are cast to the autocast dtype. The stand-in kernels
+    :func:`training.collect._cuda_sdpa_kernels` calls directly are on no list; without this, a model whose rotary
+    embedding leaves q and k in fp32 (Phi-3, Gemma-3) keeps fp32 q, k, output and mask bias per layer.
+    Unchanged outside the block or with autocast off."""
+    if _state["generation"] is None or not torch.is_autocast_enabled("cpu"):
+        return query, key, value, attn_mask
+    low = torch.get_autocast_dtype("cpu")
+
+    def cast(t):
+        return t.to(low) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != low else t
+
+    return cast(query), cast(key), cast(value), cast(attn_mask)
 
 
 def active_generation() -> GpuGeneration | None:
