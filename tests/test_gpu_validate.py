@@ -22,7 +22,7 @@ def test_cpu_smoke_pairs_real_and_fake(tmp_path, monkeypatch):
     assert {r["measurement"]["method"] for r in real} == {"cpu_tracker"}
     assert all(r["measurement"]["step_time_s"] > 0 for r in real)
     url = f"sqlite:///{tmp_path / 'g.db'}"
-    assert gv.ingest(tmp_path, url) == {"stored": 2, "duplicates": 0, "rejected": 0}
+    assert gv.ingest(tmp_path, url) == {"stored": 2, "duplicates": 0, "rejected": 0, "quarantined": 0}
     assert TelemetryStore(url).count() == 2
 
 
@@ -33,3 +33,17 @@ def test_cuda_without_gpu_exits_2(tmp_path, capsys):
         pytest.skip("a GPU is present")
     assert gv.main(["--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_ingest_reads_both_files_of_the_shipped_h200_rows(tmp_path):
+    rows = gv.Path(__file__).resolve().parent.parent / "data" / "telemetry" / "gpu_validation"
+    url = f"sqlite:///{tmp_path / 'h200.db'}"
+    # 28 rows of the built-in configs + 60 catalog rows (two of them out of memory at k = 0)
+    assert gv.ingest(rows / "h200-2026-12-04", url) == {"stored": 88, "duplicates": 0, "rejected": 0,
+                                                         "quarantined": 0}
+    store = TelemetryStore(url)
+    assert set(store.dataframe()["method"]) == {"cuda"}
+    # the 2026-11-30 run measured the same built-in configs: same record ids, other figures -> quarantined
+    assert gv.ingest(rows / "h200-2026-11-30", url) == {"stored": 0, "duplicates": 0, "rejected": 0,
+                                                         "quarantined": 26}
+    assert store.count() == 88

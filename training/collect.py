@@ -268,12 +268,27 @@ def _cuda_sdpa_kernels():
       ``masking_utils.find_packed_sequence_indices`` never answers "no packed sequences" and a
       ``(b, 1, s, s)`` mask is built that real runs without padding never build. The collector never
       packs sequences, so that function answers None here.
+    * Inside :func:`training.cuda_policy.cuda_step_semantics`, a call the GPU generation would run on the math
+      backend (:func:`model.cuda_semantics.select_backend`) runs PyTorch's math composite, which saves the
+      fp32 probabilities; one it would run on cuDNN returns its output (B, H, S, D)-contiguous, as cuDNN does.
     """
     import torch.nn.functional as F
 
     orig = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        from model.cuda_semantics import SdpaBackend
+        from training.cuda_policy import autocast_sdpa_args, sdpa_backend
+
+        query, key, value, attn_mask = autocast_sdpa_args(query, key, value, attn_mask)
+        backend = sdpa_backend(query, key, attn_mask, dropout_p, is_causal, enable_gqa)
+        if backend is SdpaBackend.MATH:
+            mask = attn_mask
+            if mask is not None and mask.dtype == torch.bool:  # convert_boolean_attn_mask, as the public op does
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask,
+                                                                                                   float("-inf"))
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                query, key, value, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
         if attn_mask is None and dropout_p == 0.0:
             return orig(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=enable_gqa)
@@ -289,8 +304,10 @@ def _cuda_sdpa_kernels():
                 bias = bias.to(query.dtype)
             bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, need_lse, dropout_p, is_causal, scale=scale)[0]
+        # cuDNN returns (B, H, S, D)-contiguous output, so the caller's transpose(1, 2).contiguous() copies
+        return out.contiguous() if backend is SdpaBackend.CUDNN else out
 
     from transformers import masking_utils
 

@@ -15,7 +15,8 @@ tracker on the CPU. Outputs in ``--out``:
 * ``gpu_validation.json`` — per-config pairs, allocated/tracker ratios, reserved − allocated,
   outside-PyTorch bytes, the allocator environment variables and library versions.
 
-Import the CUDA rows afterwards with ``python -m training.gpu_validate --ingest DIR``.
+Import the CUDA rows afterwards with ``python -m training.gpu_validate --ingest DIR`` (it also reads a
+``catalog_records.jsonl`` there).
 ``--device cpu`` runs the same pipeline on real CPU tensors (the ``cpu_tracker``) for a smoke test.
 """
 
@@ -119,15 +120,32 @@ def run(out_dir: Path, device: str = "cuda", limit: int | None = None, budget_s:
     return summary
 
 
+#: files of CUDA rows in a measurement folder: this module's configs, and the catalog families measured with
+#: ``training.collect.measure_family(..., device="cuda")`` (see data/telemetry/gpu_validation/*/README.md)
+CUDA_RECORD_FILES = ("gpu_records.jsonl", "catalog_records.jsonl")
+
+
 def ingest(in_dir: Path, db: str | None = None) -> dict[str, int]:
-    """Add ``gpu_records.jsonl`` from a validation run to the telemetry store."""
+    """Add the CUDA rows of a measurement folder (:data:`CUDA_RECORD_FILES`, those present) to the telemetry store.
+
+    Returns counts of rows stored, duplicates, rejected and quarantined (a row whose record id is stored with
+    other figures, e.g. the same built-in config measured on another day).
+
+    Raises:
+        FileNotFoundError: the folder holds none of :data:`CUDA_RECORD_FILES`.
+    """
     from data.store import TelemetryStore
 
-    lines = (in_dir / "gpu_records.jsonl").read_text().splitlines()
+    paths = [in_dir / name for name in CUDA_RECORD_FILES if (in_dir / name).is_file()]
+    if not paths:
+        raise FileNotFoundError(f"{in_dir}: none of {', '.join(CUDA_RECORD_FILES)}")
+    lines = [line for path in paths for line in path.read_text().splitlines()]
     rep = TelemetryStore(db).add(json.loads(line) for line in lines if line.strip())
     for r in rep.rejected:
         print(f"rejected: {r}", file=sys.stderr)
-    return {"stored": len(rep.stored), "duplicates": len(rep.duplicates), "rejected": len(rep.rejected)}
+    # a re-measurement of the same (family, k) has the same record id and other figures: quarantined as a conflict
+    return {"stored": len(rep.stored), "duplicates": len(rep.duplicates), "rejected": len(rep.rejected),
+            "quarantined": len(rep.quarantined)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--limit", type=int, help="measure only the first N (config, k) pairs")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new configs after this long")
-    p.add_argument("--ingest", type=Path, help="store gpu_records.jsonl from this folder instead of measuring")
+    p.add_argument("--ingest", type=Path, help="store this folder's CUDA rows (gpu_records.jsonl, "
+                   "catalog_records.jsonl) instead of measuring")
     p.add_argument("--db", help="SQLAlchemy URL for --ingest")
     a = p.parse_args(argv)
     if a.ingest:

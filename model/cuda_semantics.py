@@ -1,0 +1,260 @@
+"""What a CUDA run does differently from the CPU trace: the SDPA backend, what it saves, CUDA's autocast lists.
+
+A fake-tensor trace runs on device ``cpu``: it dispatches the CPU kernels and the CPU autocast policy. This
+module states, as data and small pure functions, what the CUDA run of the same step would do, so the tracer
+(:mod:`training.cuda_policy`) can follow it and the answer can name it.
+
+**SDPA backend choice** (PyTorch ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, ``select_sdp_backend``):
+the first backend of ``priority_order`` whose ``can_use_*`` checks all pass runs.
+
+* ``priority_order``: the global order is flash, memory-efficient, math, cuDNN (``Context::sDPPriorityOrder``),
+  so cuDNN never runs unless ``check_prefer_cudnn_attention`` moves it first: on sm90/sm100 with a runtime cuDNN
+  newer than 9.15.0 (``cudnn_version > 91500``).
+* ``can_use_flash_attention``: no ``attn_mask`` (``check_for_attn_mask``); q, k, v head dims equal and <= 256
+  (``check_head_dim_size_flash``); sm80..sm121 (``check_flash_attention_hardware_support``); fp16/bf16
+  (``check_dtypes_low_precision``); on sm86..sm89 training with head dim in (192, 224], or in (224, 256] with dropout,
+  refused (``check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120``); ``is_causal`` needs
+  seq_q == seq_k (``check_flash_causal_non_square_seqlens``); equal head counts, or GQA with ``enable_gqa``
+  (``check_batch_size_and_num_heads_dense``). Dropout is fine.
+* ``can_use_mem_efficient_attention``: masks and dropout fine; fp32/fp16/bf16 on sm80+; head dims divisible by the
+  GEMM alignment (``check_head_dim_size_mem_efficient``: 8 for 16-bit, 4 for fp32 on sm80+); equal head counts or
+  GQA with ``enable_gqa``.
+* ``can_use_cudnn_attention``: fp16/bf16; dropout a multiple of 1/16 (``check_cudnn_dropout``; 0.1 is refused); head
+  dim a multiple of 8 and <= 128 (256 on sm90 with cuDNN > 9.22, ``check_cudnn_tensor_shapes``); sm80..sm121.
+* ``math`` always accepts. Head counts: the torch 2.11 checks need equal head counts unless ``enable_gqa`` (a key
+  with one head and no ``enable_gqa``, Falcon's multi-query layout, takes **math**); PyTorch's main branch since
+  added a ``supports_mqa`` template argument that lets one key head broadcast (``mqa_broadcast=True`` here).
+
+**Bytes saved for backward per call** (beyond q, k, v and the output, which every backend keeps):
+
+* flash (``_scaled_dot_product_flash_attention``): log-sum-exp fp32 (B, H, S_q) + RNG seed and offset (2 x int64);
+* memory-efficient (``_scaled_dot_product_efficient_attention``): log-sum-exp fp32 (B, H, ceil(S_q / 32) * 32) +
+  seed and offset; the additive bias, when a mask is given, in the query's dtype;
+* cuDNN (``_scaled_dot_product_cudnn_attention``): log-sum-exp fp32 (B, H, S_q, 1) + seed and offset; the bias;
+* math (``_scaled_dot_product_attention_math``): the probabilities (B, H, S_q, S_k) in fp32 for 16-bit inputs
+  (the composite upcasts q, k, v unless ``allow_fp16_bf16_reduction_math_sdp``), the scaled fp32 query, and with
+  dropout a dropout mask the size of the probabilities.
+
+**Autocast** (``aten/src/ATen/autocast_mode.h``/``.cpp``): CUDA runs ``AT_FORALL_FP32`` ops (``pow``, ``exp``,
+``rsqrt``, ``layer_norm``, losses, ...) in fp32 and ``AT_FORALL_FP32_SET_OPT_DTYPE`` ops (``softmax``,
+``log_softmax``, ``sum``, ``cumsum``, ``prod``, ...) with an fp32 output; the ``AutocastCPU`` lists contain none of
+those elementwise ops, so a CPU trace keeps them in 16 bits. Dropout (``aten/src/ATen/native/Dropout.cpp``,
+``is_fused_kernel_acceptable``) takes the fused ``native_dropout`` on CUDA, which keeps a 1-byte bool mask; on the
+CPU it multiplies by a noise tensor of the input's dtype (2 or 4 bytes per element).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class GpuGeneration(StrEnum):
+    """CUDA compute capability families the backend table distinguishes."""
+
+    SM80 = "sm80"  # A100, A800, A30
+    SM86 = "sm86"  # RTX 3090, A40, A10
+    SM89 = "sm89"  # L40S, L4, RTX 4090
+    SM90 = "sm90"  # H100, H200, H800, GH200
+
+
+#: device-name fragments (case-insensitive, first match wins) -> generation
+DEVICE_GENERATIONS: tuple[tuple[str, GpuGeneration], ...] = (
+    ("h100", GpuGeneration.SM90), ("h200", GpuGeneration.SM90), ("h800", GpuGeneration.SM90),
+    ("gh200", GpuGeneration.SM90), ("a100", GpuGeneration.SM80), ("a800", GpuGeneration.SM80),
+    ("a30", GpuGeneration.SM80), ("l40", GpuGeneration.SM89), ("l4", GpuGeneration.SM89),
+    ("4090", GpuGeneration.SM89), ("4080", GpuGeneration.SM89), ("3090", GpuGeneration.SM86),
+    ("a40", GpuGeneration.SM86), ("a10", GpuGeneration.SM86),
+)
+
+
+def generation_of(device_name: str) -> GpuGeneration:
+    """The compute-capability family of a GPU by name (e.g. ``"NVIDIA H200"`` -> sm90).
+
+    Raises:
+        ValueError: the name matches no known GPU (the message lists the known fragments).
+    """
+    low = device_name.lower()
+    for fragment, gen in DEVICE_GENERATIONS:
+        if fragment in low:
+            return gen
+    raise ValueError(f"device_name {device_name!r}: unknown GPU generation; known: "
+                     f"{', '.join(f for f, _ in DEVICE_GENERATIONS)}")
+
+
+class SdpaBackend(StrEnum):
+    """``torch.nn.attention.SDPBackend`` members that run on CUDA."""
+
+    CUDNN = "cudnn"
+    FLASH = "flash"
+    EFFICIENT = "efficient"
+    MATH = "math"
+
+
+_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class SdpaCall:
+    """One ``F.scaled_dot_product_attention`` call as the backend checks see it.
+
+    Shapes: query (batch, num_heads, seq_q, head_dim), key/value (batch, num_kv_heads, seq_k, head_dim).
+    ``dtype`` is the query's dtype name (``fp32``/``fp16``/``bf16``).
+
+    Raises:
+        ValueError: a field out of range (named in the message).
+    """
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str = "bf16"
+    has_mask: bool = False
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    enable_gqa: bool = False
+    requires_grad: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "num_heads", "num_kv_heads", "seq_q", "seq_k", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+        if not 0.0 <= self.dropout_p < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {self.dropout_p}")
+
+
+def priority_order(gen: GpuGeneration, cudnn_version: int | None = None) -> tuple[SdpaBackend, ...]:
+    """Backends in the order ``select_sdp_backend`` tries them (``priority_order`` /
+    ``check_prefer_cudnn_attention``): cuDNN first on sm90 when the runtime cuDNN is newer than 9.15.0
+    (``cudnn_version`` as cuDNN reports it, e.g. 91500), else flash, memory-efficient, math, cuDNN."""
+    if gen is GpuGeneration.SM90 and cudnn_version is not None and cudnn_version > 91500:
+        return SdpaBackend.CUDNN, SdpaBackend.FLASH, SdpaBackend.EFFICIENT, SdpaBackend.MATH
+    return SdpaBackend.FLASH, SdpaBackend.EFFICIENT, SdpaBackend.MATH, SdpaBackend.CUDNN
+
+
+def _heads_ok(c: SdpaCall, mqa_broadcast: bool) -> bool:
+    """``check_batch_size_and_num_heads_dense``: equal heads, GQA with ``enable_gqa``, or one broadcast key head."""
+    if c.num_heads == c.num_kv_heads:
+        return True
+    if c.enable_gqa:
+        return c.num_heads % c.num_kv_heads == 0
+    return mqa_broadcast and c.num_kv_heads == 1
+
+
+def can_use_flash(c: SdpaCall, gen: GpuGeneration, mqa_broadcast: bool = False) -> bool:
+    """``can_use_flash_attention`` for dense inputs on ``gen``."""
+    if c.has_mask or c.head_dim > 256 or c.dtype == "fp32":
+        return False
+    if c.is_causal and c.seq_q != c.seq_k:
+        return False
+    sm86_89 = gen in (GpuGeneration.SM86, GpuGeneration.SM89)
+    if sm86_89 and c.requires_grad and not (c.head_dim <= 192 or (c.dropout_p == 0.0 and c.head_dim > 224)):
+        return False
+    return _heads_ok(c, mqa_broadcast)
+
+
+def can_use_efficient(c: SdpaCall, gen: GpuGeneration, mqa_broadcast: bool = False) -> bool:
+    """``can_use_mem_efficient_attention`` for dense inputs on ``gen`` (sm80 or newer: fp32/fp16/bf16)."""
+    alignment = 8 if c.dtype in ("fp16", "bf16") else 4  # minimum_gemm_alignment on sm80+
+    if c.head_dim % alignment:
+        return False
+    return _heads_ok(c, mqa_broadcast)
+
+
+def can_use_cudnn(c: SdpaCall, gen: GpuGeneration, cudnn_version: int | None = None,
+                  mqa_broadcast: bool = False) -> bool:
+    """``can_use_cudnn_attention`` for dense inputs on ``gen`` (cuDNN 9 or newer assumed)."""
+    if c.dtype == "fp32" or c.dropout_p * 16.0 != math.floor(c.dropout_p * 16.0):
+        return False
+    if c.dropout_p > 0.0 and cudnn_version is not None and 91100 < cudnn_version < 91400:
+        return False
+    limit = 256 if gen is GpuGeneration.SM90 and cudnn_version is not None and cudnn_version > 92200 else 128
+    if c.head_dim > limit or c.head_dim % 8 or c.seq_k == 1:
+        return False
+    return _heads_ok(c, mqa_broadcast)
+
+
+def select_backend(c: SdpaCall, gen: GpuGeneration, cudnn_version: int | None = None,
+                   mqa_broadcast: bool = False) -> SdpaBackend:
+    """The backend ``select_sdp_backend`` runs for ``c`` on ``gen``: the first of :func:`priority_order` whose
+    checks pass (math always passes)."""
+    checks = {
+        SdpaBackend.CUDNN: lambda: can_use_cudnn(c, gen, cudnn_version, mqa_broadcast),
+        SdpaBackend.FLASH: lambda: can_use_flash(c, gen, mqa_broadcast),
+        SdpaBackend.EFFICIENT: lambda: can_use_efficient(c, gen, mqa_broadcast),
+        SdpaBackend.MATH: lambda: True,
+    }
+    for backend in priority_order(gen, cudnn_version):
+        if checks[backend]():
+            return backend
+    raise AssertionError("unreachable: math always accepts")
+
+
+def saved_bytes(c: SdpaCall, backend: SdpaBackend) -> int:
+    """Bytes one call keeps for backward beyond q, k, v and the output (see the module docstring), in bytes.
+
+    The mask, when a fused backend gets one, is counted once per call in the query's dtype (B, 1, S_q, S_k):
+    the boolean mask is converted to an additive bias on every call (``convert_boolean_attn_mask``).
+    """
+    b, h, sq, sk = c.batch, c.num_heads, c.seq_q, c.seq_k
+    rng = 2 * 8  # philox seed and offset, int64 each
+    bias = b * sq * sk * _DTYPE_BYTES[c.dtype] if c.has_mask else 0
+    if backend is SdpaBackend.FLASH:
+        return b * h * sq * 4 + rng
+    if backend is SdpaBackend.EFFICIENT:
+        return b * h * (-(-sq // 32) * 32) * 4 + rng + bias
+    if backend is SdpaBackend.CUDNN:
+        return b * h * sq * 4 + rng + bias
+    acc = 4 if c.dtype in ("fp16", "bf16") else _DTYPE_BYTES[c.dtype]  # math upcasts 16-bit inputs
+    probs = b * h * sq * sk * acc
+    dropout_mask = b * h * sq * sk if c.dropout_p > 0.0 else 0
+    return probs + b * h * sq * c.head_dim * acc + dropout_mask
+
+
+#: CUDA autocast ``fp32`` policy (``AT_FORALL_FP32``), ops a transformer step can meet
+CUDA_AUTOCAST_FP32_OPS = frozenset({
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh",
+    "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "group_norm", "frobenius_norm", "nuclear_norm",
+    "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
+    "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+})
+#: CUDA autocast ``fp32_set_opt_dtype`` policy (``AT_FORALL_FP32_SET_OPT_DTYPE``): output dtype set to fp32
+CUDA_AUTOCAST_FP32_SET_OPT_DTYPE_OPS = frozenset({
+    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm", "sum",
+})
+#: ``AutocastCPU`` fp32 policy ops among the two CUDA sets above (the rest stay in the lower precision on the CPU)
+CPU_AUTOCAST_FP32_OPS = frozenset({"prod", "cdist", "mse_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+                                   "hinge_embedding_loss", "poisson_nll_loss", "smooth_l1_loss", "l1_loss",
+                                   "huber_loss", "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss",
+                                   "multi_margin_loss", "kl_div", "multilabel_margin_loss",
+                                   "binary_cross_entropy_with_logits"})
+
+
+def fp32_on_cuda_only(op: str) -> bool:
+    """True when CUDA autocast runs ``op`` in fp32 (or with an fp32 output) and CPU autocast does not."""
+    return (op in CUDA_AUTOCAST_FP32_OPS or op in CUDA_AUTOCAST_FP32_SET_OPT_DTYPE_OPS) and \
+        op not in CPU_AUTOCAST_FP32_OPS
+
+
+def dropout_mask_bytes_per_element(device: str, dtype_bytes: int) -> int:
+    """Bytes per element dropout keeps for backward: 1 (bool mask of the fused ``native_dropout``) on CUDA, the
+    input's element size (``input * noise``) on the CPU (``Dropout.cpp``, ``is_fused_kernel_acceptable``).
+
+    Raises:
+        ValueError: ``device`` not ``cuda``/``cpu`` or ``dtype_bytes`` not 2 or 4.
+    """
+    if dtype_bytes not in (2, 4):
+        raise ValueError(f"dtype_bytes must be 2 or 4, got {dtype_bytes}")
+    if device == "cuda":
+        return 1
+    if device == "cpu":
+        return dtype_bytes
+    raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
