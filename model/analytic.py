@@ -156,7 +156,8 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
 
     Args:
         model: total and trainable parameter counts are used (LoRA/frozen: states only for trainable).
-        training: precision, optimizer, sharding, data-parallel size (and expert-parallel size: a rank's routed
+        training: precision, optimizer, sharding over :attr:`~memfit.schema.TrainingConfig.sharding_group_size`
+            ranks (data × context parallel; and expert-parallel size: a rank's routed
             experts are sharded over ``data_parallel_size / expert_parallel_size`` ranks only,
             :func:`routed_expert_share`).
         zero1_lower_bound: ZeRO-1 as run by ``torch.distributed.optim.ZeroRedundancyOptimizer``
@@ -187,7 +188,7 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
     if training.optimizer_in_backward:
         grads = 0
     opt = int(trainable * states_per_param)
-    n = training.data_parallel_size
+    n = training.sharding_group_size  # data x context-parallel ranks
     s = training.sharding
     # expert parallelism: the routed experts a rank holds are sharded only over the data-parallel ranks that hold the
     # same experts (data_parallel_size / expert_parallel_size: DeepSpeed-MoE's expert-data-parallel group, torchtitan's
@@ -339,7 +340,7 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     L = model.num_layers
     per_layer = activation_bytes_per_layer(full, training)  # already divided by the tensor-parallel size
     sbh = training.seq_len * training.micro_batch_size * model.hidden_size * activation_dtype_bytes(training.precision)
-    n = training.data_parallel_size if training.sharding is not Sharding.NONE else 1
+    n = training.sharding_group_size if training.sharding is not Sharding.NONE else 1
     temp_per_param = {Optimizer.ADAMW_FOREACH: 4, Optimizer.SGD_MOMENTUM: 4, Optimizer.ADAFACTOR: 4}.get(
         training.optimizer, 0)
     if training.optimizer_in_backward:
