@@ -545,6 +545,30 @@ class TelemetryRecord(_Part):
 ROW_FIELDS: dict[str, tuple[str, Any]] = _row_fields()
 
 
+def check_quantized_base(model: ModelSpec, training: TrainingConfig) -> None:
+    """Refuse a quantized (QLoRA) base for a mixture-of-experts model: the one rule for the service (422), the
+    command line (exit 2) and the tracer.
+
+    transformers 5 holds a layer's routed experts as 3-D parameters (``MixtralExperts.gate_up_proj`` of shape
+    ``(experts, 2·intermediate, hidden)``, ``models/mixtral/modeling_mixtral.py``); its bitsandbytes loader
+    replaces only ``nn.Linear`` / ``Conv1D`` modules (``integrations/bitsandbytes.py``, ``replace_with_bnb_linear``;
+    ``quantizers/quantizer_bnb_4bit.py`` quantizes parameters of ``Linear4bit`` modules only), bitsandbytes 0.50 has
+    no 3-D 4-bit parameter type (``Params4bit`` backs ``Linear4bit``), and PEFT 0.21's ``target_parameters``
+    adapts plain parameters, not 4-bit ones. So such a run keeps every expert in 16 bits and quantizes only the
+    attention: not the QLoRA its users mean (transformers 4 held experts as ``nn.Linear`` modules and did quantize
+    them), and no layout memfit traces.
+
+    Raises:
+        memfit.errors.InvalidConfiguration: naming ``training.quantization`` (allowed: 'none' for a MoE model).
+    """
+    if model.num_experts is not None and training.quantization is not Quantization.NONE:
+        raise InvalidConfiguration(
+            "training.quantization", "'none' for a mixture-of-experts model", training.quantization.value,
+            message=f"training.quantization: {training.quantization.value!r} is not modelled for a mixture-of-experts "
+                    "model: transformers 5 stores the experts as 3-D parameters that bitsandbytes does not quantize "
+                    "(only the attention would be; allowed: 'none'; LoRA on a 16-bit base is modelled)")
+
+
 def check_moe_settings(model: ModelSpec, training: TrainingConfig) -> None:
     """Check the MoE settings of ``training`` against ``model`` (one rule set for the service and collector).
 

@@ -37,6 +37,7 @@ from memfit.schema import (
     Quantization,
     TrainingConfig,
     check_moe_settings,
+    check_quantized_base,
     default_data_parallel_size,
 )
 from model.curve import PROVISIONAL, Curve, MemoryPredictor, expert_parallel_rank
@@ -372,6 +373,7 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
         field, message, allowed = pydantic_error_field(err.errors()[0], ("training", *err.errors()[0]["loc"]))
         raise InvalidConfiguration(field, allowed or "see the schema", message=message) from err
     check_moe_settings(spec, training)
+    check_quantized_base(spec, training)
     return training, spec
 
 
