@@ -134,3 +134,20 @@ def test_context_parallel_telemetry_goes_through_post_telemetry_and_is_stored(tm
     row = TelemetryStore(db_url).dataframe().set_index("record_id").loc[result.record.record_id]
     assert (int(row.context_parallel_size), int(row.data_parallel_size), int(row.gpu_count)) == (2, 2, 4)
     assert row.sharding == "fsdp_full_shard" and json.loads(row.checkpoint_layers) == [0]
+
+
+def test_cli_accepts_data_parallel_4_context_parallel_2_on_4_gpus(small_registry, capsys, monkeypatch):
+    # issue 28.4: "--data-parallel 4 --context-parallel 2 --gpus 4" was refused (4 x 2 > 4), so the FSDP-over-4 job
+    # could not even be said
+    from service.cli import EXIT_BAD_INPUT, main
+    from service.tracing import InlineTracer
+
+    monkeypatch.setattr(InlineTracer, "__call__", lambda self, key, hf_config, training: "not traced in this test")
+    code = main(["recommend", "--model", "llama-3.2-1b", "--gpu", "H100-80GB", "--gpus", "4", "--zero", "3",
+                 "--data-parallel", "4", "--context-parallel", "2", "--micro-batch", "1", "--seq-len", "8192",
+                 "--json", "--registry", str(small_registry.root)])
+    out, err = capsys.readouterr()
+    assert code != EXIT_BAD_INPUT, err
+    answer = json.loads(out)
+    assert (answer["training"]["data_parallel_size"], answer["training"]["context_parallel_size"]) == (2, 2)
+    assert any("read as the ZeRO/FSDP sharding group" in w for w in answer["warnings"])
