@@ -293,8 +293,8 @@ class TrainingConfig(_Part):
         if self.finetune is not FineTune.FROZEN and self.frozen_layers != 0:
             raise InvalidConfiguration("frozen_layers", "0 unless finetune='frozen'", self.frozen_layers)
         if self.sharding is not Sharding.NONE and self.sharding_group_size < 2:
-            raise InvalidConfiguration("sharding", "'none' when data_parallel_size x context_parallel_size is 1 "
-                                       "(sharding needs >= 2 ranks)", self.sharding.value)
+            raise InvalidConfiguration("sharding", "'none' when data_parallel_size is 1 without context parallelism "
+                                       "(sharding needs >= 2 data x context-parallel ranks)", self.sharding.value)
         if self.quantization is not Quantization.NONE and self.finetune is not FineTune.LORA:
             raise InvalidConfiguration("quantization", "'none' unless finetune='lora' (a quantized base is frozen; "
                                        "with LoRA: one of " + ", ".join(q.value for q in Quantization) + ")",
