@@ -118,7 +118,11 @@ class TrainingIn(_In):
     optimizer: OptimizerIn = Field(Optimizer.ADAMW_FOREACH, description=(
         "adamw (PyTorch's default torch.optim.AdamW) is taken as adamw_foreach, what it runs on CUDA"))
     sharding: Sharding = Sharding.NONE
-    data_parallel_size: StrictInt | None = Field(None, ge=1, le=MAX_WORLD, description="default: gpu_count / (tp * pp)")
+    data_parallel_size: StrictInt | None = Field(None, ge=1, le=MAX_WORLD, description=(
+        "model replicas running different micro-batches; data x tensor x pipeline x context parallel size <= "
+        "gpu_count; ZeRO/FSDP shard over data x context-parallel ranks. Default: gpu_count / (tp * pp * cp); a size "
+        "that fits the cluster only as the data x context sharding group is read as that (see "
+        "memfit.schema.default_data_parallel_size)"))
     tensor_parallel_size: StrictInt = Field(1, ge=1, le=1024)
     pipeline_parallel_size: StrictInt = Field(1, ge=1, le=1024)
     context_parallel_size: StrictInt = Field(1, ge=1, le=1024, description="ranks splitting the sequence; divides seq_len")

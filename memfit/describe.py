@@ -25,6 +25,7 @@ from memfit.errors import InvalidConfiguration
 from memfit.hf import logical_numel, quantization_from_hf
 from memfit.schema import (
     Attention, CheckpointImpl, FineTune, Offload, Optimizer, Precision, Quantization, Sharding,
+    default_data_parallel_size,
 )
 
 log = logging.getLogger("memfit")
@@ -458,7 +459,7 @@ def describe(
     pipeline_parallel_size = pipeline_parallel_size or found.get("pp", 1)
     context_parallel_size = context_parallel_size or found.get("cp", 1)
     sequence_parallel = bool(sequence_parallel) and tensor_parallel_size > 1
-    dp = max(1, gpu_count // (tensor_parallel_size * pipeline_parallel_size * context_parallel_size))
+    dp = default_data_parallel_size(gpu_count, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
     if sharding is None:
         stage = ((ds or {}).get("zero_optimization") or {}).get("stage", 0)
         fsdp = getattr(args, "fsdp", None) or ""
@@ -476,7 +477,7 @@ def describe(
         offload_optimizer = _choice(Offload, offload_optimizer, "offload_optimizer")
     if offload_parameters is not None:
         offload_parameters = _choice(Offload, offload_parameters, "offload_parameters")
-    if sharding is not Sharding.NONE and dp < 2:
+    if sharding is not Sharding.NONE and dp * context_parallel_size < 2:  # shards over data x context ranks
         log.info("memfit: sharding=%s over one data-parallel rank shards nothing; describing it as 'none'",
                  sharding.value)
         sharding = Sharding.NONE

@@ -37,6 +37,7 @@ from memfit.schema import (
     Source,
     TelemetryRecord,
     TrainingConfig,
+    default_data_parallel_size,
 )
 
 log = logging.getLogger("memfit")
@@ -122,7 +123,8 @@ def build_record(model: Any, plan: Any, request: RecommendRequest, *, peak_alloc
     """
     t = request.training
     gpus = request.cluster.gpu_count
-    dp = t.data_parallel_size or max(1, gpus // (t.tensor_parallel_size * t.pipeline_parallel_size))
+    dp = default_data_parallel_size(gpus, t.tensor_parallel_size, t.pipeline_parallel_size, t.context_parallel_size,
+                                    t.data_parallel_size)
     if isinstance(plan, (list, tuple)):
         layers = [int(i) for i in plan]
     else:

@@ -292,9 +292,9 @@ class TrainingConfig(_Part):
             raise InvalidConfiguration("frozen_layers", "an integer >= 1 when finetune='frozen'", self.frozen_layers)
         if self.finetune is not FineTune.FROZEN and self.frozen_layers != 0:
             raise InvalidConfiguration("frozen_layers", "0 unless finetune='frozen'", self.frozen_layers)
-        if self.sharding is not Sharding.NONE and self.data_parallel_size < 2:
-            raise InvalidConfiguration("sharding", "'none' when data_parallel_size is 1 (sharding needs >= 2 ranks)",
-                                       self.sharding.value)
+        if self.sharding is not Sharding.NONE and self.sharding_group_size < 2:
+            raise InvalidConfiguration("sharding", "'none' when data_parallel_size is 1 without context parallelism "
+                                       "(sharding needs >= 2 data x context-parallel ranks)", self.sharding.value)
         if self.quantization is not Quantization.NONE and self.finetune is not FineTune.LORA:
             raise InvalidConfiguration("quantization", "'none' unless finetune='lora' (a quantized base is frozen; "
                                        "with LoRA: one of " + ", ".join(q.value for q in Quantization) + ")",
@@ -346,6 +346,15 @@ class TrainingConfig(_Part):
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
 
     @property
+    def sharding_group_size(self) -> int:
+        """Ranks ZeRO / FSDP shard the model states over: data × context parallel size. Context-parallel ranks
+        run the same micro-batch's sequence chunks and hold the same parameters, so they join the sharding group:
+        torchtitan applies FSDP over the flattened ``dp_shard_cp`` mesh (``torchtitan/distributed/
+        parallel_dims.py``), Megatron-LM's distributed optimizer shards over the data-parallel group with context
+        parallel (``megatron/core/parallel_state.py``, ``get_data_parallel_group(with_context_parallel=True)``)."""
+        return self.data_parallel_size * self.context_parallel_size
+
+    @property
     def accumulates_gradients(self) -> bool:
         """Gradients stay on the device through the forward and backward of later micro-batches: accumulation
         over more than one micro-batch, optimizer not offloaded. With ``offload_optimizer='cpu'`` the gradients
@@ -358,6 +367,36 @@ class TrainingConfig(_Part):
     def micro_batches_per_step(self) -> int:
         """Micro-batches each pipeline runs per step (``num_micro_batches``, default the stage count)."""
         return self.num_micro_batches or self.pipeline_parallel_size
+
+
+def default_data_parallel_size(gpu_count: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                               context_parallel_size: int = 1, requested: int | None = None) -> int:
+    """The data-parallel size of a job: model replicas that run different micro-batches (the one rule for the
+    service, the command line, :func:`memfit.describe` and the telemetry reporter).
+
+    ``data_parallel_size`` × tensor × pipeline × context parallel size is at most ``gpu_count``; ZeRO / FSDP
+    shard over data × context-parallel ranks (:attr:`TrainingConfig.sharding_group_size`).
+
+    * ``requested`` None: the GPUs the model-parallel sizes leave, ``gpu_count // (tp·pp·cp)`` (at least 1);
+    * a ``requested`` size that already counts the context-parallel ranks — it exceeds the cluster with them
+      (``requested·tp·pp·cp > gpu_count``) but not without them, and ``cp`` divides it — is the sharding group
+      (``--data-parallel 4 --context-parallel 2 --gpus 4``: FSDP over 4 ranks, torchtitan's ``dp_shard_cp``, or
+      DeepSpeed's data parallel over the sequence-parallel ranks): it holds ``requested / cp`` replicas;
+    * any other ``requested`` is returned as given (a size beyond the cluster is the caller's error to raise,
+      naming the field).
+
+    Raises:
+        ValueError: a size below 1.
+    """
+    tp, pp, cp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
+    if min(gpu_count, tp, pp, cp, requested or 1) < 1:
+        raise ValueError(f"parallel sizes and gpu_count must be >= 1, got gpu_count={gpu_count}, tp={tp}, pp={pp}, "
+                         f"cp={cp}, data_parallel_size={requested}")
+    if requested is None:
+        return max(1, gpu_count // (tp * pp * cp))
+    if cp > 1 and requested * tp * pp * cp > gpu_count >= requested * tp * pp and requested % cp == 0:
+        return requested // cp
+    return requested
 
 
 #: sharding modes under which parameters can be offloaded (they are gathered layer by layer anyway)
@@ -504,6 +543,30 @@ class TelemetryRecord(_Part):
 
 #: flat column name -> (part, FieldInfo), for the store and Parquet/CSV
 ROW_FIELDS: dict[str, tuple[str, Any]] = _row_fields()
+
+
+def check_quantized_base(model: ModelSpec, training: TrainingConfig) -> None:
+    """Refuse a quantized (QLoRA) base for a mixture-of-experts model: the one rule for the service (422), the
+    command line (exit 2) and the tracer.
+
+    transformers 5 holds a layer's routed experts as 3-D parameters (``MixtralExperts.gate_up_proj`` of shape
+    ``(experts, 2·intermediate, hidden)``, ``models/mixtral/modeling_mixtral.py``); its bitsandbytes loader
+    replaces only ``nn.Linear`` / ``Conv1D`` modules (``integrations/bitsandbytes.py``, ``replace_with_bnb_linear``;
+    ``quantizers/quantizer_bnb_4bit.py`` quantizes parameters of ``Linear4bit`` modules only), bitsandbytes 0.50 has
+    no 3-D 4-bit parameter type (``Params4bit`` backs ``Linear4bit``), and PEFT 0.21's ``target_parameters``
+    adapts plain parameters, not 4-bit ones. So such a run keeps every expert in 16 bits and quantizes only the
+    attention: not the QLoRA its users mean (transformers 4 held experts as ``nn.Linear`` modules and did quantize
+    them), and no layout memfit traces.
+
+    Raises:
+        memfit.errors.InvalidConfiguration: naming ``training.quantization`` (allowed: 'none' for a MoE model).
+    """
+    if model.num_experts is not None and training.quantization is not Quantization.NONE:
+        raise InvalidConfiguration(
+            "training.quantization", "'none' for a mixture-of-experts model", training.quantization.value,
+            message=f"training.quantization: {training.quantization.value!r} is not modelled for a mixture-of-experts "
+                    "model: transformers 5 stores the experts as 3-D parameters that bitsandbytes does not quantize "
+                    "(only the attention would be; allowed: 'none'; LoRA on a 16-bit base is modelled)")
 
 
 def check_moe_settings(model: ModelSpec, training: TrainingConfig) -> None:

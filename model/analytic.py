@@ -85,19 +85,38 @@ def quantized_linear_bytes(out_features: int, in_features: int, quantization: Qu
     return packed + _blocks(blocks) + _blocks(4 * -(-blocks // 256)) + _blocks(4) + _blocks(256 * 4)
 
 
-def decoder_linear_shapes(model: ModelSpec) -> list[tuple[int, int]]:
-    """(out, in) of the linear layers of one decoder layer: q, k, v, o and the MLP (gate, up, down for
-    gated families; up, down otherwise). Biases are not weights of these shapes and stay unquantized."""
+def decoder_linear_shapes(model: ModelSpec, tensor_parallel_size: int = 1) -> list[tuple[int, int]]:
+    """(out, in) of the linear layers of one decoder layer as one tensor-parallel rank holds them: q, k, v, o and
+    the MLP (gate, up, down for gated families; up, down otherwise). Biases are not weights of these shapes and
+    stay unquantized.
+
+    Megatron-LM's layout (Shoeybi et al. 2019, arXiv 1909.08053, Sec. 3; ``megatron/core/tensor_parallel/
+    layers.py``: ``ColumnParallelLinear`` splits the output dimension, ``RowParallelLinear`` the input one):
+    q, k, v and gate/up are split by their output (heads, FFN columns), o and down by their input. A rank
+    holds at least one KV head: with more ranks than KV heads the heads are replicated
+    (``megatron/core/transformer/attention.py``, ``num_query_groups_per_partition``). Uneven splits give
+    rank 0 the ceiling. With ``tensor_parallel_size`` 1 the full shapes.
+
+    Raises:
+        ValueError: ``tensor_parallel_size`` < 1.
+    """
+    t = tensor_parallel_size
+    if t < 1:
+        raise ValueError(f"tensor_parallel_size={t} must be >= 1")
     h = model.hidden_size
     d = model.head_dim or h // model.num_attention_heads
-    q, kv, f = model.num_attention_heads * d, model.num_key_value_heads * d, model.intermediate_size
+    q = -(-model.num_attention_heads // t) * d
+    kv = max(1, model.num_key_value_heads // t) * d
+    f = -(-model.intermediate_size // t)
     mlp = [(f, h), (f, h), (h, f)] if model.architecture in GATED_MLP_FAMILIES else [(f, h), (h, f)]
     return [(q, h), (kv, h), (kv, h), (h, q), *mlp]
 
 
-def quantized_base_bytes(model: ModelSpec, quantization: Quantization) -> tuple[int, int]:
-    """(weights quantized, their device bytes) over all decoder layers (:func:`quantized_linear_bytes`)."""
-    shapes = decoder_linear_shapes(model)
+def quantized_base_bytes(model: ModelSpec, quantization: Quantization,
+                         tensor_parallel_size: int = 1) -> tuple[int, int]:
+    """(weights quantized, their device bytes) over all decoder layers of one tensor-parallel rank
+    (:func:`decoder_linear_shapes`, :func:`quantized_linear_bytes`)."""
+    shapes = decoder_linear_shapes(model, tensor_parallel_size)
     n = sum(o * i for o, i in shapes) * model.num_layers
     return n, sum(quantized_linear_bytes(o, i, quantization) for o, i in shapes) * model.num_layers
 
@@ -137,7 +156,8 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
 
     Args:
         model: total and trainable parameter counts are used (LoRA/frozen: states only for trainable).
-        training: precision, optimizer, sharding, data-parallel size (and expert-parallel size: a rank's routed
+        training: precision, optimizer, sharding over :attr:`~memfit.schema.TrainingConfig.sharding_group_size`
+            ranks (data × context parallel; and expert-parallel size: a rank's routed
             experts are sharded over ``data_parallel_size / expert_parallel_size`` ranks only,
             :func:`routed_expert_share`).
         zero1_lower_bound: ZeRO-1 as run by ``torch.distributed.optim.ZeroRedundancyOptimizer``
@@ -156,8 +176,11 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
     w = _WEIGHT_BYTES[training.precision]
     states_per_param, _paged = optimizer_state_bytes_per_param(training)
     if training.quantization is not Quantization.NONE and training.finetune is FineTune.LORA:
-        n_q, q_bytes = quantized_base_bytes(model, training.quantization)
-        weights = (total - n_q - trainable) * w + q_bytes + trainable * 4
+        n_q, q_bytes = quantized_base_bytes(model, training.quantization, training.tensor_parallel_size)
+        frozen = max(0, total - trainable)
+        if n_q > frozen:  # a spec holding fewer frozen weights than the shapes say: quantize what it holds
+            n_q, q_bytes = frozen, q_bytes * frozen // n_q
+        weights = (frozen - n_q) * w + q_bytes + trainable * 4
         grads = trainable * 4
     else:
         weights = total * w
@@ -165,7 +188,7 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
     if training.optimizer_in_backward:
         grads = 0
     opt = int(trainable * states_per_param)
-    n = training.data_parallel_size
+    n = training.sharding_group_size  # data x context-parallel ranks
     s = training.sharding
     # expert parallelism: the routed experts a rank holds are sharded only over the data-parallel ranks that hold the
     # same experts (data_parallel_size / expert_parallel_size: DeepSpeed-MoE's expert-data-parallel group, torchtitan's
@@ -317,14 +340,14 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     L = model.num_layers
     per_layer = activation_bytes_per_layer(full, training)  # already divided by the tensor-parallel size
     sbh = training.seq_len * training.micro_batch_size * model.hidden_size * activation_dtype_bytes(training.precision)
-    n = training.data_parallel_size if training.sharding is not Sharding.NONE else 1
+    n = training.sharding_group_size if training.sharding is not Sharding.NONE else 1
     temp_per_param = {Optimizer.ADAMW_FOREACH: 4, Optimizer.SGD_MOMENTUM: 4, Optimizer.ADAFACTOR: 4}.get(
         training.optimizer, 0)
     if training.optimizer_in_backward:
         temp_per_param = 0
     dequant = 0
     if training.quantization is not Quantization.NONE and training.finetune is FineTune.LORA:
-        dequant = max(o * i for o, i in decoder_linear_shapes(model)) * 2
+        dequant = max(o * i for o, i in decoder_linear_shapes(model, training.tensor_parallel_size)) * 2
     return AnalyticEstimate(
         states=states,
         activations_bytes=(L - k) * per_layer,

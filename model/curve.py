@@ -388,9 +388,12 @@ class MemoryPredictor:
                          + ("" if path == TRACED else ": the provisional answer is for the whole sequence"))
         if training.sharding is not Sharding.NONE and path == TRACED:
             # what the trace was, not a fault: the memory is rank 0's, traced in one process (no GPUs, no network)
-            notes.append(f"{training.sharding.value} over {training.data_parallel_size} data-parallel ranks: rank 0's "
-                         f"memory, traced in one process over torch's fake process group of "
-                         f"{training.data_parallel_size} ranks (no communication is run)")
+            cp = training.context_parallel_size
+            notes.append(f"{training.sharding.value} over {training.sharding_group_size} "
+                         + (f"data x context-parallel ranks ({training.data_parallel_size} x {cp}, torchtitan's "
+                            "dp_shard_cp)" if cp > 1 else "data-parallel ranks")
+                         + ": rank 0's memory, traced in one process over torch's fake process group of "
+                         f"{training.sharding_group_size} ranks (no communication is run)")
         if group == TRACED_SHARDED:  # a new user saw an 8x wider bound at micro-batch 1 than at 2, unexplained
             notes.append(f"bound {100 * margin:.1f} % above the point: sharded steps at micro-batch 1, with LoRA or "
                          f"frozen layers, or with a layer-type pattern are composed less exactly than the others "

@@ -207,7 +207,7 @@ def frozen_layer_weight_bytes(model: ModelSpec, training: TrainingConfig) -> tup
     w = _WEIGHT_BYTES[training.precision]
     if training.sharding is Sharding.NONE:
         return params * w, 0
-    resident = params * w // training.data_parallel_size
+    resident = params * w // training.sharding_group_size
     if training.sharding in (Sharding.ZERO2, Sharding.FSDP_SHARD_GRAD_OP):
         half = 2 if training.precision in (Precision.AMP_BF16, Precision.AMP_FP16) else w
         return resident, params * half
@@ -260,7 +260,7 @@ def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, tr
     # or gathered as the sharding keeps them): the frozen layers' weights, the embeddings' gradient and states
     mine, theirs = model_state_bytes(model, training), model_state_bytes(base_model(model, training),
                                                                          base_training(training))
-    shards = training.data_parallel_size if training.sharding is not Sharding.NONE else 1
+    shards = training.sharding_group_size if training.sharding is not Sharding.NONE else 1
     out = base[np.maximum(np.arange(L + 1) - n, 0)].copy()
     resident, gathered = frozen_layer_weight_bytes(model, training)
     out += resident

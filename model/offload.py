@@ -142,7 +142,7 @@ def host_bytes_per_rank(model: ModelSpec, training: TrainingConfig) -> int:
     host = math.ceil(model.trainable_params * (states + 2 * opt_dtype))
     if training.offload_parameters is Offload.CPU and training.precision is not Precision.FP32:
         host += model.total_params * 2
-    shards = training.data_parallel_size if training.sharding is not Sharding.NONE else 1
+    shards = training.sharding_group_size if training.sharding is not Sharding.NONE else 1
     return -(-host // shards)
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import FineTune, ModelSpec, PipelineSchedule, TrainingConfig
-from model.analytic import activation_dtype_bytes, model_state_bytes, routed_expert_params
+from model.analytic import activation_dtype_bytes, decoder_linear_shapes, model_state_bytes, routed_expert_params
 from model.compose import PEAK_PHASES, compose, layer_values
 
 #: model families whose decoder layers follow the Llama-style tensor-parallel plan of
@@ -66,15 +66,22 @@ def replicated_params(model: ModelSpec) -> int:
 def tensor_parallel_rank_spec(model: ModelSpec, training: TrainingConfig) -> ModelSpec:
     """``model`` with the parameter counts one tensor-parallel rank holds (the spec itself when tp = 1).
 
-    Everything but :func:`replicated_params` is split over the ``tp`` ranks (projections by heads and
-    FFN columns, embedding and head by vocabulary; rank 0 holds the ceiling of uneven splits).
-    Trainable parameters split in the same proportion.
+    The decoder linears count as the rank's Megatron shards (:func:`model.analytic.decoder_linear_shapes`: q/k/v
+    and gate/up split by output, o/down by input, at least one KV head per rank, so replicated KV heads are
+    counted on every rank); :func:`replicated_params` (the norms) are held whole; everything else (embedding and
+    head by vocabulary, biases, further experts) is split over the ``tp`` ranks, rank 0 holding the ceiling.
+    Trainable parameters split in the same proportion as the total.
     """
     tp = training.tensor_parallel_size
     if tp == 1:
         return model
+    L = model.num_layers
+    full = sum(o * i for o, i in decoder_linear_shapes(model)) * L
+    shard = sum(o * i for o, i in decoder_linear_shapes(model, tp)) * L
     rep = min(replicated_params(model), model.total_params)
-    total = rep + -(-(model.total_params - rep) // tp)
+    if full > model.total_params - rep:  # shapes beyond the spec's own count (a hand-written spec): split evenly
+        full = shard = 0
+    total = rep + shard + -(-(model.total_params - rep - full) // tp)
     trainable = min(total, -(-model.trainable_params * total // model.total_params))
     return model.model_copy(update={"total_params": total, "trainable_params": trainable})
 
@@ -202,7 +209,9 @@ def pipeline_stages(model: ModelSpec, training: TrainingConfig) -> list[Stage]:
             trainable = rank.trainable_params * n // model.num_layers
         else:
             trainable = min(total, rank.trainable_params * total // max(1, rank.total_params))
-        spec = model.model_copy(update={"total_params": max(1, total), "trainable_params": min(trainable, total)})
+        # num_layers: the stage's own, so that per-layer counts (a quantized base's decoder linears) are the stage's
+        spec = model.model_copy(update={"total_params": max(1, total), "trainable_params": min(trainable, total),
+                                        "num_layers": n})
         out.append(Stage(stage=i, first_layer=first, num_layers=n, has_embedding=is_first, has_head=is_last,
                          micro_batches_in_flight=micro_batches_in_flight(i, training), spec=spec))
         first += n

@@ -119,7 +119,8 @@ def training_key_fields(training: TrainingConfig) -> dict[str, Any]:
     return {
         "precision": training.precision.value, "optimizer": training.optimizer.value,
         "sharding": training.sharding.value,
-        "data_parallel_size": training.data_parallel_size if training.sharding is not Sharding.NONE else 1,
+        # the ranks the states are sharded over: context-parallel ranks join them (TrainingConfig.sharding_group_size)
+        "data_parallel_size": training.sharding_group_size if training.sharding is not Sharding.NONE else 1,
         "attention": attention.value, "finetune": training.finetune.value, "lora_rank": training.lora_rank,
         "lora_target_modules": sorted(training.lora_target_modules) if training.lora_target_modules else None,
         "frozen_layers": training.frozen_layers, "checkpoint_impl": training.checkpoint_impl.value,

@@ -18,9 +18,10 @@ Exit codes:
     0  a k fits: the plan is printed
     1  no answer: the service is unreachable, timed out or answered 5xx (e.g. 503 while it loads),
        or no local model is registered
-    2  bad input: unknown model, unreadable config, a value out of range (named with its flag and
-       the allowed range), or the service rejected the request (4xx)
+    2  bad input the user can fix: unknown model, unreadable config, a value out of range (named with its
+       flag and the allowed range), or the service rejected the request (4xx)
     3  nothing fits at any k: the alternatives are printed
+    4  internal error: a fault of memfit, not of the input ("memfit: internal error: <type>: <message>")
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from memfit.api import GPUS, OPTIMIZER_ALIASES, Recommendation, RecommendRequest, TrainingIn
-from memfit.errors import close_names
+from memfit.errors import MemfitError, close_names
 from memfit.schema import (
     Attention,
     CheckpointImpl,
@@ -51,7 +52,7 @@ from memfit.schema import (
 )
 
 GIB = 1 << 30
-EXIT_FITS, EXIT_NO_ANSWER, EXIT_BAD_INPUT, EXIT_NO_FIT = 0, 1, 2, 3
+EXIT_FITS, EXIT_NO_ANSWER, EXIT_BAD_INPUT, EXIT_NO_FIT, EXIT_INTERNAL = 0, 1, 2, 3, 4
 ZERO = {0: Sharding.NONE, 1: Sharding.ZERO1, 2: Sharding.ZERO2, 3: Sharding.ZERO3}
 
 #: request field -> the flag that sets it, so errors name what the user typed
@@ -716,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as err:
         print(f"memfit: error: {describe_validation_error(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (InputError, ValueError) as err:  # an unknown model (UnknownModel) is a ValueError too
+    except (InputError, MemfitError) as err:  # input the user can fix (InvalidConfiguration, UnknownModel); as the
+        # service answers 422 for InvalidConfiguration only, any other exception is memfit's fault (below)
         text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         if FLAG_OF.get(getattr(err, "field", "")):  # a check of the recommender (InvalidConfiguration)
             text = flag_problem(err.field, text, getattr(err, "allowed", None))
@@ -725,6 +727,8 @@ def main(argv: list[str] | None = None) -> int:
     except NoAnswer as err:
         print(f"memfit: no answer: {err}", file=sys.stderr)
         return EXIT_NO_ANSWER
+    except Exception as err:  # noqa: BLE001 - a bug is told as one, never as bad input
+        return internal_error(err)
     try:
         if a.json:
             print(json.dumps(rec.model_dump(mode="json"), indent=1))
@@ -733,7 +737,21 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `memfit recommend ... | head`: the reader left; the exit code still tells the answer
         _reader_left()
+    except Exception as err:  # noqa: BLE001
+        return internal_error(err)
     return EXIT_FITS if rec.fits else EXIT_NO_FIT
+
+
+def internal_error(err: BaseException) -> int:
+    """Tell a fault of memfit as one (exit code 4): ``memfit: internal error: <type>: <message>`` and where it was
+    raised, never as bad input (issue 28: Qwen2.5-72B with --tensor-parallel 8 printed "error: math domain error"
+    with exit 2, as if a flag were wrong)."""
+    import traceback
+
+    where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    at = f" (raised at {Path(where.filename).name}:{where.lineno})" if where else ""
+    print(f"memfit: internal error: {type(err).__name__}: {err}{at}; please report it", file=sys.stderr)
+    return EXIT_INTERNAL
 
 
 def _reader_left() -> None:

@@ -30,7 +30,16 @@ from memfit.api import (
     TrainingIn,
 )
 from memfit.errors import InvalidConfiguration, UnknownArchitecture, pydantic_error_field
-from memfit.schema import GIB, FineTune, ModelSpec, Quantization, TrainingConfig, check_moe_settings
+from memfit.schema import (
+    GIB,
+    FineTune,
+    ModelSpec,
+    Quantization,
+    TrainingConfig,
+    check_moe_settings,
+    check_quantized_base,
+    default_data_parallel_size,
+)
 from model.curve import PROVISIONAL, Curve, MemoryPredictor, expert_parallel_rank
 from model.offload import host_memory_bytes
 from model.overhead import OverheadModel
@@ -270,10 +279,12 @@ def tensor_parallel_sizes(spec: ModelSpec) -> list[int]:
 def check_parallel(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> int:
     """Data, tensor, sequence, context and pipeline parallel settings that cannot run on ``gpu_count`` GPUs or
     split this model (only its shape is read), as 422s naming the field and the allowed values. Returns the
-    data-parallel size (the request's, else the GPUs left over by the model-parallel sizes)."""
+    data-parallel size (:func:`memfit.schema.default_data_parallel_size`: the request's, read as the data x
+    context-parallel sharding group where only that fits the cluster, else the GPUs left by the model-parallel
+    sizes)."""
     tp, pp, cp = t.tensor_parallel_size, t.pipeline_parallel_size, t.context_parallel_size
     model_parallel = tp * pp * cp
-    dp = t.data_parallel_size or max(1, gpu_count // model_parallel)
+    dp = default_data_parallel_size(gpu_count, tp, pp, cp, t.data_parallel_size)
     world = dp * model_parallel
     if world > gpu_count:  # name the size the request set too large: data parallel, else the largest model-parallel
         sizes = {"data_parallel_size": dp, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
@@ -372,6 +383,7 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
         field, message, allowed = pydantic_error_field(err.errors()[0], ("training", *err.errors()[0]["loc"]))
         raise InvalidConfiguration(field, allowed or "see the schema", message=message) from err
     check_moe_settings(spec, training)
+    check_quantized_base(spec, training)
     return training, spec
 
 
@@ -523,6 +535,12 @@ class Recommender:
             if hi is not None and value > hi:
                 out.append(f"extrapolating: {name}={value} is beyond the telemetry's largest ({int(hi)})")
         used = training.data_parallel_size * training.model_parallel_size
+        asked = req.training.data_parallel_size
+        if asked is not None and asked != training.data_parallel_size:  # default_data_parallel_size's reading
+            out.append(f"data_parallel_size={asked} with context_parallel_size={training.context_parallel_size} on "
+                       f"{req.cluster.gpu_count} GPUs read as the ZeRO/FSDP sharding group over data x context-"
+                       f"parallel ranks: {training.data_parallel_size} data-parallel replicas x "
+                       f"{training.context_parallel_size} context-parallel ranks")
         if used < req.cluster.gpu_count:
             out.append(f"data*tensor*pipeline*context parallel size = {used} uses {used} of the "
                        f"{req.cluster.gpu_count} GPUs")

@@ -42,8 +42,8 @@ def test_cli_does_not_call_an_internal_error_bad_input(monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "recommend_local", broken)
     argv = ["recommend", "--model", "gpt2", "--gpu", "T4", "--micro-batch", "1", "--seq-len", "128"]
-    with pytest.raises(KeyError):
-        cli.main(argv)
+    assert cli.main(argv) == cli.EXIT_INTERNAL  # issue 28: exit 4, told as memfit's fault (was a raw traceback)
+    assert capsys.readouterr().err.startswith("memfit: internal error: KeyError: 'lion'")
     # a real bad input still exits 2 and names the flag
     assert cli.main(["recommend", "--model", "no-such-model", *argv[3:]]) == cli.EXIT_BAD_INPUT
     assert "--model" in capsys.readouterr().err

@@ -54,7 +54,7 @@ from memfit.checkpointing import apply_activation_checkpointing
 from memfit.hf import build_causal_lm, decoder_layers, model_spec, peft_default_lora_targets, quiet_transformers
 from memfit.schema import (
     Attention, CheckpointImpl, ClusterSpec, FineTune, Measurement, Method, Offload, Optimizer, Phase, Precision,
-    Quantization, Sharding, TelemetryRecord, TrainingConfig, check_moe_settings,
+    Quantization, Sharding, TelemetryRecord, TrainingConfig, check_moe_settings, check_quantized_base,
 )
 from training.tracker import LiveStorageTracker
 
@@ -551,6 +551,7 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
             spec = spec.model_copy(update={"num_experts": num_experts, "total_params": total,
                                            "trainable_params": trainable})
         check_moe_settings(spec, training)
+        check_quantized_base(spec, training)
         reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
         apply_activation_checkpointing(model, [], layers=layers, use_reentrant=reentrant)
         if tp_mesh is not None:

@@ -675,7 +675,9 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     # offload is composed on the terms without it (model.offload), pipeline and context parallelism per stage
     # and per sequence chunk (model.parallel); the terms key holds none of them
     # (an offloaded optimizer accumulates gradients in host memory: its base is traced without accumulation)
+    # (context parallel: the states are sharded over data x context-parallel ranks, traced as that many data ranks)
     training = training.model_copy(update={"offload_optimizer": Offload.NONE, "offload_parameters": Offload.NONE,
+                                           "data_parallel_size": training.sharding_group_size,
                                            "pipeline_parallel_size": 1, "context_parallel_size": 1,
                                            "num_micro_batches": None,
                                            "gradient_accumulation_steps": 2 if training.accumulates_gradients else 1})
