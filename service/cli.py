@@ -325,6 +325,12 @@ def resolve_model_arg(a: argparse.Namespace) -> str | dict[str, Any]:
     """
     if a.config is not None:
         return read_config(a.config)
+    from memfit.api import check_model_name
+
+    try:
+        check_model_name(a.model)  # before any lookup: a 100,000-character name cost seconds and was echoed whole
+    except ValueError as err:
+        raise InputError(f"--model: {err}") from None
     from data import catalog
 
     try:
@@ -421,7 +427,7 @@ def describe_validation_error(err: ValidationError) -> str:
         if allowed and e.get("type") in BOUND_ERRORS:
             msg = f"must be {allowed}"
         got = e.get("input")
-        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {repr(got)[:80]})"
         lines.append(flag_problem(loc, msg, allowed) + shown)
     return "\n".join(dict.fromkeys(lines))
 
