@@ -176,7 +176,9 @@ class TrainingIn(_In):
 
     micro_batch_size: StrictInt = Field(ge=1, le=1 << 14)
     seq_len: StrictInt = Field(ge=1, le=1 << 22)
-    precision: Precision = Precision.AMP_BF16
+    precision: Precision | None = Field(None, description=(
+        "default (memfit.schema.default_precision): bf16 for LoRA on an unquantized base (a bf16 frozen base, as "
+        "PEFT, TRL and torchtune load it; adapters fp32), amp_bf16 otherwise (QLoRA included)"))
     optimizer: OptimizerIn = Field(Optimizer.ADAMW_FOREACH, description=(
         "adamw (PyTorch's default torch.optim.AdamW) is taken as adamw_foreach, what it runs on CUDA"))
     sharding: Sharding = Sharding.NONE

@@ -30,7 +30,15 @@ from memfit.api import (
     TrainingIn,
 )
 from memfit.errors import InvalidConfiguration, UnknownArchitecture, pydantic_error_field
-from memfit.schema import GIB, FineTune, ModelSpec, Quantization, TrainingConfig, check_moe_settings
+from memfit.schema import (
+    GIB,
+    FineTune,
+    ModelSpec,
+    Quantization,
+    TrainingConfig,
+    check_moe_settings,
+    default_precision,
+)
 from model.curve import PROVISIONAL, Curve, MemoryPredictor, expert_parallel_rank
 from model.offload import host_memory_bytes
 from model.overhead import OverheadModel
@@ -441,6 +449,7 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
     fields = t.model_dump(exclude={"trainable_params"})
     fields["data_parallel_size"] = dp
     fields["quantization"] = quantization
+    fields["precision"] = t.precision or default_precision(t.finetune, quantization)
     if t.finetune is FineTune.LORA and fields["lora_rank"] is None:
         fields["lora_rank"] = 8
     try:
@@ -450,6 +459,17 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
         raise InvalidConfiguration(field, allowed or "see the schema", message=message) from err
     check_moe_settings(spec, training)
     return training, spec
+
+
+def default_precision_note(training: TrainingConfig) -> str:
+    """What the answer says about the precision :func:`memfit.schema.default_precision` chose for a LoRA job."""
+    if training.quantization is Quantization.NONE:
+        return (f"precision: {training.precision.value} (LoRA without a precision): the frozen base in bf16, as PEFT, "
+                "TRL and torchtune load it, the adapters in fp32 (PEFT's autocast_adapter_dtype); give precision "
+                "amp_bf16 for an fp32 base under autocast")
+    return (f"precision: {training.precision.value} (QLoRA without a precision): PEFT's "
+            "prepare_model_for_kbit_training casts the base's unquantized weights (embeddings, norms, lm_head) to "
+            "fp32; the adapters train under bf16 autocast")
 
 
 class CurveCache:
@@ -596,6 +616,8 @@ class Recommender:
 
     def _warnings(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest, p: Plan) -> list[str]:
         out = []
+        if req.training.precision is None and training.finetune is FineTune.LORA:
+            out.append(default_precision_note(training))
         for name, value in (("total_params", spec.total_params), ("seq_len", training.seq_len),
                             ("micro_batch_size", training.micro_batch_size)):
             hi = self.range.get(f"max_{name}")
