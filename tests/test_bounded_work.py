@@ -23,15 +23,21 @@ from service.tracing import CLIENT, BackgroundTracer
 
 TRAINING = {"micro_batch_size": 1, "seq_len": 1024}
 CLUSTER = {"gpu": "H100-80GB"}
-SMALL = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "vocab_size": 4096, "num_hidden_layers": 4}
+SMALL = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 4096,
+    "num_hidden_layers": 4,
+}
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, small_registry):
     tmp = tmp_path_factory.mktemp("bounded")
-    app = create_app(Settings(db_url=f"sqlite:///{tmp / 's.db'}", registry_dir=str(small_registry.root),
-                              warm_up=False))
+    app = create_app(Settings(db_url=f"sqlite:///{tmp / 's.db'}", registry_dir=str(small_registry.root), warm_up=False))
     with TestClient(app) as c:
         yield c
 
@@ -55,8 +61,11 @@ def test_a_100000_character_model_name_is_refused_in_under_50_ms_without_being_e
 def test_a_long_gpu_name_and_config_strings_are_refused_by_length(client):
     r = _post(client, "llama-3-8b", {"gpu": "H" * 100_000})
     assert r.status_code == 422 and len(r.content) < 1000
-    assert r.json()["errors"][0] == {"field": "cluster.gpu", "message": "String should have at most 64 characters",
-                                     "allowed": "a string of at most 64 characters"}
+    assert r.json()["errors"][0] == {
+        "field": "cluster.gpu",
+        "message": "String should have at most 64 characters",
+        "allowed": "a string of at most 64 characters",
+    }
     r = _post(client, {**SMALL, "_name_or_path": "p" * 100_000})
     assert r.status_code == 422 and len(r.content) < 1000
     err = r.json()["errors"][0]
@@ -158,8 +167,12 @@ def test_a_body_that_does_not_arrive_in_time_is_answered_408():
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "method": "POST", "client": ("127.0.0.1", 1),
-                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]}
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "client": ("127.0.0.1", 1),
+            "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+        }
         await BodyLimitMiddleware(app, 1 << 20, body_timeout_s=0.2)(scope, receive, send)
         return sent
 
@@ -176,23 +189,34 @@ def test_invalid_utf8_and_deep_nesting_name_the_body_and_what_is_allowed(client)
     headers = {"content-type": "application/json"}
     r = client.post("/recommend", content=b'{"model": "gpt2\xff"}', headers=headers)
     assert r.status_code == 400
-    assert r.json()["errors"] == [{"field": "body", "message": "invalid UTF-8 at byte 15 (invalid start byte)",
-                                   "allowed": "a UTF-8 encoded JSON document"}]
+    assert r.json()["errors"] == [
+        {
+            "field": "body",
+            "message": "invalid UTF-8 at byte 15 (invalid start byte)",
+            "allowed": "a UTF-8 encoded JSON document",
+        }
+    ]
     r = client.post("/recommend", content=b"[" * 100_000 + b"]" * 100_000, headers=headers)
     assert r.status_code == 400 and r.json()["errors"][0]["field"] == "body"
     assert "nested too deeply" in r.json()["detail"] and "16 levels" in r.json()["detail"]
 
 
-@pytest.mark.parametrize("extra, field, allowed", [
-    # issue 30: a bare "KeyError: 'bogus'"
-    ({"hidden_act": "bogus"}, "model.hidden_act", "one of transformers' activations: gelu"),
-    # issue 30: "'str' object has no attribute 'to_dict'"
-    ({"quantization_config": "bogus"}, "model.quantization_config", "an object (a JSON dict), or null"),
-    ({"rope_scaling": "bogus"}, "model.rope_scaling", "an object (a JSON dict), or null"),
-    ({"rms_norm_eps": "bogus"}, "model.rms_norm_eps", "a number"),
-    ({"rope_parameters": {"rope_type": "bogus", "rope_theta": 10000.0}}, "model.rope_parameters.rope_type",
-     "one of transformers' RoPE types: default, dynamic, linear, llama3"),
-])
+@pytest.mark.parametrize(
+    "extra, field, allowed",
+    [
+        # issue 30: a bare "KeyError: 'bogus'"
+        ({"hidden_act": "bogus"}, "model.hidden_act", "one of transformers' activations: gelu"),
+        # issue 30: "'str' object has no attribute 'to_dict'"
+        ({"quantization_config": "bogus"}, "model.quantization_config", "an object (a JSON dict), or null"),
+        ({"rope_scaling": "bogus"}, "model.rope_scaling", "an object (a JSON dict), or null"),
+        ({"rms_norm_eps": "bogus"}, "model.rms_norm_eps", "a number"),
+        (
+            {"rope_parameters": {"rope_type": "bogus", "rope_theta": 10000.0}},
+            "model.rope_parameters.rope_type",
+            "one of transformers' RoPE types: default, dynamic, linear, llama3",
+        ),
+    ],
+)
 def test_bad_hf_config_values_name_the_key_and_what_is_allowed(client, extra, field, allowed):
     r = _post(client, {**SMALL, **extra})
     assert r.status_code == 422, r.text
@@ -210,8 +234,17 @@ def test_a_config_without_model_type_is_told_so(client):
     assert err["field"] == "model.model_type" and "LlamaForCausalLM" in err["message"]
     assert "e.g. 'llama'" in err["allowed"] and "num_layers" not in r.json()["detail"].split(";")[0][:30]
     # explicit architecture fields with a typo are still told their own fields
-    r = _post(client, {"architecture": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                       "intermediate_size": 128, "vocab_sise": 100})
+    r = _post(
+        client,
+        {
+            "architecture": "llama",
+            "num_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "vocab_sise": 100,
+        },
+    )
     assert {e["field"] for e in r.json()["errors"]} == {"model.vocab_size", "model.vocab_sise"}
 
 
@@ -219,13 +252,15 @@ def test_the_command_line_names_the_key_and_refuses_a_long_name_at_once(small_re
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps({**SMALL, "hidden_act": "bogus"}))
     reg = ["--registry", str(small_registry.root)]
-    code = main(["recommend", "--config", str(bad), "--gpu", "H100-80GB", "--micro-batch", "1", "--seq-len", "512",
-                 *reg])
+    code = main(
+        ["recommend", "--config", str(bad), "--gpu", "H100-80GB", "--micro-batch", "1", "--seq-len", "512", *reg]
+    )
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT and "model.hidden_act: must be one of transformers' activations" in err
     t0 = time.perf_counter()
-    code = main(["recommend", "--model", "x" * 100_000, "--gpu", "H100-80GB", "--micro-batch", "1",
-                 "--seq-len", "512", *reg])
+    code = main(
+        ["recommend", "--model", "x" * 100_000, "--gpu", "H100-80GB", "--micro-batch", "1", "--seq-len", "512", *reg]
+    )
     out = capsys.readouterr()
     assert code == EXIT_BAD_INPUT and time.perf_counter() - t0 < 0.5
     assert "at most 200 characters" in out.err and len(out.err) < 300 and out.out == ""

@@ -29,16 +29,24 @@ def recommender():
 
 
 def _ask(recommender, **training):
-    return recommender.recommend(RecommendRequest.model_validate({
-        "model": "mistral-7b", "cluster": {"gpu": "RTX-4090"},
-        "training": {"micro_batch_size": 1, "seq_len": 2048, "finetune": "lora", "lora_rank": 16, **training}}))
+    return recommender.recommend(
+        RecommendRequest.model_validate(
+            {
+                "model": "mistral-7b",
+                "cluster": {"gpu": "RTX-4090"},
+                "training": {"micro_batch_size": 1, "seq_len": 2048, "finetune": "lora", "lora_rank": 16, **training},
+            }
+        )
+    )
 
 
 def test_mistral_7b_lora_r16_fits_one_rtx_4090_with_the_default(recommender):
     rec = _ask(recommender)  # issue 30: "does not fit" (an fp32 frozen base under amp_bf16)
     assert rec.fits and rec.k is not None and rec.k <= 20  # traced: k = 18, provisional: 19
     assert rec.training["precision"] == "bf16"
-    assert any(w.startswith("precision: bf16 (LoRA without a precision): the frozen base in bf16") for w in rec.warnings)
+    assert any(
+        w.startswith("precision: bf16 (LoRA without a precision): the frozen base in bf16") for w in rec.warnings
+    )
     # 7.24 B base parameters in 2 bytes, not 4
     assert rec.breakdown["parameters_bytes"] < 2.1 * 7.24e9
 
