@@ -62,7 +62,7 @@ class BodyLimitMiddleware:
                 responded = True
                 await problem(408, f"body: not received whole within {timeout_s:g} s (allowed: the whole body, "
                                    f"as long as its Content-Length says, within {timeout_s:g} s; "
-                                   "MEMFIT_BODY_TIMEOUT_S)")(scope, receive, send)
+                                   "MEMFIT_BODY_TIMEOUT_S)", headers={"Connection": "close"})(scope, receive, send)
                 return {"type": "http.disconnect"}
             if message["type"] == "http.request":
                 body_done = not message.get("more_body", False)

@@ -264,3 +264,45 @@ def test_the_command_line_names_the_key_and_refuses_a_long_name_at_once(small_re
     out = capsys.readouterr()
     assert code == EXIT_BAD_INPUT and time.perf_counter() - t0 < 0.5
     assert "at most 200 characters" in out.err and len(out.err) < 300 and out.out == ""
+
+
+def test_a_slow_body_over_a_real_socket_gets_408_and_the_connection_closes():
+    import socket
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from tests.helpers import free_port
+
+    app = FastAPI()
+
+    @app.post("/x")
+    def echo(body: dict) -> dict:
+        return body
+
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=1 << 20, body_timeout_s=1.0)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            # 5 of the 100 bytes its Content-Length promises, then nothing
+            conn.sendall(
+                b'POST /x HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"a":'
+            )
+            t0 = time.perf_counter()
+            answer = b""
+            while chunk := conn.recv(4096):  # read until the server closes the connection
+                answer += chunk
+            assert 0.9 < time.perf_counter() - t0 < 5
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower()
+        assert json.loads(body)["detail"].startswith("body: not received whole within 1 s (allowed:")
+    finally:
+        server.should_exit = True
+        thread.join(10)
