@@ -63,3 +63,20 @@ def test_qlora_keeps_amp_bf16_and_says_why(recommender):
     rec = _ask(recommender, quantization="nf4")
     assert rec.training["precision"] == "amp_bf16"
     assert any("prepare_model_for_kbit_training" in w for w in rec.warnings)
+
+
+def test_describe_takes_a_bf16_loaded_lora_base_as_bf16(tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import TrainingArguments
+
+    from memfit import describe
+    from tests.test_client import llama
+
+    model = get_peft_model(llama().to(torch.bfloat16), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=1, bf16=True, use_cpu=True, report_to=[]
+    )
+    req = describe(model, seq_len=128, training_args=args, gpu="RTX-4090")
+    # the Trainer's bf16=True autocasts over the bf16 base PEFT left as it was loaded: not an fp32 base
+    assert req.training.precision is Precision.BF16 and req.training.finetune is FineTune.LORA
