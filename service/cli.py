@@ -96,7 +96,7 @@ def _gpu_name(text: str) -> str:
         if name.upper() == key:
             return name
     close = close_names(text, GPUS)  # as an unknown --model is told (data.catalog.get)
-    raise argparse.ArgumentTypeError(f"unknown GPU {text!r}; " + (
+    raise argparse.ArgumentTypeError(f"unknown GPU {text[:64]!r}{'...' if len(text) > 64 else ''}; " + (
         f"close matches: {', '.join(close)}; all GPUs: `memfit gpus`;" if close else
         f"choose from {', '.join(GPUS)}") + " or give --gpu-memory-gib")
 

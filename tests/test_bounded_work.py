@@ -306,3 +306,10 @@ def test_a_slow_body_over_a_real_socket_gets_408_and_the_connection_closes():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_long_gpu_flag_is_refused_without_being_echoed_whole(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["recommend", "--model", "gpt2", "--gpu", "H" * 100_000, "--micro-batch", "1", "--seq-len", "64"])
+    err = capsys.readouterr().err
+    assert info.value.code == EXIT_BAD_INPUT and "unknown GPU 'HHH" in err and len(err) < 600
