@@ -442,13 +442,12 @@ class NoAnswer(RuntimeError):
     """No recommendation could be had (exit code 1)."""
 
 
-def recommend_local(req: RecommendRequest, registry: Path | None, say: Any = None) -> Recommendation:
+def recommend_local(req: RecommendRequest, registry: Path | None) -> Recommendation:
     """The answer of the registry's current model (:class:`service.recommender.Recommender`), from the on-disk answer
     cache when the same request met the same code, data, registry, store and libraries before
     (:class:`service.answer_cache.AnswerCache`: ``benchmarks/results/cli_latency.txt``). The request's
     parallel layout is checked against the model's shape first (:func:`service.recommender.check_request`), before
     the registry, the store and the predictor load: a bad ``--tensor-parallel`` was told after 10 s, now after 2.
-    ``say``: prints memfit's own progress notes (default: to stderr).
 
     Raises:
         InvalidConfiguration: the request cannot run (field named). NoAnswer: no model is registered.
@@ -466,7 +465,7 @@ def recommend_local(req: RecommendRequest, registry: Path | None, say: Any = Non
             return Recommendation.model_validate_json(hit)
         except ValidationError:  # written by another memfit: answer afresh
             pass
-    rec = _recommend_uncached(req, registry, say)
+    rec = _recommend_uncached(req, registry)
     if cache is not None and not any("tracing it failed" in w for w in rec.warnings):
         # keyed after answering: a configuration traced now added its terms to the store the next run reads
         after = cache.key(req.model_dump_json(), root, db_url)
@@ -475,7 +474,7 @@ def recommend_local(req: RecommendRequest, registry: Path | None, say: Any = Non
     return rec
 
 
-def _recommend_uncached(req: RecommendRequest, registry: Path | None, say: Any = None) -> Recommendation:
+def _recommend_uncached(req: RecommendRequest, registry: Path | None) -> Recommendation:
     from service.recommender import check_request
 
     check_request(req)
@@ -493,7 +492,7 @@ def _recommend_uncached(req: RecommendRequest, registry: Path | None, say: Any =
     # a configuration traced by neither is traced here once, so the command line gives the service's answer
     store, _reason = open_store(Settings())  # None where read-only: traced terms kept in memory
     terms = TermsCache(store.url if store is not None else None)
-    tracer = InlineTracer(terms, announce=lambda msg: (say or _say)(f"memfit: {msg}"))
+    tracer = InlineTracer(terms, announce=lambda msg: _say(f"memfit: {msg}"))
     holder = ModelHolder(models, overhead_from(store),
                          terms=terms, tracer=tracer)
     holder.refresh()
@@ -502,8 +501,13 @@ def _recommend_uncached(req: RecommendRequest, registry: Path | None, say: Any =
     return holder.recommender.recommend(req)
 
 
+#: the real stderr while :func:`library_output` redirects the libraries' output; None otherwise
+_notes: Any = None
+
+
 def _say(text: str) -> None:
-    print(text, file=sys.stderr)
+    """Print one of memfit's own notes (not the libraries') to the user's stderr."""
+    print(text, file=_notes or sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -513,23 +517,21 @@ def library_output(verbose: bool = False):
     Redirected at the file descriptors, because DeepSpeed's logger writes its "Setting accelerator to CPU" warning to
     the ``sys.stdout`` it held at import (``deepspeed/utils/logging.py``), bitsandbytes logs that its optional
     ``kernels`` package is missing, and transformers warns through ``warnings`` and its own logger. At the default
-    log level all of it is dropped; with ``verbose`` it goes to stderr. Yields ``say(text)``, which prints memfit's
-    own notes to the real stderr either way."""
+    log level all of it is dropped; with ``verbose`` it goes to stderr. memfit's own notes (:func:`_say`) reach the
+    real stderr either way."""
+    global _notes
     sys.stdout.flush()
     sys.stderr.flush()
     saved_out, saved_err = os.dup(1), os.dup(2)
     sink = None if verbose else tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    real_err = os.fdopen(os.dup(saved_err), "w", buffering=1)
-
-    def say(text: str) -> None:
-        print(text, file=real_err, flush=True)
-
+    real_err = _notes = os.fdopen(os.dup(saved_err), "w", buffering=1)
     try:
         os.dup2(saved_err if sink is None else sink.fileno(), 1)
         if sink is not None:
             os.dup2(sink.fileno(), 2)
-        yield say
+        yield
     finally:
+        _notes = None
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -790,9 +792,9 @@ def main(argv: list[str] | None = None) -> int:
             _reader_left()
         return EXIT_FITS
     try:
-        with library_output(a.verbose) as say:  # stdout carries only the answer
+        with library_output(a.verbose):  # stdout carries only the answer
             req = request_from_args(a)
-            rec = recommend_remote(req, a.url, a.timeout_s) if a.url else recommend_local(req, a.registry, say)
+            rec = recommend_remote(req, a.url, a.timeout_s) if a.url else recommend_local(req, a.registry)
     except ValidationError as err:
         print(f"memfit: error: {describe_validation_error(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT

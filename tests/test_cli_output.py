@@ -26,13 +26,13 @@ NOISY = textwrap.dedent("""
 
     real = cli._recommend_uncached
 
-    def noisy(req, registry, say=None):
+    def noisy(req, registry):
         import deepspeed  # noqa: F401  (on CPU: its accelerator warning, on stdout)
         print("[WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.")
         warnings.warn("transformers: some deprecation")
         logging.getLogger("bitsandbytes").error("No module named 'kernels'")
         logging.getLogger("transformers").warning("a transformers warning")
-        return real(req, registry, say)
+        return real(req, registry)
 
     cli._recommend_uncached = noisy
     sys.exit(cli.main(sys.argv[1:]))
