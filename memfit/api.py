@@ -85,11 +85,73 @@ class ArchitectureIn(_In):
                 "tie_word_embeddings": self.tie_word_embeddings}
 
 
+#: the longest model name looked up (catalog names and HF ids are under 100 characters); a longer one is refused before
+#: any lookup: the close-name search of an unknown name grows with its length (100,000 characters: seconds of CPU)
+MAX_MODEL_NAME_CHARS = 200
+#: bounds on a HF config given as the model: nesting of objects and arrays, characters of one string, keys of one
+#: object (real config.json files nest 3 deep, hold strings under 300 characters and objects under 200 keys)
+MAX_CONFIG_DEPTH, MAX_CONFIG_STRING_CHARS, MAX_CONFIG_KEYS = 16, 4096, 1024
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a model name longer than :data:`MAX_MODEL_NAME_CHARS` without echoing it whole.
+
+    Raises:
+        ValueError: the length and the first 40 characters, with the allowed length.
+    """
+    if len(name) > MAX_MODEL_NAME_CHARS:
+        raise ValueError(f"must be a catalog name or HF id of at most {MAX_MODEL_NAME_CHARS} characters, got "
+                         f"{len(name)} characters starting {name[:40]!r}")
+
+
+def _config_bounds(value: Any, path: str = "", depth: int = 1) -> None:
+    """Refuse a config deeper, wider or with longer strings than :data:`MAX_CONFIG_DEPTH` etc.; the error names the
+    key path (e.g. ``rope_scaling.factor``) and the bound."""
+    if isinstance(value, str) and len(value) > MAX_CONFIG_STRING_CHARS:
+        raise InvalidConfiguration(path or "model", f"a string of at most {MAX_CONFIG_STRING_CHARS} characters",
+                                   message=f"{path}: must be a string of at most {MAX_CONFIG_STRING_CHARS} "
+                                           f"characters, got {len(value)}")
+    if not isinstance(value, (dict, list)):
+        return
+    if depth > MAX_CONFIG_DEPTH:
+        raise InvalidConfiguration(path, f"at most {MAX_CONFIG_DEPTH} levels of nested objects and arrays",
+                                   message=f"{path}: nested deeper than {MAX_CONFIG_DEPTH} levels of objects and "
+                                           "arrays (a HF config.json nests 3 or 4)")
+    if len(value) > MAX_CONFIG_KEYS:
+        raise InvalidConfiguration(path or "model", f"at most {MAX_CONFIG_KEYS} keys or items",
+                                   message=f"{path or 'model'}: must have at most {MAX_CONFIG_KEYS} keys or items, "
+                                           f"got {len(value)}")
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        name = str(key)[:64]
+        _config_bounds(item, f"{path}.{name}" if path else name, depth + 1)
+
+
+#: keys of a HF config.json that explicit architecture fields (:class:`ArchitectureIn`) do not have
+_HF_ONLY_KEYS = frozenset({"num_hidden_layers", "n_layer", "n_layers", "n_embd", "d_model", "n_head",
+                           "architectures", "torch_dtype", "dtype", "transformers_version", "hidden_act"})
+
+
 def _coerce_model(v: Any) -> Any:
     """A dict without ``model_type`` is explicit architecture fields: validate it as such, so errors
-    name its fields instead of falling through to "not a HF config"."""
-    if isinstance(v, dict) and "model_type" not in v:
-        return ArchitectureIn.model_validate(v)
+    name its fields instead of falling through to "not a HF config"; one with a HF config's keys
+    (``num_hidden_layers``, ``architectures``, ...) is told that it lacks ``model_type``. A name or config
+    beyond the bounds above is refused before any lookup."""
+    if isinstance(v, str):
+        check_model_name(v)
+    if isinstance(v, dict):
+        _config_bounds(v)
+        if "model_type" not in v:
+            if "architecture" not in v and "num_layers" not in v and _HF_ONLY_KEYS & set(v):
+                hint = f" (its architectures say {v['architectures'][:2]!r})" if isinstance(
+                    v.get("architectures"), list) else ""
+                raise InvalidConfiguration(
+                    "model_type", "a HF config.json with its model_type (e.g. 'llama', 'mistral', 'gpt2'), or "
+                    "explicit fields: architecture, num_layers, hidden_size, num_attention_heads, intermediate_size, "
+                    "vocab_size", message=f"model_type: required in a HF config.json{hint}; add it (e.g. 'llama', "
+                    "'mistral', 'gpt2'), or give explicit fields: architecture, num_layers, hidden_size, "
+                    "num_attention_heads, intermediate_size, vocab_size")
+            return ArchitectureIn.model_validate(v)
     return v
 
 
@@ -114,7 +176,9 @@ class TrainingIn(_In):
 
     micro_batch_size: StrictInt = Field(ge=1, le=1 << 14)
     seq_len: StrictInt = Field(ge=1, le=1 << 22)
-    precision: Precision = Precision.AMP_BF16
+    precision: Precision | None = Field(None, description=(
+        "default (memfit.schema.default_precision): bf16 for LoRA on an unquantized base (a bf16 frozen base, as "
+        "PEFT, TRL and torchtune load it; adapters fp32), amp_bf16 otherwise (QLoRA included)"))
     optimizer: OptimizerIn = Field(Optimizer.ADAMW_FOREACH, description=(
         "adamw (PyTorch's default torch.optim.AdamW) is taken as adamw_foreach, what it runs on CUDA"))
     sharding: Sharding = Sharding.NONE
@@ -184,7 +248,7 @@ class TrainingIn(_In):
 
 
 class ClusterIn(_In):
-    gpu: str | None = Field(None, description=f"known GPU name: {', '.join(GPUS)}")
+    gpu: str | None = Field(None, max_length=64, description=f"known GPU name: {', '.join(GPUS)}")
     gpu_memory_bytes: StrictInt | None = Field(None, ge=1 << 20, le=MAX_DEVICE_MEMORY_BYTES)
     gpu_memory_gib: float | None = Field(None, gt=0, le=MAX_DEVICE_MEMORY_BYTES / GIB)
     gpu_count: StrictInt = Field(1, ge=1, le=MAX_WORLD)

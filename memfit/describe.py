@@ -388,8 +388,10 @@ def describe(
       included: ``adamw_bnb_8bit``, ``paged_adamw_8bit``, ``lion_32bit``); an ``optim`` memfit does not
       model raises. ``optimizer_in_backward=True`` for a step fused into backward (torchtune).
     * precision: DeepSpeed bf16/fp16 -> ``bf16_fp32_master`` (half weights + fp32 master copy);
-      TrainingArguments bf16/fp16 -> ``amp_bf16``/``amp_fp16`` (autocast over fp32 weights);
-      otherwise half-precision parameters -> ``bf16``, fp32 parameters -> ``fp32``.
+      TrainingArguments bf16/fp16 -> ``amp_bf16``/``amp_fp16`` (autocast over fp32 weights), but ``bf16`` when
+      the model's weights are bf16 already (a LoRA base loaded with ``torch_dtype=torch.bfloat16``: autocast
+      does not make them fp32, :func:`memfit.schema.default_precision`); otherwise half-precision parameters
+      -> ``bf16``, fp32 parameters -> ``fp32``.
     * gradient accumulation: DeepSpeed's ``gradient_accumulation_steps`` (``"auto"`` resolved from
       ``training_args``), else ``TrainingArguments.gradient_accumulation_steps``, else 1.
     * model parallelism: tensor / pipeline / context parallel sizes from ``device_mesh`` (a torch
@@ -438,7 +440,7 @@ def describe(
         if ds is not None and (_enabled(ds.get("bf16"), hf_bf16) or _enabled(ds.get("fp16"), hf_fp16)):
             precision = Precision.BF16_FP32_MASTER
         elif hf_bf16:
-            precision = Precision.AMP_BF16
+            precision = Precision.BF16 if half else Precision.AMP_BF16
         elif hf_fp16:
             precision = Precision.AMP_FP16
         else:

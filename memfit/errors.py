@@ -62,6 +62,8 @@ def close_names(name: str, names: Iterable[str], n: int = 4) -> list[str]:
     def norm(text: str) -> str:
         return text.strip().lower().replace("_", "-").replace(" ", "-")
 
+    if len(name) > 200:  # no name is that long; the similarity search would cost seconds (quadratic in length)
+        return []
     key, by_norm = norm(name), {}
     for known in names:
         by_norm.setdefault(norm(known), known)

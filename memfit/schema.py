@@ -149,6 +149,21 @@ class FineTune(StrEnum):
     FROZEN = "frozen"
 
 
+def default_precision(finetune: FineTune, quantization: Quantization = Quantization.NONE) -> Precision:
+    """The precision of a job that does not give one: ``bf16`` for LoRA on an unquantized base, else ``amp_bf16``.
+
+    A LoRA job's frozen base is loaded in bf16 by the recipes people run: PEFT's examples and TRL load the model with
+    ``torch_dtype=torch.bfloat16``, torchtune's LoRA recipes build it in bf16 (``dtype: bf16``), and PEFT keeps the
+    adapters in fp32 (``get_peft_model(..., autocast_adapter_dtype=True)``, peft ``mapping_func.py``), so the base
+    adds 2 bytes per parameter, not autocast's 4. A QLoRA base keeps ``amp_bf16``: PEFT's
+    ``prepare_model_for_kbit_training`` (peft ``utils/other.py``) casts every non-quantized fp16/bf16 parameter
+    (embeddings, norms, ``lm_head``) to fp32. Full and frozen fine-tunes train under autocast with fp32 weights,
+    PyTorch's and the HF Trainer's ``bf16=True`` default."""
+    if finetune is FineTune.LORA and quantization is Quantization.NONE:
+        return Precision.BF16
+    return Precision.AMP_BF16
+
+
 class Offload(StrEnum):
     """Where a part of the model states lives between uses: on the device, or in host (CPU) memory.
 

@@ -223,7 +223,13 @@ def candidate_changes(training: TrainingConfig, model: ModelSpec, gpu_count: int
         out.append(Candidate(f"ZeRO-3 over {more} GPUs", {"gpu_count": more, "sharding": "zero3",
                                                           "data_parallel_size": more}, "more_hardware", 0.05,
                              f"{more // n}x the GPUs; 1.5x data-parallel communication"))
-    if training.precision in (Precision.BF16_FP32_MASTER, Precision.AMP_BF16, Precision.AMP_FP16, Precision.FP32):
+    lora_base = training.finetune is FineTune.LORA and training.quantization is Quantization.NONE
+    if lora_base and training.precision in (Precision.AMP_BF16, Precision.AMP_FP16, Precision.FP32):
+        # the frozen base is never updated: storing it in bf16 changes no update (memfit.schema.default_precision)
+        out.append(Candidate("bf16 frozen base (as PEFT, TRL and torchtune load it; adapters stay fp32)",
+                             {"precision": "bf16"}, "same_training", 0.0, "no slowdown and the same update: the "
+                             "frozen base is not trained, the adapters keep fp32"))
+    elif training.precision in (Precision.BF16_FP32_MASTER, Precision.AMP_BF16, Precision.AMP_FP16, Precision.FP32):
         out.append(Candidate("pure bf16 (no fp32 master weights, bf16 optimizer states)", {"precision": "bf16"},
                              "numerics", 0.0, "no slowdown; bf16 weight updates can stall on small updates "
                              "(Kahan summation or stochastic rounding advised)"))

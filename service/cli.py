@@ -27,12 +27,14 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -95,7 +97,7 @@ def _gpu_name(text: str) -> str:
         if name.upper() == key:
             return name
     close = close_names(text, GPUS)  # as an unknown --model is told (data.catalog.get)
-    raise argparse.ArgumentTypeError(f"unknown GPU {text!r}; " + (
+    raise argparse.ArgumentTypeError(f"unknown GPU {text[:64]!r}{'...' if len(text) > 64 else ''}; " + (
         f"close matches: {', '.join(close)}; all GPUs: `memfit gpus`;" if close else
         f"choose from {', '.join(GPUS)}") + " or give --gpu-memory-gib")
 
@@ -204,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--micro-batch", type=_integer, required=True, metavar="N", help="sequences per GPU per step")
     t.add_argument("--seq-len", type=_integer, required=True, metavar="TOKENS", help="tokens per sequence")
     t.add_argument("--precision", choices=[x.value for x in Precision],
-                   help=f"training numerics (default: {_default('precision')})")
+                   help="training numerics (default: bf16 for LoRA, a bf16 frozen base as PEFT/TRL/torchtune load "
+                        "it; amp_bf16 otherwise, QLoRA included)")
     t.add_argument("--optimizer", choices=[*(x.value for x in Optimizer), *OPTIMIZER_ALIASES],
                    help=f"optimizer; adamw is PyTorch's default torch.optim.AdamW, which runs adamw_foreach on CUDA "
                         f"(default: {_default('optimizer')})")
@@ -277,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print the answer as JSON (bytes)")
     out.add_argument("--explain", action="store_true",
                      help="also print the memory breakdown and the curve over k as a chart")
+    o.add_argument("--verbose", action="store_true",
+                   help="show the libraries' own output and warnings on stderr (default: dropped)")
 
     sub.add_parser("models", help="list the catalog's model names, each with its aliases")
     sub.add_parser("gpus", help="list the known GPUs and their memory")
@@ -326,6 +331,12 @@ def resolve_model_arg(a: argparse.Namespace) -> str | dict[str, Any]:
     """
     if a.config is not None:
         return read_config(a.config)
+    from memfit.api import check_model_name
+
+    try:
+        check_model_name(a.model)  # before any lookup: a 100,000-character name cost seconds and was echoed whole
+    except ValueError as err:
+        raise InputError(f"--model: {err}") from None
     from data import catalog
 
     try:
@@ -422,7 +433,7 @@ def describe_validation_error(err: ValidationError) -> str:
         if allowed and e.get("type") in BOUND_ERRORS:
             msg = f"must be {allowed}"
         got = e.get("input")
-        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {repr(got)[:80]})"
         lines.append(flag_problem(loc, msg, allowed) + shown)
     return "\n".join(dict.fromkeys(lines))
 
@@ -433,13 +444,38 @@ class NoAnswer(RuntimeError):
 
 
 def recommend_local(req: RecommendRequest, registry: Path | None) -> Recommendation:
-    """The answer of the registry's current model (:class:`service.recommender.Recommender`). The request's
+    """The answer of the registry's current model (:class:`service.recommender.Recommender`), from the on-disk answer
+    cache when the same request met the same code, data, registry, store and libraries before
+    (:class:`service.answer_cache.AnswerCache`: ``benchmarks/results/cli_latency.txt``). The request's
     parallel layout is checked against the model's shape first (:func:`service.recommender.check_request`), before
     the registry, the store and the predictor load: a bad ``--tensor-parallel`` was told after 10 s, now after 2.
 
     Raises:
         InvalidConfiguration: the request cannot run (field named). NoAnswer: no model is registered.
     """
+    from service.answer_cache import AnswerCache
+    from service.settings import Settings
+
+    cache = AnswerCache.from_env()
+    root = registry if registry is not None else Path(__file__).resolve().parent.parent / "data" / "models"
+    db_url = str(Settings().db_url)
+    key = cache.key(req.model_dump_json(), root, db_url) if cache is not None else None
+    hit = cache.get(key) if cache is not None and key is not None else None
+    if hit is not None:
+        try:
+            return Recommendation.model_validate_json(hit)
+        except ValidationError:  # written by another memfit: answer afresh
+            pass
+    rec = _recommend_uncached(req, registry)
+    if cache is not None and not any("tracing it failed" in w for w in rec.warnings):
+        # keyed after answering: a configuration traced now added its terms to the store the next run reads
+        after = cache.key(req.model_dump_json(), root, db_url)
+        if after is not None:
+            cache.put(after, rec.model_dump_json())
+    return rec
+
+
+def _recommend_uncached(req: RecommendRequest, registry: Path | None) -> Recommendation:
     from service.recommender import check_request
 
     check_request(req)
@@ -457,13 +493,58 @@ def recommend_local(req: RecommendRequest, registry: Path | None) -> Recommendat
     # a configuration traced by neither is traced here once, so the command line gives the service's answer
     store, _reason = open_store(Settings())  # None where read-only: traced terms kept in memory
     terms = TermsCache(store.url if store is not None else None)
-    tracer = InlineTracer(terms, announce=lambda msg: print(f"memfit: {msg}", file=sys.stderr))
+    tracer = InlineTracer(terms, announce=lambda msg: _say(f"memfit: {msg}"))
     holder = ModelHolder(models, overhead_from(store),
                          terms=terms, tracer=tracer)
     holder.refresh()
     if holder.recommender is None:
         raise NoAnswer(f"no model registered ({holder.last_error or 'train one: python -m training.retrain'})")
     return holder.recommender.recommend(req)
+
+
+#: the real stderr while :func:`library_output` redirects the libraries' output; None otherwise
+_notes: Any = None
+
+
+def _say(text: str) -> None:
+    """Print one of memfit's own notes (not the libraries') to the user's stderr."""
+    print(text, file=_notes or sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def library_output(verbose: bool = False):
+    """While memfit works out an answer, the libraries' own output stays off stdout, which carries only the answer.
+
+    Redirected at the file descriptors, because DeepSpeed's logger writes its "Setting accelerator to CPU" warning to
+    the ``sys.stdout`` it held at import (``deepspeed/utils/logging.py``), bitsandbytes logs that its optional
+    ``kernels`` package is missing, and transformers warns through ``warnings`` and its own logger. At the default
+    log level all of it is dropped; with ``verbose`` it goes to stderr. memfit's own notes (:func:`_say`) reach the
+    real stderr either way."""
+    global _notes
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    sink = None if verbose else tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
+    real_err = _notes = os.fdopen(os.dup(saved_err), "w", buffering=1)
+    try:
+        os.dup2(saved_err if sink is None else sink.fileno(), 1)
+        if sink is not None:
+            os.dup2(sink.fileno(), 2)
+        yield
+    finally:
+        _notes = None
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os.dup2(saved_out, 1)
+        os.dup2(saved_err, 2)
+        for fd in (saved_out, saved_err):
+            os.close(fd)
+        real_err.close()
+        if sink is not None:
+            sink.close()
 
 
 def recommend_remote(req: RecommendRequest, url: str, timeout_s: float) -> Recommendation:
@@ -712,8 +793,9 @@ def main(argv: list[str] | None = None) -> int:
             _reader_left()
         return EXIT_FITS
     try:
-        req = request_from_args(a)
-        rec = recommend_remote(req, a.url, a.timeout_s) if a.url else recommend_local(req, a.registry)
+        with library_output(a.verbose):  # stdout carries only the answer
+            req = request_from_args(a)
+            rec = recommend_remote(req, a.url, a.timeout_s) if a.url else recommend_local(req, a.registry)
     except ValidationError as err:
         print(f"memfit: error: {describe_validation_error(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT

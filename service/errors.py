@@ -59,7 +59,8 @@ class Problem(BaseModel):
 
 
 _REASONS = {
-    400: "the body could not be read (for example, invalid UTF-8)",
+    400: "the body could not be read (invalid UTF-8, or JSON nested too deeply): the detail names the byte",
+    408: "the body did not arrive whole within the server's time limit",
     401: "a valid bearer token is required",
     404: "not found",
     413: "the body is larger than the server accepts",
@@ -234,6 +235,19 @@ def validation_detail(errors: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+def body_problem(cause: BaseException | None) -> tuple[str, str] | None:
+    """``(message, allowed)`` for a body the JSON parser could not read (FastAPI answers 400 with the parser's
+    exception as the cause): bytes that are not UTF-8, or nesting deeper than Python's parser recurses (its
+    recursion limit, about 1000 levels); None for another cause."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"invalid {cause.encoding.upper()} at byte {cause.start} ({cause.reason})",
+                "a UTF-8 encoded JSON document")
+    if isinstance(cause, RecursionError):
+        return ("JSON nested too deeply to parse",
+                "JSON nested at most 16 levels inside a model's config (memfit.api.MAX_CONFIG_DEPTH)")
+    return None
+
+
 def install(app: FastAPI) -> None:
     """Register the handlers of the table above on ``app`` and document them in its OpenAPI schema."""
     _document(app)
@@ -262,6 +276,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http(_request: Request, exc: HTTPException) -> Response:
+        unreadable = body_problem(exc.__cause__) if exc.status_code == 400 else None
+        if unreadable is not None:  # FastAPI's "There was an error parsing the body" named nothing
+            message, allowed = unreadable
+            return problem(400, f"body: {message} (allowed: {allowed})",
+                           errors=[{"field": "body", "message": message, "allowed": allowed}])
         return problem(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

@@ -39,6 +39,7 @@ from memfit.schema import (
     check_moe_settings,
     check_quantized_base,
     default_data_parallel_size,
+    default_precision,
 )
 from model.curve import PROVISIONAL, Curve, MemoryPredictor, expert_parallel_rank
 from model.offload import host_memory_bytes
@@ -85,9 +86,96 @@ def _counted_spec(cfg_json: str) -> ModelSpec:
     except InvalidConfiguration:
         raise
     except Exception as err:  # transformers refused the config: the user's input, not our bug
+        named = config_value_problem(cfg, err)
+        if named is not None:
+            raise named from err
         raise InvalidConfiguration("hf_config", "a config transformers can build", message=(
             f"hf_config: transformers cannot build this {cfg.get('model_type')!r} config "
             f"({type(err).__name__}: {_no_paths(str(err))[:300]})")) from err
+
+
+#: HF config keys naming an activation function (transformers.activations.ACT2FN)
+_ACTIVATION_KEYS = ("hidden_act", "hidden_activation", "activation_function", "act_fn", "afn")
+
+
+def _kind(default: Any) -> tuple[str, tuple[type, ...]] | None:
+    """The allowed values of a config key in words and as types, from the config class's default value."""
+    if isinstance(default, bool):
+        return "true or false", (bool,)
+    if isinstance(default, (int, float)):
+        return "a number", (int, float)
+    if isinstance(default, str):
+        return "a string", (str,)
+    if isinstance(default, dict):
+        return "an object (a JSON dict), or null", (dict,)
+    if isinstance(default, list):
+        return "a list", (list,)
+    return None
+
+
+def config_value_problem(cfg: dict[str, Any], err: Exception) -> InvalidConfiguration | None:
+    """The key of a HF config that transformers refused to build (``err``), with its allowed values, or None when
+    no key can be blamed. Looked for in this order: an activation name transformers does not have (its
+    ``ACT2FN``: a bare ``KeyError: 'bogus'`` at build time); a value whose type differs from the config class's
+    default for the key (a sub-config given as a string: ``'str' object has no attribute 'to_dict'``;
+    ``rope_scaling`` is checked against ``rope_parameters``, its transformers 5 name; a string where the default is
+    a number or flag); the field named by
+    transformers' strict dataclass validation (``Validation error for field 'x'``); a ``KeyError`` whose key is a
+    value of the config. The field is relative to the config (e.g. ``hidden_act``)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.activations import ACT2FN
+
+    cause = f" (transformers: {type(err).__name__})"
+    for key in _ACTIVATION_KEYS:
+        value = cfg.get(key)
+        if value is not None and (not isinstance(value, str) or value not in ACT2FN):
+            allowed = f"one of transformers' activations: {', '.join(sorted(ACT2FN))}"
+            return InvalidConfiguration(key, allowed, message=f"{key}: must be {allowed}, got {repr(value)[:80]}"
+                                                              + cause)
+    try:
+        defaults = CONFIG_MAPPING[cfg["model_type"]]().to_dict()
+    except Exception:  # noqa: BLE001 - no defaults to compare with: the other rules still apply
+        defaults = {}
+    defaults.setdefault("quantization_config", {})  # a sub-config every family accepts
+    for key, value in cfg.items():
+        default = defaults.get("rope_parameters" if key == "rope_scaling" else key)
+        kind = _kind(default)
+        # only mismatches no real config has (token ids given as lists where the default is one int are real)
+        if value is not None and kind is not None and ((isinstance(value, str) and kind[1] != (str,))
+                                                       or (kind[1] == (dict,) and not isinstance(value, dict))):
+            return InvalidConfiguration(key, kind[0], message=f"{key}: must be {kind[0]}, got {repr(value)[:80]}"
+                                                               + cause)
+    found = re.search(r"field '(\w+)'", str(err))
+    if found:
+        key = found.group(1)
+        key = "rope_scaling" if key == "rope_parameters" and key not in cfg and "rope_scaling" in cfg else key
+        if key in cfg:
+            allowed = "a value of the type transformers' config class declares for it"
+            return InvalidConfiguration(key, allowed, message=f"{key}: must be {allowed}, got "
+                                                              f"{repr(cfg[key])[:80]}" + cause)
+    if isinstance(err, KeyError) and err.args:
+        key = _path_of_value(cfg, err.args[0])
+        if key is not None:
+            allowed = "a value transformers knows for this key"
+            if key.endswith("rope_type"):
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                allowed = f"one of transformers' RoPE types: {', '.join(sorted({'default', *ROPE_INIT_FUNCTIONS}))}"
+            return InvalidConfiguration(key, allowed, message=f"{key}: must be {allowed}, got {err.args[0]!r:.80}"
+                                                              + cause)
+    return None
+
+
+def _path_of_value(cfg: dict[str, Any], value: Any, prefix: str = "") -> str | None:
+    """The dotted key path of the first string equal to ``value`` in ``cfg`` and the objects in it, or None."""
+    for key, v in cfg.items():
+        if isinstance(v, str) and v == value:
+            return f"{prefix}{key}"
+        if isinstance(v, dict):
+            found = _path_of_value(v, value, f"{prefix}{key}.")
+            if found is not None:
+                return found
+    return None
 
 
 def _no_paths(text: str) -> str:
@@ -375,6 +463,7 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
     fields = t.model_dump(exclude={"trainable_params"})
     fields["data_parallel_size"] = dp
     fields["quantization"] = quantization
+    fields["precision"] = t.precision or default_precision(t.finetune, quantization)
     if t.finetune is FineTune.LORA and fields["lora_rank"] is None:
         fields["lora_rank"] = 8
     try:
@@ -387,6 +476,17 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
     return training, spec
 
 
+def default_precision_note(training: TrainingConfig) -> str:
+    """What the answer says about the precision :func:`memfit.schema.default_precision` chose for a LoRA job."""
+    if training.quantization is Quantization.NONE:
+        return (f"precision: {training.precision.value} (LoRA without a precision): the frozen base in bf16, as PEFT, "
+                "TRL and torchtune load it, the adapters in fp32 (PEFT's autocast_adapter_dtype); give precision "
+                "amp_bf16 for an fp32 base under autocast")
+    return (f"precision: {training.precision.value} (QLoRA without a precision): PEFT's "
+            "prepare_model_for_kbit_training casts the base's unquantized weights (embeddings, norms, lm_head) to "
+            "fp32; the adapters train under bf16 autocast")
+
+
 class CurveCache:
     """Memoises :meth:`model.curve.MemoryPredictor.curve` for one model version (same signature).
 
@@ -394,7 +494,8 @@ class CurveCache:
     repeated configurations (the same job launched again, ``/recommend``'s alternatives) are answered
     from here. A cached provisional curve is recomputed once its configuration's traced terms arrive, or once
     the trace it was waiting for has ended without them (failed: its notes then say so instead of "ask again";
-    looked for at most every ``recheck_s`` seconds). Least recently used entries go first beyond ``maxsize``.
+    looked for at most every ``recheck_s`` seconds), and so is one whose trace was deferred by a full queue (the
+    tracer is asked again). Least recently used entries go first beyond ``maxsize``.
     """
 
     def __init__(self, predictor: MemoryPredictor, maxsize: int = 2048, recheck_s: float = 1.0) -> None:
@@ -417,9 +518,10 @@ class CurveCache:
                 self._curves.move_to_end(key)
         if hit is not None:
             c, checked, waiting = hit
+            deferred = getattr(getattr(self.predictor, "tracer", None), "deferred", ())
             stale = (c.path == PROVISIONAL and c.terms_key is not None and now - checked > self.recheck_s
                      and (self.predictor.terms.get(c.terms_key) is not None
-                          or (waiting and not self._waiting(c))))
+                          or (waiting and not self._waiting(c)) or c.terms_key in deferred))
             if not stale:
                 if c.path == PROVISIONAL and now - checked > self.recheck_s:
                     with self._lock:
@@ -529,6 +631,8 @@ class Recommender:
 
     def _warnings(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest, p: Plan) -> list[str]:
         out = []
+        if req.training.precision is None and training.finetune is FineTune.LORA:
+            out.append(default_precision_note(training))
         for name, value in (("total_params", spec.total_params), ("seq_len", training.seq_len),
                             ("micro_batch_size", training.micro_batch_size)):
             hi = self.range.get(f"max_{name}")

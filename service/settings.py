@@ -43,6 +43,9 @@ class Settings(BaseSettings):
         write_workers / max_pending_writes: the telemetry executor's threads, and how many writes may
             wait for it before new ones get 503 + Retry-After (reads never queue behind writes).
         max_body_bytes: requests with a larger body get 413.
+        body_timeout_s: a body not received whole this many seconds after its request started gets 408.
+        max_pending_traces / max_pending_traces_per_client: never-seen configurations queued for tracing at once,
+            in all and per client address; beyond them the answer stays provisional with "tracing deferred".
         max_records_per_request: telemetry records accepted in one POST.
         warm_up: at start-up, import transformers and resolve the catalog's HF configs in the
             background, so the first HF-config request does not pay for it.
@@ -61,6 +64,9 @@ class Settings(BaseSettings):
     write_workers: int = Field(2, ge=1, le=64)
     max_pending_writes: int = Field(32, ge=1, le=100_000)
     max_body_bytes: int = Field(4 << 20, ge=1024)
+    body_timeout_s: float = Field(30.0, gt=0, le=3600)
+    max_pending_traces: int = Field(8, ge=1, le=1024)
+    max_pending_traces_per_client: int = Field(2, ge=1, le=1024)
     max_records_per_request: int = Field(10_000, ge=1)
     warm_up: bool = True
 

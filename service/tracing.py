@@ -17,6 +17,7 @@ and reported in the answer.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import multiprocessing
@@ -24,12 +25,18 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from memfit.schema import TrainingConfig
 from model.terms import TermsCache
 
 log = logging.getLogger("memfit.service")
+
+#: the client a request comes from (its peer address; set per request by :class:`service.limits.BodyLimitMiddleware`):
+#: whose share of the trace queue a never-seen configuration takes. None outside a request.
+CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("memfit_client", default=None)
 
 #: a trace slower than this is abandoned (8B-class models: 5-18 s on 2 idle cores, benchmarks/results/trace_time.txt)
 TRACE_TIMEOUT_S = 120.0
@@ -171,15 +178,26 @@ def trace_in_subprocess(hf_config: dict[str, Any], training: TrainingConfig,
 class BackgroundTracer:
     """Trace missing terms keys one at a time in a worker thread, in one :class:`TracingProcess`.
 
+    The queue is bounded: at most ``max_pending`` keys wait or run, at most ``max_per_client`` of them asked by one
+    client (:data:`CLIENT`; each trace costs 20-40 s of CPU, ``benchmarks/results/trace_time.txt``). A key beyond
+    either bound is not queued: the answer stays provisional and says "tracing deferred"; it is kept in
+    ``deferred`` so the service's curve cache asks again (:class:`service.recommender.CurveCache`), and the next
+    request for it after the queue has room queues it.
+
     Attributes:
         pending: keys queued or being traced. failed: key -> reason of a failed trace (not retried).
-        timeout_s: per-trace time limit.
+        deferred: keys refused a place in the queue (the newest 4096). timeout_s: per-trace time limit.
+        runner: ``(hf_config, training, timeout_s) -> terms JSON``; default: the worker's :class:`TracingProcess`.
     """
 
-    def __init__(self, cache: TermsCache, timeout_s: float = TRACE_TIMEOUT_S) -> None:
+    def __init__(self, cache: TermsCache, timeout_s: float = TRACE_TIMEOUT_S, max_pending: int = 8,
+                 max_per_client: int = 2, runner: Callable[..., dict[str, Any]] | None = None) -> None:
         self.cache, self.timeout_s = cache, timeout_s
+        self.max_pending, self.max_per_client, self.runner = max_pending, max_per_client, runner
         self.pending: set[str] = set()
         self.failed: dict[str, str] = {}
+        self.deferred: OrderedDict[str, None] = OrderedDict()
+        self._owner: dict[str, str | None] = {}
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -194,8 +212,21 @@ class BackgroundTracer:
                 return f"tracing is queued or running ({len(self.pending)} in the queue); ask again shortly"
             if self.cache.get(key) is not None:
                 return "traced meanwhile; ask again"
+            client = CLIENT.get()
+            mine = sum(owner == client for owner in self._owner.values())
+            if len(self.pending) >= self.max_pending or mine >= self.max_per_client:
+                self.deferred[key] = None
+                self.deferred.move_to_end(key)
+                while len(self.deferred) > 4096:
+                    self.deferred.popitem(last=False)
+                full = (f"{len(self.pending)} configurations are queued (at most {self.max_pending})"
+                        if len(self.pending) >= self.max_pending else
+                        f"this client has {mine} configurations queued (at most {self.max_per_client})")
+                return f"tracing deferred: {full}, so the learned model answers; ask again later for a traced answer"
+            self.deferred.pop(key, None)
             ahead = len(self.pending)
             self.pending.add(key)
+            self._owner[key] = client
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="memfit-tracer", daemon=True)
                 self._thread.start()
@@ -219,8 +250,9 @@ class BackgroundTracer:
                 key, hf_config, training = self._queue.get(timeout=0.5)
             except queue.Empty:
                 continue
+            run = self.runner or process.trace
             try:
-                self.cache.put(key, process.trace(hf_config, training, self.timeout_s))
+                self.cache.put(key, run(hf_config, training, self.timeout_s))
                 log.info("traced terms %s", key[:12])
             except Exception as err:  # noqa: BLE001 - a config the tracer can't run stays provisional
                 self.failed[key] = str(err)[:300]
@@ -228,6 +260,7 @@ class BackgroundTracer:
             finally:
                 with self._lock:
                     self.pending.discard(key)
+                    self._owner.pop(key, None)
 
     def shutdown(self) -> None:
         """Stop after the trace in progress; the worker thread then ends the tracing process (which also ends

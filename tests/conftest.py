@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pandas as pd
 import pytest
+
+# the command line's on-disk answer cache (service.answer_cache) stays off in tests: a test that patches code in memory
+# must get a fresh answer; the cache's own tests turn it on in a folder of their own
+os.environ["MEMFIT_ANSWER_CACHE"] = "off"
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
 

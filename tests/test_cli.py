@@ -365,8 +365,9 @@ def test_help_has_text_choices_defaults_and_exit_codes(capsys):
         main(["recommend", "--help"])
     assert info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for needle in ("--config PATH", "HF id", "(default: amp_bf16)", ("--precision NAME training numerics; one of: "
-                   "fp32, amp_fp16, amp_bf16, bf16, bf16_fp32_master (default: amp_bf16)"), "--zero {0,1,2,3}",
+    for needle in ("--config PATH", "HF id", "(default: adamw_foreach)", ("--precision NAME training numerics; one of: "
+                   "fp32, amp_fp16, amp_bf16, bf16, bf16_fp32_master (default: bf16 for LoRA, a bf16 frozen base"),
+                   "--zero {0,1,2,3}",
                    "(default: block)", "RTX-4090", "exit codes", "503", "3 nothing fits"):
         assert needle in text, needle
 

@@ -45,6 +45,23 @@ def test_no_server_errors(app, mode):
         assert sum(400 <= s < 500 for s in statuses) >= 50
 
 
+def test_stateful_links_in_a_fresh_interpreter():
+    """The stateful test below, in an interpreter of its own: its derandomized draws depend on what the test process
+    imported and generated before (after tests/test_newuser.py it drew only raw non-JSON bodies and never reached a
+    link); alone it is reproducible."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           f"{__file__}::test_stateful_links_from_ingestion_to_read_back"],
+                          env={**os.environ, "MEMFIT_STATEFUL_INNER": "1"}, capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+@pytest.mark.skipif(__import__("os").environ.get("MEMFIT_STATEFUL_INNER") != "1",
+                    reason="run in a fresh interpreter by test_stateful_links_in_a_fresh_interpreter")
 def test_stateful_links_from_ingestion_to_read_back(small_registry, tmp_path):
     """Schemathesis' stateful phase: sequences that post telemetry and follow the OpenAPI links of the
     answer (stored / duplicate / quarantined id) to ``GET /telemetry/{record_id}``, with all of

@@ -401,11 +401,11 @@ def _cluster(device: str, training: TrainingConfig) -> ClusterSpec:
     else:
         name = "fake-cpu" if device == "fake" else "cpu"
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        import deepspeed  # noqa: F401
+    from importlib import metadata
 
-        ds_version = deepspeed.__version__
-    except ImportError:
+    try:  # the installed version, without importing DeepSpeed: its import logs a warning to stdout on CPU
+        ds_version = metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
         ds_version = None
     return ClusterSpec(device_name=name, device_memory_bytes=mem, gpu_count=world, torch_version=torch.__version__,
                        transformers_version=transformers.__version__, deepspeed_version=ds_version)
