@@ -78,3 +78,19 @@ def test_shipped_telemetry_passes(shipped):
     """All 15,168 shipped rows (about 1.5 s)."""
     for row in _rows(shipped):
         assert implausibility(TelemetryRecord.from_row(row)) is None, row["record_id"]
+
+
+def test_long_rope_models_say_why_they_are_not_traced():
+    """Issue 30 item 8: Phi-3.5's long-RoPE config gets a reason, not "timelines of the traced token points differ"."""
+    from data import catalog
+    from memfit.schema import TrainingConfig
+    from model.terms import not_traceable_reason
+
+    cfg = {"model_type": "phi3", "vocab_size": 1000, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "max_position_embeddings": 4096, "original_max_position_embeddings": 512,
+           "rope_scaling": {"type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}}
+    t = TrainingConfig(micro_batch_size=1, seq_len=128)
+    assert "long-RoPE" in not_traceable_reason(catalog.spec(cfg), t, cfg)
+    plain = {k: v for k, v in cfg.items() if k != "rope_scaling"}
+    assert not_traceable_reason(catalog.spec(plain), t, plain) is None
