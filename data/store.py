@@ -106,7 +106,9 @@ def implausibility(rec: TelemetryRecord) -> str | None:
       allocator cannot hand out more than the device holds; the fake tracker can, so it is exempt);
     * a ``cuda`` reserved peak below the allocated peak (the caching allocator reserves what it allocates);
     * a non-finite number anywhere (``step_time_s`` of Infinity, NaN);
-    * a parameter count more than 2x outside :func:`parameter_bounds` of the shapes.
+    * a parameter count more than 2x outside :func:`parameter_bounds` of the shapes;
+    * a broken physics rule of :func:`model.plausibility.physics_violation` (a peak below the resident
+      weights or the init/forward snapshots, ``recomputed_layers`` above L, a step time of 0).
     """
     m, dev = rec.measurement, rec.cluster.device_memory_bytes
     lower, upper = parameter_bounds(rec)
@@ -126,7 +128,9 @@ def implausibility(rec: TelemetryRecord) -> str | None:
         if m.peak_reserved_bytes is not None and m.peak_reserved_bytes < m.peak_allocated_bytes:
             return (f"peak_reserved_bytes={m.peak_reserved_bytes} is below peak_allocated_bytes="
                     f"{m.peak_allocated_bytes}: the caching allocator reserves at least what it allocates")
-    return None
+    from model.plausibility import physics_violation
+
+    return physics_violation(rec)
 
 
 @dataclass

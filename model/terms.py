@@ -45,6 +45,16 @@ def _mixes_dense_and_moe_layers(hf_config: dict[str, Any]) -> bool:
     return bool(dense_first or getattr(conf, "mlp_only_layers", None) or step != 1 or freq != 1)
 
 
+def _long_rope(hf_config: dict[str, Any]) -> bool:
+    """Whether the config asks for long-RoPE scaling (Phi-3.5: ``rope_scaling.type`` or, transformers 5,
+    ``rope_parameters.rope_type`` equal to ``longrope``)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = hf_config.get(key)
+        if isinstance(rope, dict) and "longrope" in (rope.get("rope_type"), rope.get("type")):
+            return True
+    return False
+
+
 def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
                          hf_config: dict[str, Any] | None = None) -> str | None:
     """Why the traced path can't answer this configuration (None when it can).
@@ -61,9 +71,13 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
     composed on top of the traced terms (:mod:`model.parallel`), so they do not block the traced path.
     MoE routing itself is traced with a balanced deterministic router (:func:`training.moe.balanced_routing`).
     """
+    if hf_config is not None and _long_rope(hf_config):
+        return ("long-RoPE model (rope_type=longrope, e.g. Phi-3.5): the traced token points build different "
+                "rotary caches, so their timelines differ and do not compose (training/phases.py); not traced")
     if model.num_experts is not None:
         if hf_config is not None and _mixes_dense_and_moe_layers(hf_config):
-            return "MoE model with dense and MoE decoder layers mixed (only uniform layers are traced)"
+            return ("MoE model with dense and MoE decoder layers mixed (only uniform layers are traced): the saving "
+                    "per checkpointed layer is approximate (a dense and an MoE layer save different amounts)")
         ep = training.expert_parallel_size
         if ep > 1 and training.sharding is not Sharding.NONE:
             return "expert parallelism is traced with sharding=none only"

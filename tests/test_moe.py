@@ -128,6 +128,7 @@ def test_not_traceable_moe_setups_are_named():
     spec = catalog.spec(ds)
     t = TrainingConfig(micro_batch_size=1, seq_len=128)
     assert "dense and MoE decoder layers" in not_traceable_reason(spec, t, ds)
+    assert "saving per checkpointed layer is approximate" in not_traceable_reason(spec, t, ds)  # issue 30 item 8
     assert not_traceable_reason(spec, t, TINY_MOE["deepseek_v3"]) is None
     fsdp_ep = TrainingConfig(micro_batch_size=1, seq_len=128, sharding="fsdp_full_shard", data_parallel_size=2,
                              expert_parallel_size=2)

@@ -25,7 +25,7 @@ def test_idempotent_never_overwrites_and_reports_everything(store):
     a, b = record(record_id="rec-aaaaaaaa"), record(record_id="rec-bbbbbbbb", seq_len=256)
     rep = store.add([a, b])
     assert rep.stored == ["rec-aaaaaaaa", "rec-bbbbbbbb"] and not rep.rejected
-    conflict = record(record_id="rec-aaaaaaaa", peak_allocated_bytes=1)
+    conflict = record(record_id="rec-aaaaaaaa", peak_allocated_bytes=a.measurement.peak_allocated_bytes + 512)
     bad = a.model_dump(mode="json") | {"record_id": "rec-cccccccc"}
     bad["training"] = {**bad["training"], "checkpoint_layers": [0, 9]}
     rep = store.add([a, conflict, bad, "not a record", record(record_id="rec-dddddddd")])
@@ -35,7 +35,8 @@ def test_idempotent_never_overwrites_and_reports_everything(store):
     assert set(reasons) == {2, 3} and rep.total == 5
     assert rep.quarantined == [{"index": 1, "record_id": "rec-aaaaaaaa", "reason": CONFLICT}]
     assert "never overwritten" in CONFLICT
-    assert store.quarantined()[0]["record"]["measurement"]["peak_allocated_bytes"] == 1  # kept, not dropped
+    assert store.quarantined()[0]["record"]["measurement"]["peak_allocated_bytes"] == (
+        a.measurement.peak_allocated_bytes + 512)  # kept, not dropped
     assert "checkpoint_layers" in reasons[2] and "[0, 3]" in reasons[2]
     assert store.count() == 3
     stored_a = next(r for r in store.records() if r.record_id == "rec-aaaaaaaa")

@@ -18,6 +18,7 @@ model (it recommends; writes answer 503).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -78,11 +79,22 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     settings = _settings(a)
 
+    from model.registry import Registry
     from service.app import open_store
 
+    Registry(settings.registry_dir).start_check()  # the model's canary parses in a child while we import below
     store, read_only = open_store(settings)
-    if store is not None and SHIPPED.exists():
+    marker = Path(settings.data_dir) / ".shipped_telemetry_sha256"  # the shipped file already imported here
+    digest = hashlib.sha256(SHIPPED.read_bytes()).hexdigest() if SHIPPED.exists() else None
+    stored = marker.read_text().strip() if marker.exists() else None
+    if store is not None and digest and stored == f"{digest} {settings.db_url}" and store.count():
+        print(f"[1/3] shipped telemetry already imported; store holds {store.count()} records", flush=True)
+    elif store is not None and digest:
         rep = store.import_file(SHIPPED)
+        try:
+            marker.write_text(f"{digest} {settings.db_url}")
+        except OSError:
+            pass
         print(f"[1/3] shipped telemetry: {len(rep.stored)} new, {len(rep.duplicates)} already stored, "
               f"{len(rep.rejected)} rejected, {len(rep.quarantined)} quarantined; store holds {store.count()} "
               f"records", flush=True)
@@ -98,12 +110,21 @@ def main(argv: list[str] | None = None) -> int:
 
         if Registry(settings.registry_dir).current() is None:
             settings = settings.model_copy(update={"registry_dir": DEFAULT_ROOT, "read_only": True})
-    else:
+    elif a.retrain:
         why = _seed_registry(settings, a.retrain)
         if why is not None:
             print(f"error: {why}", file=sys.stderr)
             return 1
-    print(f"[2/3] model {_current(settings)} is current", flush=True)
+    from service.startup import NothingToServe, ensure_servable
+
+    try:  # the model the service will load, checked the way it loads it; seeded from the shipped one if broken
+        _, note = ensure_servable(settings.registry_dir)
+    except NothingToServe as err:
+        if store is None or _seed_registry(settings, True) is not None:  # last resort: train one
+            print(f"error: refusing to start: {err}", file=sys.stderr)
+            return 1
+        note = f"model {_current(settings)} trained from the telemetry ({err})"
+    print(f"[2/3] {note}", flush=True)
     if a.no_serve:
         return 0
     import uvicorn
@@ -111,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     from service.app import create_app
 
     with socket.socket() as probe:  # say so plainly instead of printing a banner for a port we cannot bind
+        # bind as uvicorn does (uvicorn/config.py Config.bind_socket sets SO_REUSEADDR), so the TIME-WAIT
+        # connections a killed server leaves do not keep a restart off its port
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((settings.host, settings.port))
         except OSError as err:

@@ -1,0 +1,126 @@
+"""Issue 30 items 2-3: an empty or broken registry is seeded from the shipped model and the banner says so;
+nothing servable refuses to start with the reason; a server killed with -9 is back within 5 s."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from model.registry import DEFAULT_ROOT, Registry
+from service.startup import NothingToServe, ensure_servable
+
+SHIPPED = (DEFAULT_ROOT / "CURRENT").read_text().strip()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _broken_copy(dst: Path) -> Path:
+    """A registry holding the shipped version with one byte of model.txt flipped (checksum mismatch)."""
+    shutil.copytree(DEFAULT_ROOT / SHIPPED, dst / SHIPPED)
+    (dst / "CURRENT").write_text(SHIPPED)
+    f = dst / SHIPPED / "model.txt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    return dst
+
+
+def test_empty_registry_is_seeded_from_the_shipped_model(tmp_path):
+    version, note = ensure_servable(tmp_path / "models")
+    assert version == SHIPPED
+    assert note.startswith(f"seeded the registry with the shipped model {SHIPPED} (checksum verified)")
+    assert "empty" in note
+    assert Registry(tmp_path / "models").load().version == SHIPPED
+
+
+def test_broken_registry_is_reseeded_and_says_why(tmp_path):
+    reg = _broken_copy(tmp_path / "models")
+    version, note = ensure_servable(reg)
+    assert version == SHIPPED and "seeded" in note and "sha256" in note
+    assert Registry(reg).load().version == SHIPPED
+
+
+def test_nothing_servable_refuses_with_both_reasons(tmp_path):
+    shipped = _broken_copy(tmp_path / "shipped")
+    with pytest.raises(NothingToServe, match=r"registry is empty.*shipped model.*sha256"):
+        ensure_servable(tmp_path / "models", shipped_root=shipped)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(env: dict, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "training.main", "--data-dir", env["MEMFIT_DATA_DIR"]],
+                            cwd=ROOT, env={**env, "MEMFIT_PORT": str(port)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_live(port: int, proc: subprocess.Popen, timeout_s: float) -> float | None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=1) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            time.sleep(0.05)
+    return None
+
+
+def test_restart_after_kill_9_is_not_kept_off_its_port(tmp_path):
+    """Kill -9 with a client connection open leaves the server's side in TIME-WAIT; the restart must bind."""
+    env = {**os.environ, "MEMFIT_DATA_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    port = _free_port()
+    first = _start(env, port)
+    try:
+        assert _wait_live(port, first, 300) is not None, first.stdout.read() if first.poll() is not None else ""
+        for _ in range(3):  # keep-alive connections: the server closes first when it dies -> TIME-WAIT
+            conn = socket.create_connection(("127.0.0.1", port))
+            conn.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            conn.recv(4096)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        conn.close()
+        # an empty MEMFIT_DATA_DIR: the first start seeded it from the shipped model and said so
+        assert f"[2/3] seeded the registry with the shipped model {SHIPPED} (checksum verified)" in first.stdout.read()
+        # the precondition: a bind without SO_REUSEADDR is refused
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+        second = _start(env, port)
+        try:
+            out = second.stdout
+            # the seeded registry from the first start is current: the banner says so
+            restart_s = _wait_live(port, second, 300)
+            assert restart_s is not None, second.stdout.read() if second.poll() else ""
+            print(f"restart serving after {restart_s:.1f} s")
+            # issue 30: back within 5 s; a machine busier than its cores gets slack for start-up CPU, not the port
+            assert restart_s < (5.0 if os.getloadavg()[0] < (os.cpu_count() or 1) else 15.0)
+        finally:
+            second.kill()
+            text = out.read()
+        assert "[2/3] model" in text and "is current" in text and "cannot listen" not in text
+    finally:
+        first.kill()
+
+
+def test_broken_registry_banner_and_refusal(tmp_path):
+    """training.main on a data dir whose model is corrupted: re-seeded, and the banner says why."""
+    _broken_copy(tmp_path / "models")
+    env = {**os.environ, "MEMFIT_DATA_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "training.main", "--no-serve"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("[2/3]"))
+    assert line.startswith(f"[2/3] seeded the registry with the shipped model {SHIPPED} (checksum verified)")
+    assert "sha256" in line and "does not match" in line
