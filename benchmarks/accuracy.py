@@ -44,17 +44,23 @@ from model.evaluate import (
 def _line(name: str, y, pred, upper, df, sel) -> tuple[str, dict]:
     m = metrics(y[sel], pred[sel], upper[sel])
     se = saving_errors(df[sel], pred[sel]) if sel.any() else np.array([])
-    o = oracle_eval(df[sel], upper[sel]) if sel.any() else {"exact_k_rate": np.nan, "oom_rate": np.nan,
-                                                             "false_infeasible_rate": np.nan, "n_cases": 0}
+    o = (
+        oracle_eval(df[sel], upper[sel])
+        if sel.any()
+        else {"exact_k_rate": np.nan, "oom_rate": np.nan, "false_infeasible_rate": np.nan, "n_cases": 0}
+    )
     med = 100 * float(np.median(se)) if se.size else float("nan")
-    row = (f"  {name:<26} {m['n']:>5} {m['mape_pct']:>8.3f} {m['p95_rel_err_pct']:>7.2f} {m['max_rel_err_pct']:>7.2f} "
-           f"{med:>8.3f} {100 * m['coverage']:>7.1f} {m['mean_upper_excess_pct']:>7.2f} "
-           f"{100 * o['exact_k_rate']:>7.1f} {100 * o['oom_rate']:>5.1f} {100 * o['false_infeasible_rate']:>6.1f}")
+    row = (
+        f"  {name:<26} {m['n']:>5} {m['mape_pct']:>8.3f} {m['p95_rel_err_pct']:>7.2f} {m['max_rel_err_pct']:>7.2f} "
+        f"{med:>8.3f} {100 * m['coverage']:>7.1f} {m['mean_upper_excess_pct']:>7.2f} "
+        f"{100 * o['exact_k_rate']:>7.1f} {100 * o['oom_rate']:>5.1f} {100 * o['false_infeasible_rate']:>6.1f}"
+    )
     return row, {**m, "saving_median_err_pct": med, "saving_n": int(se.size), "oracle": o}
 
 
 def setting_slices(df) -> dict[str, np.ndarray]:
     """Boolean row masks of the settings issue 9 added (columns missing from older files select nothing)."""
+
     def col(name, default):
         return df[name] if name in df.columns else np.full(len(df), default)
 
@@ -77,12 +83,15 @@ def setting_slices(df) -> dict[str, np.ndarray]:
     }
 
 
-HEADER = (f"  {'path (rows)':<26} {'n':>5} {'MAPE %':>8} {'p95 %':>7} {'max %':>7} {'saving%':>8} {'cover%':>7} "
-          f"{'excess%':>7} {'exactk%':>7} {'OOM%':>5} {'noFit%':>6}")
+HEADER = (
+    f"  {'path (rows)':<26} {'n':>5} {'MAPE %':>8} {'p95 %':>7} {'max %':>7} {'saving%':>8} {'cover%':>7} "
+    f"{'excess%':>7} {'exactk%':>7} {'OOM%':>5} {'noFit%':>6}"
+)
 
 
-def evaluate_split(df, split: str, make_served, make_provisional, paths, make_learned=None,
-                   n_jobs: int = 1) -> tuple[list[str], dict]:
+def evaluate_split(
+    df, split: str, make_served, make_provisional, paths, make_learned=None, n_jobs: int = 1
+) -> tuple[list[str], dict]:
     """The runs of one split (folds ``n_jobs`` at once); returns printable lines and the figures."""
     y = df["peak_allocated_bytes"].to_numpy(dtype="float64")
     t0 = time.perf_counter()
@@ -94,8 +103,13 @@ def evaluate_split(df, split: str, make_served, make_provisional, paths, make_le
         l_pred, l_upper, _ = cross_evaluate(df, make_learned, split, n_jobs=n_jobs)
     tested = np.isfinite(pred)
     analytic = baseline_predictions(df)["analytic"]
-    lines = [f"  {int(tested.sum())} held-out rows of {len(s['test_architectures'])} architectures, "
-             f"{s['n_folds']} fold(s), {time.perf_counter() - t0:.0f}s", HEADER]
+    lines = [
+        (
+            f"  {int(tested.sum())} held-out rows of {len(s['test_architectures'])} architectures, "
+            f"{s['n_folds']} fold(s), {time.perf_counter() - t0:.0f}s"
+        ),
+        HEADER,
+    ]
     out: dict = {"n_test": int(tested.sum()), "test_architectures": s["test_architectures"]}
     for name, pr, up, sel in [
         ("served curve (all)", pred, upper, tested),
@@ -108,15 +122,18 @@ def evaluate_split(df, split: str, make_served, make_provisional, paths, make_le
         line, figs = _line(name, y, pr, up, df, sel)
         lines.append(line)
         out[name] = figs
-    lines.append("  provisional (LightGBM ratio; learned coefficients) vs analytic MAPE % per precision x optimizer "
-                 "slice:")
+    lines.append(
+        "  provisional (LightGBM ratio; learned coefficients) vs analytic MAPE % per precision x optimizer slice:"
+    )
     slices = {}
     for (prec, opt), g in df[tested].groupby(["precision", "optimizer"]):
         idx = g.index.to_numpy()
         mp, ma = metrics(y[idx], p_pred[idx])["mape_pct"], metrics(y[idx], analytic[idx])["mape_pct"]
         slices[f"{prec}/{opt}"] = {"provisional": mp, "analytic": ma, "n": len(idx)}
-        line = (f"    {prec + '/' + opt:<32} n={len(idx):>5}  provisional {mp:7.2f} {'beats' if mp < ma else 'LOSES'}"
-                f"  analytic {ma:7.2f}")
+        line = (
+            f"    {prec + '/' + opt:<32} n={len(idx):>5}  provisional {mp:7.2f} {'beats' if mp < ma else 'LOSES'}"
+            f"  analytic {ma:7.2f}"
+        )
         if make_learned is not None:
             ml = metrics(y[idx], l_pred[idx])["mape_pct"]
             slices[f"{prec}/{opt}"]["learned_coefficients"] = ml
@@ -135,8 +152,10 @@ def evaluate_split(df, split: str, make_served, make_provisional, paths, make_le
         if head:
             lines.append(head)
             head = ""
-        lines.append(f"    {name:<32} n={m['n']:>5}  MAPE {m['mape_pct']:6.2f}  p95 {m['p95_rel_err_pct']:6.2f}  "
-                     f"cover {100 * m['coverage']:5.1f}  traced/provisional {n_traced}/{m['n'] - n_traced}")
+        lines.append(
+            f"    {name:<32} n={m['n']:>5}  MAPE {m['mape_pct']:6.2f}  p95 {m['p95_rel_err_pct']:6.2f}  "
+            f"cover {100 * m['coverage']:5.1f}  traced/provisional {n_traced}/{m['n'] - n_traced}"
+        )
     out["settings"] = settings
     out["per_architecture"] = {a: m for a, m in s["per_architecture"].items()}
     out["oof"] = (pred, upper)
@@ -147,15 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__.split("\n\n")[0])
     p.add_argument("--db", help="SQLAlchemy URL of the telemetry store (default: data/telemetry.db)")
     p.add_argument("--files", nargs="*", default=[], help=".parquet/.csv telemetry files")
-    p.add_argument("--params", default="{}", help="JSON object of PeakMemoryRegressor parameters (provisional "
-                                                  "path), e.g. '{\"n_estimators\": 300}'")
+    p.add_argument(
+        "--params",
+        default="{}",
+        help="JSON object of PeakMemoryRegressor parameters (provisional path), e.g. '{\"n_estimators\": 300}'",
+    )
     p.add_argument("--json", help="also write all figures to this JSON file")
     p.add_argument("--split", choices=SPLITS, action="append", help="run only this split (repeatable; default all)")
     p.add_argument("--no-learned", action="store_true", help="skip the learned-coefficients run")
     p.add_argument("--report-dir", help="also write the full report (model.report) here")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="folds evaluated at once, each in a worker process (default 1; the figures do not "
-                        "depend on it)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="folds evaluated at once, each in a worker process (default 1; the figures do not depend on it)",
+    )
     a = p.parse_args(argv)
     if a.jobs < 1:
         p.error(f"--jobs must be >= 1, got {a.jobs}")
@@ -176,28 +201,40 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     terms = TermsCache()
     paths = row_paths(df, terms)
-    print(f"{len(df)} valid rows of {df['model_name'].nunique()} architectures ({len(rejected)} rejected, "
-          f"{df.attrs['n_oom_dropped']} OOM rows dropped); {len(terms)} traced term sets; "
-          f"{int((paths == 'traced').sum())} rows on the traced path; provisional params {params or 'default'}")
+    print(
+        f"{len(df)} valid rows of {df['model_name'].nunique()} architectures ({len(rejected)} rejected, "
+        f"{df.attrs['n_oom_dropped']} OOM rows dropped); {len(terms)} traced term sets; "
+        f"{int((paths == 'traced').sum())} rows on the traced path; provisional params {params or 'default'}"
+    )
 
     entries = shipped_entries()
 
     def make_served():  # as the service answers: traced terms, else learned coefficients, else the ratio model
-        return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params), make_coefficients=CoefficientModel,
-                              coefficient_entries=entries)
+        return CurveEstimator(
+            terms,
+            lambda: PeakMemoryRegressor(**params),
+            make_coefficients=CoefficientModel,
+            coefficient_entries=entries,
+        )
 
     def make_provisional():
         return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params), force_path="provisional")
 
     def make_learned():  # coefficients of the training architectures' shipped terms only
-        return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params), force_path="provisional",
-                              make_coefficients=CoefficientModel, coefficient_entries=entries)
+        return CurveEstimator(
+            terms,
+            lambda: PeakMemoryRegressor(**params),
+            force_path="provisional",
+            make_coefficients=CoefficientModel,
+            coefficient_entries=entries,
+        )
 
     results, oof = {}, None
     for split in a.split or SPLITS:
         print(f"\n{split}:")
-        lines, figs = evaluate_split(df, split, make_served, make_provisional, paths,
-                                     None if a.no_learned else make_learned, n_jobs=a.jobs)
+        lines, figs = evaluate_split(
+            df, split, make_served, make_provisional, paths, None if a.no_learned else make_learned, n_jobs=a.jobs
+        )
         print("\n".join(lines), flush=True)
         if "oof" in figs:
             pred_upper = figs.pop("oof")

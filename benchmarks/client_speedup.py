@@ -56,8 +56,9 @@ def _recommender(args):
     path = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
     df = pd.read_parquet(path)
     df = df[~df["oom"].astype(bool)]
-    est = PeakMemoryRegressor(n_estimators=80, num_leaves=31, n_jobs=1).fit(df, df["peak_allocated_bytes"],
-                                                                            groups=df["model_name"])
+    est = PeakMemoryRegressor(n_estimators=80, num_leaves=31, n_jobs=1).fit(
+        df, df["peak_allocated_bytes"], groups=df["model_name"]
+    )
     return Recommender(est, "bench-local").recommend, f"predictor fitted here on {len(df)} shipped rows"
 
 
@@ -84,8 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
     p.add_argument("--target-k", type=int, help="k the capacity should force (default layers // 4)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads (default 1: steadiest figures on a shared machine; 0 = torch's default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (default 1: steadiest figures on a shared machine; 0 = torch's default)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line instead of the table")
     a = p.parse_args(argv)
     L = a.layers
@@ -99,23 +104,40 @@ def main(argv: list[str] | None = None) -> int:
     import memfit
     from memfit.hf import build_causal_lm, quiet_transformers
 
-    cfg = {"model_type": "llama", "num_hidden_layers": L, "hidden_size": a.hidden, "intermediate_size": a.ffn,
-           "num_attention_heads": a.heads, "num_key_value_heads": a.heads, "vocab_size": a.vocab,
-           "max_position_embeddings": a.seq_len, "tie_word_embeddings": False}
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": L,
+        "hidden_size": a.hidden,
+        "intermediate_size": a.ffn,
+        "num_attention_heads": a.heads,
+        "num_key_value_heads": a.heads,
+        "vocab_size": a.vocab,
+        "max_position_embeddings": a.seq_len,
+        "tie_word_embeddings": False,
+    }
     torch.manual_seed(0)
     with quiet_transformers():
         base = build_causal_lm(cfg)
     recommend, source = _recommender(a)
 
     def request(capacity: int):
-        return memfit.describe(base, micro_batch_size=a.micro_batch, seq_len=a.seq_len, gpu_memory_bytes=capacity,
-                               headroom_fraction=0.0, optimizer="adamw_foreach")
+        return memfit.describe(
+            base,
+            micro_batch_size=a.micro_batch,
+            seq_len=a.seq_len,
+            gpu_memory_bytes=capacity,
+            headroom_fraction=0.0,
+            optimizer="adamw_foreach",
+        )
 
     curve = [c.total_upper_bytes for c in recommend(request(1 << 40)).curve]
     below = min(curve[:target])
     if not curve[target] < below:
-        print(f"error: the predicted bound at k={target} ({curve[target]}) is not below every smaller k's "
-              f"({below}); pick another --target-k", file=sys.stderr)
+        print(
+            f"error: the predicted bound at k={target} ({curve[target]}) is not below every smaller k's "
+            f"({below}); pick another --target-k",
+            file=sys.stderr,
+        )
         return 2
     capacity = curve[target] + (below - curve[target]) // 2
     rec = recommend(request(capacity))
@@ -124,18 +146,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     models = {"recommended": copy.deepcopy(base), "full": copy.deepcopy(base), "none": copy.deepcopy(base)}
-    plans = {"recommended": memfit.apply(models["recommended"], rec),
-             "full": memfit.apply(models["full"], list(range(L))),
-             "none": memfit.apply(models["none"], [])}
+    plans = {
+        "recommended": memfit.apply(models["recommended"], rec),
+        "full": memfit.apply(models["full"], list(range(L))),
+        "none": memfit.apply(models["none"], []),
+    }
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True) for n, m in models.items()}
     ids = torch.randint(0, a.vocab, (a.micro_batch, a.seq_len), generator=torch.Generator().manual_seed(1))
     times: dict[str, list[float]] = {n: [] for n in models}
     cpu: dict[str, list[float]] = {n: [] for n in models}
-    for n in models:  # warm-up: optimizer states, allocator, thread pools
-        _step(models[n], opts[n], ids)
+    for n, m in models.items():  # warm-up: optimizer states, allocator, thread pools
+        _step(m, opts[n], ids)
     for _ in range(a.steps):
-        for n in models:
-            wall, used = _step(models[n], opts[n], ids)
+        for n, m in models.items():
+            wall, used = _step(m, opts[n], ids)
             times[n].append(wall)
             cpu[n].append(used)
     for n, plan in plans.items():
@@ -143,9 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     med = {n: statistics.median(t) for n, t in times.items()}
     med_cpu = {n: statistics.median(t) for n, t in cpu.items()}
     out = {
-        "source": source, "model_version": rec.model_version, "layers": L, "hidden": a.hidden, "seq_len": a.seq_len,
-        "micro_batch": a.micro_batch, "vocab": a.vocab, "threads": torch.get_num_threads(),
-        "capacity_bytes": capacity, "k": rec.k, "recommended_layers": rec.layers,
+        "source": source,
+        "model_version": rec.model_version,
+        "layers": L,
+        "hidden": a.hidden,
+        "seq_len": a.seq_len,
+        "micro_batch": a.micro_batch,
+        "vocab": a.vocab,
+        "threads": torch.get_num_threads(),
+        "capacity_bytes": capacity,
+        "k": rec.k,
+        "recommended_layers": rec.layers,
         "predicted_recompute_fraction": rec.recompute_overhead_fraction,
         "median_step_s": {n: round(v, 4) for n, v in med.items()},
         "all_steps_s": {n: [round(x, 4) for x in t] for n, t in times.items()},
@@ -159,18 +191,28 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(out))
         return 0
-    print(f"model: llama {L} layers, hidden {a.hidden}, ffn {a.ffn}, vocab {a.vocab}; micro-batch {a.micro_batch} x "
-          f"seq {a.seq_len}; {torch.get_num_threads()} threads; recommendations from {source}")
-    print(f"capacity {capacity / 2**20:.1f} MiB -> recommended k={rec.k} of {L} (layers {rec.layers}), "
-          f"model {rec.model_version}")
+    print(
+        f"model: llama {L} layers, hidden {a.hidden}, ffn {a.ffn}, vocab {a.vocab}; micro-batch {a.micro_batch} x "
+        f"seq {a.seq_len}; {torch.get_num_threads()} threads; recommendations from {source}"
+    )
+    print(
+        f"capacity {capacity / 2**20:.1f} MiB -> recommended k={rec.k} of {L} (layers {rec.layers}), "
+        f"model {rec.model_version}"
+    )
     for n in ("none", "recommended", "full"):
-        print(f"  {n:<12} k={plans[n].k:<3} median step {med[n]:.3f} s wall, {med_cpu[n]:.3f} s CPU   "
-              f"wall steps {out['all_steps_s'][n]}")
-    print(f"speedup of the recommended k over full checkpointing: {out['speedup_vs_full']:.3f}x "
-          f"(goal >= 1.25x); cost over no checkpointing: {out['slowdown_vs_none']:.3f}x; "
-          f"full over none: {out['full_vs_none']:.3f}x")
-    print(f"same ratios in process CPU time (robust to other load on the machine): recommended over full "
-          f"{out['cpu_speedup_vs_full']:.3f}x, full over none {out['cpu_full_vs_none']:.3f}x")
+        print(
+            f"  {n:<12} k={plans[n].k:<3} median step {med[n]:.3f} s wall, {med_cpu[n]:.3f} s CPU   "
+            f"wall steps {out['all_steps_s'][n]}"
+        )
+    print(
+        f"speedup of the recommended k over full checkpointing: {out['speedup_vs_full']:.3f}x "
+        f"(goal >= 1.25x); cost over no checkpointing: {out['slowdown_vs_none']:.3f}x; "
+        f"full over none: {out['full_vs_none']:.3f}x"
+    )
+    print(
+        f"same ratios in process CPU time (robust to other load on the machine): recommended over full "
+        f"{out['cpu_speedup_vs_full']:.3f}x, full over none {out['cpu_full_vs_none']:.3f}x"
+    )
     return 0
 
 

@@ -86,8 +86,19 @@ def cuda_rows(rows_dir: Path = ROWS_DIR) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-_TRAINING_IN = ("micro_batch_size", "seq_len", "precision", "optimizer", "attention", "finetune", "lora_rank",
-                "lora_target_modules", "frozen_layers", "checkpoint_impl", "gradient_accumulation_steps")
+_TRAINING_IN = (
+    "micro_batch_size",
+    "seq_len",
+    "precision",
+    "optimizer",
+    "attention",
+    "finetune",
+    "lora_rank",
+    "lora_target_modules",
+    "frozen_layers",
+    "checkpoint_impl",
+    "gradient_accumulation_steps",
+)
 
 
 def predict_item(record: dict[str, Any]) -> dict[str, Any]:
@@ -112,10 +123,23 @@ def score(rows: list[tuple[str, dict[str, Any]]] | None = None, client: Any = No
     out = []
     for (source, r), p in zip(rows, resp.json()["predictions"]):
         t = r["training"]
-        out.append(Scored(source, r["model"]["model_name"], t["precision"], t["attention"], t["finetune"],
-                          t["micro_batch_size"], t["seq_len"], len(t["checkpoint_layers"]), r["model"]["num_layers"],
-                          r["measurement"]["peak_allocated_bytes"], p["predicted_peak_bytes"], p["upper_bound_bytes"],
-                          p["path"]))
+        out.append(
+            Scored(
+                source,
+                r["model"]["model_name"],
+                t["precision"],
+                t["attention"],
+                t["finetune"],
+                t["micro_batch_size"],
+                t["seq_len"],
+                len(t["checkpoint_layers"]),
+                r["model"]["num_layers"],
+                r["measurement"]["peak_allocated_bytes"],
+                p["predicted_peak_bytes"],
+                p["upper_bound_bytes"],
+                p["path"],
+            )
+        )
     untraced = [s for s in out if s.path != "traced"]
     if untraced:
         raise RuntimeError(f"not answered from traced terms: {[(s.model, s.precision, s.k) for s in untraced]}")
@@ -141,13 +165,19 @@ def traced_only_client():
 
 def table(scored: list[Scored]) -> str:
     """Per row and per family: measured and predicted GiB, error in %."""
-    lines = [(f"{'family':<15} {'model':<16} {'precision':<16} {'attn':<6} {'ft':<5} {'mb':>3} {'seq':>5} {'k':>3}/"
-              f"{'L':<3} {'CUDA GiB':>9} {'traced':>9} {'err %':>8}  source")]
+    lines = [
+        (
+            f"{'family':<15} {'model':<16} {'precision':<16} {'attn':<6} {'ft':<5} {'mb':>3} {'seq':>5} {'k':>3}/"
+            f"{'L':<3} {'CUDA GiB':>9} {'traced':>9} {'err %':>8}  source"
+        )
+    ]
     for s in sorted(scored, key=lambda s: (s.gap or "", s.model, s.precision, s.attention, s.finetune, s.k)):
-        lines.append(f"{s.gap or 'same-kernel':<15} {s.model:<16} {s.precision:<16} {s.attention:<6} {s.finetune:<5} "
-                     f"{s.micro_batch_size:>3} {s.seq_len:>5} {s.k:>3}/{s.num_layers:<3} "
-                     f"{s.measured_bytes / 2**30:>9.3f} {s.predicted_bytes / 2**30:>9.3f} {100 * s.error:>+8.2f}  "
-                     f"{s.source}")
+        lines.append(
+            f"{s.gap or 'same-kernel':<15} {s.model:<16} {s.precision:<16} {s.attention:<6} {s.finetune:<5} "
+            f"{s.micro_batch_size:>3} {s.seq_len:>5} {s.k:>3}/{s.num_layers:<3} "
+            f"{s.measured_bytes / 2**30:>9.3f} {s.predicted_bytes / 2**30:>9.3f} {100 * s.error:>+8.2f}  "
+            f"{s.source}"
+        )
     lines.append("")
     lines.append(f"{'family':<15} {'rows':>4} {'median |err| %':>15} {'worst %':>9} {'within 0.5 %':>13}")
     groups: dict[str, list[Scored]] = {}
@@ -158,17 +188,25 @@ def table(scored: list[Scored]) -> str:
         if not g:
             continue
         worst = max(g, key=lambda s: abs(s.error)).error
-        lines.append(f"{name:<15} {len(g):>4} {100 * statistics.median(abs(s.error) for s in g):>15.2f} "
-                     f"{100 * worst:>+9.2f} {sum(abs(s.error) <= 0.005 for s in g):>8}/{len(g)}")
+        lines.append(
+            f"{name:<15} {len(g):>4} {100 * statistics.median(abs(s.error) for s in g):>15.2f} "
+            f"{100 * worst:>+9.2f} {sum(abs(s.error) <= 0.005 for s in g):>8}/{len(g)}"
+        )
     within = sum(abs(s.error) <= 0.005 for s in scored)
-    lines.append(f"{'all':<15} {len(scored):>4} {100 * statistics.median(abs(s.error) for s in scored):>15.2f} "
-                 f"{100 * max((s.error for s in scored), key=abs):>+9.2f} {within:>8}/{len(scored)}")
+    lines.append(
+        f"{'all':<15} {len(scored):>4} {100 * statistics.median(abs(s.error) for s in scored):>15.2f} "
+        f"{100 * max((s.error for s in scored), key=abs):>+9.2f} {within:>8}/{len(scored)}"
+    )
     return "\n".join(lines)
 
 
 #: same-kernel families traced next to the gap families, to show the CUDA semantics leave them where they are
-CONTROL_FAMILIES = {("llama-3.2-1b", "amp_bf16", "sdpa"), ("qwen2.5-3b", "amp_fp16", "sdpa"),
-                    ("pythia-410m", "amp_fp16", "sdpa"), ("bloom-560m", "amp_bf16", "eager")}
+CONTROL_FAMILIES = {
+    ("llama-3.2-1b", "amp_bf16", "sdpa"),
+    ("qwen2.5-3b", "amp_fp16", "sdpa"),
+    ("pythia-410m", "amp_fp16", "sdpa"),
+    ("bloom-560m", "amp_bf16", "eager"),
+}
 
 
 def trace_rows(generation: str = "sm90", families: set[tuple[str, str, str]] | None = None) -> list[dict[str, Any]]:
@@ -202,30 +240,49 @@ def trace_rows(generation: str = "sm90", families: set[tuple[str, str, str]] | N
         for mode in ("cpu", "cuda"):
             ctx = cuda_step_semantics(generation) if mode == "cuda" else contextlib.nullcontext()
             with ctx:
-                traced[mode] = [rec.measurement.peak_allocated_bytes for rec in measure_family(
-                    hf_config_of(name), training, plans, model_name=name, device="fake", steps=1, prime=True)]
+                traced[mode] = [
+                    rec.measurement.peak_allocated_bytes
+                    for rec in measure_family(
+                        hf_config_of(name), training, plans, model_name=name, device="fake", steps=1, prime=True
+                    )
+                ]
         for i, r in enumerate(rows):
             t = r["training"]
-            out.append({"model": name, "precision": t["precision"], "attention": t["attention"],
-                        "micro_batch_size": t["micro_batch_size"], "seq_len": t["seq_len"],
-                        "k": len(t["checkpoint_layers"]), "cuda_bytes": r["measurement"]["peak_allocated_bytes"],
-                        "before_bytes": traced["cpu"][i], "after_bytes": traced["cuda"][i],
-                        "gap": KNOWN_GAPS.get((name, t["precision"], t["attention"]), "same-kernel")})
+            out.append(
+                {
+                    "model": name,
+                    "precision": t["precision"],
+                    "attention": t["attention"],
+                    "micro_batch_size": t["micro_batch_size"],
+                    "seq_len": t["seq_len"],
+                    "k": len(t["checkpoint_layers"]),
+                    "cuda_bytes": r["measurement"]["peak_allocated_bytes"],
+                    "before_bytes": traced["cpu"][i],
+                    "after_bytes": traced["cuda"][i],
+                    "gap": KNOWN_GAPS.get((name, t["precision"], t["attention"]), "same-kernel"),
+                }
+            )
         print(f"traced {name} {training.precision.value} {training.attention.value}", file=sys.stderr, flush=True)
     return out
 
 
 def trace_table(rows: list[dict[str, Any]], generation: str = "sm90") -> str:
     """Before (CPU semantics) -> after (CUDA ``generation`` semantics) per traced row and per family."""
-    lines = [f"fake tracer vs CUDA (H200); after = training.cuda_policy.cuda_step_semantics({generation!r})",
-             (f"{'family':<15} {'model':<15} {'precision':<9} {'attn':<6} {'k':>3} {'CUDA GiB':>9} {'before':>8} "
-              f"{'after':>8} {'before %':>9} {'after %':>8}")]
+    lines = [
+        f"fake tracer vs CUDA (H200); after = training.cuda_policy.cuda_step_semantics({generation!r})",
+        (
+            f"{'family':<15} {'model':<15} {'precision':<9} {'attn':<6} {'k':>3} {'CUDA GiB':>9} {'before':>8} "
+            f"{'after':>8} {'before %':>9} {'after %':>8}"
+        ),
+    ]
     for r in sorted(rows, key=lambda r: (r["gap"], r["model"], r["precision"], r["attention"], r["k"])):
         b = (r["before_bytes"] - r["cuda_bytes"]) / r["cuda_bytes"]
         a = (r["after_bytes"] - r["cuda_bytes"]) / r["cuda_bytes"]
-        lines.append(f"{r['gap']:<15} {r['model']:<15} {r['precision']:<9} {r['attention']:<6} {r['k']:>3} "
-                     f"{r['cuda_bytes'] / 2**30:>9.3f} {r['before_bytes'] / 2**30:>8.3f} {r['after_bytes'] / 2**30:>8.3f} "
-                     f"{100 * b:>+9.2f} {100 * a:>+8.2f}")
+        lines.append(
+            f"{r['gap']:<15} {r['model']:<15} {r['precision']:<9} {r['attention']:<6} {r['k']:>3} "
+            f"{r['cuda_bytes'] / 2**30:>9.3f} {r['before_bytes'] / 2**30:>8.3f} {r['after_bytes'] / 2**30:>8.3f} "
+            f"{100 * b:>+9.2f} {100 * a:>+8.2f}"
+        )
     lines.append("")
     lines.append(f"{'family':<15} {'rows':>4} {'worst before %':>15} {'worst after %':>14}")
     fams: dict[str, list[dict[str, Any]]] = {}

@@ -50,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             host[r.training.optimizer.value].append(r.measurement.host_peak_bytes / formula - 1)
     n = len(errors)
     print(f"offload rows: {n} from {path} ({time.perf_counter() - t0:.0f} s, base terms traced where missing)")
-    print(f"device peak, composed vs measured: MAPE {100 * sum(map(abs, errors)) / n:.3f} %, "
-          f"worst {100 * max(errors, key=abs):+.3f} %, within ±0.1 %: {sum(abs(e) <= 1e-3 for e in errors)}/{n}")
+    print(
+        f"device peak, composed vs measured: MAPE {100 * sum(map(abs, errors)) / n:.3f} %, "
+        f"worst {100 * max(errors, key=abs):+.3f} %, within ±0.1 %: {sum(abs(e) <= 1e-3 for e in errors)}/{n}"
+    )
     for opt, v in sorted(host.items()):
         print(f"host peak / formula - 1, {opt:14s}: {100 * min(v):+.2f} % .. {100 * max(v):+.2f} % ({len(v)} rows)")
     return 0

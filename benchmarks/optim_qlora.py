@@ -67,15 +67,24 @@ def evaluate(records) -> dict[str, dict]:
         curve = predictor.curve(rec.model, rec.training, hf)
         k = rec.training.num_checkpointed_layers
         y = rec.measurement.peak_allocated_bytes
-        rows[slice_of(rec.training)].append((curve.points[k].predicted_bytes / y - 1, curve.path,
-                                             analytic_estimate(rec.model, rec.training).peak_bytes / y - 1))
+        rows[slice_of(rec.training)].append(
+            (
+                curve.points[k].predicted_bytes / y - 1,
+                curve.path,
+                analytic_estimate(rec.model, rec.training).peak_bytes / y - 1,
+            )
+        )
     out = {}
     for name, vals in sorted(rows.items()):
         err = np.array([v[0] for v in vals])
         ana = np.array([v[2] for v in vals])
-        out[name] = {"n": len(vals), "mape_pct": 100 * float(np.mean(np.abs(err))),
-                     "max_err_pct": 100 * float(np.max(np.abs(err))),
-                     "paths": sorted({v[1] for v in vals}), "analytic_mape_pct": 100 * float(np.mean(np.abs(ana)))}
+        out[name] = {
+            "n": len(vals),
+            "mape_pct": 100 * float(np.mean(np.abs(err))),
+            "max_err_pct": 100 * float(np.max(np.abs(err))),
+            "paths": sorted({v[1] for v in vals}),
+            "analytic_mape_pct": 100 * float(np.mean(np.abs(ana))),
+        }
     return out
 
 
@@ -97,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     res = evaluate(records)
     print(f"{'slice':<28} {'rows':>5} {'MAPE %':>8} {'max %':>8} {'analytic MAPE %':>16}  path")
     for name, m in res.items():
-        print(f"{name:<28} {m['n']:>5} {m['mape_pct']:>8.3f} {m['max_err_pct']:>8.3f} {m['analytic_mape_pct']:>16.1f}"
-              f"  {','.join(m['paths'])}")
+        print(
+            f"{name:<28} {m['n']:>5} {m['mape_pct']:>8.3f} {m['max_err_pct']:>8.3f} {m['analytic_mape_pct']:>16.1f}"
+            f"  {','.join(m['paths'])}"
+        )
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))
     return 0

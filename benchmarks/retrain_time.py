@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: need measured rows of >= 2 architectures and --rows >= 1", file=sys.stderr)
         return 2
     est = PeakMemoryRegressor(**params)
-    print(f"rows synthesised by resampling {len(df)} measured rows ({df['model_name'].nunique()} architectures) "
-          f"with replacement: timing only, not accuracy; params {est.get_params()}")
+    print(
+        f"rows synthesised by resampling {len(df)} measured rows ({df['model_name'].nunique()} architectures) "
+        f"with replacement: timing only, not accuracy; params {est.get_params()}"
+    )
     print(f"{'rows':>10} {'features s':>11} {'fit s':>9} {'rows/s':>10}")
     rng = np.random.default_rng(a.seed)
     for n in a.rows:

@@ -38,10 +38,16 @@ from pathlib import Path
 
 import httpx
 
-BODY = {"model": "llama-3-70b", "training": {"micro_batch_size": 1, "seq_len": 4096, "sharding": "zero3"},
-        "cluster": {"gpu": "H100-80GB", "gpu_count": 64}}
-BAD = [{**BODY, "model": "no-such-model"}, {**BODY, "training": {"micro_batch_size": 0, "seq_len": 4096}},
-       {**BODY, "cluster": {"gpu": "H100-80GB", "gpu_memory_gib": 80}}]
+BODY = {
+    "model": "llama-3-70b",
+    "training": {"micro_batch_size": 1, "seq_len": 4096, "sharding": "zero3"},
+    "cluster": {"gpu": "H100-80GB", "gpu_count": 64},
+}
+BAD = [
+    {**BODY, "model": "no-such-model"},
+    {**BODY, "training": {"micro_batch_size": 0, "seq_len": 4096}},
+    {**BODY, "cluster": {"gpu": "H100-80GB", "gpu_memory_gib": 80}},
+]
 
 
 def _port() -> int:
@@ -56,6 +62,7 @@ async def _load(base: str, make, n: int, concurrency: int) -> tuple[list[float],
     codes: list[int] = []
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=base, timeout=30, limits=httpx.Limits(max_connections=concurrency)) as c:
+
         async def one(i: int) -> None:
             method, path, kw = make(i)
             async with sem:
@@ -63,6 +70,7 @@ async def _load(base: str, make, n: int, concurrency: int) -> tuple[list[float],
                 r = await c.request(method, path, **kw)
                 lat.append(time.perf_counter() - t0)
                 codes.append(r.status_code)
+
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(n)))
         wall = time.perf_counter() - t0
@@ -112,11 +120,14 @@ def _locked_store(base: str, db_path: Path) -> dict:
         locker.rollback()
         locker.close()
     p99 = lambda lat: statistics.quantiles(lat, n=100)[98]
-    return {"posts": len(posts), "posts_503": sum(c == 503 for c, _ in posts),
-            "post_max_ms": round(max(s for _, s in posts) * 1000, 1),
-            "recommend_p99_quiet_ms": round(p99(quiet) * 1000, 2),
-            "recommend_p99_during_ms": round(p99(during) * 1000, 2),
-            "p99_ratio_during_vs_quiet": round(p99(during) / p99(quiet), 2)}
+    return {
+        "posts": len(posts),
+        "posts_503": sum(c == 503 for c, _ in posts),
+        "post_max_ms": round(max(s for _, s in posts) * 1000, 1),
+        "recommend_p99_quiet_ms": round(p99(quiet) * 1000, 2),
+        "recommend_p99_during_ms": round(p99(during) * 1000, 2),
+        "p99_ratio_during_vs_quiet": round(p99(during) / p99(quiet), 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,8 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--skip-trace", action="store_true", help="skip the fake-tensor trace comparison")
-    p.add_argument("--wait-traced-s", type=float, default=300,
-                   help="wait this long for the server's background trace of the benchmark configuration")
+    p.add_argument(
+        "--wait-traced-s",
+        type=float,
+        default=300,
+        help="wait this long for the server's background trace of the benchmark configuration",
+    )
     a = p.parse_args(argv)
 
     from data.store import TelemetryStore
@@ -138,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "MEMFIT_PORT": str(port), "MEMFIT_DB_URL": db, "MEMFIT_HOST": "127.0.0.1"}
     if a.registry:
         env["MEMFIT_REGISTRY_DIR"] = a.registry
-    proc = subprocess.Popen([sys.executable, "-m", "service"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
@@ -160,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
             body = {**BODY, "model": cfg, "cluster": {"gpu": "H100-80GB", "gpu_count": 8}}
             t0 = time.perf_counter()
             r = httpx.post(base + "/recommend", json=body, timeout=60)
-            return {"ms": round((time.perf_counter() - t0) * 1000, 1), "status": r.status_code,
-                    "path": r.json().get("path")}
+            return {
+                "ms": round((time.perf_counter() - t0) * 1000, 1),
+                "status": r.status_code,
+                "path": r.json().get("path"),
+            }
 
         known = catalog.get("qwen2.5-7b")["hf_config"]
         out["first_hf_config_catalog_architecture"] = first(known)
@@ -170,13 +189,15 @@ def main(argv: list[str] | None = None) -> int:
         while httpx.post(base + "/recommend", json=BODY).json()["path"] != "traced" and time.time() < deadline:
             time.sleep(1)
         for c in a.concurrency:
-            lat, codes, wall = asyncio.run(_load(base, lambda i: ("POST", "/recommend", {"json": BODY}),
-                                                 a.requests, c))
+            lat, codes, wall = asyncio.run(_load(base, lambda i: ("POST", "/recommend", {"json": BODY}), a.requests, c))
             rec = {**_stats(lat, wall), "non_200": sum(x != 200 for x in codes)}
             lat, codes, wall = asyncio.run(_load(base, lambda i: ("GET", "/v2/health/live", {}), a.requests, c))
             trivial = _stats(lat, wall)
-            out[f"concurrency_{c}"] = {"recommend_80_layers": rec, "trivial_endpoint": trivial,
-                                       "rps_ratio_recommend_vs_trivial": round(rec["rps"] / trivial["rps"], 3)}
+            out[f"concurrency_{c}"] = {
+                "recommend_80_layers": rec,
+                "trivial_endpoint": trivial,
+                "rps_ratio_recommend_vs_trivial": round(rec["rps"] / trivial["rps"], 3),
+            }
         out["recommend_path"] = httpx.post(base + "/recommend", json=BODY).json()["path"]
 
         store = TelemetryStore(db)
@@ -196,14 +217,28 @@ def main(argv: list[str] | None = None) -> int:
 
         lat, codes, wall = asyncio.run(_load(base, mixed, a.requests, max(a.concurrency)))
         after = store.count()
-        out["mixed_load"] = {**_stats(lat, wall), "5xx": sum(c >= 500 for c in codes),
-                             "4xx": sum(400 <= c < 500 for c in codes), "telemetry_posted": len(posted),
-                             "telemetry_rows_added": after - before, "lost_rows": len(posted) - (after - before)}
+        out["mixed_load"] = {
+            **_stats(lat, wall),
+            "5xx": sum(c >= 500 for c in codes),
+            "4xx": sum(400 <= c < 500 for c in codes),
+            "telemetry_posted": len(posted),
+            "telemetry_rows_added": after - before,
+            "lost_rows": len(posted) - (after - before),
+        }
         # every request a configuration not seen before: no curve cache hit (last: it queues background traces)
-        lat, codes, wall = asyncio.run(_load(base, lambda i: ("POST", "/recommend", {"json": {
-            **BODY, "training": {**BODY["training"], "seq_len": 4096 + 8 * (i + 1)}}}), 60, 1))
-        out["recommend_80_layers_distinct_configs_c1"] = {**_stats(lat, wall),
-                                                          "non_200": sum(x != 200 for x in codes)}
+        lat, codes, wall = asyncio.run(
+            _load(
+                base,
+                lambda i: (
+                    "POST",
+                    "/recommend",
+                    {"json": {**BODY, "training": {**BODY["training"], "seq_len": 4096 + 8 * (i + 1)}}},
+                ),
+                60,
+                1,
+            )
+        )
+        out["recommend_80_layers_distinct_configs_c1"] = {**_stats(lat, wall), "non_200": sum(x != 200 for x in codes)}
         out["locked_store"] = _locked_store(base, tmp / "bench.db")
         out["server_alive_after"] = httpx.get(base + "/v2/health/live").status_code == 200
         if not a.skip_trace:
@@ -212,9 +247,11 @@ def main(argv: list[str] | None = None) -> int:
             from training.collect import measure
 
             t0 = time.perf_counter()
-            measure(catalog.get("llama-3-70b")["hf_config"],
-                    TrainingConfig(micro_batch_size=1, seq_len=4096, sharding="zero3", data_parallel_size=64),
-                    steps=1)
+            measure(
+                catalog.get("llama-3-70b")["hf_config"],
+                TrainingConfig(micro_batch_size=1, seq_len=4096, sharding="zero3", data_parallel_size=64),
+                steps=1,
+            )
             trace_s = time.perf_counter() - t0
             out["fake_tensor_trace_one_k_s"] = round(trace_s, 2)
             p50 = out[f"concurrency_{a.concurrency[0]}"]["recommend_80_layers"]["p50_ms"] / 1000

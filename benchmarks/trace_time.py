@@ -73,8 +73,9 @@ def main() -> int:
             print(f"  service traces {name} {change} {precision.value}: {dt:.2f} s")
     finally:
         process.close()
-    print(f"slowest never-seen 8B-class trace in the service's tracing process: {slowest_service:.2f} s "
-          "(target <= 10 s)")
+    print(
+        f"slowest never-seen 8B-class trace in the service's tracing process: {slowest_service:.2f} s (target <= 10 s)"
+    )
     slowest = 0.0
     for name, change, precision in CASES:
         cfg = {**catalog.get(name)["hf_config"], **change}
@@ -87,8 +88,10 @@ def main() -> int:
             terms = trace_terms(cfg, training, parallel=parallel)
             dt[parallel] = time.perf_counter() - t0
         slowest = max(slowest, dt[True])
-        print(f"  trace {name} {change} {precision.value}: {dt[True]:.2f} s (one process: {dt[False]:.2f} s; "
-              f"period {terms.period}, sliding window {terms.long_min_seq_len})")
+        print(
+            f"  trace {name} {change} {precision.value}: {dt[True]:.2f} s (one process: {dt[False]:.2f} s; "
+            f"period {terms.period}, sliding window {terms.long_min_seq_len})"
+        )
     print(f"slowest never-seen 8B-class trace here, from a cleared fake-op cache: {slowest:.2f} s")
 
     p = MemoryPredictor(None, cache)
@@ -100,9 +103,11 @@ def main() -> int:
         t0 = time.perf_counter()
         c = p.curve(spec, training, cfg)
         times.append(time.perf_counter() - t0)
-    print(f"cached curve (llama-3-8b, {len(c.points)} points, path {c.path}): median "
-          f"{1e3 * statistics.median(times):.3f} ms, p99 {1e3 * sorted(times)[int(0.99 * len(times))]:.3f} ms; "
-          "nothing traced")
+    print(
+        f"cached curve (llama-3-8b, {len(c.points)} points, path {c.path}): median "
+        f"{1e3 * statistics.median(times):.3f} ms, p99 {1e3 * sorted(times)[int(0.99 * len(times))]:.3f} ms; "
+        "nothing traced"
+    )
     return 0
 
 

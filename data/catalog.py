@@ -52,9 +52,14 @@ def get(name: str) -> dict[str, Any]:
     if k not in cat:
         # names and aliases are matched, each model suggested once by its catalog name
         close = list(dict.fromkeys(cat[c]["name"] for c in close_names(k, cat, n=len(cat))))[:4]
-        raise UnknownModel("model", "a catalog name or a HF config.json object", message=(
-            f"unknown model {name[:80]!r}{'...' if len(name) > 80 else ''}; close matches: {', '.join(close) or 'none'}; the catalog's names and aliases: "
-            "`memfit models`"))
+        raise UnknownModel(
+            "model",
+            "a catalog name or a HF config.json object",
+            message=(
+                f"unknown model {name[:80]!r}{'...' if len(name) > 80 else ''}; close matches: {', '.join(close) or 'none'}; the catalog's names and aliases: "
+                "`memfit models`"
+            ),
+        )
     return cat[k]
 
 

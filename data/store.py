@@ -71,7 +71,8 @@ def _table(metadata: sa.MetaData) -> sa.Table:
 
 def _quarantine_table(metadata: sa.MetaData) -> sa.Table:
     return sa.Table(
-        "telemetry_quarantine", metadata,
+        "telemetry_quarantine",
+        metadata,
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
         sa.Column("record_id", sa.String(64), nullable=False, index=True),
         sa.Column("received_at", sa.DateTime(timezone=True), nullable=False),
@@ -113,8 +114,10 @@ def implausibility(rec: TelemetryRecord) -> str | None:
     m, dev = rec.measurement, rec.cluster.device_memory_bytes
     lower, upper = parameter_bounds(rec)
     if not lower / 2 <= rec.model.total_params <= 2 * upper:
-        return (f"total_params={rec.model.total_params} disagrees with the shapes (between {lower} and {upper} "
-                "expected, 2x allowed)")
+        return (
+            f"total_params={rec.model.total_params} disagrees with the shapes (between {lower} and {upper} "
+            "expected, 2x allowed)"
+        )
     for part in (rec.model, rec.training, rec.cluster, m):
         for name, value in part:
             if isinstance(value, float) and not math.isfinite(value):
@@ -123,11 +126,15 @@ def implausibility(rec: TelemetryRecord) -> str | None:
         for name in ("peak_allocated_bytes", "peak_reserved_bytes"):
             value = getattr(m, name)
             if value is not None and value > dev:
-                return (f"{name}={value} exceeds device_memory_bytes={dev} without oom: "
-                        "a CUDA peak cannot exceed the device")
+                return (
+                    f"{name}={value} exceeds device_memory_bytes={dev} without oom: "
+                    "a CUDA peak cannot exceed the device"
+                )
         if m.peak_reserved_bytes is not None and m.peak_reserved_bytes < m.peak_allocated_bytes:
-            return (f"peak_reserved_bytes={m.peak_reserved_bytes} is below peak_allocated_bytes="
-                    f"{m.peak_allocated_bytes}: the caching allocator reserves at least what it allocates")
+            return (
+                f"peak_reserved_bytes={m.peak_reserved_bytes} is below peak_allocated_bytes="
+                f"{m.peak_allocated_bytes}: the caching allocator reserves at least what it allocates"
+            )
     from model.plausibility import physics_violation
 
     return physics_violation(rec)
@@ -190,8 +197,9 @@ class TelemetryStore:
                 if col.name in have:
                     continue
                 if not col.nullable:
-                    raise RuntimeError(f"table {table.name!r} lacks the required column {col.name!r}; "
-                                       "migrate it by hand")
+                    raise RuntimeError(
+                        f"table {table.name!r} lacks the required column {col.name!r}; migrate it by hand"
+                    )
                 kind = col.type.compile(dialect=self.engine.dialect)
                 with _busy(self.busy_timeout_s), self.engine.begin() as conn:
                     conn.execute(sa.text(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {kind}'))
@@ -245,7 +253,8 @@ class TelemetryStore:
             ids = [r["record_id"] for r in rows]
             for chunk in range(0, len(ids), 500):
                 q = sa.select(self.table.c.record_id, self.table.c.content_hash).where(
-                    self.table.c.record_id.in_(ids[chunk:chunk + 500]))
+                    self.table.c.record_id.in_(ids[chunk : chunk + 500])
+                )
                 existing.update(dict(conn.execute(q).all()))
             fresh = []
             for r in rows:
@@ -262,19 +271,36 @@ class TelemetryStore:
                 conn.execute(self.table.insert(), fresh)
             if held:
                 now = datetime.now(UTC)
-                conn.execute(self.quarantine.insert(), [
-                    {"record_id": rec.record_id, "received_at": now, "reason": why,
-                     "record_json": rec.model_dump_json()} for _i, rec, why in held])
-        report.quarantined = [{"index": i, "record_id": rec.record_id, "reason": why}
-                              for i, rec, why in sorted(held, key=lambda h: h[0])]
+                conn.execute(
+                    self.quarantine.insert(),
+                    [
+                        {
+                            "record_id": rec.record_id,
+                            "received_at": now,
+                            "reason": why,
+                            "record_json": rec.model_dump_json(),
+                        }
+                        for _i, rec, why in held
+                    ],
+                )
+        report.quarantined = [
+            {"index": i, "record_id": rec.record_id, "reason": why} for i, rec, why in sorted(held, key=lambda h: h[0])
+        ]
         return report
 
     def quarantined(self) -> list[dict[str, Any]]:
         """Quarantined records: ``{record_id, received_at, reason, record}`` (record as a dict)."""
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(self.quarantine).order_by(self.quarantine.c.id)).mappings().all()
-        return [{"record_id": r["record_id"], "received_at": r["received_at"], "reason": r["reason"],
-                 "record": json.loads(r["record_json"])} for r in rows]
+        return [
+            {
+                "record_id": r["record_id"],
+                "received_at": r["received_at"],
+                "reason": r["reason"],
+                "record": json.loads(r["record_json"]),
+            }
+            for r in rows
+        ]
 
     def lookup(self, record_id: str) -> tuple[TelemetryRecord | None, list[dict[str, Any]]]:
         """What the store keeps under ``record_id``: the stored record (None when none is) and every
@@ -284,11 +310,25 @@ class TelemetryStore:
         """
         with self.engine.connect() as conn:
             row = conn.execute(sa.select(self.table).where(self.table.c.record_id == record_id)).mappings().first()
-            held = conn.execute(sa.select(self.quarantine).where(self.quarantine.c.record_id == record_id)
-                                .order_by(self.quarantine.c.id)).mappings().all()
+            held = (
+                conn.execute(
+                    sa.select(self.quarantine)
+                    .where(self.quarantine.c.record_id == record_id)
+                    .order_by(self.quarantine.c.id)
+                )
+                .mappings()
+                .all()
+            )
         stored = TelemetryRecord.from_row({**row, "created_at": _utc(row["created_at"])}) if row is not None else None
-        return stored, [{"record_id": r["record_id"], "received_at": _utc(r["received_at"]), "reason": r["reason"],
-                         "record": json.loads(r["record_json"])} for r in held]
+        return stored, [
+            {
+                "record_id": r["record_id"],
+                "received_at": _utc(r["received_at"]),
+                "reason": r["reason"],
+                "record": json.loads(r["record_json"]),
+            }
+            for r in held
+        ]
 
     def count(self) -> int:
         with self.engine.connect() as conn:
@@ -399,8 +439,10 @@ class _busy:
 
     def __exit__(self, kind, err, _tb) -> bool:
         if isinstance(err, sa.exc.OperationalError) and "locked" in str(err.orig).lower():
-            raise StoreBusy(f"the telemetry store stayed locked for {self.timeout_s:g} s; retry later",
-                            retry_after_s=max(1, round(self.timeout_s))) from err
+            raise StoreBusy(
+                f"the telemetry store stayed locked for {self.timeout_s:g} s; retry later",
+                retry_after_s=max(1, round(self.timeout_s)),
+            ) from err
         return False
 
 

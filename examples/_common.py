@@ -22,9 +22,12 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--url", help="memfit service URL; without it the plan is the first --k layers")
     p.add_argument("--token", help="bearer token for telemetry")
     p.add_argument("--k", type=int, default=2, help="checkpointed layers when no --url is given (default 2)")
-    p.add_argument("--gpu-memory-gib", type=float,
-                   help="device memory to plan for with --url (GiB); default: a capacity read off the served "
-                        "curve so that about half the layers must be checkpointed")
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        help="device memory to plan for with --url (GiB); default: a capacity read off the served "
+        "curve so that about half the layers must be checkpointed",
+    )
     p.add_argument("--steps", type=int, default=2, help="training steps (default 2: the peak is in the first two)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -58,8 +61,10 @@ def plan_source(args, describe_request, num_layers: int):
             else:
                 capacity = 80 << 30
         rec = client.recommend(describe_request(capacity))
-        print(f"service answer: k={rec.k} of {rec.num_layers}, model_version={rec.model_version}, "
-              f"predicted peak {rec.predicted_peak_bytes / 2**20:.1f} MiB")
+        print(
+            f"service answer: k={rec.k} of {rec.num_layers}, model_version={rec.model_version}, "
+            f"predicted peak {rec.predicted_peak_bytes / 2**20:.1f} MiB"
+        )
         return rec
     if not 0 <= args.k <= num_layers:
         raise SystemExit(f"--k={args.k} must be in [0, {num_layers}]")
@@ -67,8 +72,10 @@ def plan_source(args, describe_request, num_layers: int):
 
 
 def print_plan(plan, verified: bool) -> None:
-    print(f"applied plan: k={plan.k}, layers={plan.layer_indices}, mechanism={plan.mechanism}, "
-          f"recomputed={sorted(plan.recomputed)}, verified={verified}")
+    print(
+        f"applied plan: k={plan.k}, layers={plan.layer_indices}, mechanism={plan.mechanism}, "
+        f"recomputed={sorted(plan.recomputed)}, verified={verified}"
+    )
 
 
 @contextlib.contextmanager
@@ -105,7 +112,7 @@ def predicted_peak(rec, describe_request, k: int):
         from service.cli import recommend_local
 
         local = recommend_local(describe_request(80 << 30), None)
-    except Exception as err:  # no registry / service extra: say so instead of failing the example
+    except Exception as err:  # noqa: BLE001 - no registry / service extra: say so instead of failing the example
         return None, f"no local predictor ({type(err).__name__}: {err})"
     return local.curve[k].predicted_bytes, f"local registry, predictor {local.model_version}"
 

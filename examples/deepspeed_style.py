@@ -78,6 +78,7 @@ class GPTModel(nn.Module):
     def forward(self, ids):
         h = self.embed(ids)
         for layer in self.layers:
+
             def custom_forward(x, layer=layer):
                 return layer(x)
 
@@ -90,8 +91,10 @@ def main() -> None:
     setup_logging(args.verbose)
     torch.manual_seed(0)
     model = GPTModel()
-    arch = ArchitectureIn(num_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS, intermediate_size=FFN,
-                          vocab_size=VOCAB)
+    arch = ArchitectureIn(
+        num_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS, intermediate_size=FFN, vocab_size=VOCAB
+    )
+
     def request(cap):
         return memfit.describe(model, micro_batch_size=4, seq_len=SEQ, architecture=arch, gpu_memory_bytes=cap)
 

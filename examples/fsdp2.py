@@ -81,8 +81,9 @@ def main() -> None:
 
         torch.manual_seed(0)
         model = TinyLM()
-        arch = ArchitectureIn(num_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS, intermediate_size=FFN,
-                              vocab_size=VOCAB)  # a plain model has no HF config: say what it is
+        arch = ArchitectureIn(
+            num_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS, intermediate_size=FFN, vocab_size=VOCAB
+        )  # a plain model has no HF config: say what it is
 
         def request(cap):
             return memfit.describe(model, micro_batch_size=4, seq_len=SEQ, architecture=arch, gpu_memory_bytes=cap)

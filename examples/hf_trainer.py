@@ -55,21 +55,41 @@ def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     setup_logging(args.verbose)
     torch.manual_seed(0)
-    config = LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=SEQ, use_cache=False)
+    config = LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=SEQ,
+        use_cache=False,
+    )
     model = LlamaForCausalLM(config)
     out = tempfile.mkdtemp(prefix="memfit-example-")
-    targs = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=2, use_cpu=True,
-                              activation_checkpointing=True, report_to=[], save_strategy="no",
-                              logging_strategy="no", disable_tqdm=True)
+    targs = TrainingArguments(
+        output_dir=out,
+        max_steps=args.steps,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        activation_checkpointing=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+
     def request(cap):
         return memfit.describe(model, seq_len=SEQ, training_args=targs, gpu_memory_bytes=cap)
 
     rec = plan_source(args, request, config.num_hidden_layers)
     callbacks = [memfit.MemfitTrainerCallback(rec)]
     if args.url:  # on a GPU this reports the measured peak; on CPU it logs that it skipped
-        callbacks.append(memfit.MemfitReporterCallback(args.url, callbacks[0], steps=2, seq_len=SEQ,
-                                                       token=args.token, gpu_memory_bytes=rec.capacity_bytes))
+        callbacks.append(
+            memfit.MemfitReporterCallback(
+                args.url, callbacks[0], steps=2, seq_len=SEQ, token=args.token, gpu_memory_bytes=rec.capacity_bytes
+            )
+        )
     trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(config.vocab_size), callbacks=callbacks)
     with peak_meter(model) as meter:
         trainer.train()

@@ -9,9 +9,11 @@ from __future__ import annotations
 import importlib
 import sys
 
-_WHERE = ("this command runs memfit's server-side code, which is not part of the memfit package: run it "
-          "in a memfit checkout (bash scripts/setup.sh) or the Docker image; from a training script use "
-          "memfit.Client against a running service")
+_WHERE = (
+    "this command runs memfit's server-side code, which is not part of the memfit package: run it "
+    "in a memfit checkout (bash scripts/setup.sh) or the Docker image; from a training script use "
+    "memfit.Client against a running service"
+)
 
 
 def _run(module: str) -> int:

@@ -11,8 +11,22 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, Stri
 
 from memfit.errors import InvalidConfiguration, close_names
 from memfit.schema import (
-    MAX_DEVICE_MEMORY_BYTES, MAX_GRADIENT_ACCUMULATION_STEPS, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WORLD,
-    Attention, CheckpointImpl, FineTune, Offload, Optimizer, PipelineSchedule, Precision, Quantization, Sharding,
+    MAX_DEVICE_MEMORY_BYTES,
+    MAX_GRADIENT_ACCUMULATION_STEPS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_PARAMS,
+    MAX_VOCAB,
+    MAX_WORLD,
+    Attention,
+    CheckpointImpl,
+    FineTune,
+    Offload,
+    Optimizer,
+    PipelineSchedule,
+    Precision,
+    Quantization,
+    Sharding,
     check_offload,
 )
 
@@ -25,10 +39,14 @@ GIB = 1 << 30
 #: smallest usable/nvidia-smi ratio among the reported boards (A100-80GB: 79.15 GiB of 81920 MiB = 0.9894).
 #: Override either with ``cluster.gpu_memory_gib`` / ``gpu_memory_bytes``.
 GPU_USABLE_GIB: dict[str, tuple[float, str]] = {
-    "A100-80GB": (79.15, "PyTorch OOM message"), "H100-80GB": (79.10, "PyTorch OOM message"),
-    "V100-32GB": (31.75, "PyTorch OOM message"), "A100-40GB": (39.59, "PyTorch OOM message"),
-    "V100-16GB": (15.78, "PyTorch OOM message"), "T4": (14.75, "PyTorch OOM message"),
-    "RTX-4090": (23.65, "PyTorch OOM message"), "RTX-3090": (23.69, "PyTorch OOM message"),
+    "A100-80GB": (79.15, "PyTorch OOM message"),
+    "H100-80GB": (79.10, "PyTorch OOM message"),
+    "V100-32GB": (31.75, "PyTorch OOM message"),
+    "A100-40GB": (39.59, "PyTorch OOM message"),
+    "V100-16GB": (15.78, "PyTorch OOM message"),
+    "T4": (14.75, "PyTorch OOM message"),
+    "RTX-4090": (23.65, "PyTorch OOM message"),
+    "RTX-3090": (23.69, "PyTorch OOM message"),
 }
 _NVIDIA_SMI_TOTAL_MIB = {"H200": 143771, "H100-94GB": 95830, "L40S": 46068, "A10G": 23028, "L4": 23034}
 _USABLE_RATIO = 79.15 * 1024 / 81920
@@ -52,8 +70,12 @@ def gpu_memory_bytes(name: str) -> int:
             return size
     allowed = f"one of {', '.join(sorted(GPUS))} (or give gpu_memory_bytes / gpu_memory_gib)"
     close = close_names(name, GPUS)  # as the catalog suggests names for an unknown model (data.catalog.get)
-    raise InvalidConfiguration("gpu", allowed, message=f"gpu: must be {allowed}, got {name[:80]!r}" + (
-        f"; close matches: {', '.join(close)}" if close else ""))
+    raise InvalidConfiguration(
+        "gpu",
+        allowed,
+        message=f"gpu: must be {allowed}, got {name[:80]!r}"
+        + (f"; close matches: {', '.join(close)}" if close else ""),
+    )
 
 
 #: integers in requests are strict: JSON ``true``, ``4.0`` and ``"4"`` are refused, not read as 1 or 4
@@ -78,11 +100,16 @@ class ArchitectureIn(_In):
     total_params: StrictInt | None = Field(None, ge=1, le=MAX_PARAMS, description="counted from the shapes if omitted")
 
     def hf_config(self) -> dict[str, Any]:
-        return {"model_type": self.architecture, "num_hidden_layers": self.num_layers, "hidden_size": self.hidden_size,
-                "num_attention_heads": self.num_attention_heads,
-                "num_key_value_heads": self.num_key_value_heads or self.num_attention_heads,
-                "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
-                "tie_word_embeddings": self.tie_word_embeddings}
+        return {
+            "model_type": self.architecture,
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads or self.num_attention_heads,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
 
 
 #: the longest model name looked up (catalog names and HF ids are under 100 characters); a longer one is refused before
@@ -100,27 +127,36 @@ def check_model_name(name: str) -> None:
         ValueError: the length and the first 40 characters, with the allowed length.
     """
     if len(name) > MAX_MODEL_NAME_CHARS:
-        raise ValueError(f"must be a catalog name or HF id of at most {MAX_MODEL_NAME_CHARS} characters, got "
-                         f"{len(name)} characters starting {name[:40]!r}")
+        raise ValueError(
+            f"must be a catalog name or HF id of at most {MAX_MODEL_NAME_CHARS} characters, got "
+            f"{len(name)} characters starting {name[:40]!r}"
+        )
 
 
 def _config_bounds(value: Any, path: str = "", depth: int = 1) -> None:
     """Refuse a config deeper, wider or with longer strings than :data:`MAX_CONFIG_DEPTH` etc.; the error names the
     key path (e.g. ``rope_scaling.factor``) and the bound."""
     if isinstance(value, str) and len(value) > MAX_CONFIG_STRING_CHARS:
-        raise InvalidConfiguration(path or "model", f"a string of at most {MAX_CONFIG_STRING_CHARS} characters",
-                                   message=f"{path}: must be a string of at most {MAX_CONFIG_STRING_CHARS} "
-                                           f"characters, got {len(value)}")
+        raise InvalidConfiguration(
+            path or "model",
+            f"a string of at most {MAX_CONFIG_STRING_CHARS} characters",
+            message=f"{path}: must be a string of at most {MAX_CONFIG_STRING_CHARS} characters, got {len(value)}",
+        )
     if not isinstance(value, (dict, list)):
         return
     if depth > MAX_CONFIG_DEPTH:
-        raise InvalidConfiguration(path, f"at most {MAX_CONFIG_DEPTH} levels of nested objects and arrays",
-                                   message=f"{path}: nested deeper than {MAX_CONFIG_DEPTH} levels of objects and "
-                                           "arrays (a HF config.json nests 3 or 4)")
+        raise InvalidConfiguration(
+            path,
+            f"at most {MAX_CONFIG_DEPTH} levels of nested objects and arrays",
+            message=f"{path}: nested deeper than {MAX_CONFIG_DEPTH} levels of objects and "
+            "arrays (a HF config.json nests 3 or 4)",
+        )
     if len(value) > MAX_CONFIG_KEYS:
-        raise InvalidConfiguration(path or "model", f"at most {MAX_CONFIG_KEYS} keys or items",
-                                   message=f"{path or 'model'}: must have at most {MAX_CONFIG_KEYS} keys or items, "
-                                           f"got {len(value)}")
+        raise InvalidConfiguration(
+            path or "model",
+            f"at most {MAX_CONFIG_KEYS} keys or items",
+            message=f"{path or 'model'}: must have at most {MAX_CONFIG_KEYS} keys or items, got {len(value)}",
+        )
     items = value.items() if isinstance(value, dict) else enumerate(value)
     for key, item in items:
         name = str(key)[:64]
@@ -128,8 +164,21 @@ def _config_bounds(value: Any, path: str = "", depth: int = 1) -> None:
 
 
 #: keys of a HF config.json that explicit architecture fields (:class:`ArchitectureIn`) do not have
-_HF_ONLY_KEYS = frozenset({"num_hidden_layers", "n_layer", "n_layers", "n_embd", "d_model", "n_head",
-                           "architectures", "torch_dtype", "dtype", "transformers_version", "hidden_act"})
+_HF_ONLY_KEYS = frozenset(
+    {
+        "num_hidden_layers",
+        "n_layer",
+        "n_layers",
+        "n_embd",
+        "d_model",
+        "n_head",
+        "architectures",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "hidden_act",
+    }
+)
 
 
 def _coerce_model(v: Any) -> Any:
@@ -143,14 +192,20 @@ def _coerce_model(v: Any) -> Any:
         _config_bounds(v)
         if "model_type" not in v:
             if "architecture" not in v and "num_layers" not in v and _HF_ONLY_KEYS & set(v):
-                hint = f" (its architectures say {v['architectures'][:2]!r})" if isinstance(
-                    v.get("architectures"), list) else ""
+                hint = (
+                    f" (its architectures say {v['architectures'][:2]!r})"
+                    if isinstance(v.get("architectures"), list)
+                    else ""
+                )
                 raise InvalidConfiguration(
-                    "model_type", "a HF config.json with its model_type (e.g. 'llama', 'mistral', 'gpt2'), or "
+                    "model_type",
+                    "a HF config.json with its model_type (e.g. 'llama', 'mistral', 'gpt2'), or "
                     "explicit fields: architecture, num_layers, hidden_size, num_attention_heads, intermediate_size, "
-                    "vocab_size", message=f"model_type: required in a HF config.json{hint}; add it (e.g. 'llama', "
+                    "vocab_size",
+                    message=f"model_type: required in a HF config.json{hint}; add it (e.g. 'llama', "
                     "'mistral', 'gpt2'), or give explicit fields: architecture, num_layers, hidden_size, "
-                    "num_attention_heads, intermediate_size, vocab_size")
+                    "num_attention_heads, intermediate_size, vocab_size",
+                )
             return ArchitectureIn.model_validate(v)
     return v
 
@@ -176,42 +231,78 @@ class TrainingIn(_In):
 
     micro_batch_size: StrictInt = Field(ge=1, le=1 << 14)
     seq_len: StrictInt = Field(ge=1, le=1 << 22)
-    precision: Precision | None = Field(None, description=(
-        "default (memfit.schema.default_precision): bf16 for LoRA on an unquantized base (a bf16 frozen base, as "
-        "PEFT, TRL and torchtune load it; adapters fp32), amp_bf16 otherwise (QLoRA included)"))
-    optimizer: OptimizerIn = Field(Optimizer.ADAMW_FOREACH, description=(
-        "adamw (PyTorch's default torch.optim.AdamW) is taken as adamw_foreach, what it runs on CUDA"))
+    precision: Precision | None = Field(
+        None,
+        description=(
+            "default (memfit.schema.default_precision): bf16 for LoRA on an unquantized base (a bf16 frozen base, as "
+            "PEFT, TRL and torchtune load it; adapters fp32), amp_bf16 otherwise (QLoRA included)"
+        ),
+    )
+    optimizer: OptimizerIn = Field(
+        Optimizer.ADAMW_FOREACH,
+        description=("adamw (PyTorch's default torch.optim.AdamW) is taken as adamw_foreach, what it runs on CUDA"),
+    )
     sharding: Sharding = Sharding.NONE
-    data_parallel_size: StrictInt | None = Field(None, ge=1, le=MAX_WORLD, description=(
-        "model replicas running different micro-batches; data x tensor x pipeline x context parallel size <= "
-        "gpu_count; ZeRO/FSDP shard over data x context-parallel ranks. Default: gpu_count / (tp * pp * cp); a size "
-        "that fits the cluster only as the data x context sharding group is read as that (see "
-        "memfit.schema.default_data_parallel_size)"))
+    data_parallel_size: StrictInt | None = Field(
+        None,
+        ge=1,
+        le=MAX_WORLD,
+        description=(
+            "model replicas running different micro-batches; data x tensor x pipeline x context parallel size <= "
+            "gpu_count; ZeRO/FSDP shard over data x context-parallel ranks. Default: gpu_count / (tp * pp * cp); a size "
+            "that fits the cluster only as the data x context sharding group is read as that (see "
+            "memfit.schema.default_data_parallel_size)"
+        ),
+    )
     tensor_parallel_size: StrictInt = Field(1, ge=1, le=1024)
     pipeline_parallel_size: StrictInt = Field(1, ge=1, le=1024)
-    context_parallel_size: StrictInt = Field(1, ge=1, le=1024, description="ranks splitting the sequence; divides seq_len")
-    sequence_parallel: Annotated[bool, Strict()] = Field(False, description="Megatron sequence parallelism (needs TP > 1)")
+    context_parallel_size: StrictInt = Field(
+        1, ge=1, le=1024, description="ranks splitting the sequence; divides seq_len"
+    )
+    sequence_parallel: Annotated[bool, Strict()] = Field(
+        False, description="Megatron sequence parallelism (needs TP > 1)"
+    )
     pipeline_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
-    num_micro_batches: StrictInt | None = Field(None, ge=1, le=1 << 16,
-                                                description="micro-batches per step through the pipeline (default: pp)")
+    num_micro_batches: StrictInt | None = Field(
+        None, ge=1, le=1 << 16, description="micro-batches per step through the pipeline (default: pp)"
+    )
     pipeline_chunks_per_rank: StrictInt = Field(2, ge=1, le=128, description="model chunks per rank, interleaved_1f1b")
-    expert_parallel_size: StrictInt = Field(1, ge=1, le=1024, description=(
-        "MoE: ranks the routed experts are split over, a divisor of num_experts and of the data-parallel size"))
-    moe_imbalance_factor: float = Field(1.0, ge=1.0, le=4096.0, description=(
-        "MoE: the hottest expert's share of routed tokens relative to balanced, in [1, num_experts / top-k]"))
+    expert_parallel_size: StrictInt = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "MoE: ranks the routed experts are split over, a divisor of num_experts and of the data-parallel size"
+        ),
+    )
+    moe_imbalance_factor: float = Field(
+        1.0,
+        ge=1.0,
+        le=4096.0,
+        description=(
+            "MoE: the hottest expert's share of routed tokens relative to balanced, in [1, num_experts / top-k]"
+        ),
+    )
     attention: Attention = Attention.SDPA
     finetune: FineTune = FineTune.FULL
     lora_rank: StrictInt | None = Field(None, ge=1, le=4096)
     lora_target_modules: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
-        None, max_length=64, description="LoRA-adapted linear layers (PEFT names); default: PEFT's for the family")
+        None, max_length=64, description="LoRA-adapted linear layers (PEFT names); default: PEFT's for the family"
+    )
     trainable_params: StrictInt | None = Field(None, ge=0, le=MAX_PARAMS, description="LoRA/frozen: trainable count")
     frozen_layers: StrictInt = Field(0, ge=0, le=MAX_LAYERS)
     checkpoint_impl: CheckpointImpl = CheckpointImpl.NON_REENTRANT
-    optimizer_in_backward: StrictBool = Field(False, description="optimizer step fused into backward per parameter "
-                                              "(torchtune optimizer_in_bwd): no full gradient buffer")
-    quantization: Quantization | None = Field(None, description="frozen base weights' storage (QLoRA), only with "
-                                              "finetune='lora'; default: the model's HF quantization_config, else "
-                                              "'none'")
+    optimizer_in_backward: StrictBool = Field(
+        False,
+        description="optimizer step fused into backward per parameter "
+        "(torchtune optimizer_in_bwd): no full gradient buffer",
+    )
+    quantization: Quantization | None = Field(
+        None,
+        description="frozen base weights' storage (QLoRA), only with "
+        "finetune='lora'; default: the model's HF quantization_config, else "
+        "'none'",
+    )
 
     def resolved_quantization(self, quantization_config: Any = None) -> Quantization:
         """``quantization`` as given, else the one the model's HF ``quantization_config`` describes, else
@@ -228,17 +319,32 @@ class TrainingIn(_In):
             return self.quantization or Quantization.NONE
         from_model = quantization_from_hf(quantization_config, field="model.quantization_config")
         if self.quantization is not None and self.quantization is not from_model:
-            raise InvalidConfiguration("training.quantization", f"{from_model.value!r} as the model's "
-                                       "quantization_config says, or left out", self.quantization.value)
+            raise InvalidConfiguration(
+                "training.quantization",
+                f"{from_model.value!r} as the model's quantization_config says, or left out",
+                self.quantization.value,
+            )
         return from_model
-    gradient_accumulation_steps: StrictInt = Field(1, ge=1, le=MAX_GRADIENT_ACCUMULATION_STEPS, description=(
-        "micro-batches per optimizer step; from the second on the summed gradients stay on the device through "
-        "forward and backward (not with offload_optimizer=cpu: they accumulate in host memory)"))
-    offload_optimizer: Offload = Field(Offload.NONE, description="cpu: optimizer states, fp32 master weights and "
-                                                                 "fp32 gradients in host memory (ZeRO-Offload)")
-    offload_parameters: Offload = Field(Offload.NONE, description="cpu: parameters in host memory, gathered layer "
-                                                                  "by layer (ZeRO-3 offload_param, FSDP2 "
-                                                                  "CPUOffloadPolicy); needs offload_optimizer=cpu")
+
+    gradient_accumulation_steps: StrictInt = Field(
+        1,
+        ge=1,
+        le=MAX_GRADIENT_ACCUMULATION_STEPS,
+        description=(
+            "micro-batches per optimizer step; from the second on the summed gradients stay on the device through "
+            "forward and backward (not with offload_optimizer=cpu: they accumulate in host memory)"
+        ),
+    )
+    offload_optimizer: Offload = Field(
+        Offload.NONE,
+        description="cpu: optimizer states, fp32 master weights and fp32 gradients in host memory (ZeRO-Offload)",
+    )
+    offload_parameters: Offload = Field(
+        Offload.NONE,
+        description="cpu: parameters in host memory, gathered layer "
+        "by layer (ZeRO-3 offload_param, FSDP2 "
+        "CPUOffloadPolicy); needs offload_optimizer=cpu",
+    )
 
     @model_validator(mode="after")
     def _offload(self) -> Self:
@@ -252,15 +358,20 @@ class ClusterIn(_In):
     gpu_memory_bytes: StrictInt | None = Field(None, ge=1 << 20, le=MAX_DEVICE_MEMORY_BYTES)
     gpu_memory_gib: float | None = Field(None, gt=0, le=MAX_DEVICE_MEMORY_BYTES / GIB)
     gpu_count: StrictInt = Field(1, ge=1, le=MAX_WORLD)
-    gpus_per_node: StrictInt | None = Field(None, ge=1, le=1024, description="for host memory per node; default "
-                                                                          "min(gpu_count, 8)")
+    gpus_per_node: StrictInt | None = Field(
+        None, ge=1, le=1024, description="for host memory per node; default min(gpu_count, 8)"
+    )
 
     @model_validator(mode="after")
     def _one_size(self) -> Self:
         given = [x is not None for x in (self.gpu, self.gpu_memory_bytes, self.gpu_memory_gib)]
         if sum(given) != 1:
-            raise InvalidConfiguration("gpu", "exactly one of gpu, gpu_memory_bytes, gpu_memory_gib", None,
-                                       message="gpu: give exactly one of gpu, gpu_memory_bytes, gpu_memory_gib")
+            raise InvalidConfiguration(
+                "gpu",
+                "exactly one of gpu, gpu_memory_bytes, gpu_memory_gib",
+                None,
+                message="gpu: give exactly one of gpu, gpu_memory_bytes, gpu_memory_gib",
+            )
         if self.gpu is not None:
             gpu_memory_bytes(self.gpu)
         return self
@@ -283,15 +394,19 @@ class RecommendRequest(_In):
     """``POST /recommend`` body."""
 
     model: ModelIn = Field(
-        description="catalog name (e.g. 'llama-3-8b'), a HF config.json dict, or explicit architecture fields")
+        description="catalog name (e.g. 'llama-3-8b'), a HF config.json dict, or explicit architecture fields"
+    )
     training: TrainingIn
     cluster: ClusterIn
     headroom_fraction: float = Field(0.05, ge=0, le=0.9, description="share of device memory kept free")
     layout: str = Field("block", pattern="^(block|even)$", description="which layers: first k per stage, or spread")
     architecture_fallback: str | None = Field(
-        None, min_length=1, max_length=64,
+        None,
+        min_length=1,
+        max_length=64,
         description="predict a model_type that memfit does not know as this known family (e.g. 'llama'); "
-                    "without it an unknown model_type is refused with 422. The answer then carries a warning")
+        "without it an unknown model_type is refused with 422. The answer then carries a warning",
+    )
 
 
 class CurvePointOut(BaseModel):
@@ -306,8 +421,9 @@ class Alternative(BaseModel):
     """One concrete change to the request's training or cluster, answered through the same curve."""
 
     description: str
-    change: dict[str, Any] = Field(description="the changed fields (training fields, gradient_accumulation_steps "
-                                               "among them, and gpu_count)")
+    change: dict[str, Any] = Field(
+        description="the changed fields (training fields, gradient_accumulation_steps among them, and gpu_count)"
+    )
     fits: bool
     k: int | None = Field(description="smallest number of checkpointed layers that fits with the change")
     predicted_peak_bytes: int = Field(description="predicted peak allocated bytes per device at k (at L if none fits)")
@@ -315,12 +431,16 @@ class Alternative(BaseModel):
     host_memory_bytes: int = Field(0, description="host (CPU) memory needed per node by offloaded states, bytes")
     path: str = Field("traced", description="traced or provisional: the path of the curve that answered")
     cost: str = Field("", description="recompute / throughput cost of the change, in words")
-    category: str = Field("same_training", description="what the change gives up, in ranking order: same_training "
-                                                      "(same hardware and update), more_hardware, numerics, "
-                                                      "trained_weights (LoRA/QLoRA train other weights), "
-                                                      "shorter_sequence")
-    throughput_loss_fraction: float = Field(0.0, description="estimated throughput loss of the change plus its "
-                                                             "recompute, fraction of step time")
+    category: str = Field(
+        "same_training",
+        description="what the change gives up, in ranking order: same_training "
+        "(same hardware and update), more_hardware, numerics, "
+        "trained_weights (LoRA/QLoRA train other weights), "
+        "shorter_sequence",
+    )
+    throughput_loss_fraction: float = Field(
+        0.0, description="estimated throughput loss of the change plus its recompute, fraction of step time"
+    )
 
 
 class StageOut(BaseModel):
@@ -350,19 +470,29 @@ class Recommendation(BaseModel):
     shortfall_bytes: int = 0
     curve: list[CurvePointOut]
     breakdown: dict[str, int] = Field(description="parts of predicted_peak_bytes; they add up to it exactly")
-    peak_phase: str | None = Field(None, description="phase where the peak falls: fwd.layers, fwd.head, bwd.head, "
-                                                     "bwd.layers, bwd.emb or opt (traced path)")
-    path: str = Field("traced", description="traced (composed from traced phases), provisional (learned model), or "
-                      "fallback (the client's checkpoint-every-layer plan when the service gave no answer)")
+    peak_phase: str | None = Field(
+        None,
+        description="phase where the peak falls: fwd.layers, fwd.head, bwd.head, "
+        "bwd.layers, bwd.emb or opt (traced path)",
+    )
+    path: str = Field(
+        "traced",
+        description="traced (composed from traced phases), provisional (learned model), or "
+        "fallback (the client's checkpoint-every-layer plan when the service gave no answer)",
+    )
     overhead: dict[str, Any]
     recompute_overhead_fraction: float = Field(description="extra compute per step, fraction of step compute")
-    host_memory_bytes: int = Field(0, description="host (CPU) memory needed per node by offloaded model states "
-                                                  "(pinned buffers included), bytes; 0 without offload")
+    host_memory_bytes: int = Field(
+        0,
+        description="host (CPU) memory needed per node by offloaded model states "
+        "(pinned buffers included), bytes; 0 without offload",
+    )
     alternatives: list[Alternative] = []
     stages: list[StageOut] = Field([], description="per pipeline stage (pipeline/context parallel, traced path)")
     bottleneck_stage: int | None = Field(None, description="the stage whose peak is predicted_peak_bytes")
-    parameters_per_rank: int | None = Field(None, description="parameters one rank holds (its fullest stage; "
-                                                               "tensor and expert parallelism applied)")
+    parameters_per_rank: int | None = Field(
+        None, description="parameters one rank holds (its fullest stage; tensor and expert parallelism applied)"
+    )
     model_name: str | None = None
     training: dict[str, Any] | None = Field(None, description="the resolved training configuration (k excluded)")
     model_version: str
@@ -377,7 +507,8 @@ class PredictItem(_In):
     k: StrictInt = Field(ge=0, le=MAX_LAYERS, description="checkpointed layers (first k of each stage)")
     cluster: ClusterIn | None = Field(None, description="for the overhead; none -> allocated bytes only")
     architecture_fallback: str | None = Field(
-        None, min_length=1, max_length=64, description="as in RecommendRequest: family for an unknown model_type")
+        None, min_length=1, max_length=64, description="as in RecommendRequest: family for an unknown model_type"
+    )
 
 
 class PredictRequest(_In):

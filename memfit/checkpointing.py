@@ -90,8 +90,9 @@ class CheckpointPlan:
         return num_layers if num_layers is not None else self.num_layers
 
     @classmethod
-    def from_recommendation(cls, rec: Any, *, num_layers: int | None = None, strict: bool = False,
-                            stacklevel: int = 3) -> CheckpointPlan:
+    def from_recommendation(
+        cls, rec: Any, *, num_layers: int | None = None, strict: bool = False, stacklevel: int = 3
+    ) -> CheckpointPlan:
         """Read a :class:`memfit.api.Recommendation`, a plan or a list of layer indices.
 
         Args:
@@ -200,8 +201,9 @@ def _recompute_marker():
     """
     import torch
 
-    @torch.library.custom_op("memfit::recompute_marker", mutates_args=(),
-                             schema="(Tensor x, int plan_id, int layer) -> Tensor")
+    @torch.library.custom_op(
+        "memfit::recompute_marker", mutates_args=(), schema="(Tensor x, int plan_id, int layer) -> Tensor"
+    )
     def marker(x, plan_id, layer):
         if _in_backward() and (plan := _PLANS.get(plan_id)) is not None:
             plan.recomputed.add(layer)
@@ -288,10 +290,17 @@ def checkpoint_layers(
         _disable_cache(model)
         return plan
 
-    hf_owner = next((m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")
-                     or hasattr(m, "gradient_checkpointing")), None)
-    if hf_owner is not None and (hasattr(model, "activation_checkpointing_enable")
-                                 or hasattr(model, "gradient_checkpointing_enable")):
+    hf_owner = next(
+        (
+            m
+            for m in model.modules()
+            if hasattr(m, "_gradient_checkpointing_func") or hasattr(m, "gradient_checkpointing")
+        ),
+        None,
+    )
+    if hf_owner is not None and (
+        hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable")
+    ):
         plan = AppliedCheckpointing(chosen, L, "hf_shared_func", use_reentrant)
         index_of = {id(layer): i for i, layer in enumerate(layers)}
         funcs = {i: _checkpoint_func(plan, i) for i in chosen}
@@ -386,7 +395,7 @@ def _zero3_active(model, deepspeed_config: dict[str, Any] | None) -> bool:
         return False
     try:
         return bool(is_deepspeed_zero3_enabled())
-    except Exception:  # an integration in an odd state must not stop training
+    except Exception:  # noqa: BLE001 - an integration in an odd state must not stop training
         return False
 
 
@@ -430,8 +439,15 @@ def frozen_input_trap(model, layers, chosen: Sequence[int]) -> int | None:
     return first if first is not None and first in set(chosen) else None
 
 
-def apply(model, recommendation, *, strict: bool = False, use_reentrant: bool = False, layers=None,
-          deepspeed_config: dict[str, Any] | None = None) -> AppliedCheckpointing:
+def apply(
+    model,
+    recommendation,
+    *,
+    strict: bool = False,
+    use_reentrant: bool = False,
+    layers=None,
+    deepspeed_config: dict[str, Any] | None = None,
+) -> AppliedCheckpointing:
     """Checkpoint exactly the recommended layers of ``model``; the others keep their activations.
 
     Args:
@@ -472,27 +488,41 @@ def apply(model, recommendation, *, strict: bool = False, use_reentrant: bool = 
     layers = layers if layers is not None else decoder_layers(target)
     if layers is None:
         raise ValueError("model has no nn.ModuleList of decoder layers; pass layers=...")
-    checkpoint_plan = CheckpointPlan.from_recommendation(recommendation, num_layers=len(layers), strict=strict,
-                                                         stacklevel=4)
+    checkpoint_plan = CheckpointPlan.from_recommendation(
+        recommendation, num_layers=len(layers), strict=strict, stacklevel=4
+    )
     chosen = checkpoint_plan.indices(len(layers))
     if _is_compiled(model) and chosen and not use_reentrant:
-        _warn("memfit: the whole model is torch.compile'd around non-reentrant checkpointing: compile decides what "
-              "the checkpointed layers save, which can erase or invert the savings the prediction assumes (and "
-              "verify() sees no recompute). Compile each block after memfit.apply instead: "
-              "layers[i] = torch.compile(layers[i]).")
+        _warn(
+            "memfit: the whole model is torch.compile'd around non-reentrant checkpointing: compile decides what "
+            "the checkpointed layers save, which can erase or invert the savings the prediction assumes (and "
+            "verify() sees no recompute). Compile each block after memfit.apply instead: "
+            "layers[i] = torch.compile(layers[i])."
+        )
 
-    if (not use_reentrant and chosen and _has_frozen_params(target) and _zero3_active(target, deepspeed_config)
-            and not zero3_recompute_keeps_frozen_params()):
-        why = ("frozen parameters (LoRA base weights) + DeepSpeed ZeRO-3 + non-reentrant checkpointing fails in the "
-               "backward with torch's CheckpointError (ZeRO-3 re-partitions frozen parameters before the recompute "
-               "is checked; fixed in newer DeepSpeed)")
+    if (
+        not use_reentrant
+        and chosen
+        and _has_frozen_params(target)
+        and _zero3_active(target, deepspeed_config)
+        and not zero3_recompute_keeps_frozen_params()
+    ):
+        why = (
+            "frozen parameters (LoRA base weights) + DeepSpeed ZeRO-3 + non-reentrant checkpointing fails in the "
+            "backward with torch's CheckpointError (ZeRO-3 re-partitions frozen parameters before the recompute "
+            "is checked; fixed in newer DeepSpeed)"
+        )
         if strict:
-            raise ValueError(f"{why}; upgrade deepspeed, or use use_reentrant=True with model.enable_input_require_grads()")
+            raise ValueError(
+                f"{why}; upgrade deepspeed, or use use_reentrant=True with model.enable_input_require_grads()"
+            )
         use_reentrant = True
         _warn(f"memfit: {why}; switched to reentrant checkpointing")
     if use_reentrant and (j := frozen_input_trap(target, layers, chosen)) is not None:
-        why = (f"reentrant checkpointing of layer {j}, whose inputs do not require grad (frozen embeddings/"
-               "earlier layers), silently produces no gradients")
+        why = (
+            f"reentrant checkpointing of layer {j}, whose inputs do not require grad (frozen embeddings/"
+            "earlier layers), silently produces no gradients"
+        )
         if strict:
             raise ValueError(f"{why}; use use_reentrant=False or call model.enable_input_require_grads()")
         if hasattr(target, "enable_input_require_grads"):
@@ -504,9 +534,15 @@ def apply(model, recommendation, *, strict: bool = False, use_reentrant: bool = 
 
     plan = checkpoint_layers(target, chosen, layers=layers, use_reentrant=use_reentrant)
     plan.source = checkpoint_plan.source
-    log.info("memfit: checkpointing %d of %d layers %s (%s, %s, recommendation %s)", plan.k, plan.num_layers,
-             plan.layer_indices, plan.mechanism, "reentrant" if use_reentrant else "non-reentrant",
-             checkpoint_plan.source)
+    log.info(
+        "memfit: checkpointing %d of %d layers %s (%s, %s, recommendation %s)",
+        plan.k,
+        plan.num_layers,
+        plan.layer_indices,
+        plan.mechanism,
+        "reentrant" if use_reentrant else "non-reentrant",
+        checkpoint_plan.source,
+    )
     return plan
 
 
@@ -525,12 +561,16 @@ def verify(plan: AppliedCheckpointing, *, strict: bool = False) -> bool:
     if plan.verify():
         log.info("memfit: verified: layers %s recomputed in backward, as planned", plan.layer_indices)
         return True
-    msg = (f"memfit: planned to recompute {plan.k} layers {plan.layer_indices} but layers {sorted(plan.recomputed)} "
-           f"recomputed (missing {plan.missing}, unexpected {plan.unexpected})")
+    msg = (
+        f"memfit: planned to recompute {plan.k} layers {plan.layer_indices} but layers {sorted(plan.recomputed)} "
+        f"recomputed (missing {plan.missing}, unexpected {plan.unexpected})"
+    )
     if not plan.recomputed and plan.k:
-        msg += ("; nothing recomputed: no backward yet, checkpointing overwritten after memfit.apply "
-                "(e.g. activation_checkpointing_enable / gradient_checkpointing_enable), or inputs that do not "
-                "require grad")
+        msg += (
+            "; nothing recomputed: no backward yet, checkpointing overwritten after memfit.apply "
+            "(e.g. activation_checkpointing_enable / gradient_checkpointing_enable), or inputs that do not "
+            "require grad"
+        )
     if strict:
         raise RuntimeError(msg)
     _warn(msg)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Self
 
 import httpx
 from pydantic import Field, ValidationError
@@ -74,8 +74,9 @@ def _rejected(r: httpx.Response, what: str) -> RequestRejected:
     except ValueError:
         body = None
     errors = body.get("errors") if isinstance(body, dict) and isinstance(body.get("errors"), list) else None
-    return RequestRejected(f"memfit service rejected the {what} (HTTP {r.status_code}): {_detail(r)}",
-                           r.status_code, errors)
+    return RequestRejected(
+        f"memfit service rejected the {what} (HTTP {r.status_code}): {_detail(r)}", r.status_code, errors
+    )
 
 
 class FallbackRecommendation(Recommendation):
@@ -116,8 +117,9 @@ def _layer_count(model: Any) -> int:
     return 0
 
 
-def fallback_recommendation(request: RecommendRequest | None, reason: str, *, model: Any = None
-                            ) -> FallbackRecommendation:
+def fallback_recommendation(
+    request: RecommendRequest | None, reason: str, *, model: Any = None
+) -> FallbackRecommendation:
     """The safe "checkpoint every layer" plan for ``request`` (or, when the request itself was
     invalid, for its ``model`` part); see :class:`FallbackRecommendation`."""
     L = _layer_count(request.model if request is not None else model)
@@ -128,12 +130,29 @@ def fallback_recommendation(request: RecommendRequest | None, reason: str, *, mo
         except ValueError:
             capacity = 0
     return FallbackRecommendation(
-        fits=True, k=L if L else None, layers=list(range(L)), num_layers=L, predicted_peak_bytes=0, path="fallback",
-        upper_bound_bytes=0, total_upper_bytes=0, capacity_bytes=capacity, usable_bytes=0, curve=[], breakdown={},
-        overhead={}, recompute_overhead_fraction=round(1 / 3, 4) if L else 0.0, model_version=FALLBACK_VERSION,
-        warnings=[(f"memfit service gave no answer ({reason}); safe fallback: checkpoint every layer "
-                   "(memory fit not predicted, ~33% extra forward compute)")],
-        reason=reason)
+        fits=True,
+        k=L if L else None,
+        layers=list(range(L)),
+        num_layers=L,
+        predicted_peak_bytes=0,
+        path="fallback",
+        upper_bound_bytes=0,
+        total_upper_bytes=0,
+        capacity_bytes=capacity,
+        usable_bytes=0,
+        curve=[],
+        breakdown={},
+        overhead={},
+        recompute_overhead_fraction=round(1 / 3, 4) if L else 0.0,
+        model_version=FALLBACK_VERSION,
+        warnings=[
+            (
+                f"memfit service gave no answer ({reason}); safe fallback: checkpoint every layer "
+                "(memory fit not predicted, ~33% extra forward compute)"
+            )
+        ],
+        reason=reason,
+    )
 
 
 def is_fallback(rec: Recommendation) -> bool:
@@ -155,8 +174,17 @@ class Client:
         transport: an ``httpx`` transport (tests: ``httpx.MockTransport``).
     """
 
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 5.0, retries: int = 2,
-                 strict: bool = False, *, backoff_s: float = 0.25, transport: httpx.BaseTransport | None = None):
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        retries: int = 2,
+        strict: bool = False,
+        *,
+        backoff_s: float = 0.25,
+        transport: httpx.BaseTransport | None = None,
+    ):
         if retries < 0:
             raise ValueError(f"retries={retries} must be >= 0")
         if timeout_s <= 0:
@@ -170,7 +198,7 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -201,14 +229,19 @@ class Client:
                     return r
                 last, status = f"HTTP {r.status_code}: {_detail(r)}", r.status_code
             log.debug("memfit %s %s attempt %d/%d failed: %s", method, path, attempt + 1, self.retries + 1, last)
-        raise ServiceError(f"{method} {self.url}{path}: {last} (after {self.retries + 1} attempts)",
-                           status_code=status)
+        raise ServiceError(f"{method} {self.url}{path}: {last} (after {self.retries + 1} attempts)", status_code=status)
 
     # -- endpoints ------------------------------------------------------------------------------
-    def recommend(self, request: RecommendRequest | dict[str, Any] | None = None, *,
-                  model: str | dict[str, Any] | ArchitectureIn | None = None,
-                  training: TrainingIn | dict[str, Any] | None = None, cluster: ClusterIn | dict[str, Any] | None = None,
-                  headroom_fraction: float = 0.05, layout: str = "block") -> Recommendation:
+    def recommend(
+        self,
+        request: RecommendRequest | dict[str, Any] | None = None,
+        *,
+        model: str | dict[str, Any] | ArchitectureIn | None = None,
+        training: TrainingIn | dict[str, Any] | None = None,
+        cluster: ClusterIn | dict[str, Any] | None = None,
+        headroom_fraction: float = 0.05,
+        layout: str = "block",
+    ) -> Recommendation:
         """``POST /recommend``: the smallest k that fits, its layers and the curve over k.
 
         Give either ``request`` or ``model`` + ``training`` + ``cluster`` (+ ``headroom_fraction``
@@ -228,8 +261,9 @@ class Client:
             raise TypeError("recommend() needs request=... or model=, training= and cluster=")
         try:
             if request is None:
-                request = RecommendRequest(model=model, training=training, cluster=cluster,
-                                           headroom_fraction=headroom_fraction, layout=layout)
+                request = RecommendRequest(
+                    model=model, training=training, cluster=cluster, headroom_fraction=headroom_fraction, layout=layout
+                )
             elif not isinstance(request, RecommendRequest):
                 model = request.get("model") if isinstance(request, dict) else None
                 request = RecommendRequest.model_validate(request)

@@ -24,23 +24,53 @@ from memfit.checkpointing import MemfitWarning
 from memfit.errors import InvalidConfiguration
 from memfit.hf import logical_numel, quantization_from_hf
 from memfit.schema import (
-    Attention, CheckpointImpl, FineTune, Offload, Optimizer, Precision, Quantization, Sharding,
+    Attention,
+    CheckpointImpl,
+    FineTune,
+    Offload,
+    Optimizer,
+    Precision,
+    Quantization,
+    Sharding,
     default_data_parallel_size,
 )
 
 log = logging.getLogger("memfit")
 
 #: HF config keys that say nothing about memory and only bloat the request.
-_DROP_KEYS = {"architectures", "transformers_version", "_name_or_path", "id2label", "label2id", "dtype",
-              "torch_dtype", "quantization_config", "auto_map", "task_specific_params", "_commit_hash"}
+_DROP_KEYS = {
+    "architectures",
+    "transformers_version",
+    "_name_or_path",
+    "id2label",
+    "label2id",
+    "dtype",
+    "torch_dtype",
+    "quantization_config",
+    "auto_map",
+    "task_specific_params",
+    "_commit_hash",
+}
 #: HF ``TrainingArguments.optim`` names memfit models; any other name is refused (never taken as AdamW)
-_HF_OPTIM = {"adamw_torch": Optimizer.ADAMW_FOREACH, "adamw_hf": Optimizer.ADAMW_FOREACH,
-             "adamw_torch_fused": Optimizer.ADAMW_FUSED, "adafactor": Optimizer.ADAFACTOR, "sgd": Optimizer.SGD_MOMENTUM,
-             "adamw_bnb_8bit": Optimizer.ADAMW_8BIT, "adamw_8bit": Optimizer.ADAMW_8BIT,
-             "paged_adamw_8bit": Optimizer.PAGED_ADAMW_8BIT, "lion_32bit": Optimizer.LION}
+_HF_OPTIM = {
+    "adamw_torch": Optimizer.ADAMW_FOREACH,
+    "adamw_hf": Optimizer.ADAMW_FOREACH,
+    "adamw_torch_fused": Optimizer.ADAMW_FUSED,
+    "adafactor": Optimizer.ADAFACTOR,
+    "sgd": Optimizer.SGD_MOMENTUM,
+    "adamw_bnb_8bit": Optimizer.ADAMW_8BIT,
+    "adamw_8bit": Optimizer.ADAMW_8BIT,
+    "paged_adamw_8bit": Optimizer.PAGED_ADAMW_8BIT,
+    "lion_32bit": Optimizer.LION,
+}
 _DS_OPTIM = {"adam": Optimizer.ADAMW_FOREACH, "adamw": Optimizer.ADAMW_FOREACH, "sgd": Optimizer.SGD_MOMENTUM}
-_ATTN = {"sdpa": Attention.SDPA, "eager": Attention.EAGER, "flash_attention_2": Attention.FLASH,
-         "flash_attention_3": Attention.FLASH, "flex_attention": Attention.FLASH}
+_ATTN = {
+    "sdpa": Attention.SDPA,
+    "eager": Attention.EAGER,
+    "flash_attention_2": Attention.FLASH,
+    "flash_attention_3": Attention.FLASH,
+    "flex_attention": Attention.FLASH,
+}
 
 
 def unwrap(model):
@@ -51,8 +81,9 @@ def unwrap(model):
             model = model._orig_mod
         elif hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
             model = model.get_base_model()
-        elif type(model).__name__ in ("DistributedDataParallel", "DeepSpeedEngine", "DataParallel") \
-                and hasattr(model, "module"):
+        elif type(model).__name__ in ("DistributedDataParallel", "DeepSpeedEngine", "DataParallel") and hasattr(
+            model, "module"
+        ):
             model = model.module
         else:
             break
@@ -135,8 +166,9 @@ def ds_offload(ds: dict[str, Any] | None) -> tuple[Offload | None, Offload | Non
         try:
             out.append(Offload(str(device).lower()))
         except ValueError:
-            raise ValueError(f"zero_optimization.{key}.device={device!r} is not modelled; allowed: "
-                             f"{[o.value for o in Offload]}") from None
+            raise ValueError(
+                f"zero_optimization.{key}.device={device!r} is not modelled; allowed: {[o.value for o in Offload]}"
+            ) from None
     return out[0], out[1]
 
 
@@ -248,15 +280,20 @@ def detect_architecture(model, layers=None) -> ArchitectureIn:
     base = unwrap(model)
     layers = layers if layers is not None else decoder_layers(base)
     if layers is None:
-        raise ValueError("model: no HF config and no nn.ModuleList of blocks found; pass architecture="
-                         "ArchitectureIn(...) (or a catalog name / HF config dict)")
+        raise ValueError(
+            "model: no HF config and no nn.ModuleList of blocks found; pass architecture="
+            "ArchitectureIn(...) (or a catalog name / HF config dict)"
+        )
     embeds = [m for m in base.modules() if isinstance(m, nn.Embedding)]
     emb = max(embeds, key=lambda m: m.num_embeddings) if embeds else None
     block = list(layers[0].modules())
     hidden = emb.embedding_dim if emb is not None else None
     mha = next((m for m in block if isinstance(m, nn.MultiheadAttention)), None)
-    heads = mha.num_heads if mha is not None else _find_int_attr(
-        block, ("num_heads", "n_heads", "n_head", "num_attention_heads"))
+    heads = (
+        mha.num_heads
+        if mha is not None
+        else _find_int_attr(block, ("num_heads", "n_heads", "n_head", "num_attention_heads"))
+    )
     kv = _find_int_attr(block, ("num_key_value_heads", "n_kv_heads", "num_kv_heads"))
     linears = [m for m in block if isinstance(m, nn.Linear)]
     if hidden is None and linears:
@@ -265,28 +302,40 @@ def detect_architecture(model, layers=None) -> ArchitectureIn:
     if mha is not None and hidden:
         down = down or [m.out_features for m in linears if m.in_features == hidden and m.out_features > hidden]
     ffn = max(down) if down else None
-    values = {"num_layers": len(layers), "hidden_size": hidden, "num_attention_heads": heads,
-              "intermediate_size": ffn, "vocab_size": emb.num_embeddings if emb is not None else None}
+    values = {
+        "num_layers": len(layers),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "intermediate_size": ffn,
+        "vocab_size": emb.num_embeddings if emb is not None else None,
+    }
     missing = [k for k, v in values.items() if not v]
     if missing:
-        raise ValueError(f"could not detect {', '.join(missing)} from the model's modules; pass architecture="
-                         "ArchitectureIn(num_layers=..., hidden_size=..., num_attention_heads=..., "
-                         "intermediate_size=..., vocab_size=...)")
+        raise ValueError(
+            f"could not detect {', '.join(missing)} from the model's modules; pass architecture="
+            "ArchitectureIn(num_layers=..., hidden_size=..., num_attention_heads=..., "
+            "intermediate_size=..., vocab_size=...)"
+        )
     total, _ = parameter_counts(base)
     return ArchitectureIn(architecture="llama", **values, num_key_value_heads=kv, total_params=total)
 
 
 def _gpu_memory(gpu: str | None, gpu_memory_gib: float | None, gpu_memory_bytes: int | None) -> dict[str, Any]:
-    given = {k: v for k, v in (("gpu", gpu), ("gpu_memory_gib", gpu_memory_gib),
-                               ("gpu_memory_bytes", gpu_memory_bytes)) if v is not None}
+    given = {
+        k: v
+        for k, v in (("gpu", gpu), ("gpu_memory_gib", gpu_memory_gib), ("gpu_memory_bytes", gpu_memory_bytes))
+        if v is not None
+    }
     if given:
         return given
     import torch
 
     if torch.cuda.is_available():
         return {"gpu_memory_bytes": int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)}
-    raise ValueError("gpu: no CUDA device is visible, so give the GPU to plan for: gpu=<name> "
-                     f"(known: {', '.join(GPUS)}) or gpu_memory_gib=<GiB> or gpu_memory_bytes=<bytes>")
+    raise ValueError(
+        "gpu: no CUDA device is visible, so give the GPU to plan for: gpu=<name> "
+        f"(known: {', '.join(GPUS)}) or gpu_memory_gib=<GiB> or gpu_memory_bytes=<bytes>"
+    )
 
 
 def _world_size() -> int | None:
@@ -430,8 +479,10 @@ def describe(
     if gradient_accumulation_steps is None and args is not None:
         gradient_accumulation_steps = _int_or_none(getattr(args, "gradient_accumulation_steps", None))
     if micro_batch_size is None:
-        raise ValueError("micro_batch_size is required: give micro_batch_size=, a DeepSpeed config with "
-                         "train_micro_batch_size_per_gpu, or training_args with per_device_train_batch_size")
+        raise ValueError(
+            "micro_batch_size is required: give micro_batch_size=, a DeepSpeed config with "
+            "train_micro_batch_size_per_gpu, or training_args with per_device_train_batch_size"
+        )
 
     base = unwrap(model)
     params = list(base.parameters())
@@ -450,8 +501,10 @@ def describe(
         ds_opt = str(((ds or {}).get("optimizer") or {}).get("type", "")).lower()
         hf_opt = getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None))
         if not ds_opt and hf_opt is not None and str(hf_opt) not in _HF_OPTIM:
-            raise ValueError(f"training_args.optim={hf_opt!r} is not modelled; allowed: {', '.join(_HF_OPTIM)} "
-                             f"(or pass optimizer=, one of {', '.join(o.value for o in Optimizer)})")
+            raise ValueError(
+                f"training_args.optim={hf_opt!r} is not modelled; allowed: {', '.join(_HF_OPTIM)} "
+                f"(or pass optimizer=, one of {', '.join(o.value for o in Optimizer)})"
+            )
         optimizer = _DS_OPTIM.get(ds_opt) or _HF_OPTIM.get(str(hf_opt)) or Optimizer.ADAMW_FOREACH
 
     if gpu_count is None:
@@ -480,20 +533,25 @@ def describe(
     if offload_parameters is not None:
         offload_parameters = _choice(Offload, offload_parameters, "offload_parameters")
     if sharding is not Sharding.NONE and dp * context_parallel_size < 2:  # shards over data x context ranks
-        log.info("memfit: sharding=%s over one data-parallel rank shards nothing; describing it as 'none'",
-                 sharding.value)
+        log.info(
+            "memfit: sharding=%s over one data-parallel rank shards nothing; describing it as 'none'", sharding.value
+        )
         sharding = Sharding.NONE
 
     ds_opt_off, ds_param_off = ds_offload(ds)
     fsdp_text = getattr(args, "fsdp", None) or ""
-    fsdp_text = " ".join(str(getattr(x, "value", x)) for x in fsdp_text) if isinstance(fsdp_text, (list, tuple)) \
+    fsdp_text = (
+        " ".join(str(getattr(x, "value", x)) for x in fsdp_text)
+        if isinstance(fsdp_text, (list, tuple))
         else str(fsdp_text)
+    )
     fsdp_offload = fsdp2_offloads_parameters(base) or "offload" in fsdp_text
     if offload_parameters is None:
         offload_parameters = ds_param_off or (Offload.CPU if fsdp_offload else Offload.NONE)
     if offload_optimizer is None:
-        offload_optimizer = ds_opt_off or (Offload.CPU if fsdp_offload or Offload(offload_parameters) is Offload.CPU
-                                           else Offload.NONE)
+        offload_optimizer = ds_opt_off or (
+            Offload.CPU if fsdp_offload or Offload(offload_parameters) is Offload.CPU else Offload.NONE
+        )
     if Offload(offload_parameters) is Offload.CPU and sharding is Sharding.NONE and dp > 1:
         sharding = Sharding.FSDP_FULL_SHARD  # parameter offload gathers layer by layer: full sharding
 
@@ -501,19 +559,35 @@ def describe(
         impl = getattr(getattr(base, "config", None), "_attn_implementation", None)
         attention = _ATTN.get(str(impl), Attention.SDPA)
     if checkpoint_impl is None:
-        kw = (getattr(args, "activation_checkpointing_kwargs", None)
-              or getattr(args, "gradient_checkpointing_kwargs", None) or {})
-        checkpoint_impl = CheckpointImpl.REENTRANT if isinstance(kw, dict) and kw.get("use_reentrant") \
+        kw = (
+            getattr(args, "activation_checkpointing_kwargs", None)
+            or getattr(args, "gradient_checkpointing_kwargs", None)
+            or {}
+        )
+        checkpoint_impl = (
+            CheckpointImpl.REENTRANT
+            if isinstance(kw, dict) and kw.get("use_reentrant")
             else CheckpointImpl.NON_REENTRANT
+        )
 
     total, trainable = parameter_counts(model)
-    training: dict[str, Any] = dict(
-        micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
-        sharding=sharding, attention=attention, checkpoint_impl=checkpoint_impl,
-        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-        context_parallel_size=context_parallel_size, sequence_parallel=sequence_parallel,
-        trainable_params=trainable, offload_optimizer=Offload(offload_optimizer),
-        offload_parameters=Offload(offload_parameters), gradient_accumulation_steps=gradient_accumulation_steps or 1)
+    training: dict[str, Any] = {
+        "micro_batch_size": micro_batch_size,
+        "seq_len": seq_len,
+        "precision": precision,
+        "optimizer": optimizer,
+        "sharding": sharding,
+        "attention": attention,
+        "checkpoint_impl": checkpoint_impl,
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "context_parallel_size": context_parallel_size,
+        "sequence_parallel": sequence_parallel,
+        "trainable_params": trainable,
+        "offload_optimizer": Offload(offload_optimizer),
+        "offload_parameters": Offload(offload_parameters),
+        "gradient_accumulation_steps": gradient_accumulation_steps or 1,
+    }
     adapter = _lora(model)
     if adapter is not None:
         training.update(finetune=FineTune.LORA, lora_rank=adapter[0], lora_target_modules=adapter[1])
@@ -526,12 +600,21 @@ def describe(
     if isinstance(quantization, Quantization) and quantization is not Quantization.NONE and adapter is not None:
         training["quantization"] = quantization
     elif quantization is not Quantization.NONE:
-        warnings.warn(f"memfit: the base weights are quantized ({getattr(quantization, 'value', quantization)}) "
-                      "without LoRA adapters or by a method memfit does not model (it models bitsandbytes 4/8-bit "
-                      "under LoRA); the prediction counts them at the training precision (an over-estimate: the "
-                      "plan errs on the safe side)", MemfitWarning, stacklevel=2)
+        warnings.warn(
+            f"memfit: the base weights are quantized ({getattr(quantization, 'value', quantization)}) "
+            "without LoRA adapters or by a method memfit does not model (it models bitsandbytes 4/8-bit "
+            "under LoRA); the prediction counts them at the training precision (an over-estimate: the "
+            "plan errs on the safe side)",
+            MemfitWarning,
+            stacklevel=2,
+        )
     if architecture is None:
         architecture = hf_config_dict(model) or detect_architecture(model, layers)
     cluster = ClusterIn(**_gpu_memory(gpu, gpu_memory_gib, gpu_memory_bytes), gpu_count=gpu_count)
-    return RecommendRequest(model=architecture, training=TrainingIn(**training), cluster=cluster,
-                            headroom_fraction=headroom_fraction, layout=layout)
+    return RecommendRequest(
+        model=architecture,
+        training=TrainingIn(**training),
+        cluster=cluster,
+        headroom_fraction=headroom_fraction,
+        layout=layout,
+    )

@@ -37,8 +37,9 @@ class InvalidConfiguration(MemfitError, ValueError):
         model's) stays as it is (it read ``items.0.unknown model 'x'``)."""
         section = self.field.split(".")[0]
         named = self.message.startswith((f"{section}:", f"{section}."))
-        return type(self)(f"{prefix}.{self.field}", self.allowed,
-                          message=f"{prefix}.{self.message}" if named else self.message)
+        return type(self)(
+            f"{prefix}.{self.field}", self.allowed, message=f"{prefix}.{self.message}" if named else self.message
+        )
 
 
 def pydantic_error_field(error: dict, path: tuple = ()) -> tuple[str, str, str | None]:
@@ -48,8 +49,11 @@ def pydantic_error_field(error: dict, path: tuple = ()) -> tuple[str, str, str |
     inner = (error.get("ctx") or {}).get("error")
     if isinstance(inner, InvalidConfiguration):
         prefix = ".".join(str(x) for x in path)
-        return (f"{prefix}.{inner.field}" if prefix else inner.field,
-                f"{prefix}.{inner.message}" if prefix else inner.message, inner.allowed)
+        return (
+            f"{prefix}.{inner.field}" if prefix else inner.field,
+            f"{prefix}.{inner.message}" if prefix else inner.message,
+            inner.allowed,
+        )
     field = ".".join(str(x) for x in path) or "body"
     return field, str(error.get("msg", "")).removeprefix("Value error, "), None
 
@@ -59,6 +63,7 @@ def close_names(name: str, names: Iterable[str], n: int = 4) -> list[str]:
     (``H100`` -> ``H100-80GB``), then :func:`difflib.get_close_matches`' (similarity ratio >= 0.6). Compared
     case-insensitively with ``_`` and spaces read as ``-``, as the catalog and the GPU table read names; the names
     are returned as given. The one suggestion of an unknown model name and an unknown GPU name."""
+
     def norm(text: str) -> str:
         return text.strip().lower().replace("_", "-").replace(" ", "-")
 

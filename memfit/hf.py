@@ -29,12 +29,21 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
-_MAX = {"num_layers": MAX_LAYERS, "hidden_size": MAX_HIDDEN, "num_attention_heads": 4096,
-        "num_key_value_heads": 4096, "head_dim": 4096, "intermediate_size": MAX_HIDDEN * 8, "vocab_size": MAX_VOCAB,
-        "num_experts": 4096, "num_experts_per_token": 4096}
+_MAX = {
+    "num_layers": MAX_LAYERS,
+    "hidden_size": MAX_HIDDEN,
+    "num_attention_heads": 4096,
+    "num_key_value_heads": 4096,
+    "head_dim": 4096,
+    "intermediate_size": MAX_HIDDEN * 8,
+    "vocab_size": MAX_VOCAB,
+    "num_experts": 4096,
+    "num_experts_per_token": 4096,
+}
 #: ``torch_dtype`` / ``dtype`` values a config may carry (transformers' names)
-DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "float", "half", "double", "auto",
-                    "float8_e4m3fn", "float8_e5m2"})
+DTYPES = frozenset(
+    {"float32", "float16", "bfloat16", "float64", "float", "half", "double", "auto", "float8_e4m3fn", "float8_e5m2"}
+)
 
 
 def _int(cfg: dict[str, Any], key: str, field: str, lo: int = 1) -> int:
@@ -94,8 +103,9 @@ def spec_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
         value = _get(cfg, field)
         if value is None:
             key, allowed = _ALIASES[field][0], f"an integer in [1, {_MAX[field]}]"
-            raise InvalidConfiguration(key, allowed, message=f"{key}: missing; give {allowed} under one of "
-                                                             f"the keys {list(_ALIASES[field])}")
+            raise InvalidConfiguration(
+                key, allowed, message=f"{key}: missing; give {allowed} under one of the keys {list(_ALIASES[field])}"
+            )
         out[field] = value
     heads = out["num_attention_heads"]
     out["num_key_value_heads"] = _kv_heads(cfg, heads)
@@ -113,8 +123,11 @@ def spec_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     key = next((k for k in ("num_local_experts", "num_experts", "n_routed_experts") if cfg.get(k)), None)
     if key is not None:
         out["num_experts"] = _int(cfg, key, "num_experts")
-        out["num_experts_per_token"] = (_int(cfg, "num_experts_per_tok", "num_experts_per_token")
-                                        if cfg.get("num_experts_per_tok") is not None else 1)
+        out["num_experts_per_token"] = (
+            _int(cfg, "num_experts_per_tok", "num_experts_per_token")
+            if cfg.get("num_experts_per_tok") is not None
+            else 1
+        )
         # Qwen-MoE / Qwen3-MoE / DeepSeek give each routed expert its own width (``moe_intermediate_size``);
         # their ``intermediate_size`` is that of dense or shared MLPs (Mixtral and OLMoE use it for the experts)
         if cfg.get("moe_intermediate_size") is not None:
@@ -130,8 +143,9 @@ def _hf_config(cfg: dict[str, Any]):
 
     # deep copy: transformers normalises nested values (rope_scaling) in place, which would change the
     # caller's dict (the catalog's cached entries, cache keys computed from it)
-    kwargs = {k: copy.deepcopy(v) for k, v in cfg.items()
-              if k not in ("model_type", "architectures", "transformers_version")}
+    kwargs = {
+        k: copy.deepcopy(v) for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")
+    }
     if cfg.get("model_type") == "gemma" and kwargs.get("hidden_act") == "gelu":
         # what transformers' GemmaConfig.__post_init__ does itself (the official configs' legacy value means the tanh
         # approximation), without the warning it logs on every build (transformers/models/gemma/configuration_gemma.py)
@@ -141,10 +155,14 @@ def _hf_config(cfg: dict[str, Any]):
     except (KeyError, ValueError):
         f = spec_fields_from_hf_config(cfg)
         return LlamaConfig(
-            num_hidden_layers=f["num_layers"], hidden_size=f["hidden_size"],
-            num_attention_heads=f["num_attention_heads"], num_key_value_heads=f["num_key_value_heads"],
-            intermediate_size=f["intermediate_size"], vocab_size=f["vocab_size"],
-            tie_word_embeddings=f["tie_word_embeddings"], head_dim=f.get("head_dim"),
+            num_hidden_layers=f["num_layers"],
+            hidden_size=f["hidden_size"],
+            num_attention_heads=f["num_attention_heads"],
+            num_key_value_heads=f["num_key_value_heads"],
+            intermediate_size=f["intermediate_size"],
+            vocab_size=f["vocab_size"],
+            tie_word_embeddings=f["tie_word_embeddings"],
+            head_dim=f.get("head_dim"),
         )
 
 
@@ -153,10 +171,27 @@ def _hf_config(cfg: dict[str, Any]):
 #: it, and transformers 5.24 turns it off itself whenever gradient checkpointing is on:
 #: ``GradientCheckpointingLayer`` in transformers/modeling_layers.py, ``merge_with_config_defaults`` in
 #: transformers/utils/generic.py); every shipped term was traced with it off (:func:`build_causal_lm`)
-IGNORED_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
-                                 "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "auto_map",
-                                 "quantization_config", "_commit_hash", "output_attentions", "output_hidden_states",
-                                 "id2label", "label2id", "task_specific_params"})
+IGNORED_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "transformers_version",
+        "architectures",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "auto_map",
+        "quantization_config",
+        "_commit_hash",
+        "output_attentions",
+        "output_hidden_states",
+        "id2label",
+        "label2id",
+        "task_specific_params",
+    }
+)
 
 
 def canonical_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -207,8 +242,10 @@ def _canonical_snapshot() -> dict[str, Any]:
 def canonical_snapshot_entry(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """(key, entry) of ``cfg`` for :data:`CANONICAL_CONFIGS_PATH`, computed by building the config."""
     text = json.dumps(cfg, sort_keys=True, default=str)
-    return _config_sha(text), {"config": json.loads(_canonical_hf_config_json(text)),
-                               "assumptions": _config_assumptions(text)}
+    return _config_sha(text), {
+        "config": json.loads(_canonical_hf_config_json(text)),
+        "assumptions": _config_assumptions(text),
+    }
 
 
 @functools.lru_cache(maxsize=1024)
@@ -250,14 +287,24 @@ def _config_assumptions(cfg_json: str) -> str | None:
             full = json.loads(_hf_config(cfg).to_json_string(use_diff=False))
     except Exception:  # noqa: BLE001 - a config transformers refuses has no assumptions to state
         return None
-    drop = {k: v for k, v in sorted(full.items()) if ("dropout" in k or "pdrop" in k) and not k.startswith("summary_")
-            and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    drop = {
+        k: v
+        for k, v in sorted(full.items())
+        if ("dropout" in k or "pdrop" in k)
+        and not k.startswith("summary_")
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and v > 0
+    }
     parts = []
     if full.get("use_cache"):
         parts.append("use_cache=False (memfit.apply sets it; transformers turns it off under gradient checkpointing)")
     if drop:
-        parts.append("dropout as configured: " + ", ".join(f"{k}={v:g}" for k, v in drop.items())
-                     + " (the masks are saved for backward)")
+        parts.append(
+            "dropout as configured: "
+            + ", ".join(f"{k}={v:g}" for k, v in drop.items())
+            + " (the masks are saved for backward)"
+        )
     return "model config as traced: " + "; ".join(parts) if parts else None
 
 
@@ -389,8 +436,9 @@ def _lora_shapes_snapshot() -> dict[str, Any]:
     return snapshot["entries"] if snapshot.get("transformers_version") == installed else {}
 
 
-def lora_target_shapes(cfg: dict[str, Any], target_modules: list[str] | None) -> tuple[dict[str, list[tuple[int, int]]],
-                                                                                    list[str]]:
+def lora_target_shapes(
+    cfg: dict[str, Any], target_modules: list[str] | None
+) -> tuple[dict[str, list[tuple[int, int]]], list[str]]:
     """The ``(in_features, out_features)`` of every matrix LoRA adapts, per target name, and the names of all
     adaptable matrices in the decoder layers, from a ``meta``-device build of ``cfg`` (no memory); a config and
     targets in the shipped snapshot (:data:`LORA_SHAPES_PATH`, the catalog's architectures with PEFT's default
@@ -407,17 +455,23 @@ def lora_target_shapes(cfg: dict[str, Any], target_modules: list[str] | None) ->
     if target_modules is None:
         target_modules = peft_default_lora_targets(cfg.get("model_type"))
         if target_modules is None:
-            raise InvalidConfiguration("lora_target_modules", "a list of module names (PEFT has no default for "
-                                       f"model_type {cfg.get('model_type')!r})", None)
+            raise InvalidConfiguration(
+                "lora_target_modules",
+                f"a list of module names (PEFT has no default for model_type {cfg.get('model_type')!r})",
+                None,
+            )
     hit = _lora_shapes_snapshot().get(lora_shapes_key(cfg, target_modules))
     if hit is not None:  # run-length: [in, out, count] per target, in layer order
-        return ({t: [(i, o) for i, o, n in runs for _ in range(n)] for t, runs in hit["shapes"].items()},
-                list(hit["names"]))
+        return (
+            {t: [(i, o) for i, o, n in runs for _ in range(n)] for t, runs in hit["shapes"].items()},
+            list(hit["names"]),
+        )
     return _built_lora_target_shapes(cfg, target_modules)
 
 
-def _built_lora_target_shapes(cfg: dict[str, Any], target_modules: list[str]) -> tuple[
-        dict[str, list[tuple[int, int]]], list[str]]:
+def _built_lora_target_shapes(
+    cfg: dict[str, Any], target_modules: list[str]
+) -> tuple[dict[str, list[tuple[int, int]]], list[str]]:
     """:func:`lora_target_shapes` from a ``meta``-device build of ``cfg`` (the snapshot's source)."""
     import torch
 
@@ -497,6 +551,7 @@ def quantization_from_hf(quantization_config: Any, *, field: str = "quantization
         InvalidConfiguration: another quantization method (GPTQ, AWQ, ...) or a 4-bit type other than
             nf4/fp4; the error names ``field`` and the allowed values.
     """
+
     def get(key: str, default: Any = None) -> Any:
         if isinstance(quantization_config, dict):
             return quantization_config.get(key, default)

@@ -92,8 +92,9 @@ def _model_spec(model: Any, request: RecommendRequest, model_name: str | None) -
         arch = hf_config_dict(model) or detect_architecture(model)
     cfg = arch.hf_config() if isinstance(arch, ArchitectureIn) else arch
     total, trainable = parameter_counts(model)
-    return ModelSpec(**spec_fields_from_hf_config(cfg), model_name=model_name, total_params=total,
-                     trainable_params=trainable)
+    return ModelSpec(
+        **spec_fields_from_hf_config(cfg), model_name=model_name, total_params=total, trainable_params=trainable
+    )
 
 
 def _lora_targets(model: Any) -> list[str] | None:
@@ -104,10 +105,19 @@ def _lora_targets(model: Any) -> list[str] | None:
     return sorted(targets) if isinstance(targets, (set, list, tuple)) else None
 
 
-def build_record(model: Any, plan: Any, request: RecommendRequest, *, peak_allocated_bytes: int,
-                 method: Method, peak_reserved_bytes: int | None = None, step_time_s: float | None = None,
-                 device_name: str = "cpu", device_memory_bytes: int | None = None,
-                 model_name: str | None = None) -> TelemetryRecord:
+def build_record(
+    model: Any,
+    plan: Any,
+    request: RecommendRequest,
+    *,
+    peak_allocated_bytes: int,
+    method: Method,
+    peak_reserved_bytes: int | None = None,
+    step_time_s: float | None = None,
+    device_name: str = "cpu",
+    device_memory_bytes: int | None = None,
+    model_name: str | None = None,
+) -> TelemetryRecord:
     """The :class:`TelemetryRecord` of a user job (``source=user_job``).
 
     Args:
@@ -123,8 +133,9 @@ def build_record(model: Any, plan: Any, request: RecommendRequest, *, peak_alloc
     """
     t = request.training
     gpus = request.cluster.gpu_count
-    dp = default_data_parallel_size(gpus, t.tensor_parallel_size, t.pipeline_parallel_size, t.context_parallel_size,
-                                    t.data_parallel_size)
+    dp = default_data_parallel_size(
+        gpus, t.tensor_parallel_size, t.pipeline_parallel_size, t.context_parallel_size, t.data_parallel_size
+    )
     if isinstance(plan, (list, tuple)):
         layers = [int(i) for i in plan]
     else:
@@ -137,16 +148,25 @@ def build_record(model: Any, plan: Any, request: RecommendRequest, *, peak_alloc
     if getattr(plan, "use_reentrant", None) is not None:
         fields["checkpoint_impl"] = CheckpointImpl.REENTRANT if plan.use_reentrant else CheckpointImpl.NON_REENTRANT
     training = TrainingConfig(**fields, data_parallel_size=dp, checkpoint_layers=layers)
-    cluster = ClusterSpec(device_name=device_name, device_memory_bytes=device_memory_bytes
-                          or request.cluster.memory_bytes, gpu_count=gpus, **_versions())
+    cluster = ClusterSpec(
+        device_name=device_name,
+        device_memory_bytes=device_memory_bytes or request.cluster.memory_bytes,
+        gpu_count=gpus,
+        **_versions(),
+    )
     recomputed = getattr(plan, "recomputed", None)
-    measurement = Measurement(peak_allocated_bytes=int(peak_allocated_bytes), method=method, source=Source.USER_JOB,
-                              peak_reserved_bytes=peak_reserved_bytes if method is Method.CUDA else None,
-                              step_time_s=step_time_s,
-                              recomputed_layers=len(recomputed) if recomputed is not None else None)
+    measurement = Measurement(
+        peak_allocated_bytes=int(peak_allocated_bytes),
+        method=method,
+        source=Source.USER_JOB,
+        peak_reserved_bytes=peak_reserved_bytes if method is Method.CUDA else None,
+        step_time_s=step_time_s,
+        recomputed_layers=len(recomputed) if recomputed is not None else None,
+    )
     name = model_name or getattr(plan, "model_name", None)
-    return TelemetryRecord(model=_model_spec(model, request, name), training=training, cluster=cluster,
-                           measurement=measurement)
+    return TelemetryRecord(
+        model=_model_spec(model, request, name), training=training, cluster=cluster, measurement=measurement
+    )
 
 
 def _measure_cuda() -> dict[str, Any] | None:
@@ -155,9 +175,13 @@ def _measure_cuda() -> dict[str, Any] | None:
         return None
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
-    return {"peak_allocated_bytes": int(torch.cuda.max_memory_allocated(dev)),
-            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(dev)), "method": Method.CUDA,
-            "device_name": props.name, "device_memory_bytes": int(props.total_memory)}
+    return {
+        "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(dev)),
+        "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(dev)),
+        "method": Method.CUDA,
+        "device_name": props.name,
+        "device_memory_bytes": int(props.total_memory),
+    }
 
 
 def spool(record: TelemetryRecord, path: str | Path | None = None) -> Path:
@@ -183,15 +207,17 @@ def send_or_spool(client: Client, record: TelemetryRecord, spool_path: str | Pat
         except OSError as io_err:
             _log_once("spool-failed", "memfit: telemetry not sent (%s) and not spooled (%s)", err, io_err)
             return ReportResult("error", record, f"{err}; spool failed: {io_err}")
-        _log_once("spooled", "memfit: telemetry not sent (%s); spooled to %s (memfit.reporter.flush_spool later)",
-                  err, where)
+        _log_once(
+            "spooled", "memfit: telemetry not sent (%s); spooled to %s (memfit.reporter.flush_spool later)", err, where
+        )
         return ReportResult("spooled", record, str(err))
-    except Exception as err:  # never break training
+    except Exception as err:  # noqa: BLE001 - never break training
         _log_once("send-error", "memfit: telemetry not sent: %s: %s", type(err).__name__, err)
         return ReportResult("error", record, f"{type(err).__name__}: {err}")
     if record.record_id in ans.get("stored", []):
-        log.info("memfit: telemetry %s stored (peak %d bytes)", record.record_id,
-                 record.measurement.peak_allocated_bytes)
+        log.info(
+            "memfit: telemetry %s stored (peak %d bytes)", record.record_id, record.measurement.peak_allocated_bytes
+        )
         return ReportResult("sent", record, json.dumps(ans))
     if record.record_id in ans.get("duplicates", []):
         return ReportResult("duplicate", record, json.dumps(ans))
@@ -199,10 +225,20 @@ def send_or_spool(client: Client, record: TelemetryRecord, spool_path: str | Pat
     return ReportResult("rejected", record, json.dumps(ans.get("rejected")))
 
 
-def report_peak(client_or_url: Client | str, model: Any, plan: Any, *, request: RecommendRequest | None = None,
-                steps: int = 2, peak_allocated_bytes: int | None = None, step_time_s: float | None = None,
-                spool_path: str | Path | None = None, token: str | None = None, model_name: str | None = None,
-                **describe_kwargs: Any) -> ReportResult:
+def report_peak(
+    client_or_url: Client | str,
+    model: Any,
+    plan: Any,
+    *,
+    request: RecommendRequest | None = None,
+    steps: int = 2,
+    peak_allocated_bytes: int | None = None,
+    step_time_s: float | None = None,
+    spool_path: str | Path | None = None,
+    token: str | None = None,
+    model_name: str | None = None,
+    **describe_kwargs: Any,
+) -> ReportResult:
     """Send the peak of the first ``steps`` training steps as telemetry. Never raises.
 
     Call it after those steps. On CUDA the peak is ``torch.cuda.max_memory_allocated`` since the
@@ -229,22 +265,30 @@ def report_peak(client_or_url: Client | str, model: Any, plan: Any, *, request: 
         if peak_allocated_bytes is None:
             measured = _measure_cuda()
             if measured is None:
-                _log_once("no-peak", "memfit: no CUDA device and no measured peak_allocated_bytes given: "
-                                     "telemetry report skipped", level=logging.INFO)
+                _log_once(
+                    "no-peak",
+                    "memfit: no CUDA device and no measured peak_allocated_bytes given: telemetry report skipped",
+                    level=logging.INFO,
+                )
                 return ReportResult("skipped", None, "no CUDA peak and no measured value")
         else:
-            measured = {"peak_allocated_bytes": int(peak_allocated_bytes), "method": Method.CPU_TRACKER,
-                        "device_name": "cpu",
-                        "device_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+            measured = {
+                "peak_allocated_bytes": int(peak_allocated_bytes),
+                "method": Method.CPU_TRACKER,
+                "device_name": "cpu",
+                "device_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            }
             cuda = _measure_cuda()
             if cuda is not None:  # a caller-measured peak on a GPU job: keep it, with the device's identity
-                measured.update(method=Method.CUDA, device_name=cuda["device_name"],
-                                device_memory_bytes=cuda["device_memory_bytes"])
+                measured.update(
+                    method=Method.CUDA, device_name=cuda["device_name"], device_memory_bytes=cuda["device_memory_bytes"]
+                )
         record = build_record(model, plan, request, step_time_s=step_time_s, model_name=model_name, **measured)
-        log.debug("memfit: reporting the peak of the first %d steps: %d bytes", steps,
-                  record.measurement.peak_allocated_bytes)
+        log.debug(
+            "memfit: reporting the peak of the first %d steps: %d bytes", steps, record.measurement.peak_allocated_bytes
+        )
         return send_or_spool(_client(client_or_url, token), record, spool_path)
-    except Exception as err:  # never break training
+    except Exception as err:  # noqa: BLE001 - never break training
         _log_once("report-error", "memfit: telemetry report failed: %s: %s", type(err).__name__, err)
         return ReportResult("error", None, f"{type(err).__name__}: {err}")
 
@@ -261,8 +305,9 @@ def _quarantine(spool_path: Path, items: list[tuple[str, str]]) -> None:
             f.write(json.dumps({"reason": reason, "line": line}) + "\n")
 
 
-def flush_spool(client_or_url: Client | str, spool_path: str | Path | None = None, *, token: str | None = None,
-                batch: int = 500) -> int:
+def flush_spool(
+    client_or_url: Client | str, spool_path: str | Path | None = None, *, token: str | None = None, batch: int = 500
+) -> int:
     """Send spooled records; returns how many the service took (stored or duplicate). Never raises.
 
     The spool is moved aside first, so records appended meanwhile are kept. Each line is read on its
@@ -300,14 +345,14 @@ def flush_spool(client_or_url: Client | str, spool_path: str | Path | None = Non
     client = _client(client_or_url, token)
     sent, keep = 0, []
     for start in range(0, len(records), batch):
-        chunk = records[start:start + batch]
+        chunk = records[start : start + batch]
         try:
             ans = client.send_telemetry([rec for _ln, rec in chunk])
         except (ServiceError, PermissionError) as err:
             log.info("memfit: spool flush stopped: %s", err)
             keep.extend(ln for ln, _rec in records[start:])
             break
-        except Exception as err:  # anything else: keep the lines for the next flush, stop
+        except Exception as err:  # noqa: BLE001 - anything else: keep the lines for the next flush, stop
             _log_once("flush-error", "memfit: spool flush failed: %s: %s", type(err).__name__, err)
             keep.extend(ln for ln, _rec in records[start:])
             break
@@ -319,8 +364,12 @@ def flush_spool(client_or_url: Client | str, spool_path: str | Path | None = Non
     try:
         if held:
             _quarantine(p, held)
-            _log_once("flush-quarantined", "memfit: %d spooled line(s) could not be sent; kept in %s",
-                      len(held), quarantine_path(p))
+            _log_once(
+                "flush-quarantined",
+                "memfit: %d spooled line(s) could not be sent; kept in %s",
+                len(held),
+                quarantine_path(p),
+            )
         if keep:
             with p.open("a", encoding="utf-8") as f:
                 f.write("\n".join(keep) + "\n")

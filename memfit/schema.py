@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Self
 
@@ -230,21 +231,29 @@ class ModelSpec(_Part):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.hidden_size % self.num_attention_heads:
-            raise InvalidConfiguration("num_attention_heads", f"a divisor of hidden_size={self.hidden_size}",
-                                       self.num_attention_heads)
+            raise InvalidConfiguration(
+                "num_attention_heads", f"a divisor of hidden_size={self.hidden_size}", self.num_attention_heads
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise InvalidConfiguration("num_key_value_heads",
-                                       f"a divisor of num_attention_heads={self.num_attention_heads}",
-                                       self.num_key_value_heads)
+            raise InvalidConfiguration(
+                "num_key_value_heads",
+                f"a divisor of num_attention_heads={self.num_attention_heads}",
+                self.num_key_value_heads,
+            )
         if self.trainable_params > self.total_params:
-            raise InvalidConfiguration("trainable_params", f"an integer in [0, total_params={self.total_params}]",
-                                       self.trainable_params)
+            raise InvalidConfiguration(
+                "trainable_params", f"an integer in [0, total_params={self.total_params}]", self.trainable_params
+            )
         if (self.num_experts is None) != (self.num_experts_per_token is None):
-            raise InvalidConfiguration("num_experts_per_token", "given together with num_experts (both or neither)",
-                                       self.num_experts_per_token)
+            raise InvalidConfiguration(
+                "num_experts_per_token", "given together with num_experts (both or neither)", self.num_experts_per_token
+            )
         if self.num_experts is not None and self.num_experts_per_token > self.num_experts:
-            raise InvalidConfiguration("num_experts_per_token", f"an integer in [1, num_experts={self.num_experts}]",
-                                       self.num_experts_per_token)
+            raise InvalidConfiguration(
+                "num_experts_per_token",
+                f"an integer in [1, num_experts={self.num_experts}]",
+                self.num_experts_per_token,
+            )
         return self
 
 
@@ -262,13 +271,24 @@ class TrainingConfig(_Part):
     context_parallel_size: int = Field(1, ge=1, le=1024, description="ranks splitting the sequence")
     sequence_parallel: bool = Field(False, description="Megatron sequence parallelism over the TP ranks")
     pipeline_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
-    num_micro_batches: int | None = Field(None, ge=1, le=1 << 16,
-                                          description="micro-batches per step and pipeline (default: pp)")
+    num_micro_batches: int | None = Field(
+        None, ge=1, le=1 << 16, description="micro-batches per step and pipeline (default: pp)"
+    )
     pipeline_chunks_per_rank: int = Field(2, ge=1, le=128, description="model chunks per rank (interleaved only)")
-    expert_parallel_size: int = Field(1, ge=1, le=1024, description=(
-        "MoE: ranks the routed experts are split over (within the data-parallel ranks; tokens all-to-all)"))
-    moe_imbalance_factor: float = Field(1.0, ge=1.0, le=4096.0, description=(
-        "MoE: the hottest expert's share of the routed tokens relative to balanced (1 = balanced)"))
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "MoE: ranks the routed experts are split over (within the data-parallel ranks; tokens all-to-all)"
+        ),
+    )
+    moe_imbalance_factor: float = Field(
+        1.0,
+        ge=1.0,
+        le=4096.0,
+        description=("MoE: the hottest expert's share of the routed tokens relative to balanced (1 = balanced)"),
+    )
     attention: Attention = Attention.SDPA
     finetune: FineTune = FineTune.FULL
     lora_rank: int | None = Field(None, ge=1, le=4096)
@@ -276,16 +296,30 @@ class TrainingConfig(_Part):
     frozen_layers: int = Field(0, ge=0, le=MAX_LAYERS, description="leading layers (and embeddings) frozen")
     checkpoint_layers: list[int] = Field(default_factory=list, description="indices of checkpointed layers")
     checkpoint_impl: CheckpointImpl = CheckpointImpl.NON_REENTRANT
-    optimizer_in_backward: bool = Field(False, description="optimizer step fused into backward per parameter "
-                                        "(post-accumulate-grad hooks): no full gradient buffer")
-    quantization: Quantization = Field(Quantization.NONE, description="frozen base weights' storage (QLoRA); "
-                                       "only with finetune='lora'")
-    offload_optimizer: Offload = Field(Offload.NONE, description="optimizer states + master weights on host (ZeRO-Offload)")
-    offload_parameters: Offload = Field(Offload.NONE, description="parameters on host, layers gathered in flight "
-                                                                  "(ZeRO-3 offload_param, FSDP2 CPUOffloadPolicy)")
-    gradient_accumulation_steps: int = Field(1, ge=1, le=MAX_GRADIENT_ACCUMULATION_STEPS, description=(
-        "micro-batches whose gradients are summed before each optimizer step; from the second micro-batch on "
-        "the gradient buffer is live through forward and backward"))
+    optimizer_in_backward: bool = Field(
+        False,
+        description="optimizer step fused into backward per parameter "
+        "(post-accumulate-grad hooks): no full gradient buffer",
+    )
+    quantization: Quantization = Field(
+        Quantization.NONE, description="frozen base weights' storage (QLoRA); only with finetune='lora'"
+    )
+    offload_optimizer: Offload = Field(
+        Offload.NONE, description="optimizer states + master weights on host (ZeRO-Offload)"
+    )
+    offload_parameters: Offload = Field(
+        Offload.NONE,
+        description="parameters on host, layers gathered in flight (ZeRO-3 offload_param, FSDP2 CPUOffloadPolicy)",
+    )
+    gradient_accumulation_steps: int = Field(
+        1,
+        ge=1,
+        le=MAX_GRADIENT_ACCUMULATION_STEPS,
+        description=(
+            "micro-batches whose gradients are summed before each optimizer step; from the second micro-batch on "
+            "the gradient buffer is live through forward and backward"
+        ),
+    )
 
     @property
     def num_checkpointed_layers(self) -> int:
@@ -299,8 +333,12 @@ class TrainingConfig(_Part):
         if any(i < 0 for i in self.checkpoint_layers):
             raise InvalidConfiguration("checkpoint_layers", "layer indices >= 0", self.checkpoint_layers)
         if self.finetune is FineTune.LORA and self.lora_rank is None:
-            raise InvalidConfiguration("lora_rank", "an integer in [1, 4096] when finetune='lora'", None,
-                                       message="lora_rank: required when finetune='lora' (allowed: 1..4096)")
+            raise InvalidConfiguration(
+                "lora_rank",
+                "an integer in [1, 4096] when finetune='lora'",
+                None,
+                message="lora_rank: required when finetune='lora' (allowed: 1..4096)",
+            )
         if self.finetune is not FineTune.LORA and self.lora_rank is not None:
             raise InvalidConfiguration("lora_rank", "null unless finetune='lora'", self.lora_rank)
         if self.finetune is FineTune.FROZEN and self.frozen_layers == 0:
@@ -308,34 +346,56 @@ class TrainingConfig(_Part):
         if self.finetune is not FineTune.FROZEN and self.frozen_layers != 0:
             raise InvalidConfiguration("frozen_layers", "0 unless finetune='frozen'", self.frozen_layers)
         if self.sharding is not Sharding.NONE and self.sharding_group_size < 2:
-            raise InvalidConfiguration("sharding", "'none' when data_parallel_size is 1 without context parallelism "
-                                       "(sharding needs >= 2 data x context-parallel ranks)", self.sharding.value)
+            raise InvalidConfiguration(
+                "sharding",
+                "'none' when data_parallel_size is 1 without context parallelism "
+                "(sharding needs >= 2 data x context-parallel ranks)",
+                self.sharding.value,
+            )
         if self.quantization is not Quantization.NONE and self.finetune is not FineTune.LORA:
-            raise InvalidConfiguration("quantization", "'none' unless finetune='lora' (a quantized base is frozen; "
-                                       "with LoRA: one of " + ", ".join(q.value for q in Quantization) + ")",
-                                       self.quantization.value)
+            raise InvalidConfiguration(
+                "quantization",
+                "'none' unless finetune='lora' (a quantized base is frozen; "
+                "with LoRA: one of " + ", ".join(q.value for q in Quantization) + ")",
+                self.quantization.value,
+            )
         if self.sequence_parallel and self.tensor_parallel_size < 2:
-            raise InvalidConfiguration("sequence_parallel", "true only with tensor_parallel_size >= 2",
-                                       self.sequence_parallel)
+            raise InvalidConfiguration(
+                "sequence_parallel", "true only with tensor_parallel_size >= 2", self.sequence_parallel
+            )
         if self.seq_len % self.context_parallel_size:
-            raise InvalidConfiguration("context_parallel_size", f"a divisor of seq_len={self.seq_len}",
-                                       self.context_parallel_size)
+            raise InvalidConfiguration(
+                "context_parallel_size", f"a divisor of seq_len={self.seq_len}", self.context_parallel_size
+            )
         if self.sequence_parallel and self.seq_len % self.tensor_parallel_size:
-            raise InvalidConfiguration("tensor_parallel_size", f"a divisor of seq_len={self.seq_len} with "
-                                       "sequence_parallel", self.tensor_parallel_size)
+            raise InvalidConfiguration(
+                "tensor_parallel_size",
+                f"a divisor of seq_len={self.seq_len} with sequence_parallel",
+                self.tensor_parallel_size,
+            )
         check_offload(self.offload_optimizer, self.offload_parameters, self.sharding, self.data_parallel_size)
         self._check_pipeline()
         if self.gradient_accumulation_steps > 1 and self.optimizer_in_backward:
-            raise InvalidConfiguration("gradient_accumulation_steps", "1 with optimizer_in_backward (each parameter "
-                                       "steps as soon as its gradient is ready: nothing accumulates)",
-                                       self.gradient_accumulation_steps)
+            raise InvalidConfiguration(
+                "gradient_accumulation_steps",
+                "1 with optimizer_in_backward (each parameter "
+                "steps as soon as its gradient is ready: nothing accumulates)",
+                self.gradient_accumulation_steps,
+            )
         if self.gradient_accumulation_steps > 1 and self.pipeline_parallel_size > 1:
-            raise InvalidConfiguration("gradient_accumulation_steps", "1 with pipeline_parallel_size >= 2 (a pipeline's "
-                                       "micro-batches per step are num_micro_batches)", self.gradient_accumulation_steps)
+            raise InvalidConfiguration(
+                "gradient_accumulation_steps",
+                "1 with pipeline_parallel_size >= 2 (a pipeline's micro-batches per step are num_micro_batches)",
+                self.gradient_accumulation_steps,
+            )
         if self.data_parallel_size % self.expert_parallel_size:
-            raise InvalidConfiguration("expert_parallel_size", f"a divisor of data_parallel_size="
-                                       f"{self.data_parallel_size} (experts are split within the data-parallel "
-                                       "ranks)", self.expert_parallel_size)
+            raise InvalidConfiguration(
+                "expert_parallel_size",
+                f"a divisor of data_parallel_size="
+                f"{self.data_parallel_size} (experts are split within the data-parallel "
+                "ranks)",
+                self.expert_parallel_size,
+            )
         return self
 
     def _check_pipeline(self) -> None:
@@ -346,14 +406,23 @@ class TrainingConfig(_Part):
         """
         pp = self.pipeline_parallel_size
         if self.num_micro_batches is not None and pp == 1:
-            raise InvalidConfiguration("num_micro_batches", "left out unless pipeline_parallel_size >= 2 (the "
-                                       "micro-batches a pipeline runs per step)", self.num_micro_batches)
+            raise InvalidConfiguration(
+                "num_micro_batches",
+                "left out unless pipeline_parallel_size >= 2 (the micro-batches a pipeline runs per step)",
+                self.num_micro_batches,
+            )
         if self.pipeline_chunks_per_rank != 2 and self.pipeline_schedule is not PipelineSchedule.INTERLEAVED_1F1B:
-            raise InvalidConfiguration("pipeline_chunks_per_rank", "left at its default unless pipeline_schedule="
-                                       "'interleaved_1f1b' (model chunks per rank)", self.pipeline_chunks_per_rank)
+            raise InvalidConfiguration(
+                "pipeline_chunks_per_rank",
+                "left at its default unless pipeline_schedule='interleaved_1f1b' (model chunks per rank)",
+                self.pipeline_chunks_per_rank,
+            )
         if self.pipeline_schedule is PipelineSchedule.INTERLEAVED_1F1B and self.micro_batches_per_step % pp:
-            raise InvalidConfiguration("num_micro_batches", f"a multiple of pipeline_parallel_size={pp} with the "
-                                       "interleaved schedule", self.micro_batches_per_step)
+            raise InvalidConfiguration(
+                "num_micro_batches",
+                f"a multiple of pipeline_parallel_size={pp} with the interleaved schedule",
+                self.micro_batches_per_step,
+            )
 
     @property
     def model_parallel_size(self) -> int:
@@ -384,8 +453,13 @@ class TrainingConfig(_Part):
         return self.num_micro_batches or self.pipeline_parallel_size
 
 
-def default_data_parallel_size(gpu_count: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                               context_parallel_size: int = 1, requested: int | None = None) -> int:
+def default_data_parallel_size(
+    gpu_count: int,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    requested: int | None = None,
+) -> int:
     """The data-parallel size of a job: model replicas that run different micro-batches (the one rule for the
     service, the command line, :func:`memfit.describe` and the telemetry reporter).
 
@@ -405,8 +479,10 @@ def default_data_parallel_size(gpu_count: int, tensor_parallel_size: int = 1, pi
     """
     tp, pp, cp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
     if min(gpu_count, tp, pp, cp, requested or 1) < 1:
-        raise ValueError(f"parallel sizes and gpu_count must be >= 1, got gpu_count={gpu_count}, tp={tp}, pp={pp}, "
-                         f"cp={cp}, data_parallel_size={requested}")
+        raise ValueError(
+            f"parallel sizes and gpu_count must be >= 1, got gpu_count={gpu_count}, tp={tp}, pp={pp}, "
+            f"cp={cp}, data_parallel_size={requested}"
+        )
     if requested is None:
         return max(1, gpu_count // (tp * pp * cp))
     if cp > 1 and requested * tp * pp * cp > gpu_count >= requested * tp * pp and requested % cp == 0:
@@ -418,8 +494,9 @@ def default_data_parallel_size(gpu_count: int, tensor_parallel_size: int = 1, pi
 PARAMETER_OFFLOAD_SHARDING = (Sharding.ZERO3, Sharding.FSDP_FULL_SHARD)
 
 
-def check_offload(offload_optimizer: Offload, offload_parameters: Offload, sharding: Sharding,
-                  data_parallel_size: int) -> None:
+def check_offload(
+    offload_optimizer: Offload, offload_parameters: Offload, sharding: Sharding, data_parallel_size: int
+) -> None:
     """Validate an offload combination (the one rule, used by the schema and the API).
 
     Parameter offload needs the optimizer offloaded too (the optimizer step runs where the parameters
@@ -432,15 +509,20 @@ def check_offload(offload_optimizer: Offload, offload_parameters: Offload, shard
     """
     if offload_parameters is Offload.CPU:
         if offload_optimizer is not Offload.CPU:
-            raise InvalidConfiguration("offload_optimizer", "'cpu' when offload_parameters='cpu'",
-                                       message="offload_optimizer: offload_parameters='cpu' needs "
-                                               "offload_optimizer='cpu' (allowed: 'cpu')")
+            raise InvalidConfiguration(
+                "offload_optimizer",
+                "'cpu' when offload_parameters='cpu'",
+                message="offload_optimizer: offload_parameters='cpu' needs offload_optimizer='cpu' (allowed: 'cpu')",
+            )
         if sharding not in PARAMETER_OFFLOAD_SHARDING and not (sharding is Sharding.NONE and data_parallel_size == 1):
             allowed = [s.value for s in PARAMETER_OFFLOAD_SHARDING]
-            raise InvalidConfiguration("sharding", f"one of {allowed} (or 'none' with data_parallel_size=1) when "
-                                       "offload_parameters='cpu'", sharding.value,
-                                       message=f"sharding: offload_parameters='cpu' needs sharding in {allowed} "
-                                               f"(or 'none' with data_parallel_size=1), got {sharding.value!r}")
+            raise InvalidConfiguration(
+                "sharding",
+                f"one of {allowed} (or 'none' with data_parallel_size=1) when offload_parameters='cpu'",
+                sharding.value,
+                message=f"sharding: offload_parameters='cpu' needs sharding in {allowed} "
+                f"(or 'none' with data_parallel_size=1), got {sharding.value!r}",
+            )
 
 
 class ClusterSpec(_Part):
@@ -472,15 +554,20 @@ class Measurement(_Part):
         None, ge=0, le=1 << 50, description="device memory used outside PyTorch (context, cuBLAS, NCCL)"
     )
     recomputed_layers: int | None = Field(None, ge=0, description="layers seen recomputing in backward")
-    host_peak_bytes: int | None = Field(None, ge=0, le=1 << 50, description="offload: peak host bytes of the "
-                                        "offloaded states (no pinned-buffer factor)")
+    host_peak_bytes: int | None = Field(
+        None, ge=0, le=1 << 50, description="offload: peak host bytes of the offloaded states (no pinned-buffer factor)"
+    )
 
 
 def _row_fields() -> dict[str, tuple[str, Any]]:
     """Flat column name -> (part attribute, pydantic FieldInfo)."""
     out: dict[str, tuple[str, Any]] = {}
-    for part, cls in (("model", ModelSpec), ("training", TrainingConfig), ("cluster", ClusterSpec),
-                      ("measurement", Measurement)):
+    for part, cls in (
+        ("model", ModelSpec),
+        ("training", TrainingConfig),
+        ("cluster", ClusterSpec),
+        ("measurement", Measurement),
+    ):
         for name, info in cls.model_fields.items():
             assert name not in out, f"duplicate flat field {name}"
             out[name] = (part, info)
@@ -490,9 +577,10 @@ def _row_fields() -> dict[str, tuple[str, Any]]:
 class TelemetryRecord(_Part):
     """One measured training step. ``record_id`` makes ingestion idempotent."""
 
-    record_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=8, max_length=64,
-                           pattern=r"^[A-Za-z0-9_.:-]+$")
-    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    record_id: str = Field(
+        default_factory=lambda: uuid.uuid4().hex, min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$"
+    )
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     model: ModelSpec
     training: TrainingConfig
     cluster: ClusterSpec
@@ -510,8 +598,9 @@ class TelemetryRecord(_Part):
             raise ValueError(f"frozen_layers={t.frozen_layers} must be in [0, num_layers={L}]")
         world = t.data_parallel_size * t.model_parallel_size
         if world > self.cluster.gpu_count:
-            raise ValueError(f"data*tensor*pipeline*context parallel size={world} exceeds "
-                             f"gpu_count={self.cluster.gpu_count}")
+            raise ValueError(
+                f"data*tensor*pipeline*context parallel size={world} exceeds gpu_count={self.cluster.gpu_count}"
+            )
         if L < t.pipeline_parallel_size:
             raise ValueError(f"pipeline_parallel_size={t.pipeline_parallel_size} must be in [1, num_layers={L}]")
         if self.measurement.method is not Method.CUDA and self.measurement.peak_reserved_bytes is not None:
@@ -528,14 +617,14 @@ class TelemetryRecord(_Part):
         return row
 
     @classmethod
-    def from_row(cls, row: dict[str, Any]) -> "TelemetryRecord":
+    def from_row(cls, row: dict[str, Any]) -> TelemetryRecord:
         """Inverse of :meth:`to_row`; raises ``pydantic.ValidationError`` naming the bad field."""
         parts: dict[str, dict[str, Any]] = {"model": {}, "training": {}, "cluster": {}, "measurement": {}}
         for name, (part, _info) in ROW_FIELDS.items():
             if name not in row:
                 continue
             v = row[name]
-            if isinstance(v, float) and v != v:  # NaN from pandas means missing
+            if isinstance(v, float) and math.isnan(v):  # NaN from pandas means missing
                 v = None
             if name in ("checkpoint_layers", "lora_target_modules") and isinstance(v, str):
                 v = json.loads(v)
@@ -578,10 +667,13 @@ def check_quantized_base(model: ModelSpec, training: TrainingConfig) -> None:
     """
     if model.num_experts is not None and training.quantization is not Quantization.NONE:
         raise InvalidConfiguration(
-            "training.quantization", "'none' for a mixture-of-experts model", training.quantization.value,
+            "training.quantization",
+            "'none' for a mixture-of-experts model",
+            training.quantization.value,
             message=f"training.quantization: {training.quantization.value!r} is not modelled for a mixture-of-experts "
-                    "model: transformers 5 stores the experts as 3-D parameters that bitsandbytes does not quantize "
-                    "(only the attention would be; allowed: 'none'; LoRA on a 16-bit base is modelled)")
+            "model: transformers 5 stores the experts as 3-D parameters that bitsandbytes does not quantize "
+            "(only the attention would be; allowed: 'none'; LoRA on a 16-bit base is modelled)",
+        )
 
 
 def check_moe_settings(model: ModelSpec, training: TrainingConfig) -> None:
@@ -604,5 +696,6 @@ def check_moe_settings(model: ModelSpec, training: TrainingConfig) -> None:
     if E % ep:
         raise InvalidConfiguration("training.expert_parallel_size", f"a divisor of num_experts={E}", ep)
     if not 1.0 <= f <= E / k:
-        raise InvalidConfiguration("training.moe_imbalance_factor",
-                                   f"a number in [1, num_experts / num_experts_per_token = {E / k:g}]", f)
+        raise InvalidConfiguration(
+            "training.moe_imbalance_factor", f"a number in [1, num_experts / num_experts_per_token = {E / k:g}]", f
+        )

@@ -22,8 +22,13 @@ from dataclasses import dataclass
 
 from memfit.schema import FineTune, ModelSpec, Offload, Optimizer, Precision, Quantization, Sharding, TrainingConfig
 
-_WEIGHT_BYTES = {Precision.FP32: 4, Precision.AMP_FP16: 4, Precision.AMP_BF16: 4, Precision.BF16: 2,
-                 Precision.BF16_FP32_MASTER: 2}
+_WEIGHT_BYTES = {
+    Precision.FP32: 4,
+    Precision.AMP_FP16: 4,
+    Precision.AMP_BF16: 4,
+    Precision.BF16: 2,
+    Precision.BF16_FP32_MASTER: 2,
+}
 # fp32 master copy held by the optimizer in bf16_fp32_master mode (the "4" of ZeRO's K = 12)
 _MASTER_BYTES = {Precision.BF16_FP32_MASTER: 4}
 # optimizer state tensors per trainable parameter (Adafactor's factored moments are O(rows + cols): 0 here)
@@ -37,7 +42,7 @@ _PAGED_STATE_BYTES = {Optimizer.PAGED_ADAMW_8BIT: 2.0}
 BLOCK_BYTES = 512
 
 
-def _blocks(nbytes: int | float) -> int:
+def _blocks(nbytes: float) -> int:
     """Bytes the CUDA caching allocator gives a tensor of ``nbytes`` (512-byte blocks)."""
     return -(-int(nbytes) // BLOCK_BYTES) * BLOCK_BYTES
 
@@ -112,8 +117,9 @@ def decoder_linear_shapes(model: ModelSpec, tensor_parallel_size: int = 1) -> li
     return [(q, h), (kv, h), (kv, h), (h, q), *mlp]
 
 
-def quantized_base_bytes(model: ModelSpec, quantization: Quantization,
-                         tensor_parallel_size: int = 1) -> tuple[int, int]:
+def quantized_base_bytes(
+    model: ModelSpec, quantization: Quantization, tensor_parallel_size: int = 1
+) -> tuple[int, int]:
     """(weights quantized, their device bytes) over all decoder layers of one tensor-parallel rank
     (:func:`decoder_linear_shapes`, :func:`quantized_linear_bytes`)."""
     shapes = decoder_linear_shapes(model, tensor_parallel_size)
@@ -220,8 +226,24 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
 
 
 # -- activations ------------------------------------------------------------------------------------
-GATED_MLP_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", "gemma2",
-                                "gemma3_text", "phi3", "olmo", "olmo2", "cohere", "granite"})
+GATED_MLP_FAMILIES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "phi3",
+        "olmo",
+        "olmo2",
+        "cohere",
+        "granite",
+    }
+)
 
 
 def activation_dtype_bytes(precision: Precision) -> int:
@@ -301,9 +323,15 @@ class AnalyticEstimate:
         re-materialised later, after the layers above it have freed theirs, so ``recompute_bytes``
         (one layer) only matters when it exceeds what those layers held — never for k < L."""
         saved = self.activations_bytes + self.checkpoint_inputs_bytes
-        return (self.states.weights_bytes + self.states.optimizer_bytes + self.states.gradients_bytes
-                + max(saved, self.checkpoint_inputs_bytes + self.recompute_bytes) + self.logits_bytes
-                + self.dequant_bytes + self.in_flight_bytes)
+        return (
+            self.states.weights_bytes
+            + self.states.optimizer_bytes
+            + self.states.gradients_bytes
+            + max(saved, self.checkpoint_inputs_bytes + self.recompute_bytes)
+            + self.logits_bytes
+            + self.dequant_bytes
+            + self.in_flight_bytes
+        )
 
     @property
     def optimizer_peak_bytes(self) -> int:
@@ -342,7 +370,8 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     sbh = training.seq_len * training.micro_batch_size * model.hidden_size * activation_dtype_bytes(training.precision)
     n = training.sharding_group_size if training.sharding is not Sharding.NONE else 1
     temp_per_param = {Optimizer.ADAMW_FOREACH: 4, Optimizer.SGD_MOMENTUM: 4, Optimizer.ADAFACTOR: 4}.get(
-        training.optimizer, 0)
+        training.optimizer, 0
+    )
     if training.optimizer_in_backward:
         temp_per_param = 0
     dequant = 0
@@ -355,8 +384,11 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
         recompute_bytes=per_layer if k else 0,
         logits_bytes=logits_bytes(model, training),
         # bf16 + fp32 master: the optimizer step also holds fp32 copies of the gradients (4 B/param)
-        optimizer_temp_bytes=0 if training.offload_optimizer is Offload.CPU else
-        model.trainable_params * (temp_per_param + (4 if training.precision is Precision.BF16_FP32_MASTER else 0)) // n,
+        optimizer_temp_bytes=0
+        if training.offload_optimizer is Offload.CPU
+        else model.trainable_params
+        * (temp_per_param + (4 if training.precision is Precision.BF16_FP32_MASTER else 0))
+        // n,
         dequant_bytes=dequant,
         in_flight_bytes=in_flight_bytes(model, training),
     )

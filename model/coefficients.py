@@ -96,27 +96,84 @@ FORMAT = "memfit-coefficients-5"
 TARGETS: tuple[tuple[str, str, str], ...] = tuple((p, q, c) for p in PHASES for q in QUANTITIES for c in PIECE)
 
 #: families with LayerNorm (else RMSNorm)
-_LAYERNORM_FAMILIES = frozenset({"gpt2", "gpt_neox", "opt", "bloom", "falcon", "phi", "gptj", "stablelm",
-                                 "gpt_bigcode", "starcoder2", "mpt", "codegen", "cohere", "olmo"})
+_LAYERNORM_FAMILIES = frozenset(
+    {
+        "gpt2",
+        "gpt_neox",
+        "opt",
+        "bloom",
+        "falcon",
+        "phi",
+        "gptj",
+        "stablelm",
+        "gpt_bigcode",
+        "starcoder2",
+        "mpt",
+        "codegen",
+        "cohere",
+        "olmo",
+    }
+)
 #: families with learned absolute position embeddings
 _LEARNED_POSITION_FAMILIES = frozenset({"gpt2", "opt", "gpt_bigcode"})
 #: families with ALiBi attention biases
 _ALIBI_FAMILIES = frozenset({"bloom", "mpt"})
 #: families whose attention projections have biases by default
-_BIAS_FAMILIES = frozenset({"gpt2", "opt", "bloom", "gpt_neox", "phi", "gptj", "gpt_bigcode", "starcoder2",
-                            "qwen2", "qwen2_moe", "stablelm", "codegen"})
+_BIAS_FAMILIES = frozenset(
+    {
+        "gpt2",
+        "opt",
+        "bloom",
+        "gpt_neox",
+        "phi",
+        "gptj",
+        "gpt_bigcode",
+        "starcoder2",
+        "qwen2",
+        "qwen2_moe",
+        "stablelm",
+        "codegen",
+    }
+)
 #: families with per-head q/k norms
 _QK_NORM_FAMILIES = frozenset({"qwen3", "qwen3_moe", "olmo2", "gemma3_text", "olmoe"})
 
 #: the ratio model's categorical settings (model.features.CATEGORIES) plus the quantized base
 CATEGORICAL: dict[str, list[str]] = {**CATEGORIES, "quantization": [e.value for e in Quantization]}
-NUMERIC = ["ffn_ratio", "kv_ratio", "head_dim", "vocab_ratio", "log2_hidden", "num_attention_heads",
-           "tied_embeddings", "gated_mlp", "layernorm", "parallel_residual", "qk_norm", "alibi",
-           "learned_positions", "attention_bias", "gelu_tanh", "logit_softcapping", "sliding_window",
-           "num_experts", "experts_per_token", "data_parallel_size", "lora_rank", "lora_targets",
-           "optimizer_in_backward", "tensor_parallel_size", "sequence_parallel", "expert_parallel_size",
-           "grad_share", "optimizer_share", "activation_bytes", "autocast", "master_weights",
-           "sharded_weights"]
+NUMERIC = [
+    "ffn_ratio",
+    "kv_ratio",
+    "head_dim",
+    "vocab_ratio",
+    "log2_hidden",
+    "num_attention_heads",
+    "tied_embeddings",
+    "gated_mlp",
+    "layernorm",
+    "parallel_residual",
+    "qk_norm",
+    "alibi",
+    "learned_positions",
+    "attention_bias",
+    "gelu_tanh",
+    "logit_softcapping",
+    "sliding_window",
+    "num_experts",
+    "experts_per_token",
+    "data_parallel_size",
+    "lora_rank",
+    "lora_targets",
+    "optimizer_in_backward",
+    "tensor_parallel_size",
+    "sequence_parallel",
+    "expert_parallel_size",
+    "grad_share",
+    "optimizer_share",
+    "activation_bytes",
+    "autocast",
+    "master_weights",
+    "sharded_weights",
+]
 FEATURE_NAMES: list[str] = NUMERIC + list(CATEGORICAL) + ["model_type"]
 
 
@@ -134,15 +191,21 @@ def config_features(model: ModelSpec, training: TrainingConfig, hf_config: dict[
     h = model.hidden_size
     heads = model.num_attention_heads
     head_dim = model.head_dim or h // heads
-    act = str(hf_config.get("hidden_act") or hf_config.get("activation_function") or hf_config.get("hidden_activation")
-              or "")
+    act = str(
+        hf_config.get("hidden_act") or hf_config.get("activation_function") or hf_config.get("hidden_activation") or ""
+    )
     states = model_state_bytes(model, training)
     s_total = max(states.total_bytes, 1)
     row = {
-        "ffn_ratio": model.intermediate_size / h, "kv_ratio": model.num_key_value_heads / heads,
-        "head_dim": head_dim, "vocab_ratio": model.vocab_size / h, "log2_hidden": math.log2(h),
-        "num_attention_heads": heads, "tied_embeddings": float(model.tie_word_embeddings),
-        "gated_mlp": float(mt in GATED_MLP_FAMILIES), "layernorm": float(mt in _LAYERNORM_FAMILIES),
+        "ffn_ratio": model.intermediate_size / h,
+        "kv_ratio": model.num_key_value_heads / heads,
+        "head_dim": head_dim,
+        "vocab_ratio": model.vocab_size / h,
+        "log2_hidden": math.log2(h),
+        "num_attention_heads": heads,
+        "tied_embeddings": float(model.tie_word_embeddings),
+        "gated_mlp": float(mt in GATED_MLP_FAMILIES),
+        "layernorm": float(mt in _LAYERNORM_FAMILIES),
         "parallel_residual": float(_flag(hf_config, "use_parallel_residual", "parallel_attn") or mt in ("phi", "gptj")),
         "qk_norm": float(mt in _QK_NORM_FAMILIES or _flag(hf_config, "qk_layernorm", "use_qk_norm")),
         "alibi": float(mt in _ALIBI_FAMILIES or _flag(hf_config, "alibi")),
@@ -150,15 +213,20 @@ def config_features(model: ModelSpec, training: TrainingConfig, hf_config: dict[
         "attention_bias": float(mt in _BIAS_FAMILIES or _flag(hf_config, "attention_bias", "bias", "qkv_bias")),
         "gelu_tanh": float("tanh" in act or act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")),
         "logit_softcapping": float(_flag(hf_config, "final_logit_softcapping", "attn_logit_softcapping")),
-        "sliding_window": float(_flag(hf_config, "sliding_window") and hf_config.get("use_sliding_window") is not False),
-        "num_experts": float(model.num_experts or 0), "experts_per_token": float(model.num_experts_per_token or 0),
+        "sliding_window": float(
+            _flag(hf_config, "sliding_window") and hf_config.get("use_sliding_window") is not False
+        ),
+        "num_experts": float(model.num_experts or 0),
+        "experts_per_token": float(model.num_experts_per_token or 0),
         "data_parallel_size": training.data_parallel_size if training.sharding is not Sharding.NONE else 1,
         "lora_rank": training.lora_rank or 0 if training.finetune is FineTune.LORA else 0,
         "lora_targets": len(training.lora_target_modules or ()) if training.finetune is FineTune.LORA else 0,
         "optimizer_in_backward": float(training.optimizer_in_backward),
-        "tensor_parallel_size": training.tensor_parallel_size, "sequence_parallel": float(training.sequence_parallel),
+        "tensor_parallel_size": training.tensor_parallel_size,
+        "sequence_parallel": float(training.sequence_parallel),
         "expert_parallel_size": training.expert_parallel_size,
-        "grad_share": states.gradients_bytes / s_total, "optimizer_share": states.optimizer_bytes / s_total,
+        "grad_share": states.gradients_bytes / s_total,
+        "optimizer_share": states.optimizer_bytes / s_total,
         # the precision as numbers: LightGBM splits a categorical only on >= min_data_per_group (100) rows per
         # side, so the ~40 fp32 entries could not be told apart from amp (same state shares) by "precision"
         "activation_bytes": float(activation_dtype_bytes(training.precision)),
@@ -285,8 +353,9 @@ def rank_hf_config(hf_config: dict[str, Any] | None, training: TrainingConfig) -
         return None
 
 
-def small_model_states(model: ModelSpec, training: TrainingConfig,
-                       hf_config: dict[str, Any] | None = None) -> tuple[float, float]:
+def small_model_states(
+    model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None
+) -> tuple[float, float]:
     """(model-state bytes of the one-layer model, of one decoder layer): the scales of the constants.
 
     Parameters are split into those outside the decoder layers and one decoder layer's as the model's code has
@@ -318,11 +387,14 @@ def small_model_states(model: ModelSpec, training: TrainingConfig,
         total = int(emb + n * layer)
         trainable = total if full else int(model.trainable_params * n / L)
         spec = tensor_parallel_rank_spec(
-            model.model_copy(update={"num_layers": n, "total_params": total, "trainable_params": trainable}), training)
+            model.model_copy(update={"num_layers": n, "total_params": total, "trainable_params": trainable}), training
+        )
         held = float(model_state_bytes(spec, training).total_bytes)
         if training.sharding is Sharding.NONE:
             return held
-        whole = model_state_bytes(spec, training.model_copy(update={"sharding": Sharding.NONE, "data_parallel_size": 1}))
+        whole = model_state_bytes(
+            spec, training.model_copy(update={"sharding": Sharding.NONE, "data_parallel_size": 1})
+        )
         return held + float(whole.weights_bytes + whole.gradients_bytes)
 
     one = states(1)
@@ -330,8 +402,22 @@ def small_model_states(model: ModelSpec, training: TrainingConfig,
 
 
 #: LoRA target names that adapt an MLP linear (any other target list, and PEFT's default, adapts attention only)
-_MLP_TARGETS = ("mlp", "up_proj", "down_proj", "gate_proj", "fc1", "fc2", "c_fc", "c_proj", "dense_h_to_4h",
-                "dense_4h_to_h", "w1", "w2", "w3", "gate_up_proj")
+_MLP_TARGETS = (
+    "mlp",
+    "up_proj",
+    "down_proj",
+    "gate_proj",
+    "fc1",
+    "fc2",
+    "c_fc",
+    "c_proj",
+    "dense_h_to_4h",
+    "dense_4h_to_h",
+    "w1",
+    "w2",
+    "w3",
+    "gate_up_proj",
+)
 
 
 def _mlp_adapted(training: TrainingConfig) -> bool:
@@ -349,10 +435,13 @@ def scales(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]
     """
     a = activation_dtype_bytes(training.precision)
     s_one, s_layer = small_model_states(model, training, hf_config)
-    one_token = training.model_construct(**{**training.__dict__, "micro_batch_size": 1, "seq_len": 1,
-                                            "attention": Attention.SDPA})
+    one_token = training.model_construct(
+        **{**training.__dict__, "micro_batch_size": 1, "seq_len": 1, "attention": Attention.SDPA}
+    )
     # MoE: every token runs through experts_per_token routed experts of width intermediate_size
-    routed = model.model_copy(update={"intermediate_size": model.intermediate_size * (model.num_experts_per_token or 1)})
+    routed = model.model_copy(
+        update={"intermediate_size": model.intermediate_size * (model.num_experts_per_token or 1)}
+    )
     layer = float(max(activation_bytes_per_layer(routed, one_token), 1))
     if training.finetune is FineTune.LORA and not _mlp_adapted(training):
         # frozen linears need no input saved for a weight gradient: with PEFT's attention-only default targets the
@@ -363,8 +452,9 @@ def scales(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]
         f = model.intermediate_size if model.architecture in GATED_MLP_FAMILIES else 0
         # (the MLP input is whole on every tensor-parallel rank without sequence parallelism: analytic, Eq. 2)
         t = training.tensor_parallel_size
-        layer = max(layer - ((2 * q + 2 * f) / t + 2 * h / (t if training.sequence_parallel else 1)) * a / 2,
-                    0.25 * layer)
+        layer = max(
+            layer - ((2 * q + 2 * f) / t + 2 * h / (t if training.sequence_parallel else 1)) * a / 2, 0.25 * layer
+        )
     if model.num_experts:  # each token's hidden state dispatched to and gathered from its k experts, fp32 router logits
         k = model.num_experts_per_token or 1
         layer += (2 * k * model.hidden_size * a + 4 * model.num_experts) / training.tensor_parallel_size
@@ -375,8 +465,12 @@ def scales(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]
     # plus its cast back to 16-bit activations (a no-op in fp32)
     saved_score = heads * (4 + (a if a < 4 else 0))
     transient_score = heads * 4
-    per_q = {"f0": (s_base, head, transient_score), "c0": (s_base, head, transient_score),
-             "dF": (s_layer, layer, saved_score), "dC": (s_layer, layer, saved_score)}
+    per_q = {
+        "f0": (s_base, head, transient_score),
+        "c0": (s_base, head, transient_score),
+        "dF": (s_layer, layer, saved_score),
+        "dC": (s_layer, layer, saved_score),
+    }
     return np.array([per_q[q][PIECE.index(c)] for _p, q, c in TARGETS], dtype=np.float64)
 
 
@@ -518,8 +612,9 @@ def layer_tensors(model: ModelSpec, training: TrainingConfig, hf_config: dict[st
     return 0 if split is None else split.layer_tensors
 
 
-def shared_state_constants(names: list[str], keys: list[str], Y: np.ndarray, S: np.ndarray,
-                           T: np.ndarray) -> dict[str, dict[int, tuple[float, float]]]:
+def shared_state_constants(
+    names: list[str], keys: list[str], Y: np.ndarray, S: np.ndarray, T: np.ndarray
+) -> dict[str, dict[int, tuple[float, float]]]:
     """Per training setting (:func:`setting_key`), the :data:`STATE_CONSTANTS` its traced architectures share.
 
     Args:
@@ -604,8 +699,14 @@ class CoefficientModel:
     settings seen, :meth:`covers`), ``n_entries_``.
     """
 
-    def __init__(self, n_estimators: int = 300, learning_rate: float = 0.05, num_leaves: int = 15,
-                 min_child_samples: int = 5, objectives: tuple[str, ...] = ("l1", "huber")) -> None:
+    def __init__(
+        self,
+        n_estimators: int = 300,
+        learning_rate: float = 0.05,
+        num_leaves: int = 15,
+        min_child_samples: int = 5,
+        objectives: tuple[str, ...] = ("l1", "huber"),
+    ) -> None:
         if not objectives:
             raise ValueError("objectives must name at least one LightGBM objective")
         self.objectives = tuple(objectives)
@@ -615,12 +716,22 @@ class CoefficientModel:
         self.min_child_samples = min_child_samples
 
     def _params(self, objective: str) -> dict[str, Any]:
-        return {"objective": objective, "learning_rate": self.learning_rate, "num_leaves": self.num_leaves,
-                "min_child_samples": self.min_child_samples, "min_data_in_bin": 1, "verbose": -1, "seed": 0,
-                "num_threads": 1, "deterministic": True, "force_row_wise": True,
-                # categorical splits on groups as small as a leaf (LightGBM's default needs 100 rows per group:
-                # with ~500 entries no precision, optimizer or sharding but the most common could be told apart)
-                "min_data_per_group": self.min_child_samples, "cat_smooth": 1.0}
+        return {
+            "objective": objective,
+            "learning_rate": self.learning_rate,
+            "num_leaves": self.num_leaves,
+            "min_child_samples": self.min_child_samples,
+            "min_data_in_bin": 1,
+            "verbose": -1,
+            "seed": 0,
+            "num_threads": 1,
+            "deterministic": True,
+            "force_row_wise": True,
+            # categorical splits on groups as small as a leaf (LightGBM's default needs 100 rows per group:
+            # with ~500 entries no precision, optimizer or sharding but the most common could be told apart)
+            "min_data_per_group": self.min_child_samples,
+            "cat_smooth": 1.0,
+        }
 
     @staticmethod
     def setting(training: TrainingConfig) -> str:
@@ -669,8 +780,9 @@ class CoefficientModel:
                 self.constants_[j] = float(np.median(y))
                 continue
             ds = lgb.Dataset(X, label=y, feature_name=FEATURE_NAMES, categorical_feature=cat, free_raw_data=True)
-            self.boosters_[j] = [lgb.train(self._params(o), ds, num_boost_round=self.n_estimators)
-                                 for o in self.objectives]
+            self.boosters_[j] = [
+                lgb.train(self._params(o), ds, num_boost_round=self.n_estimators) for o in self.objectives
+            ]
         self.shared_ = shared_state_constants(names, keys, Y, np.asarray(S), np.asarray(T, dtype=np.float64))
         self.settings_ = sorted(settings)
         self.n_entries_ = len(X)
@@ -681,9 +793,13 @@ class CoefficientModel:
         given, no pipeline/context parallelism) and the training setting was seen in training."""
         from model.terms import not_traceable_reason
 
-        return (hf_config is not None and not_traceable_reason(model, training, hf_config) is None
-                and training.pipeline_parallel_size == 1 and training.context_parallel_size == 1
-                and self.setting(training) in self.settings_)
+        return (
+            hf_config is not None
+            and not_traceable_reason(model, training, hf_config) is None
+            and training.pipeline_parallel_size == 1
+            and training.context_parallel_size == 1
+            and self.setting(training) in self.settings_
+        )
 
     def predict_pieces(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]) -> np.ndarray:
         """Predicted :data:`TARGETS` values in bytes (token coefficients clipped at 0), shape (len(TARGETS),)."""
@@ -706,8 +822,9 @@ class CoefficientModel:
             out[[j for j, t in enumerate(TARGETS) if t[2] == "b*s^2"]] = 0.0
         return out
 
-    def predict_coef(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]
-                     ) -> dict[str, dict[str, list[list[float]]]]:
+    def predict_coef(
+        self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]
+    ) -> dict[str, dict[str, list[list[float]]]]:
         """Terms ``coef`` JSON for :func:`model.compose.compose` (one piece per phase and small model)."""
         return pieces_to_coef(self.predict_pieces(model, training, hf_config))
 
@@ -720,13 +837,25 @@ class CoefficientModel:
         for j, boosters in self.boosters_.items():
             for o, b in zip(self.objectives, boosters):
                 b.save_model(str(d / _booster_file(j, o, self.objectives)))
-        meta = {"format": FORMAT, "feature_names": FEATURE_NAMES, "categorical": CATEGORICAL,
-                "targets": ["|".join(t) for t in TARGETS], "constants": {str(j): c for j, c in self.constants_.items()},
-                "shared": {key: {str(j): list(c) for j, c in v.items()} for key, v in self.shared_.items()},
-                "boosters": sorted(self.boosters_), "settings": self.settings_, "families": self.families_, "n_entries": self.n_entries_,
-                "params": {"n_estimators": self.n_estimators, "learning_rate": self.learning_rate,
-                           "num_leaves": self.num_leaves, "min_child_samples": self.min_child_samples,
-                           "objectives": list(self.objectives)}}
+        meta = {
+            "format": FORMAT,
+            "feature_names": FEATURE_NAMES,
+            "categorical": CATEGORICAL,
+            "targets": ["|".join(t) for t in TARGETS],
+            "constants": {str(j): c for j, c in self.constants_.items()},
+            "shared": {key: {str(j): list(c) for j, c in v.items()} for key, v in self.shared_.items()},
+            "boosters": sorted(self.boosters_),
+            "settings": self.settings_,
+            "families": self.families_,
+            "n_entries": self.n_entries_,
+            "params": {
+                "n_estimators": self.n_estimators,
+                "learning_rate": self.learning_rate,
+                "num_leaves": self.num_leaves,
+                "min_child_samples": self.min_child_samples,
+                "objectives": list(self.objectives),
+            },
+        }
         path = d / "coefficients.json"
         path.write_text(json.dumps(meta, indent=1))
         return path
@@ -743,8 +872,10 @@ class CoefficientModel:
         d = Path(directory)
         meta = json.loads((d / "coefficients.json").read_text())
         if meta.get("format") != FORMAT:
-            raise ValueError(f"{d / 'coefficients.json'}: format {meta.get('format')!r}, not {FORMAT!r} (targets scaled "
-                             "otherwise); refit it")
+            raise ValueError(
+                f"{d / 'coefficients.json'}: format {meta.get('format')!r}, not {FORMAT!r} (targets scaled "
+                "otherwise); refit it"
+            )
         if meta.get("feature_names") != FEATURE_NAMES or meta.get("targets") != ["|".join(t) for t in TARGETS]:
             raise ValueError(f"{d / 'coefficients.json'}: written for other features or targets; refit it")
         params = dict(meta["params"])
@@ -752,10 +883,15 @@ class CoefficientModel:
             params["objectives"] = (params.pop("objective"),)
         self = cls(**params)
         self.constants_ = {int(j): float(c) for j, c in meta["constants"].items()}
-        self.shared_ = {key: {int(j): (float(c[0]), float(c[1])) for j, c in v.items()}
-                        for key, v in meta.get("shared", {}).items()}
-        self.boosters_ = {int(j): [lgb.Booster(model_file=str(d / _booster_file(int(j), o, self.objectives)))
-                                   for o in self.objectives] for j in meta["boosters"]}
+        self.shared_ = {
+            key: {int(j): (float(c[0]), float(c[1])) for j, c in v.items()} for key, v in meta.get("shared", {}).items()
+        }
+        self.boosters_ = {
+            int(j): [
+                lgb.Booster(model_file=str(d / _booster_file(int(j), o, self.objectives))) for o in self.objectives
+            ]
+            for j in meta["boosters"]
+        }
         self.settings_ = list(meta["settings"])
         self.families_ = list(meta["families"])
         self.n_entries_ = int(meta["n_entries"])

@@ -113,18 +113,24 @@ def _pieces(coef: dict[Any, dict[str, list[float]]]) -> _Pieces:
             n += len(pcs)
     width = max(len(r) for r in rows)
     padded = np.stack([np.concatenate([r, np.repeat(r[:1], width - len(r), axis=0)]) for r in rows])
-    out = _Pieces(keys=keys, rows=np.concatenate(rows), starts=np.asarray(starts), padded=padded,
-                  pair_d=np.concatenate(pd) if pd else np.empty((0, len(BASIS_NAMES))),
-                  pair_row=np.concatenate(pr) if pr else np.empty(0, dtype=np.int64),
-                  pair_term=np.concatenate(pt) if pt else np.empty(0, dtype=np.int64))
+    out = _Pieces(
+        keys=keys,
+        rows=np.concatenate(rows),
+        starts=np.asarray(starts),
+        padded=padded,
+        pair_d=np.concatenate(pd) if pd else np.empty((0, len(BASIS_NAMES))),
+        pair_row=np.concatenate(pr) if pr else np.empty(0, dtype=np.int64),
+        pair_term=np.concatenate(pt) if pt else np.empty(0, dtype=np.int64),
+    )
     if len(_PIECES) > 1024:
         _PIECES.clear()
     _PIECES[id(coef)] = (coef, out)
     return out
 
 
-def phase_values(coef: dict[Any, dict[str, list[float]]], micro_batch_size, seq_len
-                 ) -> dict[tuple[int, int], dict[str, Any]]:
+def phase_values(
+    coef: dict[Any, dict[str, list[float]]], micro_batch_size, seq_len
+) -> dict[tuple[int, int], dict[str, Any]]:
     """Each small model's per-phase live bytes at (micro_batch_size, seq_len): floats for scalar
     arguments, float64 arrays for array arguments (broadcast together).
 
@@ -141,8 +147,9 @@ def phase_values(coef: dict[Any, dict[str, list[float]]], micro_batch_size, seq_
     return out
 
 
-def layer_values(coef: dict[Any, dict[str, list[float]]], micro_batch_size: int, seq_len: int,
-                 depths: tuple[int, int] = (1, 2)) -> dict[tuple[int, int], dict[str, float]]:
+def layer_values(
+    coef: dict[Any, dict[str, list[float]]], micro_batch_size: int, seq_len: int, depths: tuple[int, int] = (1, 2)
+) -> dict[tuple[int, int], dict[str, float]]:
     """:func:`phase_values` of the four small models, brought to one and two layers: with ``depths``
     other than (1, 2), each layer is charged the average increment (P(d2) − P(d1)) / (d2 − d1) and the
     one-layer base is P(d1) − (d1 − 1) × that increment.
@@ -164,8 +171,9 @@ def layer_values(coef: dict[Any, dict[str, list[float]]], micro_batch_size: int,
     return v
 
 
-def phase_columns(v: dict[tuple[int, int], dict[str, Any]], num_layers: int
-                  ) -> tuple[list[int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+def phase_columns(
+    v: dict[tuple[int, int], dict[str, Any]], num_layers: int
+) -> tuple[list[int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """The composition rules of this module's docstring applied to small-model values ``v`` (from
     :func:`layer_values`; floats, or arrays of shape (n,) for n token points), in affine form over k.
 
@@ -226,8 +234,9 @@ def _per_phase(index: list[int], col_bytes: np.ndarray) -> np.ndarray:
     return out
 
 
-def _crossings(coef: dict[Any, dict[str, list[float]]], b: np.ndarray, s_lo: float, s_hi: float
-               ) -> tuple[np.ndarray, np.ndarray]:
+def _crossings(
+    coef: dict[Any, dict[str, list[float]]], b: np.ndarray, s_lo: float, s_hi: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Sequence lengths in (s_lo, s_hi) where two pieces of one small model's phase cross, at each
     micro-batch in ``b``: returns (micro-batch, sequence length) arrays of the crossings.
 
@@ -265,8 +274,15 @@ def _crossings(coef: dict[Any, dict[str, list[float]]], b: np.ndarray, s_lo: flo
 ENVELOPE_MAX_MICRO_BATCHES = 64
 
 
-def token_envelope(coef: dict[Any, dict[str, list[float]]], num_layers: int, b_lo: int, b_hi: int,
-                   s_lo: float, s_hi: float, depths: tuple[int, int] = (1, 2)) -> np.ndarray:
+def token_envelope(
+    coef: dict[Any, dict[str, list[float]]],
+    num_layers: int,
+    b_lo: int,
+    b_hi: int,
+    s_lo: float,
+    s_hi: float,
+    depths: tuple[int, int] = (1, 2),
+) -> np.ndarray:
     """Each phase's composed live bytes maximised over the token box: integer micro-batch sizes
     ``b_lo..b_hi`` and real sequence lengths in [``s_lo``, ``s_hi``]; shape (L+1, len(PEAK_PHASES)).
 
@@ -334,8 +350,15 @@ def _vertex_top(a: np.ndarray, c: np.ndarray, fm: np.ndarray) -> np.ndarray:
         return np.where(np.abs(u) < 1, fm + c * u + a * u * u, -np.inf)
 
 
-def compose(coef: dict[Any, dict[str, list[float]]], num_layers: int, micro_batch_size: int, seq_len: int,
-            depths: tuple[int, int] = (1, 2), *, monotone: bool = True) -> ComposedCurve:
+def compose(
+    coef: dict[Any, dict[str, list[float]]],
+    num_layers: int,
+    micro_batch_size: int,
+    seq_len: int,
+    depths: tuple[int, int] = (1, 2),
+    *,
+    monotone: bool = True,
+) -> ComposedCurve:
     """Peak over k = 0..``num_layers`` by the per-phase rules in this module's docstring.
 
     ``depths``: the layers of the "one" and "two" small models. Other than (1, 2) — whole patterns of

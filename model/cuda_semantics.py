@@ -61,11 +61,20 @@ class GpuGeneration(StrEnum):
 
 #: device-name fragments (case-insensitive, first match wins) -> generation
 DEVICE_GENERATIONS: tuple[tuple[str, GpuGeneration], ...] = (
-    ("h100", GpuGeneration.SM90), ("h200", GpuGeneration.SM90), ("h800", GpuGeneration.SM90),
-    ("gh200", GpuGeneration.SM90), ("a100", GpuGeneration.SM80), ("a800", GpuGeneration.SM80),
-    ("a30", GpuGeneration.SM80), ("l40", GpuGeneration.SM89), ("l4", GpuGeneration.SM89),
-    ("4090", GpuGeneration.SM89), ("4080", GpuGeneration.SM89), ("3090", GpuGeneration.SM86),
-    ("a40", GpuGeneration.SM86), ("a10", GpuGeneration.SM86),
+    ("h100", GpuGeneration.SM90),
+    ("h200", GpuGeneration.SM90),
+    ("h800", GpuGeneration.SM90),
+    ("gh200", GpuGeneration.SM90),
+    ("a100", GpuGeneration.SM80),
+    ("a800", GpuGeneration.SM80),
+    ("a30", GpuGeneration.SM80),
+    ("l40", GpuGeneration.SM89),
+    ("l4", GpuGeneration.SM89),
+    ("4090", GpuGeneration.SM89),
+    ("4080", GpuGeneration.SM89),
+    ("3090", GpuGeneration.SM86),
+    ("a40", GpuGeneration.SM86),
+    ("a10", GpuGeneration.SM86),
 )
 
 
@@ -79,8 +88,9 @@ def generation_of(device_name: str) -> GpuGeneration:
     for fragment, gen in DEVICE_GENERATIONS:
         if fragment in low:
             return gen
-    raise ValueError(f"device_name {device_name!r}: unknown GPU generation; known: "
-                     f"{', '.join(f for f, _ in DEVICE_GENERATIONS)}")
+    raise ValueError(
+        f"device_name {device_name!r}: unknown GPU generation; known: {', '.join(f for f, _ in DEVICE_GENERATIONS)}"
+    )
 
 
 class SdpaBackend(StrEnum):
@@ -167,8 +177,9 @@ def can_use_efficient(c: SdpaCall, gen: GpuGeneration, mqa_broadcast: bool = Fal
     return _heads_ok(c, mqa_broadcast)
 
 
-def can_use_cudnn(c: SdpaCall, gen: GpuGeneration, cudnn_version: int | None = None,
-                  mqa_broadcast: bool = False) -> bool:
+def can_use_cudnn(
+    c: SdpaCall, gen: GpuGeneration, cudnn_version: int | None = None, mqa_broadcast: bool = False
+) -> bool:
     """``can_use_cudnn_attention`` for dense inputs on ``gen`` (cuDNN 9 or newer assumed)."""
     if c.dtype == "fp32" or c.dropout_p * 16.0 != math.floor(c.dropout_p * 16.0):
         return False
@@ -180,8 +191,9 @@ def can_use_cudnn(c: SdpaCall, gen: GpuGeneration, cudnn_version: int | None = N
     return _heads_ok(c, mqa_broadcast)
 
 
-def select_backend(c: SdpaCall, gen: GpuGeneration, cudnn_version: int | None = None,
-                   mqa_broadcast: bool = False) -> SdpaBackend:
+def select_backend(
+    c: SdpaCall, gen: GpuGeneration, cudnn_version: int | None = None, mqa_broadcast: bool = False
+) -> SdpaBackend:
     """The backend ``select_sdp_backend`` runs for ``c`` on ``gen``: the first of :func:`priority_order` whose
     checks pass (math always passes)."""
     checks = {
@@ -218,30 +230,96 @@ def saved_bytes(c: SdpaCall, backend: SdpaBackend) -> int:
 
 
 #: CUDA autocast ``fp32`` policy (``AT_FORALL_FP32``), ops a transformer step can meet
-CUDA_AUTOCAST_FP32_OPS = frozenset({
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh",
-    "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "group_norm", "frobenius_norm", "nuclear_norm",
-    "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
-    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
-    "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
-    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
-})
+CUDA_AUTOCAST_FP32_OPS = frozenset(
+    {
+        "acos",
+        "asin",
+        "cosh",
+        "erfinv",
+        "exp",
+        "expm1",
+        "log",
+        "log10",
+        "log2",
+        "log1p",
+        "reciprocal",
+        "rsqrt",
+        "sinh",
+        "tan",
+        "pow",
+        "softplus",
+        "layer_norm",
+        "native_layer_norm",
+        "group_norm",
+        "frobenius_norm",
+        "nuclear_norm",
+        "cosine_similarity",
+        "poisson_nll_loss",
+        "cosine_embedding_loss",
+        "nll_loss",
+        "nll_loss2d",
+        "hinge_embedding_loss",
+        "kl_div",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "mse_loss",
+        "margin_ranking_loss",
+        "multilabel_margin_loss",
+        "soft_margin_loss",
+        "triplet_margin_loss",
+        "multi_margin_loss",
+        "binary_cross_entropy_with_logits",
+        "dist",
+        "pdist",
+        "cdist",
+        "renorm",
+        "logsumexp",
+    }
+)
 #: CUDA autocast ``fp32_set_opt_dtype`` policy (``AT_FORALL_FP32_SET_OPT_DTYPE``): output dtype set to fp32
-CUDA_AUTOCAST_FP32_SET_OPT_DTYPE_OPS = frozenset({
-    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm", "sum",
-})
+CUDA_AUTOCAST_FP32_SET_OPT_DTYPE_OPS = frozenset(
+    {
+        "prod",
+        "softmax",
+        "log_softmax",
+        "cumprod",
+        "cumsum",
+        "linalg_vector_norm",
+        "linalg_matrix_norm",
+        "sum",
+    }
+)
 #: ``AutocastCPU`` fp32 policy ops among the two CUDA sets above (the rest stay in the lower precision on the CPU)
-CPU_AUTOCAST_FP32_OPS = frozenset({"prod", "cdist", "mse_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
-                                   "hinge_embedding_loss", "poisson_nll_loss", "smooth_l1_loss", "l1_loss",
-                                   "huber_loss", "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss",
-                                   "multi_margin_loss", "kl_div", "multilabel_margin_loss",
-                                   "binary_cross_entropy_with_logits"})
+CPU_AUTOCAST_FP32_OPS = frozenset(
+    {
+        "prod",
+        "cdist",
+        "mse_loss",
+        "cosine_embedding_loss",
+        "nll_loss",
+        "nll_loss2d",
+        "hinge_embedding_loss",
+        "poisson_nll_loss",
+        "smooth_l1_loss",
+        "l1_loss",
+        "huber_loss",
+        "margin_ranking_loss",
+        "soft_margin_loss",
+        "triplet_margin_loss",
+        "multi_margin_loss",
+        "kl_div",
+        "multilabel_margin_loss",
+        "binary_cross_entropy_with_logits",
+    }
+)
 
 
 def fp32_on_cuda_only(op: str) -> bool:
     """True when CUDA autocast runs ``op`` in fp32 (or with an fp32 output) and CPU autocast does not."""
-    return (op in CUDA_AUTOCAST_FP32_OPS or op in CUDA_AUTOCAST_FP32_SET_OPT_DTYPE_OPS) and \
-        op not in CPU_AUTOCAST_FP32_OPS
+    return (
+        op in CUDA_AUTOCAST_FP32_OPS or op in CUDA_AUTOCAST_FP32_SET_OPT_DTYPE_OPS
+    ) and op not in CPU_AUTOCAST_FP32_OPS
 
 
 def dropout_mask_bytes_per_element(device: str, dtype_bytes: int) -> int:

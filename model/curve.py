@@ -83,11 +83,18 @@ TRACED_SHARDED_UNIFORM = "traced_sharded_uniform"
 #: peak (every miss of more is at micro-batch 1, with LoRA or frozen layers, or with a layer pattern), so a
 #: tenth of the sharded floor still leaves ten times the largest miss
 TRACED_SHARDED_UNIFORM_MARGIN_FLOOR = 0.002
-MARGIN_FLOORS = {TRACED: TRACED_MARGIN_FLOOR, TRACED_SHARDED: TRACED_SHARDED_MARGIN_FLOOR,
-                 TRACED_SHARDED_UNIFORM: TRACED_SHARDED_UNIFORM_MARGIN_FLOOR}
+MARGIN_FLOORS = {
+    TRACED: TRACED_MARGIN_FLOOR,
+    TRACED_SHARDED: TRACED_SHARDED_MARGIN_FLOOR,
+    TRACED_SHARDED_UNIFORM: TRACED_SHARDED_UNIFORM_MARGIN_FLOOR,
+}
 #: default relative bound margins per group until calibrated (measured in benchmarks/results/accuracy.txt)
-DEFAULT_MARGINS = {**MARGIN_FLOORS, PROVISIONAL: 0.30, PROVISIONAL_COEFFICIENTS: 0.30,
-                   PROVISIONAL_COEFFICIENTS_SHARDED: 0.30}
+DEFAULT_MARGINS = {
+    **MARGIN_FLOORS,
+    PROVISIONAL: 0.30,
+    PROVISIONAL_COEFFICIENTS: 0.30,
+    PROVISIONAL_COEFFICIENTS_SHARDED: 0.30,
+}
 
 
 def uniform_configuration(training: TrainingConfig, period: int) -> bool:
@@ -110,6 +117,8 @@ def margin_group(path: str, sharding: Sharding | str, composed: bool = False, un
     if path == PROVISIONAL and composed:
         return PROVISIONAL_COEFFICIENTS_SHARDED if sharded else PROVISIONAL_COEFFICIENTS
     return path
+
+
 _STATE_PHASES_WITH_GRADS = {"bwd.emb", "opt"}
 
 
@@ -182,8 +191,9 @@ def accumulation_phases(phase_bytes: np.ndarray, gradients_bytes: int) -> np.nda
     return out
 
 
-def breakdown(states: ModelStates, predicted_bytes: int, phase: str | None,
-              gradients_live: bool = False) -> dict[str, int]:
+def breakdown(
+    states: ModelStates, predicted_bytes: int, phase: str | None, gradients_live: bool = False
+) -> dict[str, int]:
     """Split a predicted peak into the model states (:func:`model.analytic.model_state_bytes`) live in
     ``phase`` and the rest; the parts add up to ``predicted_bytes`` exactly.
 
@@ -251,8 +261,14 @@ class MemoryPredictor:
             terms exist the curve is answered provisionally.
     """
 
-    def __init__(self, estimator: Any = None, terms: TermsCache | None = None,
-                 margins: dict[str, float] | None = None, tracer: Any = None, coefficients: Any = None) -> None:
+    def __init__(
+        self,
+        estimator: Any = None,
+        terms: TermsCache | None = None,
+        margins: dict[str, float] | None = None,
+        tracer: Any = None,
+        coefficients: Any = None,
+    ) -> None:
         self.estimator = estimator
         self.coefficients = coefficients
         self.terms = terms if terms is not None else TermsCache()
@@ -309,8 +325,9 @@ class MemoryPredictor:
             if terms is None and training.accumulates_gradients and not pp_or_cp:
                 # until accumulation itself is traced: the traced phases of one micro-batch per step, with the
                 # gradient buffer added where it is not live already
-                single = self.terms.get(terms_key(hf_config, training.model_copy(
-                    update={"gradient_accumulation_steps": 1})))
+                single = self.terms.get(
+                    terms_key(hf_config, training.model_copy(update={"gradient_accumulation_steps": 1}))
+                )
                 if single is not None:
                     period = single.get("period", 1)
                     c = compose_terms(single, L, training.micro_batch_size, training.seq_len)
@@ -334,8 +351,12 @@ class MemoryPredictor:
             reason = "no HF config to trace"
         path = TRACED if raw is not None else PROVISIONAL
         learned = False
-        if raw is None and self.coefficients is not None and not pp_or_cp and \
-                self.coefficients.covers(rank_model, training, hf_config):
+        if (
+            raw is None
+            and self.coefficients is not None
+            and not pp_or_cp
+            and self.coefficients.covers(rank_model, training, hf_config)
+        ):
             coef = self.coefficients.predict_coef(rank_model, training, hf_config)
             c = compose(coef, L, training.micro_batch_size, training.seq_len)
             raw, phases, phase_bytes, learned = c.peak_bytes.astype(np.float64), c.phase, c.phase_bytes, True
@@ -349,19 +370,26 @@ class MemoryPredictor:
         notes = []
         if training.accumulates_gradients:
             if accumulation_composed:
-                notes.append(f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches "
-                             "composed from the traced phases of one micro-batch per step, the gradient buffer added "
-                             "to every phase before the end of backward (an upper bound until it is traced: "
-                             f"{reason})")
+                notes.append(
+                    f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches "
+                    "composed from the traced phases of one micro-batch per step, the gradient buffer added "
+                    "to every phase before the end of backward (an upper bound until it is traced: "
+                    f"{reason})"
+                )
             elif path == TRACED:
-                notes.append(f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches "
-                             "traced: a later micro-batch runs with every gradient live")
+                notes.append(
+                    f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches "
+                    "traced: a later micro-batch runs with every gradient live"
+                )
             else:  # the learned paths know steps of one micro-batch: add the whole gradient buffer (an upper bound)
                 raw = raw + states.gradients_bytes
-                notes.append(f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches: "
-                             "the learned answer for one micro-batch plus the whole gradient buffer (an upper bound)")
-        group = margin_group(path, training.sharding, learned,
-                             uniform=period is not None and uniform_configuration(training, period))
+                notes.append(
+                    f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches: "
+                    "the learned answer for one micro-batch plus the whole gradient buffer (an upper bound)"
+                )
+        group = margin_group(
+            path, training.sharding, learned, uniform=period is not None and uniform_configuration(training, period)
+        )
         margin = self.margins[group]
         held = None if pipe is None else (lambda at: stage_states[pipe.bottleneck(at)])
         points = self._points(path, raw, phases, states, margin, held, training.accumulates_gradients)
@@ -369,40 +397,58 @@ class MemoryPredictor:
             how = "learned phase coefficients, composed per phase" if learned else "learned model"
             notes.append(f"provisional answer ({how}): {reason}")
         if model.num_experts is not None and path == TRACED:
-            notes.append(f"MoE traced with balanced routing (hottest expert at {training.moe_imbalance_factor:g}x its "
-                         f"balanced share) over {training.expert_parallel_size} expert-parallel rank(s)")
+            notes.append(
+                f"MoE traced with balanced routing (hottest expert at {training.moe_imbalance_factor:g}x its "
+                f"balanced share) over {training.expert_parallel_size} expert-parallel rank(s)"
+            )
         elif model.num_experts is not None:
-            notes.append("MoE is approximate: this configuration's expert routing is not traced; the learned "
-                         "model answers")
+            notes.append(
+                "MoE is approximate: this configuration's expert routing is not traced; the learned model answers"
+            )
         if training.tensor_parallel_size > 1 and path == TRACED:
-            notes.append(f"tensor parallelism{' + sequence parallelism' if training.sequence_parallel else ''} "
-                         f"traced with DTensor over a fake process group of {training.tensor_parallel_size} ranks "
-                         "(per rank)")
+            notes.append(
+                f"tensor parallelism{' + sequence parallelism' if training.sequence_parallel else ''} "
+                f"traced with DTensor over a fake process group of {training.tensor_parallel_size} ranks "
+                "(per rank)"
+            )
         if training.pipeline_parallel_size > 1:
-            notes.append(f"pipeline parallelism composed per stage ({training.pipeline_parallel_size} stages, "
-                         f"{training.pipeline_schedule.value}, {training.micro_batches_per_step} micro-batches)"
-                         + ("" if path == TRACED else ": the provisional answer is for a rank holding all layers"))
+            notes.append(
+                f"pipeline parallelism composed per stage ({training.pipeline_parallel_size} stages, "
+                f"{training.pipeline_schedule.value}, {training.micro_batches_per_step} micro-batches)"
+                + ("" if path == TRACED else ": the provisional answer is for a rank holding all layers")
+            )
         if training.context_parallel_size > 1:
-            notes.append(f"context parallelism composed: {training.seq_len // training.context_parallel_size} tokens "
-                         "per rank plus ring-attention key/value buffers"
-                         + ("" if path == TRACED else ": the provisional answer is for the whole sequence"))
+            notes.append(
+                f"context parallelism composed: {training.seq_len // training.context_parallel_size} tokens "
+                "per rank plus ring-attention key/value buffers"
+                + ("" if path == TRACED else ": the provisional answer is for the whole sequence")
+            )
         if training.sharding is not Sharding.NONE and path == TRACED:
             # what the trace was, not a fault: the memory is rank 0's, traced in one process (no GPUs, no network)
             cp = training.context_parallel_size
-            notes.append(f"{training.sharding.value} over {training.sharding_group_size} "
-                         + (f"data x context-parallel ranks ({training.data_parallel_size} x {cp}, torchtitan's "
-                            "dp_shard_cp)" if cp > 1 else "data-parallel ranks")
-                         + ": rank 0's memory, traced in one process over torch's fake process group of "
-                         f"{training.sharding_group_size} ranks (no communication is run)")
+            notes.append(
+                f"{training.sharding.value} over {training.sharding_group_size} "
+                + (
+                    f"data x context-parallel ranks ({training.data_parallel_size} x {cp}, torchtitan's dp_shard_cp)"
+                    if cp > 1
+                    else "data-parallel ranks"
+                )
+                + ": rank 0's memory, traced in one process over torch's fake process group of "
+                f"{training.sharding_group_size} ranks (no communication is run)"
+            )
         if group == TRACED_SHARDED:  # a new user saw an 8x wider bound at micro-batch 1 than at 2, unexplained
-            notes.append(f"bound {100 * margin:.1f} % above the point: sharded steps at micro-batch 1, with LoRA or "
-                         f"frozen layers, or with a layer-type pattern are composed less exactly than the others "
-                         f"({100 * self.margins[TRACED_SHARDED_UNIFORM]:.1f} %)")
+            notes.append(
+                f"bound {100 * margin:.1f} % above the point: sharded steps at micro-batch 1, with LoRA or "
+                f"frozen layers, or with a layer-type pattern are composed less exactly than the others "
+                f"({100 * self.margins[TRACED_SHARDED_UNIFORM]:.1f} %)"
+            )
         if training.checkpoint_impl is CheckpointImpl.REENTRANT and training.finetune is not FineTune.FULL:
-            notes.append("reentrant checkpointing behind frozen embeddings: the checkpointed layers' inputs do not "
-                         "require grad, so without a fix they get no gradients (or the step fails); answered as "
-                         "memfit.apply runs it, with model.enable_input_require_grads(); use_reentrant=False "
-                         "(checkpoint_impl non_reentrant) is the other fix")
+            notes.append(
+                "reentrant checkpointing behind frozen embeddings: the checkpointed layers' inputs do not "
+                "require grad, so without a fix they get no gradients (or the step fails); answered as "
+                "memfit.apply runs it, with model.enable_input_require_grads(); use_reentrant=False "
+                "(checkpoint_impl non_reentrant) is the other fix"
+            )
         if hf_config is not None:  # keys that change a step but not the key's meaning (memfit.hf.canonical_hf_config)
             from memfit.hf import config_assumptions
 
@@ -411,15 +457,35 @@ class MemoryPredictor:
                 notes.append(assumed)
         paged = optimizer_state_bytes_per_param(training)[1] * model.trainable_params
         if paged:
-            notes.append(f"{training.optimizer.value}: about {paged / GIB:.2f} GiB of optimizer states live in CUDA "
-                         "unified memory (cudaMallocManaged), outside PyTorch's allocator: not in the peak allocated "
-                         "bytes; the driver pages them to host RAM when the device is full")
-        return Curve(path=path, points=points, floor_bytes=floor, terms_key=key, reason=reason if path ==
-                     PROVISIONAL else None, notes=notes, pipeline=pipe, raw_bytes=raw, phase_bytes=phase_bytes,
-                     learned_coefficients=learned, margin_group=group)
+            notes.append(
+                f"{training.optimizer.value}: about {paged / GIB:.2f} GiB of optimizer states live in CUDA "
+                "unified memory (cudaMallocManaged), outside PyTorch's allocator: not in the peak allocated "
+                "bytes; the driver pages them to host RAM when the device is full"
+            )
+        return Curve(
+            path=path,
+            points=points,
+            floor_bytes=floor,
+            terms_key=key,
+            reason=reason if path == PROVISIONAL else None,
+            notes=notes,
+            pipeline=pipe,
+            raw_bytes=raw,
+            phase_bytes=phase_bytes,
+            learned_coefficients=learned,
+            margin_group=group,
+        )
 
-    def _points(self, path: str, raw: np.ndarray, phases: list[str | None], states: ModelStates,
-                margin: float, held: Any = None, gradients_live: bool = False) -> list[CurvePoint]:
+    def _points(
+        self,
+        path: str,
+        raw: np.ndarray,
+        phases: list[str | None],
+        states: ModelStates,
+        margin: float,
+        held: Any = None,
+        gradients_live: bool = False,
+    ) -> list[CurvePoint]:
         """Envelope over k' >= k (monotone, conservative), the state floor, bound and breakdown per k.
 
         ``held(at)`` gives the model states of the rank that peaks at k = ``at`` (pipeline stages); default
@@ -431,9 +497,15 @@ class MemoryPredictor:
             p = math.ceil(point[k])
             at = int(np.argmax(raw[k:]) + k)
             phase = phases[at]
-            points.append(CurvePoint(k=k, predicted_bytes=p, upper_bytes=math.ceil(p * (1 + margin)),
-                                     peak_phase=phase, breakdown=breakdown(held(at) if held else states, p, phase,
-                                                                           gradients_live)))
+            points.append(
+                CurvePoint(
+                    k=k,
+                    predicted_bytes=p,
+                    upper_bytes=math.ceil(p * (1 + margin)),
+                    peak_phase=phase,
+                    breakdown=breakdown(held(at) if held else states, p, phase, gradients_live),
+                )
+            )
         return points
 
     def _offload_curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> Curve:
@@ -465,13 +537,23 @@ class MemoryPredictor:
             phases = [None] * (L + 1)
             notes.append("offload: the learned curve without offload scaled by the analytic offloaded/not ratio")
         if training.gradient_accumulation_steps > 1:
-            notes.append(f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches: the "
-                         "offloaded gradients accumulate in host memory, the device holds one micro-batch's peak")
+            notes.append(
+                f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches: the "
+                "offloaded gradients accumulate in host memory, the device holds one micro-batch's peak"
+            )
         margin = self.margins[margin_group(base.path, base_training.sharding, base.learned_coefficients)]
-        return Curve(path=base.path, points=self._points(base.path, raw, phases, states, margin),
-                     floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
-                     raw_bytes=raw, phase_bytes=None, host_memory_bytes=host_memory_bytes(model, training),
-                     learned_coefficients=base.learned_coefficients)
+        return Curve(
+            path=base.path,
+            points=self._points(base.path, raw, phases, states, margin),
+            floor_bytes=states.total_bytes,
+            terms_key=base.terms_key,
+            reason=base.reason,
+            notes=notes,
+            raw_bytes=raw,
+            phase_bytes=None,
+            host_memory_bytes=host_memory_bytes(model, training),
+            learned_coefficients=base.learned_coefficients,
+        )
 
     def _zero1_curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]) -> Curve | None:
         """Rank 0's ZeRO-1 curve from its unsharded base's phases (:mod:`model.zero1`), on the base's path and
@@ -490,18 +572,33 @@ class MemoryPredictor:
         raw = dev.max(axis=1) + (np.asarray(base.raw_bytes, dtype=np.float64) - base.phase_bytes.max(axis=1))
         phases: list[str | None] = [PEAK_PHASES[i] for i in dev.argmax(axis=1)]
         states = rank0_states(model, training, split)
-        notes = base.notes + [(f"ZeRO-1 over {training.data_parallel_size} ranks composed from the phases without "
-                               f"sharding (model.zero1): rank 0 steps {split.rank0_params:,} of "
-                               f"{model.trainable_params:,} trainable parameters (ZeroRedundancyOptimizer's "
-                               "whole-parameter partition)")]
+        notes = base.notes + [
+            (
+                f"ZeRO-1 over {training.data_parallel_size} ranks composed from the phases without "
+                f"sharding (model.zero1): rank 0 steps {split.rank0_params:,} of "
+                f"{model.trainable_params:,} trainable parameters (ZeroRedundancyOptimizer's "
+                "whole-parameter partition)"
+            )
+        ]
         group = margin_group(base.path, base_training_.sharding, base.learned_coefficients)
-        return Curve(path=base.path, points=self._points(base.path, raw, phases, states, self.margins[group], None,
-                                                         training.accumulates_gradients),
-                     floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
-                     raw_bytes=raw, phase_bytes=dev, learned_coefficients=base.learned_coefficients, margin_group=group)
+        return Curve(
+            path=base.path,
+            points=self._points(
+                base.path, raw, phases, states, self.margins[group], None, training.accumulates_gradients
+            ),
+            floor_bytes=states.total_bytes,
+            terms_key=base.terms_key,
+            reason=base.reason,
+            notes=notes,
+            raw_bytes=raw,
+            phase_bytes=dev,
+            learned_coefficients=base.learned_coefficients,
+            margin_group=group,
+        )
 
-    def _frozen_curve(self, model: ModelSpec, training: TrainingConfig,
-                      hf_config: dict[str, Any] | None) -> Curve | None:
+    def _frozen_curve(
+        self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None
+    ) -> Curve | None:
         """The curve of a frozen fine-tune composed from its base's phases (:mod:`model.frozen`), on the base's
         path; None when the base has no phases (the ratio model answers it): the caller answers as before."""
         from model.frozen import base_model, base_training, device_phases
@@ -513,14 +610,24 @@ class MemoryPredictor:
         dev = device_phases(base.phase_bytes, list(PEAK_PHASES), model, training)
         raw = dev.max(axis=1)
         phases: list[str | None] = [PEAK_PHASES[i] for i in dev.argmax(axis=1)]
-        composed = (f"frozen fine-tuning composed from the full fine-tune of the {base_model(model, training).num_layers}"
-                    f" layers above the {training.frozen_layers} frozen ones (model.frozen)")
+        composed = (
+            f"frozen fine-tuning composed from the full fine-tune of the {base_model(model, training).num_layers}"
+            f" layers above the {training.frozen_layers} frozen ones (model.frozen)"
+        )
         notes = [n for n in base.notes if not n.startswith("provisional answer")] + [composed]
         if base.path == PROVISIONAL:
-            notes.append(f"provisional answer (learned phase coefficients of the base, composed per phase): "
-                         f"{base.reason}")
+            notes.append(
+                f"provisional answer (learned phase coefficients of the base, composed per phase): {base.reason}"
+            )
         margin = self.margins[margin_group(base.path, training.sharding, base.learned_coefficients)]
-        return Curve(path=base.path, points=self._points(base.path, raw, phases, states, margin, None,
-                                                         training.accumulates_gradients),
-                     floor_bytes=states.total_bytes, terms_key=base.terms_key, reason=base.reason, notes=notes,
-                     raw_bytes=raw, phase_bytes=dev, learned_coefficients=base.learned_coefficients)
+        return Curve(
+            path=base.path,
+            points=self._points(base.path, raw, phases, states, margin, None, training.accumulates_gradients),
+            floor_bytes=states.total_bytes,
+            terms_key=base.terms_key,
+            reason=base.reason,
+            notes=notes,
+            raw_bytes=raw,
+            phase_bytes=dev,
+            learned_coefficients=base.learned_coefficients,
+        )

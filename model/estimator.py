@@ -49,9 +49,19 @@ class PeakMemoryRegressor(RegressorMixin, BaseEstimator):
     ``n_features_in_``, ``conformal_log_margin_``, ``calibration_coverage_``, ``n_calibration_``.
     """
 
-    def __init__(self, n_estimators: int = 600, learning_rate: float = 0.05, num_leaves: int = 63,
-                 min_child_samples: int = 10, reg_lambda: float = 1.0, monotone: bool = True,
-                 alpha: float = 0.05, calibration_fraction: float = 0.2, random_state: int = 0, n_jobs: int = 1):
+    def __init__(
+        self,
+        n_estimators: int = 600,
+        learning_rate: float = 0.05,
+        num_leaves: int = 63,
+        min_child_samples: int = 10,
+        reg_lambda: float = 1.0,
+        monotone: bool = True,
+        alpha: float = 0.05,
+        calibration_fraction: float = 0.2,
+        random_state: int = 0,
+        n_jobs: int = 1,
+    ):
         self.n_estimators = n_estimators
         self.learning_rate = learning_rate
         self.num_leaves = num_leaves
@@ -67,9 +77,15 @@ class PeakMemoryRegressor(RegressorMixin, BaseEstimator):
     def lgb_params(self) -> dict:
         """LightGBM parameters (also used by the Dask engine, so both train the same model)."""
         params = {
-            "objective": "regression", "learning_rate": self.learning_rate, "num_leaves": self.num_leaves,
-            "min_child_samples": self.min_child_samples, "lambda_l2": self.reg_lambda, "verbose": -1,
-            "seed": self.random_state, "num_threads": self.n_jobs, "deterministic": True,
+            "objective": "regression",
+            "learning_rate": self.learning_rate,
+            "num_leaves": self.num_leaves,
+            "min_child_samples": self.min_child_samples,
+            "lambda_l2": self.reg_lambda,
+            "verbose": -1,
+            "seed": self.random_state,
+            "num_threads": self.n_jobs,
+            "deterministic": True,
             "force_row_wise": True,
         }
         if self.monotone:
@@ -118,8 +134,12 @@ class PeakMemoryRegressor(RegressorMixin, BaseEstimator):
         return self
 
     def _train(self, feats: pd.DataFrame, target: np.ndarray) -> lgb.Booster:
-        ds = lgb.Dataset(feats, label=target, categorical_feature=[c for c in feats if str(feats[c].dtype) ==
-                                                                     "category"], free_raw_data=True)
+        ds = lgb.Dataset(
+            feats,
+            label=target,
+            categorical_feature=[c for c in feats if str(feats[c].dtype) == "category"],
+            free_raw_data=True,
+        )
         return lgb.train(self.lgb_params(), ds, num_boost_round=self.n_estimators)
 
     def predict_log_ratio(self, X: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:

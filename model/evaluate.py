@@ -24,6 +24,7 @@ Baselines on the same held-out rows (:func:`baseline_predictions`):
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -37,14 +38,33 @@ from memfit.schema import GIB, Precision, TelemetryRecord
 from model.analytic import model_state_bytes
 
 #: flat columns identifying a configuration family: everything but k (the checkpointed-layer count)
-FAMILY_COLUMNS: list[str] = ["model_name", "micro_batch_size", "seq_len", "precision", "optimizer", "sharding",
-                             "data_parallel_size", "attention", "finetune", "lora_rank", "frozen_layers",
-                             "checkpoint_impl", "method",
-                             # issue-9 settings: present in rows merged since (a family differs in any of them)
-                             "optimizer_in_backward", "quantization", "offload_optimizer", "offload_parameters",
-                             "tensor_parallel_size", "sequence_parallel", "pipeline_parallel_size",
-                             "context_parallel_size", "expert_parallel_size", "moe_imbalance_factor",
-                             "gradient_accumulation_steps"]
+FAMILY_COLUMNS: list[str] = [
+    "model_name",
+    "micro_batch_size",
+    "seq_len",
+    "precision",
+    "optimizer",
+    "sharding",
+    "data_parallel_size",
+    "attention",
+    "finetune",
+    "lora_rank",
+    "frozen_layers",
+    "checkpoint_impl",
+    "method",
+    # issue-9 settings: present in rows merged since (a family differs in any of them)
+    "optimizer_in_backward",
+    "quantization",
+    "offload_optimizer",
+    "offload_parameters",
+    "tensor_parallel_size",
+    "sequence_parallel",
+    "pipeline_parallel_size",
+    "context_parallel_size",
+    "expert_parallel_size",
+    "moe_imbalance_factor",
+    "gradient_accumulation_steps",
+]
 #: capacities (GiB) of common accelerators: V100/T4 16, A10/L4/4090 24, A100 40/80, A6000/L40S 48, H100 80,
 #: H100 NVL 94/96, H200 141
 CAPACITIES_GIB: tuple[float, ...] = (16, 24, 40, 48, 80, 96, 141)
@@ -52,13 +72,19 @@ SPLITS = ("leave_architecture_out", "small_to_large")
 #: total_params limit of the small_to_large split's training side
 SMALL_MAX_PARAMS = 13.5e9
 BASELINES = ("analytic", "deepspeed_states", "accelerate_weights")
-_ADAM_WEIGHT_BYTES = {Precision.FP32: 4, Precision.AMP_FP16: 4, Precision.AMP_BF16: 4, Precision.BF16: 2,
-                      Precision.BF16_FP32_MASTER: 2}
+_ADAM_WEIGHT_BYTES = {
+    Precision.FP32: 4,
+    Precision.AMP_FP16: 4,
+    Precision.AMP_BF16: 4,
+    Precision.BF16: 2,
+    Precision.BF16_FP32_MASTER: 2,
+}
 
 
 # -- data -------------------------------------------------------------------------------------------
-def load_rows(db_url: str | None = None, files: Iterable[str] = (), *,
-              use_store: bool | None = None) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
+def load_rows(
+    db_url: str | None = None, files: Iterable[str] = (), *, use_store: bool | None = None
+) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
     """Validated, de-duplicated, uncensored telemetry rows from a store and/or Parquet/CSV files.
 
     Args:
@@ -116,21 +142,34 @@ def load_rows(db_url: str | None = None, files: Iterable[str] = (), *,
                 if seen[rec.record_id] == h:
                     n_dup += 1
                 else:
-                    rejected.append({"record_id": rec.record_id, "source": source,
-                                     "reason": "record_id already seen with different content"})
+                    rejected.append(
+                        {
+                            "record_id": rec.record_id,
+                            "source": source,
+                            "reason": "record_id already seen with different content",
+                        }
+                    )
                 continue
             seen[rec.record_id] = h
             if rec.measurement.oom:
                 n_oom += 1
                 continue
             if rec.measurement.peak_allocated_bytes <= 0:
-                rejected.append({"record_id": rec.record_id, "source": source,
-                                 "reason": "peak_allocated_bytes must be > 0 to fit"})
+                rejected.append(
+                    {"record_id": rec.record_id, "source": source, "reason": "peak_allocated_bytes must be > 0 to fit"}
+                )
                 continue
             rows.append(rec.to_row())
     df = pd.DataFrame(rows)
-    df.attrs.update({"n_input": n_input, "n_rejected": len(rejected), "n_oom_dropped": n_oom,
-                     "n_duplicates": n_dup, "sources": [s for s, _ in sources]})
+    df.attrs.update(
+        {
+            "n_input": n_input,
+            "n_rejected": len(rejected),
+            "n_oom_dropped": n_oom,
+            "n_duplicates": n_dup,
+            "sources": [s for s, _ in sources],
+        }
+    )
     return df, rejected
 
 
@@ -143,8 +182,7 @@ def _reason(err: Exception) -> str:
 def group_labels(df: pd.DataFrame) -> np.ndarray:
     """Architecture label per row for grouped splits: ``model_name``, or, when missing (user jobs),
     ``architecture:layers x hidden``."""
-    fallback = df["architecture"].astype(str) + ":" + df["num_layers"].astype(str) + "x" + \
-        df["hidden_size"].astype(str)
+    fallback = df["architecture"].astype(str) + ":" + df["num_layers"].astype(str) + "x" + df["hidden_size"].astype(str)
     if "model_name" not in df.columns:
         return fallback.to_numpy(dtype=object)
     return df["model_name"].where(df["model_name"].notna(), fallback).astype(str).to_numpy(dtype=object)
@@ -152,8 +190,7 @@ def group_labels(df: pd.DataFrame) -> np.ndarray:
 
 def gate_mask(record_ids: Iterable[str]) -> np.ndarray:
     """Deterministic hold-out: True where ``int(sha256(record_id), 16) % 10 == 0`` (about 10 % of rows)."""
-    return np.array([int(hashlib.sha256(str(r).encode()).hexdigest(), 16) % 10 == 0 for r in record_ids],
-                    dtype=bool)
+    return np.array([int(hashlib.sha256(str(r).encode()).hexdigest(), 16) % 10 == 0 for r in record_ids], dtype=bool)
 
 
 # -- metrics ----------------------------------------------------------------------------------------
@@ -175,8 +212,14 @@ def metrics(y_true, y_pred, y_upper=None) -> dict[str, float]:
     if t.shape != p.shape:
         raise ValueError(f"y_true shape {t.shape} != y_pred shape {p.shape}")
     nan = float("nan")
-    out = {"mape_pct": nan, "p95_rel_err_pct": nan, "max_rel_err_pct": nan, "coverage": nan,
-           "mean_upper_excess_pct": nan, "n": int(t.size)}
+    out = {
+        "mape_pct": nan,
+        "p95_rel_err_pct": nan,
+        "max_rel_err_pct": nan,
+        "coverage": nan,
+        "mean_upper_excess_pct": nan,
+        "n": int(t.size),
+    }
     if t.size == 0:
         return out
     if (t <= 0).any():
@@ -213,11 +256,17 @@ def oracle_eval(df: pd.DataFrame, upper_pred, capacities_gib: Sequence[float] = 
     upper = np.asarray(upper_pred, dtype="float64")
     if upper.shape != (len(df),):
         raise ValueError(f"upper_pred must have shape ({len(df)},), got {upper.shape}")
-    data = pd.DataFrame({"k": df["num_checkpointed_layers"].to_numpy(), "peak": df["peak_allocated_bytes"]
-                         .to_numpy(dtype="float64"), "upper": upper})
+    data = pd.DataFrame(
+        {
+            "k": df["num_checkpointed_layers"].to_numpy(),
+            "peak": df["peak_allocated_bytes"].to_numpy(dtype="float64"),
+            "upper": upper,
+        }
+    )
     cols = [c for c in FAMILY_COLUMNS if c in df.columns]
-    data["family"] = (df.reset_index(drop=True).groupby(cols, dropna=False, sort=False).ngroup().to_numpy()
-                      if cols and len(df) else 0)
+    data["family"] = (
+        df.reset_index(drop=True).groupby(cols, dropna=False, sort=False).ngroup().to_numpy() if cols and len(df) else 0
+    )
     data = data[np.isfinite(data["upper"])]
     cases: list[dict[str, Any]] = []
     for _fam, g in data.groupby("family", sort=False):
@@ -226,8 +275,13 @@ def oracle_eval(df: pd.DataFrame, upper_pred, capacities_gib: Sequence[float] = 
         for cap in capacities_gib:
             limit = cap * GIB
             fit_o, fit_r = ks[peak <= limit], ks[up <= limit]
-            cases.append({"cap": cap, "oracle": int(fit_o.min()) if fit_o.size else None,
-                          "rec": int(fit_r.min()) if fit_r.size else None})
+            cases.append(
+                {
+                    "cap": cap,
+                    "oracle": int(fit_o.min()) if fit_o.size else None,
+                    "rec": int(fit_r.min()) if fit_r.size else None,
+                }
+            )
     out = _oracle_summary(cases)
     out["n_families"] = int(data["family"].nunique())
     out["capacities_gib"] = list(capacities_gib)
@@ -241,13 +295,22 @@ def _oracle_summary(cases: list[dict[str, Any]]) -> dict[str, Any]:
     n = len(live)
     exact = sum(1 for c in live if c["rec"] == c["oracle"])
     oom = sum(1 for c in live if c["rec"] is not None and (c["oracle"] is None or c["rec"] < c["oracle"]))
-    over = [c["rec"] - c["oracle"] for c in live if c["rec"] is not None and c["oracle"] is not None
-            and c["rec"] > c["oracle"]]
+    over = [
+        c["rec"] - c["oracle"]
+        for c in live
+        if c["rec"] is not None and c["oracle"] is not None and c["rec"] > c["oracle"]
+    ]
     false_inf = sum(1 for c in live if c["rec"] is None)
     rate = (lambda x: x / n) if n else (lambda x: float("nan"))
-    return {"exact_k_rate": rate(exact), "oom_rate": rate(oom), "over_rate": rate(len(over)),
-            "false_infeasible_rate": rate(false_inf), "mean_extra_layers": float(np.mean(over)) if over else 0.0,
-            "n_cases": n, "n_both_infeasible": both_none}
+    return {
+        "exact_k_rate": rate(exact),
+        "oom_rate": rate(oom),
+        "over_rate": rate(len(over)),
+        "false_infeasible_rate": rate(false_inf),
+        "mean_extra_layers": float(np.mean(over)) if over else 0.0,
+        "n_cases": n,
+        "n_both_infeasible": both_none,
+    }
 
 
 # -- baselines --------------------------------------------------------------------------------------
@@ -258,12 +321,14 @@ def baseline_predictions(df: pd.DataFrame) -> dict[str, np.ndarray]:
     feats = build_features(df)
     states, accel = [], []
     for row in df.to_dict("records"):
-        spec, training = row_specs({k: v for k, v in row.items() if not (isinstance(v, float) and v != v)})
+        spec, training = row_specs({k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))})
         states.append(model_state_bytes(spec, training).total_bytes)
         accel.append(4 * spec.total_params * _ADAM_WEIGHT_BYTES[Precision(training.precision)])
-    return {"analytic": feats["analytic_peak_bytes"].to_numpy(dtype="float64"),
-            "deepspeed_states": np.asarray(states, dtype="float64"),
-            "accelerate_weights": np.asarray(accel, dtype="float64")}
+    return {
+        "analytic": feats["analytic_peak_bytes"].to_numpy(dtype="float64"),
+        "deepspeed_states": np.asarray(states, dtype="float64"),
+        "accelerate_weights": np.asarray(accel, dtype="float64"),
+    }
 
 
 def compare_baselines(df: pd.DataFrame, memfit_mape_pct: float) -> dict[str, dict[str, float]]:
@@ -272,8 +337,11 @@ def compare_baselines(df: pd.DataFrame, memfit_mape_pct: float) -> dict[str, dic
     out = {}
     for name, pred in baseline_predictions(df).items() if len(df) else ():
         m = metrics(y, pred)
-        out[name] = {"mape_pct": m["mape_pct"], "p95_rel_err_pct": m["p95_rel_err_pct"],
-                     "ratio_to_memfit": m["mape_pct"] / memfit_mape_pct if memfit_mape_pct > 0 else float("nan")}
+        out[name] = {
+            "mape_pct": m["mape_pct"],
+            "p95_rel_err_pct": m["p95_rel_err_pct"],
+            "ratio_to_memfit": m["mape_pct"] / memfit_mape_pct if memfit_mape_pct > 0 else float("nan"),
+        }
     return out
 
 
@@ -295,16 +363,23 @@ def split_indices(df: pd.DataFrame, split: str, n_folds: int = 5) -> list[tuple[
         small = df["total_params"].to_numpy(dtype="float64") <= SMALL_MAX_PARAMS
         tr, te = np.flatnonzero(small), np.flatnonzero(~small)
         if not tr.size or not te.size:
-            raise ValueError(f"small_to_large needs models on both sides of {SMALL_MAX_PARAMS:.3g} parameters "
-                             f"(have {tr.size} small rows, {te.size} large)")
+            raise ValueError(
+                f"small_to_large needs models on both sides of {SMALL_MAX_PARAMS:.3g} parameters "
+                f"(have {tr.size} small rows, {te.size} large)"
+            )
         if len(set(group_labels(df.iloc[tr]))) < 2:
             raise ValueError("small_to_large needs at least 2 small architectures to train and calibrate on")
         return [(tr, te)]
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
-def _fit_predict_fold(make_estimator: Callable[[], Any], X_train: pd.DataFrame, y_train: np.ndarray,
-                      groups_train: np.ndarray, X_test: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+def _fit_predict_fold(
+    make_estimator: Callable[[], Any],
+    X_train: pd.DataFrame,
+    y_train: np.ndarray,
+    groups_train: np.ndarray,
+    X_test: pd.DataFrame,
+) -> tuple[np.ndarray, np.ndarray]:
     """One fold of :func:`cross_evaluate`: (point, upper bound) in bytes for ``X_test``, shape (len(X_test),) each."""
     est = make_estimator()
     est.fit(X_train, y_train, groups=groups_train)
@@ -313,10 +388,14 @@ def _fit_predict_fold(make_estimator: Callable[[], Any], X_train: pd.DataFrame, 
     return est.predict(X_test), est.predict_upper(X_test)
 
 
-def cross_evaluate(df: pd.DataFrame, make_estimator: Callable[[], Any], split: str,
-                   capacities_gib: Sequence[float] = CAPACITIES_GIB,
-                   progress: Callable[[str], None] | None = None,
-                   n_jobs: int = 1) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+def cross_evaluate(
+    df: pd.DataFrame,
+    make_estimator: Callable[[], Any],
+    split: str,
+    capacities_gib: Sequence[float] = CAPACITIES_GIB,
+    progress: Callable[[str], None] | None = None,
+    n_jobs: int = 1,
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """Out-of-sample predictions of a split and their scores.
 
     Args:
@@ -359,13 +438,16 @@ def cross_evaluate(df: pd.DataFrame, make_estimator: Callable[[], Any], split: s
         from joblib import Parallel, delayed
 
         answers = Parallel(n_jobs=min(n_jobs, len(folds)), return_as="generator")(
-            delayed(_fit_predict_fold)(*t) for t in tasks)
+            delayed(_fit_predict_fold)(*t) for t in tasks
+        )
     for i, ((_tr, te), (p, u)) in enumerate(zip(folds, answers)):
         pred[te], upper[te] = p, u
         if progress:
             m = metrics(y[te], pred[te], upper[te])
-            progress(f"{split} fold {i + 1}/{len(folds)}: test {sorted(set(groups[te]))} "
-                     f"MAPE {m['mape_pct']:.2f}% coverage {m['coverage']:.3f}")
+            progress(
+                f"{split} fold {i + 1}/{len(folds)}: test {sorted(set(groups[te]))} "
+                f"MAPE {m['mape_pct']:.2f}% coverage {m['coverage']:.3f}"
+            )
     tested = np.isfinite(pred)
     sub = df[tested]
     m = metrics(y[tested], pred[tested], upper[tested])
@@ -374,7 +456,9 @@ def cross_evaluate(df: pd.DataFrame, make_estimator: Callable[[], Any], split: s
         sel = tested & (groups == name)
         per_arch[name] = metrics(y[sel], pred[sel], upper[sel])
     summary = {
-        "split": split, "n_folds": len(folds), "n_test": int(tested.sum()),
+        "split": split,
+        "n_folds": len(folds),
+        "n_test": int(tested.sum()),
         "test_architectures": sorted(set(groups[tested])),
         "metrics": m,
         "oracle": oracle_eval(sub, upper[tested], capacities_gib),
@@ -393,7 +477,7 @@ def row_configuration(row: dict[str, Any]):
     from model.features import row_specs
     from training.terms import hf_config_of
 
-    spec, training = row_specs({k: v for k, v in row.items() if not (isinstance(v, float) and v != v)})
+    spec, training = row_specs({k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))})
     # validated copies: Parquet hands integer columns with gaps back as floats (lora_rank 16.0), and the
     # traced-terms key must see the same values a request gives
     spec = ModelSpec.model_validate(dict(spec))
@@ -425,9 +509,16 @@ class CurveEstimator:
     ``traced_sharded``, ``provisional`` or ``provisional_coefficients``).
     """
 
-    def __init__(self, terms, make_provisional: Callable[[], Any] | None = None, force_path: str | None = None,
-                 alpha: float = 0.05, random_state: int = 0, make_coefficients: Callable[[], Any] | None = None,
-                 coefficient_entries: Sequence[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        terms,
+        make_provisional: Callable[[], Any] | None = None,
+        force_path: str | None = None,
+        alpha: float = 0.05,
+        random_state: int = 0,
+        make_coefficients: Callable[[], Any] | None = None,
+        coefficient_entries: Sequence[dict[str, Any]] | None = None,
+    ) -> None:
         self.terms, self.make_provisional, self.force_path = terms, make_provisional, force_path
         self.alpha, self.random_state = alpha, random_state
         self.make_coefficients, self.coefficient_entries = make_coefficients, coefficient_entries
@@ -508,8 +599,14 @@ class CurveEstimator:
         self.margins_ = margins
         return self
 
-    def _coefficient_residuals(self, X: pd.DataFrame, y: np.ndarray, groups: np.ndarray,
-                               entries: Sequence[dict[str, Any]], margins: dict[str, float]) -> dict[str, np.ndarray]:
+    def _coefficient_residuals(
+        self,
+        X: pd.DataFrame,
+        y: np.ndarray,
+        groups: np.ndarray,
+        entries: Sequence[dict[str, Any]],
+        margins: dict[str, float],
+    ) -> dict[str, np.ndarray]:
         """Relative residuals ``y / pred − 1`` of the learned-coefficient path per margin group, every training row
         answered by a coefficient model fitted without its architecture (cross-conformal over
         :data:`CROSS_CONFORMAL_FOLDS` architecture folds; Vovk 2015, "Cross-conformal predictors", Ann. Math.
@@ -535,7 +632,9 @@ class CurveEstimator:
             if not kept:
                 continue
             coef = self.make_coefficients().fit(kept)
-            pred, _u, group = self._curves(self._predictor(self.provisional_, margins, coef, "provisional"), X.iloc[cal])
+            pred, _u, group = self._curves(
+                self._predictor(self.provisional_, margins, coef, "provisional"), X.iloc[cal]
+            )
             group = np.asarray(group)
             for g, r in out.items():
                 mask = (group == g) & np.isfinite(pred)
@@ -600,8 +699,11 @@ def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
     out = np.full(len(d), "provisional", dtype=object)
     for _key, g in d.groupby(cols, dropna=False, sort=False):
         spec, training, hf = row_configuration(g.iloc[0].to_dict())
-        if training.sharding is Sharding.ZERO1 and not_composable_reason(training) is None and \
-                not_traceable_reason(spec, base_training(training)) is None:  # as MemoryPredictor._zero1_curve
+        if (
+            training.sharding is Sharding.ZERO1
+            and not_composable_reason(training) is None
+            and not_traceable_reason(spec, base_training(training)) is None
+        ):  # as MemoryPredictor._zero1_curve
             training = base_training(training)
         traced = hf is not None and not_traceable_reason(spec, training) is None and terms.get(terms_key(hf, training))
         if traced or ((key := base_terms_key(spec, training, hf)) is not None and terms.get(key)):

@@ -37,19 +37,56 @@ CATEGORIES: dict[str, list[str]] = {
     "finetune": [e.value for e in FineTune],
     "checkpoint_impl": [e.value for e in CheckpointImpl],
 }
-RAW = ["num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
-       "total_params", "trainable_params", "micro_batch_size", "seq_len", "data_parallel_size",
-       "tensor_parallel_size", "lora_rank", "frozen_layers", "num_checkpointed_layers"]
-ANALYTIC = ["weights_bytes", "gradients_bytes", "optimizer_bytes", "activation_layer_bytes", "activations_bytes",
-            "checkpoint_inputs_bytes", "logits_bytes", "optimizer_temp_bytes", "backward_peak_bytes",
-            "optimizer_peak_bytes", "analytic_peak_bytes"]
-DERIVED = ["gated_mlp", "tied_embeddings", "gqa_ratio", "checkpoint_fraction", "tokens", "activation_dtype_bytes",
-           "log_analytic_peak", "activation_share"]
+RAW = [
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "total_params",
+    "trainable_params",
+    "micro_batch_size",
+    "seq_len",
+    "data_parallel_size",
+    "tensor_parallel_size",
+    "lora_rank",
+    "frozen_layers",
+    "num_checkpointed_layers",
+]
+ANALYTIC = [
+    "weights_bytes",
+    "gradients_bytes",
+    "optimizer_bytes",
+    "activation_layer_bytes",
+    "activations_bytes",
+    "checkpoint_inputs_bytes",
+    "logits_bytes",
+    "optimizer_temp_bytes",
+    "backward_peak_bytes",
+    "optimizer_peak_bytes",
+    "analytic_peak_bytes",
+]
+DERIVED = [
+    "gated_mlp",
+    "tied_embeddings",
+    "gqa_ratio",
+    "checkpoint_fraction",
+    "tokens",
+    "activation_dtype_bytes",
+    "log_analytic_peak",
+    "activation_share",
+]
 FEATURE_NAMES: list[str] = RAW + list(CATEGORIES) + DERIVED + ANALYTIC
 #: +1 / -1 monotone constraints in the log-ratio target (0 elsewhere): more checkpointed layers never
 #: raise the peak, more tokens never lower it.
-MONOTONE: dict[str, int] = {"num_checkpointed_layers": -1, "checkpoint_fraction": -1, "micro_batch_size": 1,
-                            "seq_len": 1, "tokens": 1}
+MONOTONE: dict[str, int] = {
+    "num_checkpointed_layers": -1,
+    "checkpoint_fraction": -1,
+    "micro_batch_size": 1,
+    "seq_len": 1,
+    "tokens": 1,
+}
 
 
 def row_specs(row: dict) -> tuple[ModelSpec, TrainingConfig]:
@@ -68,9 +105,18 @@ def row_specs(row: dict) -> tuple[ModelSpec, TrainingConfig]:
 
 #: every enum field of TrainingConfig: model_construct keeps raw strings, and the analytic terms compare
 #: by identity (``quantization is not Quantization.NONE``), so a flat row's "none" must become the member
-_ENUMS = {"precision": Precision, "optimizer": Optimizer, "sharding": Sharding, "attention": Attention,
-          "finetune": FineTune, "checkpoint_impl": CheckpointImpl, "quantization": Quantization,
-          "offload_optimizer": Offload, "offload_parameters": Offload, "pipeline_schedule": PipelineSchedule}
+_ENUMS = {
+    "precision": Precision,
+    "optimizer": Optimizer,
+    "sharding": Sharding,
+    "attention": Attention,
+    "finetune": FineTune,
+    "checkpoint_impl": CheckpointImpl,
+    "quantization": Quantization,
+    "offload_optimizer": Offload,
+    "offload_parameters": Offload,
+    "pipeline_schedule": PipelineSchedule,
+}
 _CODES = {c: {v: float(i) for i, v in enumerate(cats)} for c, cats in CATEGORIES.items()}
 _TRAINING_DEFAULTS = {"tensor_parallel_size": 1, "data_parallel_size": 1, "lora_rank": 0, "frozen_layers": 0}
 
@@ -80,27 +126,43 @@ def feature_row(model: ModelSpec, training: TrainingConfig) -> list[float]:
     k = len(training.checkpoint_layers)
     L = model.num_layers
     raw = {
-        "num_layers": L, "hidden_size": model.hidden_size, "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.num_key_value_heads, "intermediate_size": model.intermediate_size,
-        "vocab_size": model.vocab_size, "total_params": model.total_params, "trainable_params": model.trainable_params,
-        "micro_batch_size": training.micro_batch_size, "seq_len": training.seq_len,
-        "data_parallel_size": training.data_parallel_size, "tensor_parallel_size": training.tensor_parallel_size,
-        "lora_rank": training.lora_rank or 0, "frozen_layers": training.frozen_layers, "num_checkpointed_layers": k,
+        "num_layers": L,
+        "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_key_value_heads,
+        "intermediate_size": model.intermediate_size,
+        "vocab_size": model.vocab_size,
+        "total_params": model.total_params,
+        "trainable_params": model.trainable_params,
+        "micro_batch_size": training.micro_batch_size,
+        "seq_len": training.seq_len,
+        "data_parallel_size": training.data_parallel_size,
+        "tensor_parallel_size": training.tensor_parallel_size,
+        "lora_rank": training.lora_rank or 0,
+        "frozen_layers": training.frozen_layers,
+        "num_checkpointed_layers": k,
     }
     cats = {c: _CODES[c][getattr(training, c).value] for c in CATEGORIES}
     e = analytic_estimate(model, training)
     per_layer = activation_bytes_per_layer(model, training)
     analytic = {
-        "weights_bytes": e.states.weights_bytes, "gradients_bytes": e.states.gradients_bytes,
-        "optimizer_bytes": e.states.optimizer_bytes, "activation_layer_bytes": per_layer,
-        "activations_bytes": e.activations_bytes, "checkpoint_inputs_bytes": e.checkpoint_inputs_bytes,
-        "logits_bytes": e.logits_bytes, "optimizer_temp_bytes": e.optimizer_temp_bytes,
-        "backward_peak_bytes": e.backward_peak_bytes, "optimizer_peak_bytes": e.optimizer_peak_bytes,
+        "weights_bytes": e.states.weights_bytes,
+        "gradients_bytes": e.states.gradients_bytes,
+        "optimizer_bytes": e.states.optimizer_bytes,
+        "activation_layer_bytes": per_layer,
+        "activations_bytes": e.activations_bytes,
+        "checkpoint_inputs_bytes": e.checkpoint_inputs_bytes,
+        "logits_bytes": e.logits_bytes,
+        "optimizer_temp_bytes": e.optimizer_temp_bytes,
+        "backward_peak_bytes": e.backward_peak_bytes,
+        "optimizer_peak_bytes": e.optimizer_peak_bytes,
         "analytic_peak_bytes": e.peak_bytes,
     }
     derived = {
-        "gated_mlp": float(model.architecture in GATED_MLP_FAMILIES), "tied_embeddings": float(model.tie_word_embeddings),
-        "gqa_ratio": model.num_attention_heads / model.num_key_value_heads, "checkpoint_fraction": k / L,
+        "gated_mlp": float(model.architecture in GATED_MLP_FAMILIES),
+        "tied_embeddings": float(model.tie_word_embeddings),
+        "gqa_ratio": model.num_attention_heads / model.num_key_value_heads,
+        "checkpoint_fraction": k / L,
         "tokens": training.micro_batch_size * training.seq_len,
         "activation_dtype_bytes": activation_dtype_bytes(training.precision),
         "log_analytic_peak": math.log(e.peak_bytes),
@@ -112,9 +174,12 @@ def feature_row(model: ModelSpec, training: TrainingConfig) -> list[float]:
 
 def curve_matrix(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
     """Features for k = 0..L (first k layers checkpointed), shape ``(L + 1, len(FEATURE_NAMES))``."""
-    return np.array([feature_row(model, training.model_construct(**{**training.__dict__,
-                                                                     "checkpoint_layers": range(k)}))
-                     for k in range(model.num_layers + 1)])
+    return np.array(
+        [
+            feature_row(model, training.model_construct(**{**training.__dict__, "checkpoint_layers": range(k)}))
+            for k in range(model.num_layers + 1)
+        ]
+    )
 
 
 def accumulation_mask(rows: pd.DataFrame) -> np.ndarray:
@@ -124,8 +189,11 @@ def accumulation_mask(rows: pd.DataFrame) -> np.ndarray:
     if "gradient_accumulation_steps" not in rows.columns:
         return np.zeros(len(rows))
     ga = pd.to_numeric(rows["gradient_accumulation_steps"], errors="coerce").fillna(1).to_numpy()
-    off = rows["offload_optimizer"].fillna("none").astype(str).to_numpy() if "offload_optimizer" in rows.columns \
+    off = (
+        rows["offload_optimizer"].fillna("none").astype(str).to_numpy()
+        if "offload_optimizer" in rows.columns
         else np.full(len(rows), "none")
+    )
     return ((ga > 1) & (off == "none")).astype(np.float64)
 
 
@@ -140,8 +208,19 @@ def build_features(rows: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise KeyError(f"telemetry rows lack columns {missing}")
     records = rows.to_dict("records")
-    matrix = np.array([feature_row(*row_specs({**_TRAINING_DEFAULTS, **{k: v for k, v in r.items() if v == v}}))
-                       for r in records]).reshape(len(records), len(FEATURE_NAMES))
+    matrix = np.array(
+        [
+            feature_row(
+                *row_specs(
+                    {
+                        **_TRAINING_DEFAULTS,
+                        **{k: v for k, v in r.items() if not (isinstance(v, float) and math.isnan(v))},
+                    }
+                )
+            )
+            for r in records
+        ]
+    ).reshape(len(records), len(FEATURE_NAMES))
     out = pd.DataFrame(matrix, columns=FEATURE_NAMES, index=rows.index)
     for c, cats in CATEGORIES.items():
         out[c] = pd.Categorical.from_codes(out[c].astype(int), categories=cats)

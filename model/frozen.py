@@ -107,8 +107,9 @@ def base_model(model: ModelSpec, training: TrainingConfig) -> ModelSpec:
     if n >= model.num_layers:
         raise ValueError(f"frozen_layers={n} leaves no trainable decoder layer of {model.num_layers}")
     total = min(model.total_params, model.trainable_params + embedding_params(model))
-    return model.model_copy(update={"num_layers": model.num_layers - n, "total_params": total,
-                                    "trainable_params": total})
+    return model.model_copy(
+        update={"num_layers": model.num_layers - n, "total_params": total, "trainable_params": total}
+    )
 
 
 def frozen_layer_params(model: ModelSpec) -> int:
@@ -164,8 +165,7 @@ def _runs_trainable_before_layers(hf_config_json: str) -> str | None:
     return None
 
 
-def not_composable_reason(model: ModelSpec, training: TrainingConfig,
-                          hf_config: dict[str, Any] | None) -> str | None:
+def not_composable_reason(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> str | None:
     """Why a frozen configuration can't be composed from its full fine-tune base (None when it can)."""
     if hf_config is None:
         return "no HF config to compose frozen fine-tuning from"
@@ -174,8 +174,10 @@ def not_composable_reason(model: ModelSpec, training: TrainingConfig,
     if training.sharding is Sharding.ZERO1:
         return "frozen fine-tuning under ZeRO-1 (its full fine-tune base is not traced either)"
     if training.sharding is not Sharding.NONE and model.tie_word_embeddings:
-        return ("frozen fine-tuning with tied embeddings under sharding: the base's head backward (the tied table's "
-                "unsharded gradient) is not composed (llama-3.2-1b, FSDP over 64 ranks: up to +26 %)")
+        return (
+            "frozen fine-tuning with tied embeddings under sharding: the base's head backward (the tied table's "
+            "unsharded gradient) is not composed (llama-3.2-1b, FSDP over 64 ranks: up to +26 %)"
+        )
     if model.num_experts is not None:
         return "frozen fine-tuning of MoE models is not composed"
     from training.phases import layer_period
@@ -184,8 +186,10 @@ def not_composable_reason(model: ModelSpec, training: TrainingConfig,
         return "frozen layers do not keep the layer-type pattern of the trainable layers in phase"
     name = _runs_trainable_before_layers(json.dumps(hf_config, sort_keys=True))
     if name is not None:
-        return (f"frozen fine-tuning where {name} stays trainable below the decoder layers: backward runs "
-                "through the frozen layers")
+        return (
+            f"frozen fine-tuning where {name} stays trainable below the decoder layers: backward runs "
+            "through the frozen layers"
+        )
     return None
 
 
@@ -258,8 +262,10 @@ def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, tr
         raise ValueError(f"base phases have {base.shape[0]} rows, expected L - N + 1 = {L - n + 1}")
     # what the frozen model holds beyond / short of its base, as model_state_bytes counts it (per rank: sharded
     # or gathered as the sharding keeps them): the frozen layers' weights, the embeddings' gradient and states
-    mine, theirs = model_state_bytes(model, training), model_state_bytes(base_model(model, training),
-                                                                         base_training(training))
+    mine, theirs = (
+        model_state_bytes(model, training),
+        model_state_bytes(base_model(model, training), base_training(training)),
+    )
     shards = training.sharding_group_size if training.sharding is not Sharding.NONE else 1
     out = base[np.maximum(np.arange(L + 1) - n, 0)].copy()
     resident, gathered = frozen_layer_weight_bytes(model, training)

@@ -85,8 +85,9 @@ def traced_base(training: TrainingConfig) -> TrainingConfig:
     :data:`PARAMETER_OFFLOAD_TRACE_RANKS`. Optimizer offload under ZeRO-1: unsharded (ZeRO-1 shards only the
     optimizer states, which live on the host: the device holds what an unsharded rank holds).
     """
-    base = training.model_copy(update={"offload_optimizer": Offload.NONE, "offload_parameters": Offload.NONE,
-                                       "gradient_accumulation_steps": 1})
+    base = training.model_copy(
+        update={"offload_optimizer": Offload.NONE, "offload_parameters": Offload.NONE, "gradient_accumulation_steps": 1}
+    )
     if training.sharding is Sharding.ZERO1 and training.offload_parameters is not Offload.CPU:
         base = base.model_copy(update={"sharding": Sharding.NONE, "data_parallel_size": 1})
     if training.offload_parameters is Offload.CPU and training.sharding is Sharding.NONE:
@@ -146,8 +147,9 @@ def host_bytes_per_rank(model: ModelSpec, training: TrainingConfig) -> int:
     return -(-host // shards)
 
 
-def host_memory_bytes(model: ModelSpec, training: TrainingConfig, ranks_per_node: int = 1,
-                      buffer_factor: float = HOST_BUFFER_FACTOR) -> int:
+def host_memory_bytes(
+    model: ModelSpec, training: TrainingConfig, ranks_per_node: int = 1, buffer_factor: float = HOST_BUFFER_FACTOR
+) -> int:
     """Host (CPU) memory one node needs for the offloaded model states, bytes; 0 without offload.
 
     ``host_bytes_per_rank × ranks_per_node × buffer_factor``, and at least DeepSpeed's fp32 model copy

@@ -55,8 +55,12 @@ VALIDATION_FILES = sorted(_VALIDATION_DIR.glob("*/gpu_validation.json"))
 
 def allocated_residuals(paths: list[Path]) -> list[int]:
     """CUDA peak allocated minus the fake tracker's peak (bytes), per measured pair of validation runs."""
-    return [r["allocated_bytes"] - r["tracker_bytes"] for path in paths
-            for r in json.loads(Path(path).read_text())["rows"] if "tracker_bytes" in r]
+    return [
+        r["allocated_bytes"] - r["tracker_bytes"]
+        for path in paths
+        for r in json.loads(Path(path).read_text())["rows"]
+        if "tracker_bytes" in r
+    ]
 
 
 def pressure_ratios(paths: list[Path]) -> dict[str, list[float]]:
@@ -102,8 +106,9 @@ class OverheadModel:
     outside_by_device: dict[str, int] = field(default_factory=dict)
     rows_by_device: dict[str, int] = field(default_factory=dict)
 
-    def fit(self, rows: pd.DataFrame, pressure_files: list[Path] | None = None,
-            validation_files: list[Path] | None = None) -> OverheadModel:
+    def fit(
+        self, rows: pd.DataFrame, pressure_files: list[Path] | None = None, validation_files: list[Path] | None = None
+    ) -> OverheadModel:
         """Learn the outside-PyTorch bytes per device from flat telemetry rows with ``method == 'cuda'``
         (others are ignored), the fragmentation ratio from GPU pressure measurements (default: the shipped
         :data:`PRESSURE_FILES`) and the allocated bytes the tracker misses (cuBLAS workspaces) from GPU
@@ -137,17 +142,37 @@ class OverheadModel:
         nccl = NCCL_BYTES if gpu_count > 1 else 0
         if device_name in self.outside_by_device:
             # the learned figure comes from single-GPU validation runs: NCCL is added for multi-GPU jobs
-            return Overhead(fragmentation, self.outside_by_device[device_name], self.cublas_workspace_bytes, nccl,
-                            f"outside PyTorch learned from {self.rows_by_device[device_name]} cuda rows on "
-                            f"{device_name}; fragmentation: {self.fragmentation_source}")
-        return Overhead(fragmentation, CUDA_CONTEXT_BYTES, self.cublas_workspace_bytes, nccl,
-                        f"default; fragmentation: {self.fragmentation_source}")
+            return Overhead(
+                fragmentation,
+                self.outside_by_device[device_name],
+                self.cublas_workspace_bytes,
+                nccl,
+                f"outside PyTorch learned from {self.rows_by_device[device_name]} cuda rows on "
+                f"{device_name}; fragmentation: {self.fragmentation_source}",
+            )
+        return Overhead(
+            fragmentation,
+            CUDA_CONTEXT_BYTES,
+            self.cublas_workspace_bytes,
+            nccl,
+            f"default; fragmentation: {self.fragmentation_source}",
+        )
 
     def to_dict(self) -> dict:
-        return {"fragmentation_ratio": self.fragmentation_ratio, "fragmentation_source": self.fragmentation_source,
-                "cublas_workspace_bytes": self.cublas_workspace_bytes, "outside_by_device": self.outside_by_device, "rows_by_device": self.rows_by_device}
+        return {
+            "fragmentation_ratio": self.fragmentation_ratio,
+            "fragmentation_source": self.fragmentation_source,
+            "cublas_workspace_bytes": self.cublas_workspace_bytes,
+            "outside_by_device": self.outside_by_device,
+            "rows_by_device": self.rows_by_device,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> OverheadModel:
-        return cls(float(d.get("fragmentation_ratio", FRAGMENTATION_RATIO)), d.get("fragmentation_source", "default"),
-                   int(d.get("cublas_workspace_bytes", CUBLAS_WORKSPACE_BYTES)), {k: int(v) for k, v in d.get("outside_by_device", {}).items()}, dict(d.get("rows_by_device", {})))
+        return cls(
+            float(d.get("fragmentation_ratio", FRAGMENTATION_RATIO)),
+            d.get("fragmentation_source", "default"),
+            int(d.get("cublas_workspace_bytes", CUBLAS_WORKSPACE_BYTES)),
+            {k: int(v) for k, v in d.get("outside_by_device", {}).items()},
+            dict(d.get("rows_by_device", {})),
+        )

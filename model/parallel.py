@@ -205,21 +205,32 @@ def pipeline_stages(model: ModelSpec, training: TrainingConfig) -> list[Stage]:
             total = rank.total_params
         if model.trainable_params == model.total_params:
             trainable = total
-        elif (training.finetune is FineTune.LORA):
+        elif training.finetune is FineTune.LORA:
             trainable = rank.trainable_params * n // model.num_layers
         else:
             trainable = min(total, rank.trainable_params * total // max(1, rank.total_params))
         # num_layers: the stage's own, so that per-layer counts (a quantized base's decoder linears) are the stage's
-        spec = model.model_copy(update={"total_params": max(1, total), "trainable_params": min(trainable, total),
-                                        "num_layers": n})
-        out.append(Stage(stage=i, first_layer=first, num_layers=n, has_embedding=is_first, has_head=is_last,
-                         micro_batches_in_flight=micro_batches_in_flight(i, training), spec=spec))
+        spec = model.model_copy(
+            update={"total_params": max(1, total), "trainable_params": min(trainable, total), "num_layers": n}
+        )
+        out.append(
+            Stage(
+                stage=i,
+                first_layer=first,
+                num_layers=n,
+                has_embedding=is_first,
+                has_head=is_last,
+                micro_batches_in_flight=micro_batches_in_flight(i, training),
+                spec=spec,
+            )
+        )
         first += n
     return out
 
 
-def compose_stage(coef: dict[Any, Any], depths: tuple[int, int], model: ModelSpec, training: TrainingConfig,
-                  stage: Stage) -> np.ndarray:
+def compose_stage(
+    coef: dict[Any, Any], depths: tuple[int, int], model: ModelSpec, training: TrainingConfig, stage: Stage
+) -> np.ndarray:
     """Per-phase live bytes of one stage's rank for k = 0..``stage.num_layers`` checkpointed layers.
 
     Returns a float64 array of shape (stage layers + 1, len(PEAK_PHASES)); phases a stage does not run
@@ -289,8 +300,9 @@ class ParallelCurve:
         return int(np.argmax(self.stage_peak_bytes[k]))
 
 
-def compose_pipeline(coef: dict[Any, Any], depths: tuple[int, int], model: ModelSpec,
-                     training: TrainingConfig) -> ParallelCurve:
+def compose_pipeline(
+    coef: dict[Any, Any], depths: tuple[int, int], model: ModelSpec, training: TrainingConfig
+) -> ParallelCurve:
     """Per-rank peak for every total k, k layers spread over the stages greedily: each further
     checkpointed layer goes to the stage whose peak is then highest (ties: the earlier stage), so the
     bottleneck stage's peak is what k buys down. With pp = 1 this is the traced composition at
@@ -314,5 +326,10 @@ def compose_pipeline(coef: dict[Any, Any], depths: tuple[int, int], model: Model
         stage_peak.append(np.ceil(now).astype(np.int64))
         peak.append(int(np.ceil(now[top])))
         phase.append(PEAK_PHASES[int(phases_of[top][ks[top]])])
-    return ParallelCurve(peak_bytes=np.array(peak, dtype=np.int64), phase=phase, stage_k=np.array(stage_k),
-                         stage_peak_bytes=np.array(stage_peak), stages=stages)
+    return ParallelCurve(
+        peak_bytes=np.array(peak, dtype=np.int64),
+        phase=phase,
+        stage_k=np.array(stage_k),
+        stage_peak_bytes=np.array(stage_peak),
+        stages=stages,
+    )

@@ -27,18 +27,24 @@ def physics_violation(rec: TelemetryRecord) -> str | None:
 
     m, L = rec.measurement, rec.model.num_layers
     if m.recomputed_layers is not None and m.recomputed_layers > L:
-        return (f"recomputed_layers={m.recomputed_layers} exceeds num_layers={L}: a layer recomputes its "
-                "forward at most once per backward")
+        return (
+            f"recomputed_layers={m.recomputed_layers} exceeds num_layers={L}: a layer recomputes its "
+            "forward at most once per backward"
+        )
     if m.step_time_s is not None and m.step_time_s <= 0:
         return f"step_time_s={m.step_time_s} must be above 0 for a step that ran"
     peak = m.peak_allocated_bytes
     weights = 0 if m.oom else model_state_bytes(rec.model, rec.training, zero1_lower_bound=True).weights_bytes
     if peak < FLOOR_SLACK * weights:  # an OOM row may have died before its weights were all placed
-        return (f"peak_allocated_bytes={peak} is below the {weights} bytes of weights this configuration keeps "
-                f"on the device ({FLOOR_SLACK:g}x allowed): the peak holds at least the model's weights")
+        return (
+            f"peak_allocated_bytes={peak} is below the {weights} bytes of weights this configuration keeps "
+            f"on the device ({FLOOR_SLACK:g}x allowed): the peak holds at least the model's weights"
+        )
     for name in ("memory_after_init_bytes", "memory_after_forward_bytes"):
         value = getattr(m, name)
         if value is not None and peak + ORDER_SLACK_BYTES < value:
-            return (f"peak_allocated_bytes={peak} is below {name}={value}: the peak is the maximum over a "
-                    "window that holds that moment")
+            return (
+                f"peak_allocated_bytes={peak} is below {name}={value}: the peak is the maximum over a "
+                "window that holds that moment"
+            )
     return None

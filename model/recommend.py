@@ -58,7 +58,7 @@ def layer_indices(k: int, num_layers: int, pipeline_parallel_size: int = 1, meth
     if not 0 <= k <= num_layers:
         raise ValueError(f"k={k} must be in [0, {num_layers}]")
     if method == "even":
-        return sorted({int(round(x)) for x in np.linspace(0, num_layers - 1, k)}) if k else []
+        return sorted({round(x) for x in np.linspace(0, num_layers - 1, k)}) if k else []
     if method != "block":
         raise ValueError(f"method must be 'block' or 'even', got {method!r}")
     stages = max(1, pipeline_parallel_size)
@@ -82,9 +82,19 @@ def recompute_fraction(k: int, num_layers: int, training: TrainingConfig) -> flo
     return max(0, k - frozen) / step_units if step_units else 0.0
 
 
-def plan(predictor: MemoryPredictor, model: ModelSpec, training: TrainingConfig, *, capacity_bytes: int,
-         hf_config: dict | None = None, headroom_fraction: float = 0.05, device_name: str | None = None,
-         gpu_count: int = 1, overhead_model: OverheadModel | None = None, layout: str = "block") -> Plan:
+def plan(
+    predictor: MemoryPredictor,
+    model: ModelSpec,
+    training: TrainingConfig,
+    *,
+    capacity_bytes: int,
+    hf_config: dict | None = None,
+    headroom_fraction: float = 0.05,
+    device_name: str | None = None,
+    gpu_count: int = 1,
+    overhead_model: OverheadModel | None = None,
+    layout: str = "block",
+) -> Plan:
     """Smallest k whose upper bound plus overhead fits ``capacity_bytes × (1 − headroom_fraction)``.
 
     The curve comes from :meth:`model.curve.MemoryPredictor.curve`, the one curve every caller uses.
@@ -109,9 +119,13 @@ def plan(predictor: MemoryPredictor, model: ModelSpec, training: TrainingConfig,
     else:
         layers = layer_indices(k, model.num_layers, training.pipeline_parallel_size, layout)
     return Plan(
-        fits=k is not None, k=k,
+        fits=k is not None,
+        k=k,
         layers=layers,
-        curve=c, total_upper_bytes=totals, capacity_bytes=capacity_bytes, usable_bytes=usable,
+        curve=c,
+        total_upper_bytes=totals,
+        capacity_bytes=capacity_bytes,
+        usable_bytes=usable,
         overhead=overhead_model.overhead(c.points[at].upper_bytes, device_name, gpu_count),
         recompute_fraction=recompute_fraction(k or 0, model.num_layers, training),
         shortfall_bytes=0 if k is not None else totals[at] - usable,
@@ -174,82 +188,184 @@ def candidate_changes(training: TrainingConfig, model: ModelSpec, gpu_count: int
     n = gpu_count
     half_sharded = training.sharding in (Sharding.NONE, Sharding.ZERO1)
     if n > 1 and half_sharded:
-        out.append(Candidate(f"ZeRO-2 over the {n} GPUs", {"sharding": "zero2", "data_parallel_size": n},
-                             "same_training", 0.0, "same communication volume as data parallel (ZeRO paper Sec. 7.2)"))
+        out.append(
+            Candidate(
+                f"ZeRO-2 over the {n} GPUs",
+                {"sharding": "zero2", "data_parallel_size": n},
+                "same_training",
+                0.0,
+                "same communication volume as data parallel (ZeRO paper Sec. 7.2)",
+            )
+        )
     if n > 1 and training.sharding not in (Sharding.ZERO3, Sharding.FSDP_FULL_SHARD):
-        out.append(Candidate(f"ZeRO-3 / FSDP full-shard over the {n} GPUs",
-                             {"sharding": "zero3", "data_parallel_size": n}, "same_training", 0.05,
-                             "1.5x data-parallel communication, mostly overlapped (ZeRO paper Sec. 7.2)"))
+        out.append(
+            Candidate(
+                f"ZeRO-3 / FSDP full-shard over the {n} GPUs",
+                {"sharding": "zero3", "data_parallel_size": n},
+                "same_training",
+                0.05,
+                "1.5x data-parallel communication, mostly overlapped (ZeRO paper Sec. 7.2)",
+            )
+        )
     mb, halvings = training.micro_batch_size, 0
     while mb > 1:
         mb, halvings = mb // 2, halvings + 1
         accumulation = training.gradient_accumulation_steps * (training.micro_batch_size // mb)
-        out.append(Candidate(f"micro_batch_size {mb} with {accumulation}x gradient accumulation (same global batch)",
-                             {"micro_batch_size": mb, "gradient_accumulation_steps": accumulation}, "same_training",
-                             0.05 * halvings, f"smaller GEMMs: ~{5 * halvings}% slower steps at the same global batch"))
+        out.append(
+            Candidate(
+                f"micro_batch_size {mb} with {accumulation}x gradient accumulation (same global batch)",
+                {"micro_batch_size": mb, "gradient_accumulation_steps": accumulation},
+                "same_training",
+                0.05 * halvings,
+                f"smaller GEMMs: ~{5 * halvings}% slower steps at the same global batch",
+            )
+        )
     if training.offload_optimizer is Offload.NONE:
-        out.append(Candidate("offload the optimizer to CPU (ZeRO-Offload: optimizer states, master weights and "
-                             "fp32 gradients in host memory)", {"offload_optimizer": "cpu"}, "same_training", 0.3,
-                             "CPU optimizer step and PCIe gradient/parameter copies each step: ~30% slower "
-                             "(ZeRO-Offload, arXiv 2101.06840, Sec. 6); needs the host memory given"))
+        out.append(
+            Candidate(
+                "offload the optimizer to CPU (ZeRO-Offload: optimizer states, master weights and "
+                "fp32 gradients in host memory)",
+                {"offload_optimizer": "cpu"},
+                "same_training",
+                0.3,
+                "CPU optimizer step and PCIe gradient/parameter copies each step: ~30% slower "
+                "(ZeRO-Offload, arXiv 2101.06840, Sec. 6); needs the host memory given",
+            )
+        )
     if training.offload_parameters is Offload.NONE:
         change: dict = {"offload_optimizer": "cpu", "offload_parameters": "cpu"}
         if training.sharding not in (Sharding.ZERO3, Sharding.FSDP_FULL_SHARD):
             change.update({"sharding": "zero3", "data_parallel_size": n} if n > 1 else {"sharding": "none"})
-        out.append(Candidate("offload parameters and optimizer to CPU (ZeRO-3 offload_param / FSDP2 CPUOffloadPolicy)",
-                             change, "same_training", 0.6, "every layer's weights cross PCIe in forward and "
-                             "backward: often 2x slower or more (ZeRO-Infinity, arXiv 2104.07857, Sec. 8)"))
+        out.append(
+            Candidate(
+                "offload parameters and optimizer to CPU (ZeRO-3 offload_param / FSDP2 CPUOffloadPolicy)",
+                change,
+                "same_training",
+                0.6,
+                "every layer's weights cross PCIe in forward and "
+                "backward: often 2x slower or more (ZeRO-Infinity, arXiv 2104.07857, Sec. 8)",
+            )
+        )
     # long sequences: context parallelism splits the activations along the sequence (model.parallel)
     cp = 1 << (n.bit_length() - 1) if n > 1 else 1
     while cp > 1 and training.seq_len % cp:
         cp //= 2
     if cp > 1 and training.context_parallel_size == 1 and training.seq_len >= 8192:
-        out.append(Candidate(f"context parallel over {cp} GPUs (activations split along the sequence)",
-                             {"context_parallel_size": cp, "data_parallel_size": n // cp}, "same_training", 0.1,
-                             "ring attention exchanges K/V blocks each layer: ~10% slower"))
+        out.append(
+            Candidate(
+                f"context parallel over {cp} GPUs (activations split along the sequence)",
+                {"context_parallel_size": cp, "data_parallel_size": n // cp},
+                "same_training",
+                0.1,
+                "ring attention exchanges K/V blocks each layer: ~10% slower",
+            )
+        )
     if training.context_parallel_size == 1 and training.seq_len >= LONG_CONTEXT_TOKENS:
         # more GPUs, each holding 1/cp of the sequence; the data-parallel size and the sharding group follow the
         # request schema's rules for the new gpu_count (the caller validates the changed request)
         unsharded = training.sharding in (Sharding.NONE, Sharding.ZERO1)
         for cp in (c for c in CONTEXT_PARALLEL_SIZES if training.seq_len % c == 0):
             cost = f"{cp}x the GPUs; ring attention exchanges K/V blocks each layer: ~10% slower"
-            out.append(Candidate(f"context parallel {cp} over {cp * n} GPUs ({training.seq_len // cp} tokens each)",
-                                 {"gpu_count": cp * n, "context_parallel_size": cp}, "more_hardware", 0.1, cost))
+            out.append(
+                Candidate(
+                    f"context parallel {cp} over {cp * n} GPUs ({training.seq_len // cp} tokens each)",
+                    {"gpu_count": cp * n, "context_parallel_size": cp},
+                    "more_hardware",
+                    0.1,
+                    cost,
+                )
+            )
             if unsharded:  # torchtitan's layout: FSDP over the data x context-parallel ranks
-                out.append(Candidate(f"context parallel {cp} over {cp * n} GPUs with ZeRO-3 / FSDP full-shard",
-                                     {"gpu_count": cp * n, "context_parallel_size": cp, "sharding": "zero3"},
-                                     "more_hardware", 0.15, cost + "; 1.5x data-parallel communication"))
+                out.append(
+                    Candidate(
+                        f"context parallel {cp} over {cp * n} GPUs with ZeRO-3 / FSDP full-shard",
+                        {"gpu_count": cp * n, "context_parallel_size": cp, "sharding": "zero3"},
+                        "more_hardware",
+                        0.15,
+                        cost + "; 1.5x data-parallel communication",
+                    )
+                )
     for more in (2 * n, 4 * n, 8 * n):
-        out.append(Candidate(f"ZeRO-3 over {more} GPUs", {"gpu_count": more, "sharding": "zero3",
-                                                          "data_parallel_size": more}, "more_hardware", 0.05,
-                             f"{more // n}x the GPUs; 1.5x data-parallel communication"))
+        out.append(
+            Candidate(
+                f"ZeRO-3 over {more} GPUs",
+                {"gpu_count": more, "sharding": "zero3", "data_parallel_size": more},
+                "more_hardware",
+                0.05,
+                f"{more // n}x the GPUs; 1.5x data-parallel communication",
+            )
+        )
     lora_base = training.finetune is FineTune.LORA and training.quantization is Quantization.NONE
     if lora_base and training.precision in (Precision.AMP_BF16, Precision.AMP_FP16, Precision.FP32):
         # the frozen base is never updated: storing it in bf16 changes no update (memfit.schema.default_precision)
-        out.append(Candidate("bf16 frozen base (as PEFT, TRL and torchtune load it; adapters stay fp32)",
-                             {"precision": "bf16"}, "same_training", 0.0, "no slowdown and the same update: the "
-                             "frozen base is not trained, the adapters keep fp32"))
+        out.append(
+            Candidate(
+                "bf16 frozen base (as PEFT, TRL and torchtune load it; adapters stay fp32)",
+                {"precision": "bf16"},
+                "same_training",
+                0.0,
+                "no slowdown and the same update: the frozen base is not trained, the adapters keep fp32",
+            )
+        )
     elif training.precision in (Precision.BF16_FP32_MASTER, Precision.AMP_BF16, Precision.AMP_FP16, Precision.FP32):
-        out.append(Candidate("pure bf16 (no fp32 master weights, bf16 optimizer states)", {"precision": "bf16"},
-                             "numerics", 0.0, "no slowdown; bf16 weight updates can stall on small updates "
-                             "(Kahan summation or stochastic rounding advised)"))
+        out.append(
+            Candidate(
+                "pure bf16 (no fp32 master weights, bf16 optimizer states)",
+                {"precision": "bf16"},
+                "numerics",
+                0.0,
+                "no slowdown; bf16 weight updates can stall on small updates "
+                "(Kahan summation or stochastic rounding advised)",
+            )
+        )
     if training.optimizer in (Optimizer.ADAMW_FOREACH, Optimizer.ADAMW_FUSED):
-        out.append(Candidate("8-bit AdamW (bitsandbytes block-wise states)", {"optimizer": "adamw_8bit"}, "numerics",
-                             0.02, "block-wise quantized states: ~2% slower step, close to 32-bit Adam in quality"))
+        out.append(
+            Candidate(
+                "8-bit AdamW (bitsandbytes block-wise states)",
+                {"optimizer": "adamw_8bit"},
+                "numerics",
+                0.02,
+                "block-wise quantized states: ~2% slower step, close to 32-bit Adam in quality",
+            )
+        )
     if training.finetune is FineTune.FULL:
-        out.append(Candidate("LoRA r=16 on PEFT's default target modules (base frozen)",
-                             {"finetune": "lora", "lora_rank": 16}, "trained_weights", 0.0, "faster steps (no base gradients); trains adapters, not the "
-                             "full weights"))
-    qlora_cost = ("dequantizes each linear's weights in forward and backward: ~25% slower than LoRA; trains "
-                  "adapters on a quantized base")
+        out.append(
+            Candidate(
+                "LoRA r=16 on PEFT's default target modules (base frozen)",
+                {"finetune": "lora", "lora_rank": 16},
+                "trained_weights",
+                0.0,
+                "faster steps (no base gradients); trains adapters, not the full weights",
+            )
+        )
+    qlora_cost = (
+        "dequantizes each linear's weights in forward and backward: ~25% slower than LoRA; trains "
+        "adapters on a quantized base"
+    )
     if training.finetune is FineTune.FULL:
-        out.append(Candidate("QLoRA: 4-bit NF4 base with LoRA r=16 on PEFT's default target modules",
-                             {"finetune": "lora", "lora_rank": 16, "quantization": "nf4"}, "trained_weights", 0.25,
-                             qlora_cost))
-    elif training.finetune is FineTune.LORA and training.quantization is Quantization.NONE \
-            and training.sharding is Sharding.NONE:
-        out.append(Candidate(f"QLoRA: the same LoRA r={training.lora_rank} on a 4-bit NF4 base",
-                             {"quantization": "nf4"}, "numerics", 0.25, qlora_cost))
+        out.append(
+            Candidate(
+                "QLoRA: 4-bit NF4 base with LoRA r=16 on PEFT's default target modules",
+                {"finetune": "lora", "lora_rank": 16, "quantization": "nf4"},
+                "trained_weights",
+                0.25,
+                qlora_cost,
+            )
+        )
+    elif (
+        training.finetune is FineTune.LORA
+        and training.quantization is Quantization.NONE
+        and training.sharding is Sharding.NONE
+    ):
+        out.append(
+            Candidate(
+                f"QLoRA: the same LoRA r={training.lora_rank} on a 4-bit NF4 base",
+                {"quantization": "nf4"},
+                "numerics",
+                0.25,
+                qlora_cost,
+            )
+        )
     return out
 
 
@@ -298,8 +414,17 @@ def rank_alternatives(alternatives: list, current_recompute_fraction: float | No
     if current_recompute_fraction is not None:
         fitting = [a for a in fitting if a.throughput_loss_fraction < current_recompute_fraction]
     if not fitting:
-        return [] if current_recompute_fraction is not None else \
-            sorted(alternatives, key=lambda a: a.total_upper_bytes)[:3]
-    return sorted(fitting, key=lambda a: (CATEGORIES.index(a.category), a.throughput_loss_fraction,
-                                          (getattr(a, "change", None) or {}).get("gpu_count", 0),
-                                          a.predicted_peak_bytes))
+        return (
+            []
+            if current_recompute_fraction is not None
+            else sorted(alternatives, key=lambda a: a.total_upper_bytes)[:3]
+        )
+    return sorted(
+        fitting,
+        key=lambda a: (
+            CATEGORIES.index(a.category),
+            a.throughput_loss_fraction,
+            (getattr(a, "change", None) or {}).get("gpu_count", 0),
+            a.predicted_peak_bytes,
+        ),
+    )

@@ -134,8 +134,10 @@ def _load_coefficients(d: Path, meta: dict[str, Any]) -> Any:
         for k in ("k0_bytes", "kall_bytes"):
             want = (stored.get(key) or {}).get(k)
             if want is None or abs(got[k] - want) > CANARY_RTOL * max(abs(want), 1):
-                raise IncompatibleArtifact(f"coefficients canary {key}: {k}={got[k]} does not reproduce the stored "
-                                           f"{want} (relative tolerance {CANARY_RTOL})")
+                raise IncompatibleArtifact(
+                    f"coefficients canary {key}: {k}={got[k]} does not reproduce the stored "
+                    f"{want} (relative tolerance {CANARY_RTOL})"
+                )
     return coefficients
 
 
@@ -179,8 +181,10 @@ def canary_predictions(est: PeakMemoryRegressor) -> dict[str, dict[str, int]]:
         base, ratio = est.predict_matrix(curve_matrix(spec, training))
         raw = np.exp(base + ratio)
         out[f"{name}/mb{mb}/s{seq}/{sharding}/dp{dp}"] = {
-            "k0_bytes": int(raw[0]), "kall_bytes": int(raw[-1]),
-            "floor_bytes": int(model_state_bytes(spec, training).total_bytes)}
+            "k0_bytes": int(raw[0]),
+            "kall_bytes": int(raw[-1]),
+            "floor_bytes": int(model_state_bytes(spec, training).total_bytes),
+        }
     return out
 
 
@@ -190,13 +194,17 @@ def check_canary(got: dict[str, dict[str, int]], stored: dict[str, dict[str, int
     for key, g in got.items():
         for k in ("k0_bytes", "kall_bytes"):
             if g[k] < g["floor_bytes"]:
-                raise IncompatibleArtifact(f"canary {key}: {k}={g[k]} is below the model-state floor "
-                                           f"{g['floor_bytes']} (weights + gradients + optimizer states)")
+                raise IncompatibleArtifact(
+                    f"canary {key}: {k}={g[k]} is below the model-state floor "
+                    f"{g['floor_bytes']} (weights + gradients + optimizer states)"
+                )
             if stored is not None:
                 want = (stored.get(key) or {}).get(k)
                 if want is None or abs(g[k] - want) > CANARY_RTOL * max(abs(want), 1):
-                    raise IncompatibleArtifact(f"canary {key}: {k}={g[k]} does not reproduce the stored {want} "
-                                               f"(relative tolerance {CANARY_RTOL})")
+                    raise IncompatibleArtifact(
+                        f"canary {key}: {k}={g[k]} does not reproduce the stored {want} "
+                        f"(relative tolerance {CANARY_RTOL})"
+                    )
 
 
 def _parse_in_child(model_text: bytes, meta: dict[str, Any]) -> Callable[[], dict[str, dict[str, int]]]:
@@ -213,8 +221,17 @@ def _parse_in_child(model_text: bytes, meta: dict[str, Any]) -> Callable[[], dic
 
     def run() -> None:  # the child's I/O in a thread: subprocess.run's own pipes, timeout and kill
         try:
-            result.append(subprocess.run([sys.executable, "-m", "model.registry"], input=payload, capture_output=True,
-                                         check=False, timeout=CHILD_TIMEOUT_S, env=env, cwd=str(REPO_ROOT)))
+            result.append(
+                subprocess.run(
+                    [sys.executable, "-m", "model.registry"],
+                    input=payload,
+                    capture_output=True,
+                    check=False,
+                    timeout=CHILD_TIMEOUT_S,
+                    env=env,
+                    cwd=str(REPO_ROOT),
+                )
+            )
         except (subprocess.TimeoutExpired, OSError) as err:
             result.append(err)
 
@@ -295,8 +312,15 @@ class Registry:
         f = self.root / "CURRENT"
         return f.read_text().strip() if f.exists() else None
 
-    def register(self, est: PeakMemoryRegressor, *, metrics: dict[str, Any], data_fingerprint: str,
-                 extra: dict[str, Any] | None = None, coefficients: Any = None) -> str:
+    def register(
+        self,
+        est: PeakMemoryRegressor,
+        *,
+        metrics: dict[str, Any],
+        data_fingerprint: str,
+        extra: dict[str, Any] | None = None,
+        coefficients: Any = None,
+    ) -> str:
         """Write a new numbered version (not yet current); returns its name.
 
         ``coefficients``: a fitted :class:`model.coefficients.CoefficientModel` served for the provisional
@@ -318,10 +342,14 @@ class Registry:
             coefficients.save(tmp / COEFFICIENTS_DIR)
             files = sorted((tmp / COEFFICIENTS_DIR).iterdir())
             sums.update({f"{COEFFICIENTS_DIR}/{f.name}": sha256_hex(f.read_bytes()) for f in files})
-            coef_meta = {"dir": COEFFICIENTS_DIR, "n_entries": coefficients.n_entries_,
-                         "targets": len(coefficients.boosters_), "objectives": list(coefficients.objectives),
-                         "boosters": sum(len(b) for b in coefficients.boosters_.values()),
-                         "size_bytes": sum(f.stat().st_size for f in files)}
+            coef_meta = {
+                "dir": COEFFICIENTS_DIR,
+                "n_entries": coefficients.n_entries_,
+                "targets": len(coefficients.boosters_),
+                "objectives": list(coefficients.objectives),
+                "boosters": sum(len(b) for b in coefficients.boosters_.values()),
+                "size_bytes": sum(f.stat().st_size for f in files),
+            }
         import lightgbm as lgb
         import sklearn
         import torch
@@ -341,8 +369,12 @@ class Registry:
             "canary": canary_predictions(est),
             "coefficients": coef_meta,
             **({"coefficient_canary": coefficient_canary(coefficients)} if coefficients is not None else {}),
-            "versions": {"lightgbm": lgb.__version__, "sklearn": sklearn.__version__, "torch": torch.__version__,
-                         "python": platform.python_version()},
+            "versions": {
+                "lightgbm": lgb.__version__,
+                "sklearn": sklearn.__version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
             **(extra or {}),
         }
         (tmp / "meta.json").write_text(json.dumps(_finite(meta), indent=1, default=str, allow_nan=False))
@@ -415,13 +447,18 @@ class Registry:
         if want is None:
             warnings.append(f"model {version} has no artifact checksum (registered before checksums)")
         elif want != digest:
-            raise IncompatibleArtifact(f"model {version}: {MODEL_FILE} sha256 {digest[:12]}... does not match "
-                                       f"the registered {str(want)[:12]}... (file changed after registration)")
+            raise IncompatibleArtifact(
+                f"model {version}: {MODEL_FILE} sha256 {digest[:12]}... does not match "
+                f"the registered {str(want)[:12]}... (file changed after registration)"
+            )
         # the child parses model.txt while this process checks and parses the coefficient files; the child's verdict
         # is still taken first, and model.txt parsed here only after it
         # a child started by start_check for these bytes is waited for, not started again
-        wait = (lambda: _validated[digest]) if digest in _validated else (_pending.pop(digest, None)
-                                                                           or _parse_in_child(text, meta))
+        wait = (
+            (lambda: _validated[digest])
+            if digest in _validated
+            else (_pending.pop(digest, None) or _parse_in_child(text, meta))
+        )
         try:
             coefficients, coefficients_error = _load_coefficients(d, meta), None
         except IncompatibleArtifact as err:

@@ -33,8 +33,10 @@ TARGETS: list[tuple[str, str, str, str, str, float, float]] = [
     ("Exact-k rate leave-architecture-out", "leave_architecture_out", "oracle", "exact_k_rate", ">=", 0.90, 100),
     ("Exact-k rate small-to-large", "small_to_large", "oracle", "exact_k_rate", ">=", 0.90, 100),
 ]
-SPLIT_TITLES = {"leave_architecture_out": "Leave-architecture-out (GroupKFold by model_name)",
-                "small_to_large": "Small-to-large (train <= 13.5B parameters, test bigger)"}
+SPLIT_TITLES = {
+    "leave_architecture_out": "Leave-architecture-out (GroupKFold by model_name)",
+    "small_to_large": "Small-to-large (train <= 13.5B parameters, test bigger)",
+}
 
 
 def target_status(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -44,13 +46,21 @@ def target_status(results: dict[str, Any]) -> list[dict[str, Any]]:
         v = results.get(split, {}).get(section, {}).get(key)
         ok = _finite(v)
         status = "n/a" if not ok else ("met" if (v <= thr if op == "<=" else v >= thr) else "not met")
-        out.append({"target": label, "value": v * scale if ok else None, "goal": f"{op} {thr * scale:g}",
-                    "unit": "%", "status": status})
+        out.append(
+            {
+                "target": label,
+                "value": v * scale if ok else None,
+                "goal": f"{op} {thr * scale:g}",
+                "unit": "%",
+                "status": status,
+            }
+        )
     return out
 
 
-def write_report(out_dir: str | Path, results: dict[str, Any], df: pd.DataFrame, oof_pred,
-                 oof_upper=None) -> dict[str, Path]:
+def write_report(
+    out_dir: str | Path, results: dict[str, Any], df: pd.DataFrame, oof_pred, oof_upper=None
+) -> dict[str, Path]:
     """Write the report files into ``out_dir`` (created).
 
     Args:
@@ -96,24 +106,45 @@ def _markdown(results: dict[str, Any], targets: list[dict[str, Any]], paths: dic
         if s.get("skipped"):
             lines += [f"Skipped: {s['skipped']}", ""]
             continue
-        lines += [(f"{s.get('n_test', 0)} test rows, {s.get('n_folds', 0)} fold(s); test architectures: "
-                   f"{', '.join(s.get('test_architectures', []))}"), "", "### Error", "",
-                  *_metrics_table({"memfit": s["metrics"]}), ""]
-        lines += ["### Baselines on the same rows", "", "| estimator | MAPE % | p95 rel. err % | MAPE / memfit MAPE |",
-                  "|---|---|---|---|", (f"| memfit | {_f(s['metrics']['mape_pct'])} | "
-                                        f"{_f(s['metrics']['p95_rel_err_pct'])} | 1.00 |")]
+        lines += [
+            (
+                f"{s.get('n_test', 0)} test rows, {s.get('n_folds', 0)} fold(s); test architectures: "
+                f"{', '.join(s.get('test_architectures', []))}"
+            ),
+            "",
+            "### Error",
+            "",
+            *_metrics_table({"memfit": s["metrics"]}),
+            "",
+        ]
+        lines += [
+            "### Baselines on the same rows",
+            "",
+            "| estimator | MAPE % | p95 rel. err % | MAPE / memfit MAPE |",
+            "|---|---|---|---|",
+            (f"| memfit | {_f(s['metrics']['mape_pct'])} | {_f(s['metrics']['p95_rel_err_pct'])} | 1.00 |"),
+        ]
         for name, b in s.get("baselines", {}).items():
             lines.append(f"| {name} | {_f(b['mape_pct'])} | {_f(b['p95_rel_err_pct'])} | {_f(b['ratio_to_memfit'])} |")
-        lines += ["", "### k recommendation vs measured oracle", "",
-                  ("| capacity GiB | cases | exact-k % | OOM % | over % | false infeasible % | mean extra layers "
-                   "| both infeasible |"), "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "### k recommendation vs measured oracle",
+            "",
+            (
+                "| capacity GiB | cases | exact-k % | OOM % | over % | false infeasible % | mean extra layers "
+                "| both infeasible |"
+            ),
+            "|---|---|---|---|---|---|---|---|",
+        ]
         o = s.get("oracle", {})
         for cap, row in [("all", o), *o.get("per_capacity", {}).items()]:
             if not row:
                 continue
-            lines.append(f"| {cap} | {row['n_cases']} | {_pct(row['exact_k_rate'])} | {_pct(row['oom_rate'])} | "
-                         f"{_pct(row['over_rate'])} | {_pct(row['false_infeasible_rate'])} | "
-                         f"{_f(row['mean_extra_layers'])} | {row['n_both_infeasible']} |")
+            lines.append(
+                f"| {cap} | {row['n_cases']} | {_pct(row['exact_k_rate'])} | {_pct(row['oom_rate'])} | "
+                f"{_pct(row['over_rate'])} | {_pct(row['false_infeasible_rate'])} | "
+                f"{_f(row['mean_extra_layers'])} | {row['n_both_infeasible']} |"
+            )
         lines += ["", "### Per architecture", "", *_metrics_table(s.get("per_architecture", {})), ""]
     for section in ("gate", "promotion", "training"):
         if section in results:
@@ -125,11 +156,15 @@ def _markdown(results: dict[str, Any], targets: list[dict[str, Any]], paths: dic
 
 
 def _metrics_table(rows: dict[str, dict[str, Any]]) -> list[str]:
-    out = ["| | n | MAPE % | p95 rel. err % | max rel. err % | coverage % | mean bound excess % |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        "| | n | MAPE % | p95 rel. err % | max rel. err % | coverage % | mean bound excess % |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, m in rows.items():
-        out.append(f"| {name} | {m['n']} | {_f(m['mape_pct'])} | {_f(m['p95_rel_err_pct'])} | "
-                   f"{_f(m['max_rel_err_pct'])} | {_pct(m['coverage'])} | {_f(m['mean_upper_excess_pct'])} |")
+        out.append(
+            f"| {name} | {m['n']} | {_f(m['mape_pct'])} | {_f(m['p95_rel_err_pct'])} | "
+            f"{_f(m['max_rel_err_pct'])} | {_pct(m['coverage'])} | {_f(m['mean_upper_excess_pct'])} |"
+        )
     return out
 
 
@@ -199,8 +234,13 @@ def _figures(out: Path, df: pd.DataFrame, pred: np.ndarray, upper: np.ndarray | 
     ax.plot(xs, xs, "k-", lw=0.8, label="y = x")
     ax.plot(xs, xs * 1.03, "k:", lw=0.6, label="±3 %")
     ax.plot(xs, xs * 0.97, "k:", lw=0.6)
-    ax.set(xscale="log", yscale="log", xlabel="measured peak (GiB)", ylabel="predicted peak (GiB)",
-           title="Leave-architecture-out predictions")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="measured peak (GiB)",
+        ylabel="predicted peak (GiB)",
+        title="Leave-architecture-out predictions",
+    )
     ax.legend(fontsize=6, loc="upper left")
     paths["pred_vs_measured"] = _save(fig, out / "pred_vs_measured.png")
 
@@ -220,8 +260,9 @@ def _figures(out: Path, df: pd.DataFrame, pred: np.ndarray, upper: np.ndarray | 
     return paths
 
 
-def _curves(df: pd.DataFrame, pred: np.ndarray, upper: np.ndarray | None, ok: np.ndarray, arch: np.ndarray,
-            cols: list[str]):
+def _curves(
+    df: pd.DataFrame, pred: np.ndarray, upper: np.ndarray | None, ok: np.ndarray, arch: np.ndarray, cols: list[str]
+):
     """One panel per held-out architecture: measured and predicted peak (and bound) over k, side by side."""
     import matplotlib.pyplot as plt
 
@@ -232,7 +273,7 @@ def _curves(df: pd.DataFrame, pred: np.ndarray, upper: np.ndarray | None, ok: np
     ncol = min(6, len(fams))
     nrow = -(-len(fams) // ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(3.2 * ncol, 2.6 * nrow), squeeze=False)
-    for ax in axes.ravel()[len(fams):]:
+    for ax in axes.ravel()[len(fams) :]:
         ax.axis("off")
     for ax, (name, idx) in zip(axes.ravel(), fams):
         rows = df.loc[np.asarray(idx)]
@@ -244,8 +285,9 @@ def _curves(df: pd.DataFrame, pred: np.ndarray, upper: np.ndarray | None, ok: np
         if upper is not None:
             ax.plot(k[order], upper[pos] / GIB, ":", lw=0.8, label="bound")
         r = rows.iloc[0]
-        ax.set_title(f"{name}\nmb={r['micro_batch_size']} s={r['seq_len']} {r['precision']} {r['sharding']}",
-                     fontsize=7)
+        ax.set_title(
+            f"{name}\nmb={r['micro_batch_size']} s={r['seq_len']} {r['precision']} {r['sharding']}", fontsize=7
+        )
         ax.tick_params(labelsize=6)
         ax.set_xlabel("checkpointed layers k", fontsize=6)
         ax.set_ylabel("peak GiB", fontsize=6)
@@ -263,8 +305,14 @@ def curves_figure(out_dir: str | Path, df: pd.DataFrame, pred, upper=None) -> Pa
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pred = np.asarray(pred, dtype="float64")
-    fig = _curves(df, pred, None if upper is None else np.asarray(upper, dtype="float64"), np.isfinite(pred),
-                  group_labels(df), [c for c in FAMILY_COLUMNS if c in df.columns])
+    fig = _curves(
+        df,
+        pred,
+        None if upper is None else np.asarray(upper, dtype="float64"),
+        np.isfinite(pred),
+        group_labels(df),
+        [c for c in FAMILY_COLUMNS if c in df.columns],
+    )
     return _save(fig, out / "memory_vs_k.png")
 
 

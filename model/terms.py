@@ -55,8 +55,9 @@ def _long_rope(hf_config: dict[str, Any]) -> bool:
     return False
 
 
-def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
-                         hf_config: dict[str, Any] | None = None) -> str | None:
+def not_traceable_reason(
+    model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None
+) -> str | None:
     """Why the traced path can't answer this configuration (None when it can).
 
     Not covered: MoE models that mix dense and MoE decoder layers (``hf_config`` keys
@@ -72,12 +73,16 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
     MoE routing itself is traced with a balanced deterministic router (:func:`training.moe.balanced_routing`).
     """
     if hf_config is not None and _long_rope(hf_config):
-        return ("long-RoPE model (rope_type=longrope, e.g. Phi-3.5): the traced token points build different "
-                "rotary caches, so their timelines differ and do not compose (training/phases.py); not traced")
+        return (
+            "long-RoPE model (rope_type=longrope, e.g. Phi-3.5): the traced token points build different "
+            "rotary caches, so their timelines differ and do not compose (training/phases.py); not traced"
+        )
     if model.num_experts is not None:
         if hf_config is not None and _mixes_dense_and_moe_layers(hf_config):
-            return ("MoE model with dense and MoE decoder layers mixed (only uniform layers are traced): the saving "
-                    "per checkpointed layer is approximate (a dense and an MoE layer save different amounts)")
+            return (
+                "MoE model with dense and MoE decoder layers mixed (only uniform layers are traced): the saving "
+                "per checkpointed layer is approximate (a dense and an MoE layer save different amounts)"
+            )
         ep = training.expert_parallel_size
         if ep > 1 and training.sharding is not Sharding.NONE:
             return "expert parallelism is traced with sharding=none only"
@@ -88,12 +93,15 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
 
         return not_composable_reason(model, training, hf_config) or (
             "frozen fine-tuning is composed from the traced full fine-tune of its trainable layers "
-            "(model.frozen), which has no composed phases here (not traced yet)")
+            "(model.frozen), which has no composed phases here (not traced yet)"
+        )
     if training.sharding is Sharding.ZERO1:
         from model.zero1 import not_composable_reason
 
-        return not_composable_reason(training) or ("ZeRO-1 partitions whole parameters greedily per rank: it is "
-                                                   "composed from the unsharded configuration's traced terms")
+        return not_composable_reason(training) or (
+            "ZeRO-1 partitions whole parameters greedily per rank: it is "
+            "composed from the unsharded configuration's traced terms"
+        )
     if training.optimizer_in_backward and training.sharding is not Sharding.NONE:
         return "an optimizer step in backward is traced without sharding only"
     if training.quantization is not Quantization.NONE and training.sharding is not Sharding.NONE:
@@ -105,11 +113,15 @@ def not_traceable_reason(model: ModelSpec, training: TrainingConfig,
         from model.parallel import TENSOR_PARALLEL_FAMILIES
 
         if model.architecture not in TENSOR_PARALLEL_FAMILIES:
-            return (f"tensor parallelism is traced for {sorted(TENSOR_PARALLEL_FAMILIES)} only "
-                    f"(Llama-style projections), not {model.architecture}")
+            return (
+                f"tensor parallelism is traced for {sorted(TENSOR_PARALLEL_FAMILIES)} only "
+                f"(Llama-style projections), not {model.architecture}"
+            )
         if model.num_key_value_heads % training.tensor_parallel_size:
-            return (f"tensor parallelism is traced when it divides the key/value heads "
-                    f"({model.num_key_value_heads}); Megatron replicates them beyond")
+            return (
+                f"tensor parallelism is traced when it divides the key/value heads "
+                f"({model.num_key_value_heads}); Megatron replicates them beyond"
+            )
         if training.finetune is not FineTune.FULL:
             return "tensor parallelism is traced for full fine-tuning only"
         if training.optimizer_in_backward:
@@ -131,20 +143,27 @@ def training_key_fields(training: TrainingConfig) -> dict[str, Any]:
     """Training fields the traced terms depend on (micro-batch, sequence length, k are composed)."""
     attention = Attention.SDPA if training.attention is Attention.FLASH else training.attention
     return {
-        "precision": training.precision.value, "optimizer": training.optimizer.value,
+        "precision": training.precision.value,
+        "optimizer": training.optimizer.value,
         "sharding": training.sharding.value,
         # the ranks the states are sharded over: context-parallel ranks join them (TrainingConfig.sharding_group_size)
         "data_parallel_size": training.sharding_group_size if training.sharding is not Sharding.NONE else 1,
-        "attention": attention.value, "finetune": training.finetune.value, "lora_rank": training.lora_rank,
+        "attention": attention.value,
+        "finetune": training.finetune.value,
+        "lora_rank": training.lora_rank,
         "lora_target_modules": sorted(training.lora_target_modules) if training.lora_target_modules else None,
-        "frozen_layers": training.frozen_layers, "checkpoint_impl": training.checkpoint_impl.value,
+        "frozen_layers": training.frozen_layers,
+        "checkpoint_impl": training.checkpoint_impl.value,
         # settings added later join the key only when set, so the keys of shipped terms stay valid
         **({"optimizer_in_backward": True} if training.optimizer_in_backward else {}),
         **({"quantization": training.quantization.value} if training.quantization is not Quantization.NONE else {}),
         # gradient accumulation: every micro-batch after the first holds the gradients, whatever their count
         **({"gradient_accumulation": True} if training.accumulates_gradients else {}),
-        **({"tensor_parallel_size": training.tensor_parallel_size, "sequence_parallel": training.sequence_parallel}
-           if training.tensor_parallel_size > 1 else {}),
+        **(
+            {"tensor_parallel_size": training.tensor_parallel_size, "sequence_parallel": training.sequence_parallel}
+            if training.tensor_parallel_size > 1
+            else {}
+        ),
     } | _moe_key_fields(training)
 
 
@@ -166,16 +185,21 @@ def _moe_key_fields(training: TrainingConfig) -> dict[str, Any]:
     """
     if training.expert_parallel_size == 1:
         return {}
-    return {"expert_parallel_size": training.expert_parallel_size,
-            "moe_imbalance_factor": training.moe_imbalance_factor}
+    return {
+        "expert_parallel_size": training.expert_parallel_size,
+        "moe_imbalance_factor": training.moe_imbalance_factor,
+    }
 
 
 def terms_key(hf_config: dict[str, Any], training: TrainingConfig) -> str:
     """SHA-256 (hex) of the canonical config (:func:`canonical_config`) and :func:`training_key_fields`.
 
     Shipped entries keyed before the config was canonicalised are found through :data:`CANONICAL_KEYS_PATH`."""
-    body = json.dumps({"config": canonical_config(hf_config), "training": training_key_fields(training)},
-                      sort_keys=True, separators=(",", ":"))
+    body = json.dumps(
+        {"config": canonical_config(hf_config), "training": training_key_fields(training)},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
     return hashlib.sha256(body.encode()).hexdigest()
 
 
@@ -218,8 +242,13 @@ class TermsCache:
             args = {"timeout": 2} if url.startswith("sqlite") else {}
             self._engine = sa.create_engine(url, connect_args=args)
             meta = sa.MetaData()
-            self._table = sa.Table("phase_terms", meta, sa.Column("key", sa.String(64), primary_key=True),
-                                   sa.Column("model_name", sa.String(128)), sa.Column("terms_json", sa.Text))
+            self._table = sa.Table(
+                "phase_terms",
+                meta,
+                sa.Column("key", sa.String(64), primary_key=True),
+                sa.Column("model_name", sa.String(128)),
+                sa.Column("terms_json", sa.Text),
+            )
             meta.create_all(self._engine)
 
     def __len__(self) -> int:
@@ -247,8 +276,9 @@ class TermsCache:
 
             with self._engine.begin() as conn:
                 try:
-                    conn.execute(self._table.insert().values(key=key, model_name=model_name,
-                                                             terms_json=json.dumps(terms)))
+                    conn.execute(
+                        self._table.insert().values(key=key, model_name=model_name, terms_json=json.dumps(terms))
+                    )
                 except sa.exc.IntegrityError:
                     return False
         return True

@@ -89,7 +89,9 @@ def not_composable_reason(training: TrainingConfig) -> str | None:
     (one optimizer per parameter, not partitioned) and quantized bases (collected without sharding only).
     """
     if training.optimizer not in _TORCH_OPTIMIZERS:
-        return f"ZeRO-1 with {training.optimizer.value} is not measured (ZeroRedundancyOptimizer wraps torch optimizers)"
+        return (
+            f"ZeRO-1 with {training.optimizer.value} is not measured (ZeroRedundancyOptimizer wraps torch optimizers)"
+        )
     if training.tensor_parallel_size > 1:
         return "ZeRO-1 with tensor parallelism is not measured"
     if training.pipeline_parallel_size > 1 or training.context_parallel_size > 1:
@@ -134,16 +136,26 @@ def _trainable_parameters(hf_config_json: str, training_json: str) -> TrainableP
         model = _apply_finetune(model, training, decoder_layers(model))
     master = training.precision is Precision.BF16_FP32_MASTER
     params = [p for p in model.parameters() if p.requires_grad]
-    return TrainableParameters(shapes=tuple(tuple(p.shape) for p in params),
-                               state_dtype_bytes=tuple(4 if master else p.element_size() for p in params))
+    return TrainableParameters(
+        shapes=tuple(tuple(p.shape) for p in params),
+        state_dtype_bytes=tuple(4 if master else p.element_size() for p in params),
+    )
 
 
 def trainable_parameters(hf_config: dict[str, Any], training: TrainingConfig) -> TrainableParameters:
     """The trainable parameters of ``hf_config`` under ``training``'s fine-tuning (LoRA adapters from PEFT,
     frozen layers) from a meta-device build as the collector builds it (``training.collect._apply_finetune``);
     memoised per (config, fine-tuning, precision)."""
-    key = TrainingConfig.model_validate({"micro_batch_size": 1, "seq_len": 1, **{f: getattr(training, f) for f in (
-        "precision", "finetune", "lora_rank", "lora_target_modules", "frozen_layers")}})
+    key = TrainingConfig.model_validate(
+        {
+            "micro_batch_size": 1,
+            "seq_len": 1,
+            **{
+                f: getattr(training, f)
+                for f in ("precision", "finetune", "lora_rank", "lora_target_modules", "frozen_layers")
+            },
+        }
+    )
     return _trainable_parameters(json.dumps(hf_config, sort_keys=True), key.model_dump_json())
 
 
@@ -228,7 +240,8 @@ def zero1_split(hf_config: dict[str, Any], training: TrainingConfig) -> Zero1Spl
     return Zero1Split(
         rank0_params=sum(numels[i] for i in mine),
         other_state_bytes=sum(state_tensor_bytes(tp.shapes[i], tp.state_dtype_bytes[i], opt) for i in others),
-        other_temporary_bytes=sum(step_temporary_bytes(tp.shapes[i], tp.state_dtype_bytes[i], opt) for i in others))
+        other_temporary_bytes=sum(step_temporary_bytes(tp.shapes[i], tp.state_dtype_bytes[i], opt) for i in others),
+    )
 
 
 def rank0_states(model: ModelSpec, training: TrainingConfig, split: Zero1Split):

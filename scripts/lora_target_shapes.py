@@ -44,10 +44,19 @@ if __name__ == "__main__":
             except (InvalidConfiguration, ValueError) as err:
                 print(f"skipped {name}: {err}")
                 continue
-            entries[lora_shapes_key(cfg, targets)] = {"model": name, "targets": targets, "names": names,
-                                                      "shapes": {t: runs(v) for t, v in shapes.items()}}
-    snapshot = {"source": "memfit.hf._built_lora_target_shapes on the catalog's hf_config, PEFT default targets",
-                "transformers_version": version("transformers"), "entries": entries}
+            entries[lora_shapes_key(cfg, targets)] = {
+                "model": name,
+                "targets": targets,
+                "names": names,
+                "shapes": {t: runs(v) for t, v in shapes.items()},
+            }
+    snapshot = {
+        "source": "memfit.hf._built_lora_target_shapes on the catalog's hf_config, PEFT default targets",
+        "transformers_version": version("transformers"),
+        "entries": entries,
+    }
     LORA_SHAPES_PATH.write_text(json.dumps(snapshot, indent=None, sort_keys=True) + "\n")
-    print(f"{len(entries)} catalog architectures under transformers {snapshot['transformers_version']} "
-          f"-> {LORA_SHAPES_PATH}")
+    print(
+        f"{len(entries)} catalog architectures under transformers {snapshot['transformers_version']} "
+        f"-> {LORA_SHAPES_PATH}"
+    )

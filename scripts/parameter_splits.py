@@ -18,13 +18,19 @@ from training.moe_telemetry import REDUCED_MOE
 if __name__ == "__main__":
     configs = [catalog.get(name)["hf_config"] for name in catalog.names()] + list(REDUCED_MOE.values())
     # one expert-parallel rank's shard of every MoE model, for expert-parallel sizes 2, 4, 8, ... dividing its experts
-    configs += [local_expert_config(cfg, ep) for cfg in list(configs) if (experts := num_routed_experts(cfg))
-                for ep in (2 ** i for i in range(1, experts.bit_length())) if experts % ep == 0]
+    configs += [
+        local_expert_config(cfg, ep)
+        for cfg in list(configs)
+        if (experts := num_routed_experts(cfg))
+        for ep in (2**i for i in range(1, experts.bit_length()))
+        if experts % ep == 0
+    ]
     splits = {}
     for cfg in configs:
         split = _parameter_split(json.dumps(cfg, sort_keys=True))
         if split is not None:
             splits[parameter_split_key(cfg)] = list(split)
-    PARAMETER_SPLITS_PATH.write_text(json.dumps({"transformers": version("transformers"),
-                                                 "splits": dict(sorted(splits.items()))}, indent=0) + "\n")
+    PARAMETER_SPLITS_PATH.write_text(
+        json.dumps({"transformers": version("transformers"), "splits": dict(sorted(splits.items()))}, indent=0) + "\n"
+    )
     print(f"{len(splits)} of {len(configs)} configs -> {PARAMETER_SPLITS_PATH}")

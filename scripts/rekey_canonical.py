@@ -35,9 +35,24 @@ from training.terms import hf_config_of
 
 TESTS_DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 #: the keys the pre-canonical key dropped (model/terms.py before issue 28.6), to find the old parameter-split keys
-_LEGACY_IGNORED = frozenset({"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
-                             "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "auto_map",
-                             "quantization_config", "_commit_hash", "output_attentions", "output_hidden_states"})
+_LEGACY_IGNORED = frozenset(
+    {
+        "_name_or_path",
+        "transformers_version",
+        "architectures",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "auto_map",
+        "quantization_config",
+        "_commit_hash",
+        "output_attentions",
+        "output_hidden_states",
+    }
+)
 
 
 def entry_training(entry: dict) -> TrainingConfig:
@@ -62,8 +77,12 @@ def write_canonical_configs() -> int:
 
     configs = [catalog.get(name)["hf_config"] for name in catalog.names()] + list(REDUCED_MOE.values())
     entries = dict(canonical_snapshot_entry(c) for c in configs)
-    CANONICAL_CONFIGS_PATH.write_text(json.dumps({"transformers_version": version("transformers"),
-                                                  "entries": dict(sorted(entries.items()))}, sort_keys=True) + "\n")
+    CANONICAL_CONFIGS_PATH.write_text(
+        json.dumps(
+            {"transformers_version": version("transformers"), "entries": dict(sorted(entries.items()))}, sort_keys=True
+        )
+        + "\n"
+    )
     return len(entries)
 
 
@@ -90,8 +109,9 @@ def rekey_terms() -> tuple[int, int]:
                 if keys.get(stored, new) != new:
                     sys.exit(f"{f.name}: {stored} maps to two keys")
                 keys[stored] = new
-    path.write_text(json.dumps({"transformers": version("transformers"), "keys": dict(sorted(keys.items()))},
-                               indent=0) + "\n")
+    path.write_text(
+        json.dumps({"transformers": version("transformers"), "keys": dict(sorted(keys.items()))}, indent=0) + "\n"
+    )
     return lines, len(keys)
 
 
@@ -103,8 +123,13 @@ def rekey_splits() -> int:
 
     snapshot = json.loads(PARAMETER_SPLITS_PATH.read_text())
     configs = [catalog.get(name)["hf_config"] for name in catalog.names()] + list(REDUCED_MOE.values())
-    configs += [local_expert_config(cfg, ep) for cfg in list(configs) if (experts := num_routed_experts(cfg))
-                for ep in (2 ** i for i in range(1, experts.bit_length())) if experts % ep == 0]
+    configs += [
+        local_expert_config(cfg, ep)
+        for cfg in list(configs)
+        if (experts := num_routed_experts(cfg))
+        for ep in (2**i for i in range(1, experts.bit_length()))
+        if experts % ep == 0
+    ]
     by_old = {_legacy_split_key(c): parameter_split_key(c) for c in configs}
     by_old.update({parameter_split_key(c): parameter_split_key(c) for c in configs})  # already canonical
     splits = {}
@@ -113,8 +138,9 @@ def rekey_splits() -> int:
             sys.exit(f"parameter split {key} matches no catalog or reduced MoE config")
         if splits.setdefault(by_old[key], value) != value:
             sys.exit(f"two parameter splits for {by_old[key]}")
-    PARAMETER_SPLITS_PATH.write_text(json.dumps({"transformers": snapshot["transformers"],
-                                                 "splits": dict(sorted(splits.items()))}, indent=0) + "\n")
+    PARAMETER_SPLITS_PATH.write_text(
+        json.dumps({"transformers": snapshot["transformers"], "splits": dict(sorted(splits.items()))}, indent=0) + "\n"
+    )
     return len(splits)
 
 
@@ -154,5 +180,7 @@ if __name__ == "__main__":
     for extra in sorted(TESTS_DATA.glob("terms_*.jsonl")):
         print(f"{extra}: {rekey_in_place(extra)} lines re-keyed")
     check()
-    print(f"terms: {lines} lines, {changed} keys mapped -> {SHIPPED_DIR / CANONICAL_KEYS_NAME}; "
-          f"parameter splits: {n_splits} re-keyed -> {PARAMETER_SPLITS_PATH}; every line found")
+    print(
+        f"terms: {lines} lines, {changed} keys mapped -> {SHIPPED_DIR / CANONICAL_KEYS_NAME}; "
+        f"parameter splits: {n_splits} re-keyed -> {PARAMETER_SPLITS_PATH}; every line found"
+    )

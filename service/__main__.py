@@ -12,7 +12,9 @@ if __name__ == "__main__":
     try:
         s = Settings()
     except ValidationError as err:
-        sys.exit(f"memfit: refusing to start: {'; '.join(e['msg'].removeprefix('Value error, ') for e in err.errors())}")
+        sys.exit(
+            f"memfit: refusing to start: {'; '.join(e['msg'].removeprefix('Value error, ') for e in err.errors())}"
+        )
     from service.startup import NothingToServe, ensure_servable
 
     try:  # an empty or broken registry is seeded from the shipped model; nothing servable: refuse, say why
@@ -22,6 +24,5 @@ if __name__ == "__main__":
     print(f"memfit: {note}", file=sys.stderr, flush=True)
     app = create_app(s)
     # uvicorn logs at warning level only: say once where the service answers (stderr, like the logs)
-    print(f"memfit: serving on http://{s.host}:{s.port} (docs at /docs; stop with Ctrl-C)", file=sys.stderr,
-          flush=True)
+    print(f"memfit: serving on http://{s.host}:{s.port} (docs at /docs; stop with Ctrl-C)", file=sys.stderr, flush=True)
     uvicorn.run(app, host=s.host, port=s.port, log_level="warning")

@@ -59,8 +59,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     store, reason = open_store(settings)
     terms = TermsCache(store.url if store is not None else None)  # read-only: traced terms kept in memory
-    tracer = BackgroundTracer(terms, max_pending=settings.max_pending_traces,
-                              max_per_client=settings.max_pending_traces_per_client)
+    tracer = BackgroundTracer(
+        terms, max_pending=settings.max_pending_traces, max_per_client=settings.max_pending_traces_per_client
+    )
     holder = ModelHolder(Registry(settings.registry_dir), overhead_from(store), terms=terms, tracer=tracer)
     holder.refresh()
     warmed_up = threading.Event()
@@ -81,14 +82,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.writes.executor.shutdown(wait=True)
         tracer.shutdown()
 
-    app = FastAPI(title="memfit", version="0.1.0", lifespan=lifespan,
-                  description="Fit LLM training into GPU memory with the least activation recomputation.")
+    app = FastAPI(
+        title="memfit",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Fit LLM training into GPU memory with the least activation recomputation.",
+    )
     app.state.settings, app.state.store, app.state.models = settings, store, holder
     app.state.read_only_reason, app.state.warmed_up = reason, warmed_up
     app.state.writes = WriteQueue(settings.write_workers, settings.max_pending_writes)
     Instrumentator(excluded_handlers=["/metrics"]).instrument(app).expose(app, include_in_schema=False)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
-                       body_timeout_s=settings.body_timeout_s)
+    app.add_middleware(
+        BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s
+    )
     errors.install(app)
     for r in (recommend.router, telemetry.router, admin.router):
         app.include_router(r)

@@ -59,24 +59,39 @@ ZERO = {0: Sharding.NONE, 1: Sharding.ZERO1, 2: Sharding.ZERO2, 3: Sharding.ZERO
 
 #: request field -> the flag that sets it, so errors name what the user typed
 FLAG_OF = {
-    "model": "--model/--config", "training.micro_batch_size": "--micro-batch", "training.seq_len": "--seq-len",
-    "training.precision": "--precision", "training.optimizer": "--optimizer",
-    "training.quantization": "--quantization", "training.optimizer_in_backward": "--optimizer-in-backward",
+    "model": "--model/--config",
+    "training.micro_batch_size": "--micro-batch",
+    "training.seq_len": "--seq-len",
+    "training.precision": "--precision",
+    "training.optimizer": "--optimizer",
+    "training.quantization": "--quantization",
+    "training.optimizer_in_backward": "--optimizer-in-backward",
     "training.sharding": "--zero/--sharding",
-    "training.data_parallel_size": "--data-parallel", "training.tensor_parallel_size": "--tensor-parallel",
-    "training.pipeline_parallel_size": "--pipeline-parallel", "training.attention": "--attention",
-    "training.context_parallel_size": "--context-parallel", "training.sequence_parallel": "--sequence-parallel",
-    "training.pipeline_schedule": "--pipeline-schedule", "training.num_micro_batches": "--micro-batches",
+    "training.data_parallel_size": "--data-parallel",
+    "training.tensor_parallel_size": "--tensor-parallel",
+    "training.pipeline_parallel_size": "--pipeline-parallel",
+    "training.attention": "--attention",
+    "training.context_parallel_size": "--context-parallel",
+    "training.sequence_parallel": "--sequence-parallel",
+    "training.pipeline_schedule": "--pipeline-schedule",
+    "training.num_micro_batches": "--micro-batches",
     "training.pipeline_chunks_per_rank": "--pipeline-chunks",
-    "training.lora_rank": "--lora-rank", "training.lora_target_modules": "--lora-targets",
+    "training.lora_rank": "--lora-rank",
+    "training.lora_target_modules": "--lora-targets",
     "training.frozen_layers": "--frozen-layers",
     "training.checkpoint_impl": "--checkpoint-impl",
-    "training.offload_optimizer": "--offload-optimizer", "training.offload_parameters": "--offload-parameters",
+    "training.offload_optimizer": "--offload-optimizer",
+    "training.offload_parameters": "--offload-parameters",
     "training.gradient_accumulation_steps": "--grad-accum",
     "cluster.gpus_per_node": "--gpus-per-node",
-    "cluster.gpu": "--gpu", "cluster.gpu_memory_gib": "--gpu-memory-gib", "cluster.gpu_count": "--gpus",
-    "cluster": "--gpu/--gpu-memory-gib", "headroom_fraction": "--headroom", "layout": "--layout",
-    "training.expert_parallel_size": "--expert-parallel", "training.moe_imbalance_factor": "--moe-imbalance",
+    "cluster.gpu": "--gpu",
+    "cluster.gpu_memory_gib": "--gpu-memory-gib",
+    "cluster.gpu_count": "--gpus",
+    "cluster": "--gpu/--gpu-memory-gib",
+    "headroom_fraction": "--headroom",
+    "layout": "--layout",
+    "training.expert_parallel_size": "--expert-parallel",
+    "training.moe_imbalance_factor": "--moe-imbalance",
 }
 
 
@@ -97,9 +112,15 @@ def _gpu_name(text: str) -> str:
         if name.upper() == key:
             return name
     close = close_names(text, GPUS)  # as an unknown --model is told (data.catalog.get)
-    raise argparse.ArgumentTypeError(f"unknown GPU {text[:64]!r}{'...' if len(text) > 64 else ''}; " + (
-        f"close matches: {', '.join(close)}; all GPUs: `memfit gpus`;" if close else
-        f"choose from {', '.join(GPUS)}") + " or give --gpu-memory-gib")
+    raise argparse.ArgumentTypeError(
+        f"unknown GPU {text[:64]!r}{'...' if len(text) > 64 else ''}; "
+        + (
+            f"close matches: {', '.join(close)}; all GPUs: `memfit gpus`;"
+            if close
+            else f"choose from {', '.join(GPUS)}"
+        )
+        + " or give --gpu-memory-gib"
+    )
 
 
 def _integer(text: str) -> int:
@@ -177,111 +198,225 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
                 continue
             label = re.match(r"\s*\S+ {2,}", line)
             items.append([lead, label.end() if label else lead, line.strip()])
-        return "\n".join(textwrap.fill(body, width, initial_indent=indent + " " * lead,
-                                       subsequent_indent=indent + " " * hang, break_long_words=False,
-                                       break_on_hyphens=False) if body else ""
-                         for lead, hang, body in items)
+        return "\n".join(
+            textwrap.fill(
+                body,
+                width,
+                initial_indent=indent + " " * lead,
+                subsequent_indent=indent + " " * hang,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+            if body
+            else ""
+            for lead, hang, body in items
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``memfit`` argument parser (subcommands ``recommend``, ``models``, ``gpus``)."""
     fmt = _Formatter
-    p = _Parser(prog="memfit", description="Fit LLM training into GPU memory: which decoder layers "
-                "to activation-checkpoint.", epilog=__doc__.split("Exit codes:")[1].join(
-                    ["exit codes (memfit recommend):", ""]), formatter_class=fmt)
+    p = _Parser(
+        prog="memfit",
+        description="Fit LLM training into GPU memory: which decoder layers to activation-checkpoint.",
+        epilog=__doc__.split("Exit codes:")[1].join(["exit codes (memfit recommend):", ""]),
+        formatter_class=fmt,
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="{recommend,models,gpus}")
-    r = sub.add_parser("recommend", help="how many (and which) layers to checkpoint", formatter_class=fmt,
-                       description="The smallest number of checkpointed layers k whose predicted peak fits the GPU.",
-                       epilog="exit codes:" + __doc__.split("Exit codes:")[1])
+    r = sub.add_parser(
+        "recommend",
+        help="how many (and which) layers to checkpoint",
+        formatter_class=fmt,
+        description="The smallest number of checkpointed layers k whose predicted peak fits the GPU.",
+        epilog="exit codes:" + __doc__.split("Exit codes:")[1],
+    )
 
     m = r.add_argument_group("model (one of)")
     which = m.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", metavar="NAME",
-                       help="catalog name or alias (see `memfit models`), or a HF id (org/name) whose config.json "
-                            "is in the local HF cache; never downloaded")
-    which.add_argument("--config", metavar="PATH", type=Path,
-                       help="a HF config.json, or a model folder holding one (any architecture)")
+    which.add_argument(
+        "--model",
+        metavar="NAME",
+        help="catalog name or alias (see `memfit models`), or a HF id (org/name) whose config.json "
+        "is in the local HF cache; never downloaded",
+    )
+    which.add_argument(
+        "--config", metavar="PATH", type=Path, help="a HF config.json, or a model folder holding one (any architecture)"
+    )
 
     t = r.add_argument_group("training (per GPU)")
     t.add_argument("--micro-batch", type=_integer, required=True, metavar="N", help="sequences per GPU per step")
     t.add_argument("--seq-len", type=_integer, required=True, metavar="TOKENS", help="tokens per sequence")
-    t.add_argument("--precision", choices=[x.value for x in Precision],
-                   help="training numerics (default: bf16 for LoRA, a bf16 frozen base as PEFT/TRL/torchtune load "
-                        "it; amp_bf16 otherwise, QLoRA included)")
-    t.add_argument("--optimizer", choices=[*(x.value for x in Optimizer), *OPTIMIZER_ALIASES],
-                   help=f"optimizer; adamw is PyTorch's default torch.optim.AdamW, which runs adamw_foreach on CUDA "
-                        f"(default: {_default('optimizer')})")
+    t.add_argument(
+        "--precision",
+        choices=[x.value for x in Precision],
+        help="training numerics (default: bf16 for LoRA, a bf16 frozen base as PEFT/TRL/torchtune load "
+        "it; amp_bf16 otherwise, QLoRA included)",
+    )
+    t.add_argument(
+        "--optimizer",
+        choices=[*(x.value for x in Optimizer), *OPTIMIZER_ALIASES],
+        help=f"optimizer; adamw is PyTorch's default torch.optim.AdamW, which runs adamw_foreach on CUDA "
+        f"(default: {_default('optimizer')})",
+    )
     shard = t.add_mutually_exclusive_group()
     shard.add_argument("--zero", type=int, choices=sorted(ZERO), help="DeepSpeed ZeRO stage (default: 0, no sharding)")
-    shard.add_argument("--sharding", choices=[x.value for x in Sharding],
-                       help="sharding by name, e.g. fsdp_full_shard (instead of --zero)")
-    t.add_argument("--data-parallel", type=_integer, metavar="N",
-                   help="data-parallel size (default: GPUs / (tensor x pipeline parallel))")
-    t.add_argument("--tensor-parallel", type=_integer, metavar="N",
-                   help=f"tensor-parallel size (default: {_default('tensor_parallel_size')})")
-    t.add_argument("--pipeline-parallel", type=_integer, metavar="N",
-                   help=f"pipeline stages (default: {_default('pipeline_parallel_size')})")
-    t.add_argument("--context-parallel", type=_integer, metavar="N",
-                   help=f"context-parallel size, divides --seq-len (default: {_default('context_parallel_size')})")
-    t.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="Megatron sequence parallelism over the tensor-parallel ranks")
-    t.add_argument("--pipeline-schedule", choices=[x.value for x in PipelineSchedule],
-                   help=f"pipeline schedule (default: {_default('pipeline_schedule')})")
-    t.add_argument("--micro-batches", type=_integer, metavar="M",
-                   help="micro-batches per step through the pipeline (default: the stage count)")
-    t.add_argument("--pipeline-chunks", type=_integer, metavar="V",
-                   help=f"model chunks per rank, interleaved_1f1b (default: {_default('pipeline_chunks_per_rank')})")
-    t.add_argument("--attention", choices=[x.value for x in Attention],
-                   help=f"attention kernel (default: {_default('attention')})")
+    shard.add_argument(
+        "--sharding",
+        choices=[x.value for x in Sharding],
+        help="sharding by name, e.g. fsdp_full_shard (instead of --zero)",
+    )
+    t.add_argument(
+        "--data-parallel",
+        type=_integer,
+        metavar="N",
+        help="data-parallel size (default: GPUs / (tensor x pipeline parallel))",
+    )
+    t.add_argument(
+        "--tensor-parallel",
+        type=_integer,
+        metavar="N",
+        help=f"tensor-parallel size (default: {_default('tensor_parallel_size')})",
+    )
+    t.add_argument(
+        "--pipeline-parallel",
+        type=_integer,
+        metavar="N",
+        help=f"pipeline stages (default: {_default('pipeline_parallel_size')})",
+    )
+    t.add_argument(
+        "--context-parallel",
+        type=_integer,
+        metavar="N",
+        help=f"context-parallel size, divides --seq-len (default: {_default('context_parallel_size')})",
+    )
+    t.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        default=None,
+        help="Megatron sequence parallelism over the tensor-parallel ranks",
+    )
+    t.add_argument(
+        "--pipeline-schedule",
+        choices=[x.value for x in PipelineSchedule],
+        help=f"pipeline schedule (default: {_default('pipeline_schedule')})",
+    )
+    t.add_argument(
+        "--micro-batches",
+        type=_integer,
+        metavar="M",
+        help="micro-batches per step through the pipeline (default: the stage count)",
+    )
+    t.add_argument(
+        "--pipeline-chunks",
+        type=_integer,
+        metavar="V",
+        help=f"model chunks per rank, interleaved_1f1b (default: {_default('pipeline_chunks_per_rank')})",
+    )
+    t.add_argument(
+        "--attention", choices=[x.value for x in Attention], help=f"attention kernel (default: {_default('attention')})"
+    )
     t.add_argument("--lora-rank", type=_integer, metavar="R", help="LoRA fine-tune with this rank (default: full)")
-    t.add_argument("--frozen-layers", type=_integer, metavar="N",
-                   help="frozen fine-tune: the input embeddings and the first N decoder layers frozen (default: full)")
-    t.add_argument("--lora-targets", metavar="NAMES",
-                   help="with --lora-rank: comma-separated module names LoRA adapts, PEFT's target_modules, e.g. "
-                        "q_proj,k_proj,v_proj,o_proj (default: PEFT's default for the model type)")
-    t.add_argument("--checkpoint-impl", choices=[x.value for x in CheckpointImpl],
-                   help=f"torch.utils.checkpoint flavour (default: {_default('checkpoint_impl')})")
-    t.add_argument("--optimizer-in-backward", action="store_true", default=None,
-                   help="optimizer step fused into backward per parameter (torchtune optimizer_in_bwd)")
-    t.add_argument("--quantization", choices=[x.value for x in Quantization],
-                   help="QLoRA base weights, with --lora-rank (default: the config's quantization_config, else none)")
-    t.add_argument("--grad-accum", type=_integer, metavar="N",
-                   help="gradient accumulation steps: micro-batches per optimizer step (default: 1)")
-    t.add_argument("--offload-optimizer", choices=[x.value for x in Offload],
-                   help="cpu: optimizer states + fp32 master weights in host memory (ZeRO-Offload; default: none)")
-    t.add_argument("--offload-parameters", choices=[x.value for x in Offload],
-                   help="cpu: parameters in host memory too (ZeRO-3 offload_param, FSDP2 CPUOffloadPolicy; default: "
-                        "none)")
-    t.add_argument("--expert-parallel", type=_integer, metavar="N",
-                   help=f"MoE: ranks the experts are split over (default: {_default('expert_parallel_size')})")
-    t.add_argument("--moe-imbalance", type=float, metavar="F",
-                   help=f"MoE: the hottest expert's share relative to balanced, >= 1 "
-                        f"(default: {_default('moe_imbalance_factor')})")
+    t.add_argument(
+        "--frozen-layers",
+        type=_integer,
+        metavar="N",
+        help="frozen fine-tune: the input embeddings and the first N decoder layers frozen (default: full)",
+    )
+    t.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help="with --lora-rank: comma-separated module names LoRA adapts, PEFT's target_modules, e.g. "
+        "q_proj,k_proj,v_proj,o_proj (default: PEFT's default for the model type)",
+    )
+    t.add_argument(
+        "--checkpoint-impl",
+        choices=[x.value for x in CheckpointImpl],
+        help=f"torch.utils.checkpoint flavour (default: {_default('checkpoint_impl')})",
+    )
+    t.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        default=None,
+        help="optimizer step fused into backward per parameter (torchtune optimizer_in_bwd)",
+    )
+    t.add_argument(
+        "--quantization",
+        choices=[x.value for x in Quantization],
+        help="QLoRA base weights, with --lora-rank (default: the config's quantization_config, else none)",
+    )
+    t.add_argument(
+        "--grad-accum",
+        type=_integer,
+        metavar="N",
+        help="gradient accumulation steps: micro-batches per optimizer step (default: 1)",
+    )
+    t.add_argument(
+        "--offload-optimizer",
+        choices=[x.value for x in Offload],
+        help="cpu: optimizer states + fp32 master weights in host memory (ZeRO-Offload; default: none)",
+    )
+    t.add_argument(
+        "--offload-parameters",
+        choices=[x.value for x in Offload],
+        help="cpu: parameters in host memory too (ZeRO-3 offload_param, FSDP2 CPUOffloadPolicy; default: none)",
+    )
+    t.add_argument(
+        "--expert-parallel",
+        type=_integer,
+        metavar="N",
+        help=f"MoE: ranks the experts are split over (default: {_default('expert_parallel_size')})",
+    )
+    t.add_argument(
+        "--moe-imbalance",
+        type=float,
+        metavar="F",
+        help=f"MoE: the hottest expert's share relative to balanced, >= 1 "
+        f"(default: {_default('moe_imbalance_factor')})",
+    )
 
     c = r.add_argument_group("cluster (one of --gpu / --gpu-memory-gib)")
     mem = c.add_mutually_exclusive_group(required=True)
     mem.add_argument("--gpu", type=_gpu_name, metavar="NAME", help=f"GPU model, one of: {', '.join(GPUS)}")
     mem.add_argument("--gpu-memory-gib", type=float, metavar="GIB", help="device memory in GiB (instead of --gpu)")
     c.add_argument("--gpus", type=_integer, default=1, metavar="N", help="GPUs in the job (default: 1)")
-    c.add_argument("--gpus-per-node", type=_integer, metavar="N",
-                   help="GPUs sharing one host, for the host memory of offload (default: min(GPUs, 8))")
-    c.add_argument("--headroom", type=float, default=0.05, metavar="FRACTION",
-                   help="share of device memory kept free, 0..0.9 (default: 0.05)")
-    c.add_argument("--layout", choices=["block", "even"], default="block",
-                   help="which layers: the first k of each pipeline stage (Megatron's block) or spread evenly "
-                        "(default: block)")
+    c.add_argument(
+        "--gpus-per-node",
+        type=_integer,
+        metavar="N",
+        help="GPUs sharing one host, for the host memory of offload (default: min(GPUs, 8))",
+    )
+    c.add_argument(
+        "--headroom",
+        type=float,
+        default=0.05,
+        metavar="FRACTION",
+        help="share of device memory kept free, 0..0.9 (default: 0.05)",
+    )
+    c.add_argument(
+        "--layout",
+        choices=["block", "even"],
+        default="block",
+        help="which layers: the first k of each pipeline stage (Megatron's block) or spread evenly (default: block)",
+    )
 
     o = r.add_argument_group("answer")
     o.add_argument("--url", help="ask the memfit service at this URL instead of the local model registry")
-    o.add_argument("--registry", type=Path, metavar="DIR", help="local model registry folder (default: the shipped data/models)")
-    o.add_argument("--timeout-s", type=_seconds, default=10.0, metavar="SECONDS",
-                   help="service timeout in seconds (default: 10)")
+    o.add_argument(
+        "--registry", type=Path, metavar="DIR", help="local model registry folder (default: the shipped data/models)"
+    )
+    o.add_argument(
+        "--timeout-s", type=_seconds, default=10.0, metavar="SECONDS", help="service timeout in seconds (default: 10)"
+    )
     out = o.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the answer as JSON (bytes)")
-    out.add_argument("--explain", action="store_true",
-                     help="also print the memory breakdown and the curve over k as a chart")
-    o.add_argument("--verbose", action="store_true",
-                   help="show the libraries' own output and warnings on stderr (default: dropped)")
+    out.add_argument(
+        "--explain", action="store_true", help="also print the memory breakdown and the curve over k as a chart"
+    )
+    o.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the libraries' own output and warnings on stderr (default: dropped)",
+    )
 
     sub.add_parser("models", help="list the catalog's model names, each with its aliases")
     sub.add_parser("gpus", help="list the known GPUs and their memory")
@@ -297,8 +432,9 @@ def read_config(path: Path) -> dict[str, Any]:
     """
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise InputError(f"--config: {file} does not exist" + (" (the folder has no config.json)"
-                                                               if path.is_dir() else ""))
+        raise InputError(
+            f"--config: {file} does not exist" + (" (the folder has no config.json)" if path.is_dir() else "")
+        )
     try:
         cfg = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -349,11 +485,12 @@ def resolve_model_arg(a: argparse.Namespace) -> str | dict[str, Any]:
         found = cached_hf_config(a.model)
         if found is not None:
             return read_config(found)
-        cache = os.environ.get("HF_HUB_CACHE") or os.path.join(os.environ.get("HF_HOME", "~/.cache/huggingface"),
-                                                               "hub")
-        raise InputError(f"--model: {a.model!r} is not in the catalog and its config.json is not in the local HF "
-                         f"cache ({cache}); memfit never downloads. Fetch it with `hf download {a.model} config.json` "
-                         "or pass --config PATH")
+        cache = os.environ.get("HF_HUB_CACHE") or os.path.join(os.environ.get("HF_HOME", "~/.cache/huggingface"), "hub")
+        raise InputError(
+            f"--model: {a.model!r} is not in the catalog and its config.json is not in the local HF "
+            f"cache ({cache}); memfit never downloads. Fetch it with `hf download {a.model} config.json` "
+            "or pass --config PATH"
+        )
     raise InputError(f"--model: {close}; or pass --config PATH for a model outside the catalog")
 
 
@@ -364,16 +501,27 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
         InputError: an unknown model or unreadable config. ValidationError: a value out of range.
     """
     training: dict[str, Any] = {"micro_batch_size": a.micro_batch, "seq_len": a.seq_len}
-    for flag, field in (("precision", "precision"), ("optimizer", "optimizer"), ("attention", "attention"),
-                        ("data_parallel", "data_parallel_size"), ("tensor_parallel", "tensor_parallel_size"),
-                        ("pipeline_parallel", "pipeline_parallel_size"), ("checkpoint_impl", "checkpoint_impl"),
-                        ("optimizer_in_backward", "optimizer_in_backward"), ("quantization", "quantization"),
-                        ("context_parallel", "context_parallel_size"), ("sequence_parallel", "sequence_parallel"),
-                        ("pipeline_schedule", "pipeline_schedule"), ("micro_batches", "num_micro_batches"),
-                        ("pipeline_chunks", "pipeline_chunks_per_rank"),
-                        ("offload_optimizer", "offload_optimizer"), ("offload_parameters", "offload_parameters"),
-                        ("expert_parallel", "expert_parallel_size"), ("moe_imbalance", "moe_imbalance_factor"),
-                        ("grad_accum", "gradient_accumulation_steps")):
+    for flag, field in (
+        ("precision", "precision"),
+        ("optimizer", "optimizer"),
+        ("attention", "attention"),
+        ("data_parallel", "data_parallel_size"),
+        ("tensor_parallel", "tensor_parallel_size"),
+        ("pipeline_parallel", "pipeline_parallel_size"),
+        ("checkpoint_impl", "checkpoint_impl"),
+        ("optimizer_in_backward", "optimizer_in_backward"),
+        ("quantization", "quantization"),
+        ("context_parallel", "context_parallel_size"),
+        ("sequence_parallel", "sequence_parallel"),
+        ("pipeline_schedule", "pipeline_schedule"),
+        ("micro_batches", "num_micro_batches"),
+        ("pipeline_chunks", "pipeline_chunks_per_rank"),
+        ("offload_optimizer", "offload_optimizer"),
+        ("offload_parameters", "offload_parameters"),
+        ("expert_parallel", "expert_parallel_size"),
+        ("moe_imbalance", "moe_imbalance_factor"),
+        ("grad_accum", "gradient_accumulation_steps"),
+    ):
         if getattr(a, flag) is not None:
             training[field] = getattr(a, flag)
     if a.sharding is not None or a.zero is not None:
@@ -395,8 +543,15 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
         cluster["gpu_memory_gib"] = a.gpu_memory_gib
     else:
         cluster["gpu"] = a.gpu
-    return RecommendRequest.model_validate({"model": resolve_model_arg(a), "training": training, "cluster": cluster,
-                                            "headroom_fraction": a.headroom, "layout": a.layout})
+    return RecommendRequest.model_validate(
+        {
+            "model": resolve_model_arg(a),
+            "training": training,
+            "cluster": cluster,
+            "headroom_fraction": a.headroom,
+            "layout": a.layout,
+        }
+    )
 
 
 def flag_problem(field: str, message: str, allowed: str | None = None) -> str:
@@ -494,8 +649,7 @@ def _recommend_uncached(req: RecommendRequest, registry: Path | None) -> Recomme
     store, _reason = open_store(Settings())  # None where read-only: traced terms kept in memory
     terms = TermsCache(store.url if store is not None else None)
     tracer = InlineTracer(terms, announce=lambda msg: _say(f"memfit: {msg}"))
-    holder = ModelHolder(models, overhead_from(store),
-                         terms=terms, tracer=tracer)
+    holder = ModelHolder(models, overhead_from(store), terms=terms, tracer=tracer)
     holder.refresh()
     if holder.recommender is None:
         raise NoAnswer(f"no model registered ({holder.last_error or 'train one: python -m training.retrain'})")
@@ -568,8 +722,7 @@ def describe_rejection(err) -> str:
     """The service's 422 field errors (:class:`memfit.client.RequestRejected`) one per line, as local ones are
     (:func:`flag_problem`): ``--seq-len (training.seq_len): must be ... (allowed: an integer in [1, 1048576])``;
     the service's message alone when it names no field."""
-    lines = [flag_problem(str(e.get("field") or ""), str(e.get("message") or ""), e.get("allowed"))
-             for e in err.errors]
+    lines = [flag_problem(str(e.get("field") or ""), str(e.get("message") or ""), e.get("allowed")) for e in err.errors]
     return "\n".join(dict.fromkeys(lines)) or str(err)
 
 
@@ -631,8 +784,11 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         n = rec.parameters_per_rank
         if t.get("sharding") in ("zero3", "fsdp_full_shard", "fsdp_shard_grad_op") and dp > 1:
             # two new users read the gathered count as the whole model on every GPU: both figures, each named
-            head.add_row("parameters per GPU", f"{n / dp / 1e9:.3f} B stored between uses ({t['sharding']}: 1/{dp} "
-                                               f"each), {n / 1e9:.3f} B gathered while in use")
+            head.add_row(
+                "parameters per GPU",
+                f"{n / dp / 1e9:.3f} B stored between uses ({t['sharding']}: 1/{dp} "
+                f"each), {n / 1e9:.3f} B gathered while in use",
+            )
         else:
             head.add_row("parameters per GPU", f"{n / 1e9:.3f} B")
     if rec.host_memory_bytes:
@@ -644,9 +800,14 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         for col in ("stage", "layers", "k", "micro-batches in flight", "predicted GiB"):
             stages.add_column(col, justify="right")
         for st in rec.stages:
-            stages.add_row(str(st.stage), f"{st.first_layer}-{st.first_layer + st.num_layers - 1}", str(st.k),
-                           f"{st.micro_batches_in_flight:g}", gib(st.predicted_peak_bytes),
-                           style="bold" if st.stage == rec.bottleneck_stage else None)
+            stages.add_row(
+                str(st.stage),
+                f"{st.first_layer}-{st.first_layer + st.num_layers - 1}",
+                str(st.k),
+                f"{st.micro_batches_in_flight:g}",
+                gib(st.predicted_peak_bytes),
+                style="bold" if st.stage == rec.bottleneck_stage else None,
+            )
         con.print(stages)
 
     curve = titled("memory over k (GiB; k = checkpointed layers)")
@@ -657,9 +818,14 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     for c in curve_rows(rec):
         chosen = c.k == rec.k
         fits = c.total_upper_bytes <= rec.usable_bytes
-        curve.add_row(str(c.k), gib(c.predicted_bytes), gib(c.total_upper_bytes), "yes" if fits else "no",
-                      *(("[bold]◀ chosen k[/]" if chosen else "",) if marked else ()),
-                      style="bold green" if chosen else None)
+        curve.add_row(
+            str(c.k),
+            gib(c.predicted_bytes),
+            gib(c.total_upper_bytes),
+            "yes" if fits else "no",
+            *(("[bold]◀ chosen k[/]" if chosen else "",) if marked else ()),
+            style="bold green" if chosen else None,
+        )
     con.print(curve)
 
     if explain:
@@ -671,8 +837,11 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         for name, v in rec.breakdown.items():
             label = name.removesuffix("_bytes").replace("_", " ")
             if building and name in ("gradients_bytes", "activations_bytes"):  # model.curve.breakdown's convention
-                label += (" (building up layer by layer: counted with activations)" if name == "gradients_bytes"
-                          else " (with the gradients built so far)")
+                label += (
+                    " (building up layer by layer: counted with activations)"
+                    if name == "gradients_bytes"
+                    else " (with the gradients built so far)"
+                )
             parts.add_row(label, gib(v))
         # the chain from the parts to what is compared with usable memory, each step named (the parts' sum and the
         # headline's "upper bound + overhead" differed by the margin, which was printed nowhere):
@@ -681,12 +850,16 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         overhead = int(rec.overhead.get("total_bytes", 0))
         parts.add_section()
         parts.add_row("predicted peak: the point prediction, the parts' sum", gib(rec.predicted_peak_bytes))
-        parts.add_row(f"+ margin to the upper bound ({margin / max(rec.predicted_peak_bytes, 1):.1%} of the point)",
-                      gib(margin))
+        parts.add_row(
+            f"+ margin to the upper bound ({margin / max(rec.predicted_peak_bytes, 1):.1%} of the point)", gib(margin)
+        )
         parts.add_row("+ overhead: CUDA context, cuBLAS workspace, NCCL, fragmentation", gib(overhead))
         parts.add_section()
-        parts.add_row(f"= upper bound + overhead (fits when <= usable {gib(rec.usable_bytes)})",
-                      gib(rec.total_upper_bytes), style="bold")
+        parts.add_row(
+            f"= upper bound + overhead (fits when <= usable {gib(rec.usable_bytes)})",
+            gib(rec.total_upper_bytes),
+            style="bold",
+        )
         if rec.host_memory_bytes:
             parts.add_row("host memory per node (not on the device)", gib(rec.host_memory_bytes))
         con.print(parts)
@@ -701,9 +874,14 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
             alt.add_column(col, justify="left" if col == "change" else "right", ratio=1 if col == "change" else None)
         for i, a in enumerate(rec.alternatives, 1):
             change = a.description + ("" if a.path == "traced" else f" [dim]({a.path})[/]")
-            alt.add_row(str(i), change, "yes" if a.fits else "no", "-" if a.k is None else str(a.k),
-                        gib(a.total_upper_bytes),
-                        *((gib(a.host_memory_bytes) if a.host_memory_bytes else "-",) if host else ()))
+            alt.add_row(
+                str(i),
+                change,
+                "yes" if a.fits else "no",
+                "-" if a.k is None else str(a.k),
+                gib(a.total_upper_bytes),
+                *((gib(a.host_memory_bytes) if a.host_memory_bytes else "-",) if host else ()),
+            )
         con.print(alt)
         for i, a in enumerate(rec.alternatives, 1):
             hanging(con, Text(f"  {i}. "), Text(f"cost: {a.cost}"))
@@ -751,8 +929,9 @@ def curve_chart(rec: Recommendation, width: int = 40) -> Any:
         return min(width - 1, max(0, round((v - lo) / span * (width - 1))))
 
     usable_col = col(rec.usable_bytes)
-    text = Text(f"bound + overhead over k: bars from {lo / GIB:.1f} GiB, │ = usable {gib(rec.usable_bytes)} GiB\n",
-                style="bold")
+    text = Text(
+        f"bound + overhead over k: bars from {lo / GIB:.1f} GiB, │ = usable {gib(rec.usable_bytes)} GiB\n", style="bold"
+    )
     for c in rows:
         n = col(c.total_upper_bytes) + 1
         bar = ["█" if i < n else " " for i in range(width)]
@@ -852,8 +1031,13 @@ def print_list(command: str) -> None:
         width = max(40, shutil.get_terminal_size().columns)
         for name in catalog.names():
             aliases = ", ".join(catalog.get(name).get("aliases", []))
-            print(textwrap.fill(aliases, width, initial_indent=f"{name:<24} ", subsequent_indent=" " * 25,
-                                break_on_hyphens=False) if aliases else name)
+            print(
+                textwrap.fill(
+                    aliases, width, initial_indent=f"{name:<24} ", subsequent_indent=" " * 25, break_on_hyphens=False
+                )
+                if aliases
+                else name
+            )
     else:
         for name, size in sorted(GPUS.items(), key=lambda item: (item[1], item[0])):
             print(f"{name:<12} {size / GIB:7.2f} GiB")

@@ -39,8 +39,9 @@ def get_recommender(holder: Annotated[ModelHolder, Depends(get_holder)]) -> Reco
     """
     holder.refresh()
     if holder.recommender is None:
-        raise ModelUnavailable(f"no model loaded yet: run python -m training.retrain "
-                               f"({holder.last_error or 'registry empty'})")
+        raise ModelUnavailable(
+            f"no model loaded yet: run python -m training.retrain ({holder.last_error or 'registry empty'})"
+        )
     return holder.recommender
 
 
@@ -57,8 +58,10 @@ def readable_store(request: Request) -> TelemetryStore:
     """
     store = request.app.state.store
     if store is None:
-        raise ReadOnly(f"this server is read-only ({request.app.state.read_only_reason}); "
-                       "it serves recommendations but keeps no telemetry")
+        raise ReadOnly(
+            f"this server is read-only ({request.app.state.read_only_reason}); "
+            "it serves recommendations but keeps no telemetry"
+        )
     return store
 
 
@@ -70,27 +73,35 @@ def writable_store(request: Request) -> TelemetryStore:
     """
     store = request.app.state.store
     if store is None:
-        raise ReadOnly(f"this server is read-only ({request.app.state.read_only_reason}); "
-                       "it serves recommendations but stores nothing")
+        raise ReadOnly(
+            f"this server is read-only ({request.app.state.read_only_reason}); "
+            "it serves recommendations but stores nothing"
+        )
     return store
 
 
-BEARER = HTTPBearer(auto_error=False, description="MEMFIT_TOKEN; needed when the server has one "
-                                                  "(always when it listens beyond loopback)")
+BEARER = HTTPBearer(
+    auto_error=False,
+    description="MEMFIT_TOKEN; needed when the server has one (always when it listens beyond loopback)",
+)
 
 
-def require_token(settings: Annotated[Settings, Depends(get_settings)],
-                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
+def require_token(
+    settings: Annotated[Settings, Depends(get_settings)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)],
+) -> None:
     """Writes and telemetry reads need ``Authorization: Bearer <MEMFIT_TOKEN>`` when a token is
     configured (always off loopback). Declared as the OpenAPI ``HTTPBearer`` security scheme.
 
     Raises:
         HTTPException: 401 with ``WWW-Authenticate: Bearer`` for a missing or wrong token.
     """
-    if settings.token and (credentials is None
-                           or not secrets.compare_digest(credentials.credentials.encode(), settings.token.encode())):
-        raise HTTPException(401, "a valid bearer token is required (Authorization: Bearer ...)",
-                            headers={"WWW-Authenticate": "Bearer"})
+    if settings.token and (
+        credentials is None or not secrets.compare_digest(credentials.credentials.encode(), settings.token.encode())
+    ):
+        raise HTTPException(
+            401, "a valid bearer token is required (Authorization: Bearer ...)", headers={"WWW-Authenticate": "Bearer"}
+        )
 
 
 class WriteQueue:
@@ -111,8 +122,9 @@ class WriteQueue:
 
     def _guarded(self, fn, *args):
         if time.monotonic() < self._busy_until and self._busy is not None:
-            raise StoreBusy(f"the telemetry store is busy ({self._busy}); retry later",
-                            retry_after_s=self._busy.retry_after_s)
+            raise StoreBusy(
+                f"the telemetry store is busy ({self._busy}); retry later", retry_after_s=self._busy.retry_after_s
+            )
         try:
             return fn(*args)
         except StoreBusy as err:

@@ -55,7 +55,8 @@ class Problem(BaseModel):
     status: int = Field(description="the HTTP status code")
     detail: str = Field(description="what went wrong, naming the field and the allowed range where one applies")
     errors: list[dict[str, Any]] | None = Field(
-        None, description="422: one {field, message, allowed} per invalid field (allowed where a range exists)")
+        None, description="422: one {field, message, allowed} per invalid field (allowed where a range exists)"
+    )
 
 
 _REASONS = {
@@ -75,9 +76,13 @@ def problem_responses(*statuses: int, **descriptions: str) -> dict[int | str, di
 
     ``descriptions`` override the default wording per status (keys ``s404`` etc.).
     """
-    return {status: {"description": descriptions.get(f"s{status}", _REASONS.get(status, HTTPStatus(status).phrase)),
-                     "content": {PROBLEM: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
-            for status in statuses}
+    return {
+        status: {
+            "description": descriptions.get(f"s{status}", _REASONS.get(status, HTTPStatus(status).phrase)),
+            "content": {PROBLEM: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+        }
+        for status in statuses
+    }
 
 
 def _document(app: FastAPI) -> None:
@@ -178,8 +183,10 @@ def allowed_range(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | 
     name = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(kind)
     if lo is None and hi is None:
         return name
-    return (f"{name or 'a number'} in {'(' if lo_open else '['}{'-inf' if lo is None else lo}, "
-            f"{'inf' if hi is None else hi}{')' if hi_open else ']'}")
+    return (
+        f"{name or 'a number'} in {'(' if lo_open else '['}{'-inf' if lo is None else lo}, "
+        f"{'inf' if hi is None else hi}{')' if hi_open else ']'}"
+    )
 
 
 def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] | None) -> list[dict[str, Any]]:
@@ -187,8 +194,12 @@ def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] 
     for e in exc.errors():
         loc = tuple(e["loc"])
         if e.get("type") == "json_invalid":  # loc holds the character position, not a field
-            out.append({"field": "body", "message": f"invalid JSON at character {loc[-1]}: "
-                                                    f"{e.get('ctx', {}).get('error', e['msg'])}"})
+            out.append(
+                {
+                    "field": "body",
+                    "message": f"invalid JSON at character {loc[-1]}: {e.get('ctx', {}).get('error', e['msg'])}",
+                }
+            )
             continue
         path = loc[1:] if loc and loc[0] == "body" else loc
         field, msg, allowed = pydantic_error_field(e, path)
@@ -240,11 +251,15 @@ def body_problem(cause: BaseException | None) -> tuple[str, str] | None:
     exception as the cause): bytes that are not UTF-8, or nesting deeper than Python's parser recurses (its
     recursion limit, about 1000 levels); None for another cause."""
     if isinstance(cause, UnicodeDecodeError):
-        return (f"invalid {cause.encoding.upper()} at byte {cause.start} ({cause.reason})",
-                "a UTF-8 encoded JSON document")
+        return (
+            f"invalid {cause.encoding.upper()} at byte {cause.start} ({cause.reason})",
+            "a UTF-8 encoded JSON document",
+        )
     if isinstance(cause, RecursionError):
-        return ("JSON nested too deeply to parse",
-                "JSON nested at most 16 levels inside a model's config (memfit.api.MAX_CONFIG_DEPTH)")
+        return (
+            "JSON nested too deeply to parse",
+            "JSON nested at most 16 levels inside a model's config (memfit.api.MAX_CONFIG_DEPTH)",
+        )
     return None
 
 
@@ -266,8 +281,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(InvalidConfiguration)
     async def invalid(_request: Request, exc: InvalidConfiguration) -> Response:
         # the detail names the field and its allowed range too, for a client that reads only the detail
-        return problem(422, f"{exc.field}: {field_problem(exc.field, exc.message, exc.allowed)}",
-                       errors=[{"field": exc.field, "message": exc.message, "allowed": exc.allowed}])
+        return problem(
+            422,
+            f"{exc.field}: {field_problem(exc.field, exc.message, exc.allowed)}",
+            errors=[{"field": exc.field, "message": exc.message, "allowed": exc.allowed}],
+        )
 
     @app.exception_handler(Unavailable)
     async def unavailable(_request: Request, exc: Unavailable) -> Response:
@@ -279,8 +297,11 @@ def install(app: FastAPI) -> None:
         unreadable = body_problem(exc.__cause__) if exc.status_code == 400 else None
         if unreadable is not None:  # FastAPI's "There was an error parsing the body" named nothing
             message, allowed = unreadable
-            return problem(400, f"body: {message} (allowed: {allowed})",
-                           errors=[{"field": "body", "message": message, "allowed": allowed}])
+            return problem(
+                400,
+                f"body: {message} (allowed: {allowed})",
+                errors=[{"field": "body", "message": message, "allowed": allowed}],
+            )
         return problem(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

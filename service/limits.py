@@ -60,9 +60,13 @@ class BodyLimitMiddleware:
                     message = await receive()
             except TimeoutError:
                 responded = True
-                await problem(408, f"body: not received whole within {timeout_s:g} s (allowed: the whole body, "
-                                   f"as long as its Content-Length says, within {timeout_s:g} s; "
-                                   "MEMFIT_BODY_TIMEOUT_S)", headers={"Connection": "close"})(scope, receive, send)
+                await problem(
+                    408,
+                    f"body: not received whole within {timeout_s:g} s (allowed: the whole body, "
+                    f"as long as its Content-Length says, within {timeout_s:g} s; "
+                    "MEMFIT_BODY_TIMEOUT_S)",
+                    headers={"Connection": "close"},
+                )(scope, receive, send)
                 return {"type": "http.disconnect"}
             if message["type"] == "http.request":
                 body_done = not message.get("more_body", False)
@@ -80,4 +84,3 @@ class BodyLimitMiddleware:
                 await send(message)
 
         await self.app(scope, guarded_receive, guarded_send)
-

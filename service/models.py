@@ -17,10 +17,12 @@ from service.tracing import BackgroundTracer
 
 log = logging.getLogger("memfit.service")
 
-MODEL_LOAD_FAILURES = Counter("memfit_model_load_failures_total",
-                              "Model versions refused at load (checksum, parse, canary, format)")
-MODEL_REFUSED = Gauge("memfit_model_refused", "1 while the registry's current version is refused and an older "
-                                              "(or no) model keeps serving")
+MODEL_LOAD_FAILURES = Counter(
+    "memfit_model_load_failures_total", "Model versions refused at load (checksum, parse, canary, format)"
+)
+MODEL_REFUSED = Gauge(
+    "memfit_model_refused", "1 while the registry's current version is refused and an older (or no) model keeps serving"
+)
 MODEL_LOADED = Gauge("memfit_model_loaded", "1 while a model is serving")
 
 
@@ -35,8 +37,9 @@ def overhead_from(store: TelemetryStore | None) -> OverheadModel:
     import sqlalchemy as sa
 
     t = store.table
-    q = sa.select(t.c.method, t.c.device_name, t.c.peak_allocated_bytes, t.c.peak_reserved_bytes,
-                  t.c.outside_torch_bytes, t.c.oom).where(t.c.method == "cuda")
+    q = sa.select(
+        t.c.method, t.c.device_name, t.c.peak_allocated_bytes, t.c.peak_reserved_bytes, t.c.outside_torch_bytes, t.c.oom
+    ).where(t.c.method == "cuda")
     with store.engine.connect() as conn:
         rows = pd.DataFrame(conn.execute(q).mappings().all())
     return OverheadModel().fit(rows)
@@ -51,8 +54,13 @@ class ModelHolder:
     the previous model keeps serving.
     """
 
-    def __init__(self, registry: Registry, overhead: OverheadModel | None = None, terms: TermsCache | None = None,
-                 tracer: BackgroundTracer | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        overhead: OverheadModel | None = None,
+        terms: TermsCache | None = None,
+        tracer: BackgroundTracer | None = None,
+    ) -> None:
         self.registry = registry
         self.overhead = overhead or overhead_from(None)
         self.terms = terms if terms is not None else TermsCache()
@@ -88,10 +96,16 @@ class ModelHolder:
                 MODEL_LOAD_FAILURES.inc()
                 MODEL_REFUSED.set(1)
                 return False
-            self.recommender = Recommender(loaded.estimator, loaded.version, self.overhead,
-                                           loaded.meta.get("telemetry_range", {}), terms=self.terms,
-                                           margins=loaded.meta.get("bound_margins"), tracer=self.tracer,
-                                           coefficients=loaded.coefficients)
+            self.recommender = Recommender(
+                loaded.estimator,
+                loaded.version,
+                self.overhead,
+                loaded.meta.get("telemetry_range", {}),
+                terms=self.terms,
+                margins=loaded.meta.get("bound_margins"),
+                tracer=self.tracer,
+                coefficients=loaded.coefficients,
+            )
             self.last_error, self.warnings = None, loaded.warnings
             MODEL_REFUSED.set(0)
             MODEL_LOADED.set(1)
@@ -100,9 +114,12 @@ class ModelHolder:
 
     def status(self) -> dict[str, object]:
         """What ``/v2/health/ready`` reports about the model."""
-        return {"serving": self.recommender.version if self.recommender else None,
-                "current": self._seen[0] if self._seen else None, "refused": self.last_error,
-                "warnings": self.warnings}
+        return {
+            "serving": self.recommender.version if self.recommender else None,
+            "current": self._seen[0] if self._seen else None,
+            "refused": self.last_error,
+            "warnings": self.warnings,
+        }
 
 
 def _no_paths(text: str, root: Path) -> str:

@@ -89,9 +89,14 @@ def _counted_spec(cfg_json: str) -> ModelSpec:
         named = config_value_problem(cfg, err)
         if named is not None:
             raise named from err
-        raise InvalidConfiguration("hf_config", "a config transformers can build", message=(
-            f"hf_config: transformers cannot build this {cfg.get('model_type')!r} config "
-            f"({type(err).__name__}: {_no_paths(str(err))[:300]})")) from err
+        raise InvalidConfiguration(
+            "hf_config",
+            "a config transformers can build",
+            message=(
+                f"hf_config: transformers cannot build this {cfg.get('model_type')!r} config "
+                f"({type(err).__name__}: {_no_paths(str(err))[:300]})"
+            ),
+        ) from err
 
 
 #: HF config keys naming an activation function (transformers.activations.ACT2FN)
@@ -130,8 +135,9 @@ def config_value_problem(cfg: dict[str, Any], err: Exception) -> InvalidConfigur
         value = cfg.get(key)
         if value is not None and (not isinstance(value, str) or value not in ACT2FN):
             allowed = f"one of transformers' activations: {', '.join(sorted(ACT2FN))}"
-            return InvalidConfiguration(key, allowed, message=f"{key}: must be {allowed}, got {repr(value)[:80]}"
-                                                              + cause)
+            return InvalidConfiguration(
+                key, allowed, message=f"{key}: must be {allowed}, got {repr(value)[:80]}" + cause
+            )
     try:
         defaults = CONFIG_MAPPING[cfg["model_type"]]().to_dict()
     except Exception:  # noqa: BLE001 - no defaults to compare with: the other rules still apply
@@ -141,18 +147,23 @@ def config_value_problem(cfg: dict[str, Any], err: Exception) -> InvalidConfigur
         default = defaults.get("rope_parameters" if key == "rope_scaling" else key)
         kind = _kind(default)
         # only mismatches no real config has (token ids given as lists where the default is one int are real)
-        if value is not None and kind is not None and ((isinstance(value, str) and kind[1] != (str,))
-                                                       or (kind[1] == (dict,) and not isinstance(value, dict))):
-            return InvalidConfiguration(key, kind[0], message=f"{key}: must be {kind[0]}, got {repr(value)[:80]}"
-                                                               + cause)
+        if (
+            value is not None
+            and kind is not None
+            and ((isinstance(value, str) and kind[1] != (str,)) or (kind[1] == (dict,) and not isinstance(value, dict)))
+        ):
+            return InvalidConfiguration(
+                key, kind[0], message=f"{key}: must be {kind[0]}, got {repr(value)[:80]}" + cause
+            )
     found = re.search(r"field '(\w+)'", str(err))
     if found:
         key = found.group(1)
         key = "rope_scaling" if key == "rope_parameters" and key not in cfg and "rope_scaling" in cfg else key
         if key in cfg:
             allowed = "a value of the type transformers' config class declares for it"
-            return InvalidConfiguration(key, allowed, message=f"{key}: must be {allowed}, got "
-                                                              f"{repr(cfg[key])[:80]}" + cause)
+            return InvalidConfiguration(
+                key, allowed, message=f"{key}: must be {allowed}, got {repr(cfg[key])[:80]}" + cause
+            )
     if isinstance(err, KeyError) and err.args:
         key = _path_of_value(cfg, err.args[0])
         if key is not None:
@@ -161,8 +172,9 @@ def config_value_problem(cfg: dict[str, Any], err: Exception) -> InvalidConfigur
                 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
                 allowed = f"one of transformers' RoPE types: {', '.join(sorted({'default', *ROPE_INIT_FUNCTIONS}))}"
-            return InvalidConfiguration(key, allowed, message=f"{key}: must be {allowed}, got {err.args[0]!r:.80}"
-                                                              + cause)
+            return InvalidConfiguration(
+                key, allowed, message=f"{key}: must be {allowed}, got {err.args[0]!r:.80}" + cause
+            )
     return None
 
 
@@ -195,8 +207,9 @@ def _spec(fields: dict[str, Any], **counts: int) -> ModelSpec:
         raise InvalidConfiguration(field, allowed or "consistent shapes", message=message) from err
 
 
-def resolve_model(model: str | dict[str, Any] | ArchitectureIn,
-                  architecture_fallback: str | None = None) -> tuple[ModelSpec, dict[str, Any], list[str]]:
+def resolve_model(
+    model: str | dict[str, Any] | ArchitectureIn, architecture_fallback: str | None = None
+) -> tuple[ModelSpec, dict[str, Any], list[str]]:
     """ModelSpec, HF config dict and warnings for a catalog name, a HF config dict or explicit fields.
 
     A ``model_type`` outside :func:`known_architectures` is refused unless ``architecture_fallback``
@@ -252,8 +265,9 @@ def _config_fields(model: dict[str, Any] | ArchitectureIn) -> dict[str, Any]:
     return spec_fields_from_hf_config(model.hf_config() if isinstance(model, ArchitectureIn) else model)
 
 
-def _resolve_config(model: dict[str, Any] | ArchitectureIn,
-                    architecture_fallback: str | None) -> tuple[ModelSpec, dict[str, Any], list[str]]:
+def _resolve_config(
+    model: dict[str, Any] | ArchitectureIn, architecture_fallback: str | None
+) -> tuple[ModelSpec, dict[str, Any], list[str]]:
     cfg = model.hf_config() if isinstance(model, ArchitectureIn) else model
     fields = _config_fields(cfg)
     warnings = []
@@ -263,12 +277,17 @@ def _resolve_config(model: dict[str, Any] | ArchitectureIn,
             raise UnknownArchitecture(
                 "model_type" if isinstance(model, dict) else "architecture",
                 "a model_type transformers knows (e.g. 'llama', 'mistral', 'gpt2'), or give "
-                "architecture_fallback to predict it as one of those", arch)
+                "architecture_fallback to predict it as one of those",
+                arch,
+            )
         if architecture_fallback not in known_architectures():
-            raise UnknownArchitecture("architecture_fallback", "a model_type transformers knows (e.g. 'llama')",
-                                      architecture_fallback)
-        warnings.append(f"model_type {arch!r} is unknown: predicted as {architecture_fallback!r} "
-                        "(architecture_fallback) with the same layer count, widths, heads and vocabulary")
+            raise UnknownArchitecture(
+                "architecture_fallback", "a model_type transformers knows (e.g. 'llama')", architecture_fallback
+            )
+        warnings.append(
+            f"model_type {arch!r} is unknown: predicted as {architecture_fallback!r} "
+            "(architecture_fallback) with the same layer count, widths, heads and vocabulary"
+        )
         cfg = {**cfg, "model_type": architecture_fallback}
         fields["architecture"] = architecture_fallback
     _spec(fields, total_params=1, trainable_params=1)  # validate shapes before any build
@@ -279,10 +298,29 @@ def _resolve_config(model: dict[str, Any] | ArchitectureIn,
     return _counted_spec(json.dumps(cfg, sort_keys=True)), cfg, warnings
 
 
-_SHAPE_KEYS = frozenset({"model_type", "num_hidden_layers", "n_layer", "num_layers", "n_layers", "hidden_size",
-                         "n_embd", "d_model", "num_attention_heads", "n_head", "num_heads", "intermediate_size",
-                         "n_inner", "ffn_dim", "ffn_hidden_size", "vocab_size", "num_key_value_heads",
-                         "head_dim", "tie_word_embeddings"})
+_SHAPE_KEYS = frozenset(
+    {
+        "model_type",
+        "num_hidden_layers",
+        "n_layer",
+        "num_layers",
+        "n_layers",
+        "hidden_size",
+        "n_embd",
+        "d_model",
+        "num_attention_heads",
+        "n_head",
+        "num_heads",
+        "intermediate_size",
+        "n_inner",
+        "ffn_dim",
+        "ffn_hidden_size",
+        "vocab_size",
+        "num_key_value_heads",
+        "head_dim",
+        "tie_word_embeddings",
+    }
+)
 
 
 def warm_up(stop: threading.Event | None = None) -> int:
@@ -303,8 +341,9 @@ def warm_up(stop: threading.Event | None = None) -> int:
     return n
 
 
-def lora_trainable_params(spec: ModelSpec, rank: int, target_modules: list[str] | None = None,
-                          hf_config: dict[str, Any] | None = None) -> int:
+def lora_trainable_params(
+    spec: ModelSpec, rank: int, target_modules: list[str] | None = None, hf_config: dict[str, Any] | None = None
+) -> int:
     """Trainable parameters of LoRA: ``rank × (in + out)`` per adapted matrix (Hu et al. 2021,
     arXiv 2106.09685, Sec. 4).
 
@@ -320,14 +359,24 @@ def lora_trainable_params(spec: ModelSpec, rank: int, target_modules: list[str] 
         shapes, names = _lora_shapes(json.dumps(hf_config, sort_keys=True), tuple(target_modules or ()) or None)
         missing = [t for t, found in shapes.items() if not found]
         if missing:
-            raise InvalidConfiguration("training.lora_target_modules", f"names of linear modules in this model's "
-                                       f"decoder layers: {names}", missing)
+            raise InvalidConfiguration(
+                "training.lora_target_modules",
+                f"names of linear modules in this model's decoder layers: {names}",
+                missing,
+            )
         return rank * sum(i + o for found in shapes.values() for i, o in found)
     h, f = spec.hidden_size, spec.intermediate_size
     d = spec.head_dim or h // spec.num_attention_heads
     q_out, kv_out = spec.num_attention_heads * d, spec.num_key_value_heads * d
-    dims = {"q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out), "o_proj": (q_out, h),
-            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+    dims = {
+        "q_proj": (h, q_out),
+        "k_proj": (h, kv_out),
+        "v_proj": (h, kv_out),
+        "o_proj": (q_out, h),
+        "gate_proj": (h, f),
+        "up_proj": (h, f),
+        "down_proj": (f, h),
+    }
     targets = target_modules or ["q_proj", "v_proj"]
     return spec.num_layers * rank * sum(sum(dims.get(t, (h, h))) for t in targets)
 
@@ -338,10 +387,18 @@ def _stages_out(p: Plan) -> list[StageOut]:
     if pipe is None:
         return []
     k = p.at.k
-    return [StageOut(stage=st.stage, first_layer=st.first_layer, num_layers=st.num_layers, k=int(pipe.stage_k[k][i]),
-                     micro_batches_in_flight=round(st.micro_batches_in_flight, 4),
-                     predicted_peak_bytes=int(pipe.stage_peak_bytes[k][i]), parameters=st.spec.total_params)
-            for i, st in enumerate(pipe.stages)]
+    return [
+        StageOut(
+            stage=st.stage,
+            first_layer=st.first_layer,
+            num_layers=st.num_layers,
+            k=int(pipe.stage_k[k][i]),
+            micro_batches_in_flight=round(st.micro_batches_in_flight, 4),
+            predicted_peak_bytes=int(pipe.stage_peak_bytes[k][i]),
+            parameters=st.spec.total_params,
+        )
+        for i, st in enumerate(pipe.stages)
+    ]
 
 
 def check_request(req: RecommendRequest) -> None:
@@ -375,40 +432,71 @@ def check_parallel(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> int:
     dp = default_data_parallel_size(gpu_count, tp, pp, cp, t.data_parallel_size)
     world = dp * model_parallel
     if world > gpu_count:  # name the size the request set too large: data parallel, else the largest model-parallel
-        sizes = {"data_parallel_size": dp, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-                 "context_parallel_size": cp}
-        field = "data_parallel_size" if t.data_parallel_size and model_parallel <= gpu_count else \
-            max(list(sizes)[1:], key=sizes.get)
+        sizes = {
+            "data_parallel_size": dp,
+            "tensor_parallel_size": tp,
+            "pipeline_parallel_size": pp,
+            "context_parallel_size": cp,
+        }
+        field = (
+            "data_parallel_size"
+            if t.data_parallel_size and model_parallel <= gpu_count
+            else max(list(sizes)[1:], key=sizes.get)
+        )
         others = world // sizes[field]
         # the rule is in the message once; the allowed values are this field's range with the others as given
-        allowed = (f"an integer in [1, {gpu_count // others}]" if others <= gpu_count else
-                   f"such that the product is at most cluster.gpu_count={gpu_count}")
-        raise InvalidConfiguration(f"training.{field}", allowed, message=(
-            f"training: data*tensor*pipeline*context parallel size = {dp}*{tp}*{pp}*{cp} = {world} exceeds "
-            f"cluster.gpu_count={gpu_count}"))
+        allowed = (
+            f"an integer in [1, {gpu_count // others}]"
+            if others <= gpu_count
+            else f"such that the product is at most cluster.gpu_count={gpu_count}"
+        )
+        raise InvalidConfiguration(
+            f"training.{field}",
+            allowed,
+            message=(
+                f"training: data*tensor*pipeline*context parallel size = {dp}*{tp}*{pp}*{cp} = {world} exceeds "
+                f"cluster.gpu_count={gpu_count}"
+            ),
+        )
     if t.sequence_parallel and tp < 2:
-        raise InvalidConfiguration("training.sequence_parallel", "true only with tensor_parallel_size >= 2",
-                                   t.sequence_parallel)
+        raise InvalidConfiguration(
+            "training.sequence_parallel", "true only with tensor_parallel_size >= 2", t.sequence_parallel
+        )
     if t.sequence_parallel and t.seq_len % tp:
-        raise InvalidConfiguration("training.tensor_parallel_size", f"a divisor of seq_len={t.seq_len} with "
-                                   "sequence_parallel", tp)
+        raise InvalidConfiguration(
+            "training.tensor_parallel_size", f"a divisor of seq_len={t.seq_len} with sequence_parallel", tp
+        )
     if t.seq_len % cp:
         raise InvalidConfiguration("training.context_parallel_size", f"a divisor of seq_len={t.seq_len}", cp)
     if cp > 1 and t.attention.value == "eager":
-        raise InvalidConfiguration("training.attention", "sdpa or flash with context_parallel_size > 1 "
-                                   "(ring attention runs the fused kernels)", t.attention.value)
+        raise InvalidConfiguration(
+            "training.attention",
+            "sdpa or flash with context_parallel_size > 1 (ring attention runs the fused kernels)",
+            t.attention.value,
+        )
     tp_sizes = tensor_parallel_sizes(spec)
     if tp not in tp_sizes:
-        raise InvalidConfiguration("training.tensor_parallel_size", f"one of {', '.join(map(str, tp_sizes))} (a "
-                                   f"divisor of num_attention_heads={spec.num_attention_heads} that divides or is a "
-                                   f"multiple of num_key_value_heads={spec.num_key_value_heads})", tp)
+        raise InvalidConfiguration(
+            "training.tensor_parallel_size",
+            f"one of {', '.join(map(str, tp_sizes))} (a "
+            f"divisor of num_attention_heads={spec.num_attention_heads} that divides or is a "
+            f"multiple of num_key_value_heads={spec.num_key_value_heads})",
+            tp,
+        )
     if pp > spec.num_layers:
-        raise InvalidConfiguration("training.pipeline_parallel_size", f"an integer in [1, num_layers="
-                                   f"{spec.num_layers}]", pp)
-    if t.pipeline_schedule.value == "interleaved_1f1b" and pp > 1 and \
-            spec.num_layers % (pp * t.pipeline_chunks_per_rank):
-        raise InvalidConfiguration("training.pipeline_chunks_per_rank", f"such that pipeline_parallel_size × chunks "
-                                   f"divides num_layers={spec.num_layers}", t.pipeline_chunks_per_rank)
+        raise InvalidConfiguration(
+            "training.pipeline_parallel_size", f"an integer in [1, num_layers={spec.num_layers}]", pp
+        )
+    if (
+        t.pipeline_schedule.value == "interleaved_1f1b"
+        and pp > 1
+        and spec.num_layers % (pp * t.pipeline_chunks_per_rank)
+    ):
+        raise InvalidConfiguration(
+            "training.pipeline_chunks_per_rank",
+            f"such that pipeline_parallel_size × chunks divides num_layers={spec.num_layers}",
+            t.pipeline_chunks_per_rank,
+        )
     return dp
 
 
@@ -422,8 +510,9 @@ def _lora_shapes(cfg_json: str, targets: tuple[str, ...] | None):
         raise err.within("training") from err
 
 
-def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
-                    hf_config: dict[str, Any] | None = None) -> tuple[TrainingConfig, ModelSpec]:
+def training_config(
+    t: TrainingIn, spec: ModelSpec, gpu_count: int, hf_config: dict[str, Any] | None = None
+) -> tuple[TrainingConfig, ModelSpec]:
     """Full TrainingConfig (k = 0) and the spec with the trainable count this fine-tune implies.
 
     The HF config's ``quantization_config`` (bitsandbytes) sets ``quantization`` when the request leaves
@@ -435,20 +524,31 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
     """
     quantization = t.resolved_quantization((hf_config or {}).get("quantization_config"))
     if quantization is not Quantization.NONE and t.finetune is not FineTune.LORA:
-        raise InvalidConfiguration("training.quantization", "'none' unless finetune='lora' (with LoRA: one of "
-                                   f"{', '.join(q.value for q in Quantization)})", quantization.value)
+        raise InvalidConfiguration(
+            "training.quantization",
+            f"'none' unless finetune='lora' (with LoRA: one of {', '.join(q.value for q in Quantization)})",
+            quantization.value,
+        )
     dp = check_parallel(t, spec, gpu_count)
     if t.frozen_layers > spec.num_layers:
-        raise InvalidConfiguration("training.frozen_layers", f"an integer in [0, num_layers={spec.num_layers}]",
-                                   t.frozen_layers)
+        raise InvalidConfiguration(
+            "training.frozen_layers", f"an integer in [0, num_layers={spec.num_layers}]", t.frozen_layers
+        )
     if t.expert_parallel_size > dp or dp % t.expert_parallel_size:
-        raise InvalidConfiguration("training.expert_parallel_size", f"a divisor of the data-parallel size {dp} "
-                                   "(experts are split within the data-parallel ranks)", t.expert_parallel_size)
+        raise InvalidConfiguration(
+            "training.expert_parallel_size",
+            f"a divisor of the data-parallel size {dp} (experts are split within the data-parallel ranks)",
+            t.expert_parallel_size,
+        )
     trainable = t.trainable_params
-    if trainable is not None and trainable > spec.total_params + (spec.total_params if t.finetune is FineTune.LORA
-                                                                   else 0):
-        raise InvalidConfiguration("training.trainable_params", f"an integer in [0, total_params="
-                                   f"{spec.total_params}] (LoRA adapters may add at most as many again)", trainable)
+    if trainable is not None and trainable > spec.total_params + (
+        spec.total_params if t.finetune is FineTune.LORA else 0
+    ):
+        raise InvalidConfiguration(
+            "training.trainable_params",
+            f"an integer in [0, total_params={spec.total_params}] (LoRA adapters may add at most as many again)",
+            trainable,
+        )
     if trainable is None:
         if t.finetune is FineTune.LORA:
             trainable = lora_trainable_params(spec, t.lora_rank or 8, t.lora_target_modules, hf_config)
@@ -479,12 +579,16 @@ def training_config(t: TrainingIn, spec: ModelSpec, gpu_count: int,
 def default_precision_note(training: TrainingConfig) -> str:
     """What the answer says about the precision :func:`memfit.schema.default_precision` chose for a LoRA job."""
     if training.quantization is Quantization.NONE:
-        return (f"precision: {training.precision.value} (LoRA without a precision): the frozen base in bf16, as PEFT, "
-                "TRL and torchtune load it, the adapters in fp32 (PEFT's autocast_adapter_dtype); give precision "
-                "amp_bf16 for an fp32 base under autocast")
-    return (f"precision: {training.precision.value} (QLoRA without a precision): PEFT's "
-            "prepare_model_for_kbit_training casts the base's unquantized weights (embeddings, norms, lm_head) to "
-            "fp32; the adapters train under bf16 autocast")
+        return (
+            f"precision: {training.precision.value} (LoRA without a precision): the frozen base in bf16, as PEFT, "
+            "TRL and torchtune load it, the adapters in fp32 (PEFT's autocast_adapter_dtype); give precision "
+            "amp_bf16 for an fp32 base under autocast"
+        )
+    return (
+        f"precision: {training.precision.value} (QLoRA without a precision): PEFT's "
+        "prepare_model_for_kbit_training casts the base's unquantized weights (embeddings, norms, lm_head) to "
+        "fp32; the adapters train under bf16 autocast"
+    )
 
 
 class CurveCache:
@@ -509,8 +613,11 @@ class CurveCache:
         return c.path == PROVISIONAL and c.terms_key is not None and c.terms_key in pending
 
     def curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None) -> Curve:
-        key = (model.model_dump_json(), training.model_dump_json(exclude={"checkpoint_layers"}),
-               json.dumps(hf_config, sort_keys=True))
+        key = (
+            model.model_dump_json(),
+            training.model_dump_json(exclude={"checkpoint_layers"}),
+            json.dumps(hf_config, sort_keys=True),
+        )
         now = time.monotonic()
         with self._lock:
             hit = self._curves.get(key)
@@ -519,9 +626,16 @@ class CurveCache:
         if hit is not None:
             c, checked, waiting = hit
             deferred = getattr(getattr(self.predictor, "tracer", None), "deferred", ())
-            stale = (c.path == PROVISIONAL and c.terms_key is not None and now - checked > self.recheck_s
-                     and (self.predictor.terms.get(c.terms_key) is not None
-                          or (waiting and not self._waiting(c)) or c.terms_key in deferred))
+            stale = (
+                c.path == PROVISIONAL
+                and c.terms_key is not None
+                and now - checked > self.recheck_s
+                and (
+                    self.predictor.terms.get(c.terms_key) is not None
+                    or (waiting and not self._waiting(c))
+                    or c.terms_key in deferred
+                )
+            )
             if not stale:
                 if c.path == PROVISIONAL and now - checked > self.recheck_s:
                     with self._lock:
@@ -538,9 +652,17 @@ class CurveCache:
 class Recommender:
     """Holds one model version and answers requests."""
 
-    def __init__(self, est: PeakMemoryRegressor | None, version: str, overhead: OverheadModel | None = None,
-                 telemetry_range: dict[str, float] | None = None, terms: TermsCache | None = None,
-                 margins: dict[str, float] | None = None, tracer: Any = None, coefficients: Any = None) -> None:
+    def __init__(
+        self,
+        est: PeakMemoryRegressor | None,
+        version: str,
+        overhead: OverheadModel | None = None,
+        telemetry_range: dict[str, float] | None = None,
+        terms: TermsCache | None = None,
+        margins: dict[str, float] | None = None,
+        tracer: Any = None,
+        coefficients: Any = None,
+    ) -> None:
         self.est, self.version = est, version
         import pandas as pd
 
@@ -551,14 +673,31 @@ class Recommender:
         self.curves = CurveCache(self.predictor)
         # alternatives are answered from the same terms and estimator but queue no traces: one request must not
         # start a dozen background traces (an untraced alternative is answered, and labelled, provisional)
-        self._alternative_curves = CurveCache(MemoryPredictor(est, self.predictor.terms, self.predictor.margins,
-                                                              coefficients=coefficients))
+        self._alternative_curves = CurveCache(
+            MemoryPredictor(est, self.predictor.terms, self.predictor.margins, coefficients=coefficients)
+        )
 
-    def _plan(self, spec: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any], req: RecommendRequest,
-              gpu_count: int, curves: CurveCache | None = None) -> Plan:
-        return plan(curves or self.curves, spec, training, hf_config=hf_config, capacity_bytes=req.cluster.memory_bytes,
-                    headroom_fraction=req.headroom_fraction, device_name=req.cluster.gpu, gpu_count=gpu_count,
-                    overhead_model=self.overhead, layout=req.layout)
+    def _plan(
+        self,
+        spec: ModelSpec,
+        training: TrainingConfig,
+        hf_config: dict[str, Any],
+        req: RecommendRequest,
+        gpu_count: int,
+        curves: CurveCache | None = None,
+    ) -> Plan:
+        return plan(
+            curves or self.curves,
+            spec,
+            training,
+            hf_config=hf_config,
+            capacity_bytes=req.cluster.memory_bytes,
+            headroom_fraction=req.headroom_fraction,
+            device_name=req.cluster.gpu,
+            gpu_count=gpu_count,
+            overhead_model=self.overhead,
+            layout=req.layout,
+        )
 
     def curve(self, model: Any, training_in: TrainingIn, gpu_count: int = 1) -> tuple[Curve, ModelSpec, TrainingConfig]:
         """The one curve (:meth:`model.curve.MemoryPredictor.curve`) for a request's model and training.
@@ -569,8 +708,9 @@ class Recommender:
         c, spec, training, _ = self._curve(model, training_in, gpu_count)
         return c, spec, training
 
-    def _curve(self, model: Any, training_in: TrainingIn, gpu_count: int,
-               architecture_fallback: str | None = None) -> tuple[Curve, ModelSpec, TrainingConfig, list[str]]:
+    def _curve(
+        self, model: Any, training_in: TrainingIn, gpu_count: int, architecture_fallback: str | None = None
+    ) -> tuple[Curve, ModelSpec, TrainingConfig, list[str]]:
         spec, cfg, warnings = resolve_model(model, architecture_fallback)
         training, spec = training_config(training_in, spec, gpu_count, cfg)
         return self.curves.curve(spec, training, cfg), spec, training, warnings
@@ -582,8 +722,9 @@ class Recommender:
             InvalidConfiguration: the item is invalid; the field starts with ``items.<index>``.
         """
         try:
-            c, spec, training, warnings = self._curve(item.model, item.training, item.cluster.gpu_count
-                                                      if item.cluster else 1, item.architecture_fallback)
+            c, spec, training, warnings = self._curve(
+                item.model, item.training, item.cluster.gpu_count if item.cluster else 1, item.architecture_fallback
+            )
             if item.k > spec.num_layers:
                 raise InvalidConfiguration("k", f"an integer in [0, num_layers={spec.num_layers}]", item.k)
         except InvalidConfiguration as err:
@@ -591,13 +732,22 @@ class Recommender:
         p = c.points[item.k]
         total = None
         if item.cluster is not None:
-            total = p.upper_bytes + self.overhead.overhead(p.upper_bytes, item.cluster.gpu,
-                                                           item.cluster.gpu_count).total_bytes
-        return Prediction(predicted_peak_bytes=p.predicted_bytes, upper_bound_bytes=p.upper_bytes,
-                          total_upper_bytes=total, breakdown=p.breakdown, num_layers=spec.num_layers, k=item.k,
-                          peak_phase=p.peak_phase, path=c.path, notes=[*warnings, *c.notes],
-                          host_memory_bytes=host_memory_bytes(spec, training, item.cluster.ranks_per_node
-                                                              if item.cluster else 1))
+            total = (
+                p.upper_bytes
+                + self.overhead.overhead(p.upper_bytes, item.cluster.gpu, item.cluster.gpu_count).total_bytes
+            )
+        return Prediction(
+            predicted_peak_bytes=p.predicted_bytes,
+            upper_bound_bytes=p.upper_bytes,
+            total_upper_bytes=total,
+            breakdown=p.breakdown,
+            num_layers=spec.num_layers,
+            k=item.k,
+            peak_phase=p.peak_phase,
+            path=c.path,
+            notes=[*warnings, *c.notes],
+            host_memory_bytes=host_memory_bytes(spec, training, item.cluster.ranks_per_node if item.cluster else 1),
+        )
 
     def recommend(self, req: RecommendRequest) -> Recommendation:
         """The answer to one request.
@@ -612,48 +762,77 @@ class Recommender:
         warnings = [*warnings, *p.curve.notes, *self._warnings(spec, training, req, p)]
         alternatives = self._alternatives(base_spec, training, cfg, req, p) if needs_alternatives(p) else []
         return Recommendation(
-            fits=p.fits, k=p.k, layers=p.layers, num_layers=spec.num_layers,
-            predicted_peak_bytes=at.predicted_bytes, upper_bound_bytes=at.upper_bytes,
-            total_upper_bytes=p.total_upper_bytes[at.k], capacity_bytes=p.capacity_bytes, usable_bytes=p.usable_bytes,
+            fits=p.fits,
+            k=p.k,
+            layers=p.layers,
+            num_layers=spec.num_layers,
+            predicted_peak_bytes=at.predicted_bytes,
+            upper_bound_bytes=at.upper_bytes,
+            total_upper_bytes=p.total_upper_bytes[at.k],
+            capacity_bytes=p.capacity_bytes,
+            usable_bytes=p.usable_bytes,
             shortfall_bytes=p.shortfall_bytes,
-            curve=[{"k": c.k, "predicted_bytes": c.predicted_bytes, "upper_bytes": c.upper_bytes,  # CurvePointOut,
-                    "total_upper_bytes": t, "peak_phase": c.peak_phase}  # validated in one pass with the answer
-                   for c, t in zip(p.curve.points, p.total_upper_bytes)],
-            breakdown=at.breakdown, peak_phase=at.peak_phase, path=p.curve.path,
+            curve=[
+                {
+                    "k": c.k,
+                    "predicted_bytes": c.predicted_bytes,
+                    "upper_bytes": c.upper_bytes,  # CurvePointOut,
+                    "total_upper_bytes": t,
+                    "peak_phase": c.peak_phase,
+                }  # validated in one pass with the answer
+                for c, t in zip(p.curve.points, p.total_upper_bytes)
+            ],
+            breakdown=at.breakdown,
+            peak_phase=at.peak_phase,
+            path=p.curve.path,
             overhead={**p.overhead.__dict__, "total_bytes": p.overhead.total_bytes},
-            recompute_overhead_fraction=round(p.recompute_fraction, 4), alternatives=alternatives,
-            stages=_stages_out(p), bottleneck_stage=p.curve.pipeline.bottleneck(at.k) if p.curve.pipeline else None,
-            parameters_per_rank=max(st.spec.total_params for st in pipeline_stages(
-                expert_parallel_rank(spec, training, cfg), training)),
+            recompute_overhead_fraction=round(p.recompute_fraction, 4),
+            alternatives=alternatives,
+            stages=_stages_out(p),
+            bottleneck_stage=p.curve.pipeline.bottleneck(at.k) if p.curve.pipeline else None,
+            parameters_per_rank=max(
+                st.spec.total_params for st in pipeline_stages(expert_parallel_rank(spec, training, cfg), training)
+            ),
             host_memory_bytes=host_memory_bytes(spec, training, req.cluster.ranks_per_node),
-            model_name=spec.model_name, model_version=self.version, warnings=warnings,
-            training=training.model_dump(mode="json", exclude={"checkpoint_layers"}))
+            model_name=spec.model_name,
+            model_version=self.version,
+            warnings=warnings,
+            training=training.model_dump(mode="json", exclude={"checkpoint_layers"}),
+        )
 
     def _warnings(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest, p: Plan) -> list[str]:
         out = []
         if req.training.precision is None and training.finetune is FineTune.LORA:
             out.append(default_precision_note(training))
-        for name, value in (("total_params", spec.total_params), ("seq_len", training.seq_len),
-                            ("micro_batch_size", training.micro_batch_size)):
+        for name, value in (
+            ("total_params", spec.total_params),
+            ("seq_len", training.seq_len),
+            ("micro_batch_size", training.micro_batch_size),
+        ):
             hi = self.range.get(f"max_{name}")
             if hi is not None and value > hi:
                 out.append(f"extrapolating: {name}={value} is beyond the telemetry's largest ({int(hi)})")
         used = training.data_parallel_size * training.model_parallel_size
         asked = req.training.data_parallel_size
         if asked is not None and asked != training.data_parallel_size:  # default_data_parallel_size's reading
-            out.append(f"data_parallel_size={asked} with context_parallel_size={training.context_parallel_size} on "
-                       f"{req.cluster.gpu_count} GPUs read as the ZeRO/FSDP sharding group over data x context-"
-                       f"parallel ranks: {training.data_parallel_size} data-parallel replicas x "
-                       f"{training.context_parallel_size} context-parallel ranks")
+            out.append(
+                f"data_parallel_size={asked} with context_parallel_size={training.context_parallel_size} on "
+                f"{req.cluster.gpu_count} GPUs read as the ZeRO/FSDP sharding group over data x context-"
+                f"parallel ranks: {training.data_parallel_size} data-parallel replicas x "
+                f"{training.context_parallel_size} context-parallel ranks"
+            )
         if used < req.cluster.gpu_count:
-            out.append(f"data*tensor*pipeline*context parallel size = {used} uses {used} of the "
-                       f"{req.cluster.gpu_count} GPUs")
+            out.append(
+                f"data*tensor*pipeline*context parallel size = {used} uses {used} of the {req.cluster.gpu_count} GPUs"
+            )
         if p.fits and p.k is not None and p.total_upper_bytes[p.k] > 0.97 * p.usable_bytes:
             # the smallest k that fits is often close to the line (a new user read the bare warning as noise):
             # say how close, and what one more checkpointed layer buys
             left = p.usable_bytes - p.total_upper_bytes[p.k]
-            msg = (f"headroom thin: at k={p.k} the bound plus overhead leaves {left / GIB:.2f} GiB "
-                   f"({100 * left / p.usable_bytes:.1f} % of usable memory, which already keeps the headroom)")
+            msg = (
+                f"headroom thin: at k={p.k} the bound plus overhead leaves {left / GIB:.2f} GiB "
+                f"({100 * left / p.usable_bytes:.1f} % of usable memory, which already keeps the headroom)"
+            )
             totals = p.total_upper_bytes
             nxt = next((k for k in range(p.k + 1, len(totals)) if totals[k] < totals[p.k]), None)
             if nxt is not None:
@@ -664,8 +843,9 @@ class Recommender:
             out.append("no k fits: checkpointing every layer is not enough; see alternatives")
         return out
 
-    def _alternatives(self, base_spec: ModelSpec, training: TrainingConfig, cfg: dict[str, Any],
-                      req: RecommendRequest, current: Plan) -> list[Alternative]:
+    def _alternatives(
+        self, base_spec: ModelSpec, training: TrainingConfig, cfg: dict[str, Any], req: RecommendRequest, current: Plan
+    ) -> list[Alternative]:
         """Each candidate change planned through the same curve; ranked by :func:`model.recommend.rank_alternatives`.
 
         A candidate the schema refuses (e.g. ZeRO on one GPU) is skipped. Returned: the candidates that fit
@@ -707,21 +887,35 @@ class Recommender:
         if best is None:
             return None
         p, spec, t = plans[best]
-        cand = Candidate(f"seq_len {best} (the longest multiple of {SEQ_LEN_STEP_TOKENS} tokens below "
-                         f"{req.training.seq_len} that fits)", {"seq_len": best}, "shorter_sequence", 0.0,
-                         f"trains on {best}-token sequences instead of {req.training.seq_len}: a shorter context")
+        cand = Candidate(
+            f"seq_len {best} (the longest multiple of {SEQ_LEN_STEP_TOKENS} tokens below "
+            f"{req.training.seq_len} that fits)",
+            {"seq_len": best},
+            "shorter_sequence",
+            0.0,
+            f"trains on {best}-token sequences instead of {req.training.seq_len}: a shorter context",
+        )
         return _alternative(cand, p, spec, t, req, req.cluster.gpu_count)
 
 
-def _alternative(cand: Candidate, p: Plan, spec: ModelSpec, t: TrainingConfig, req: RecommendRequest,
-                 gpus: int) -> Alternative:
+def _alternative(
+    cand: Candidate, p: Plan, spec: ModelSpec, t: TrainingConfig, req: RecommendRequest, gpus: int
+) -> Alternative:
     """A planned candidate change as the answer lists it."""
     ranks = min(req.cluster.gpus_per_node or 8, gpus)
     return Alternative(
-        description=cand.description, change=cand.change, fits=p.fits, k=p.k,
-        predicted_peak_bytes=p.at.predicted_bytes, total_upper_bytes=p.total_upper_bytes[p.at.k],
-        host_memory_bytes=host_memory_bytes(spec, t, ranks), path=p.curve.path,
+        description=cand.description,
+        change=cand.change,
+        fits=p.fits,
+        k=p.k,
+        predicted_peak_bytes=p.at.predicted_bytes,
+        total_upper_bytes=p.total_upper_bytes[p.at.k],
+        host_memory_bytes=host_memory_bytes(spec, t, ranks),
+        path=p.curve.path,
         cost=f"{cand.cost}; recompute of {p.k or 0}/{spec.num_layers} layers ~{p.recompute_fraction:.0%}"
-             " of step compute" if p.fits else cand.cost,
+        " of step compute"
+        if p.fits
+        else cand.cost,
         category=cand.category,
-        throughput_loss_fraction=round(cand.throughput_loss_fraction + p.recompute_fraction, 4))
+        throughput_loss_fraction=round(cand.throughput_loss_fraction + p.recompute_fraction, 4),
+    )

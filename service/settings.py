@@ -77,6 +77,8 @@ class Settings(BaseSettings):
         if self.registry_dir is None:
             self.registry_dir = self.data_dir / "models"
         if self.token is None and not is_loopback(self.host) and not self.read_only:
-            raise ValueError(f"MEMFIT_TOKEN is required when listening on {self.host!r} (not loopback): "
-                             "telemetry writes and model reloads must not be open to the network")
+            raise ValueError(
+                f"MEMFIT_TOKEN is required when listening on {self.host!r} (not loopback): "
+                "telemetry writes and model reloads must not be open to the network"
+            )
         return self

@@ -36,14 +36,17 @@ def ensure_servable(registry_dir: str | Path | None, shipped_root: str | Path = 
     try:
         version = shipped.load().version
     except _LOAD_ERRORS as err:
-        raise NothingToServe(f"no model can be served: {registry.root}: {why}; shipped model {shipped.root}: "
-                             f"{type(err).__name__}: {err}") from err
+        raise NothingToServe(
+            f"no model can be served: {registry.root}: {why}; shipped model {shipped.root}: {type(err).__name__}: {err}"
+        ) from err
     try:
         registry.root.mkdir(parents=True, exist_ok=True)
         shutil.copytree(shipped.root / version, registry.root / version, dirs_exist_ok=True)
         registry.promote(version)
         registry.load(version)
     except _LOAD_ERRORS as err:
-        raise NothingToServe(f"no model can be served from {registry.root}: {why}; seeding it with the shipped "
-                             f"model {version} failed ({type(err).__name__}: {err})") from err
+        raise NothingToServe(
+            f"no model can be served from {registry.root}: {why}; seeding it with the shipped "
+            f"model {version} failed ({type(err).__name__}: {err})"
+        ) from err
     return version, f"seeded the registry with the shipped model {version} (checksum verified): {why}"

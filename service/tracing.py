@@ -44,6 +44,7 @@ TRACE_TIMEOUT_S = 120.0
 
 def _exit_with_parent(parent_pid: int) -> None:
     """End this process when the process that spawned it is gone (SIGKILL included)."""
+
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(1.0)
@@ -127,8 +128,9 @@ class TracingProcess:
             self.close()
             raise RuntimeError(f"the tracing process died (exit code {code})") from err
 
-    def trace(self, hf_config: dict[str, Any], training: TrainingConfig,
-              timeout_s: float = TRACE_TIMEOUT_S) -> dict[str, Any]:
+    def trace(
+        self, hf_config: dict[str, Any], training: TrainingConfig, timeout_s: float = TRACE_TIMEOUT_S
+    ) -> dict[str, Any]:
         """:func:`training.phases.trace_terms` of one configuration in the tracing process; its JSON. Starting the
         process (when none is running) counts towards ``timeout_s``.
 
@@ -160,8 +162,9 @@ class TracingProcess:
             proc.join(5)
 
 
-def trace_in_subprocess(hf_config: dict[str, Any], training: TrainingConfig,
-                        timeout_s: float = TRACE_TIMEOUT_S) -> dict[str, Any]:
+def trace_in_subprocess(
+    hf_config: dict[str, Any], training: TrainingConfig, timeout_s: float = TRACE_TIMEOUT_S
+) -> dict[str, Any]:
     """:func:`training.phases.trace_terms` in a spawned process of its own, killed after ``timeout_s``; its JSON
     (:class:`TracingProcess`, used once).
 
@@ -190,8 +193,14 @@ class BackgroundTracer:
         runner: ``(hf_config, training, timeout_s) -> terms JSON``; default: the worker's :class:`TracingProcess`.
     """
 
-    def __init__(self, cache: TermsCache, timeout_s: float = TRACE_TIMEOUT_S, max_pending: int = 8,
-                 max_per_client: int = 2, runner: Callable[..., dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        cache: TermsCache,
+        timeout_s: float = TRACE_TIMEOUT_S,
+        max_pending: int = 8,
+        max_per_client: int = 2,
+        runner: Callable[..., dict[str, Any]] | None = None,
+    ) -> None:
         self.cache, self.timeout_s = cache, timeout_s
         self.max_pending, self.max_per_client, self.runner = max_pending, max_per_client, runner
         self.pending: set[str] = set()
@@ -219,9 +228,11 @@ class BackgroundTracer:
                 self.deferred.move_to_end(key)
                 while len(self.deferred) > 4096:
                     self.deferred.popitem(last=False)
-                full = (f"{len(self.pending)} configurations are queued (at most {self.max_pending})"
-                        if len(self.pending) >= self.max_pending else
-                        f"this client has {mine} configurations queued (at most {self.max_per_client})")
+                full = (
+                    f"{len(self.pending)} configurations are queued (at most {self.max_pending})"
+                    if len(self.pending) >= self.max_pending
+                    else f"this client has {mine} configurations queued (at most {self.max_per_client})"
+                )
                 return f"tracing deferred: {full}, so the learned model answers; ask again later for a traced answer"
             self.deferred.pop(key, None)
             ahead = len(self.pending)
@@ -233,8 +244,10 @@ class BackgroundTracer:
         self._queue.put((key, hf_config, training))
         each = f"usually 5-30 s, at most {self.timeout_s:g} s"
         if ahead:  # one trace at a time: the wait is the queue's, not one trace's
-            return (f"queued for tracing behind {ahead} other configuration(s) ({each} each); "
-                    "ask again for the traced answer")
+            return (
+                f"queued for tracing behind {ahead} other configuration(s) ({each} each); "
+                "ask again for the traced answer"
+            )
         return f"tracing it now ({each}); ask again for the traced answer"
 
     def _work(self) -> None:
@@ -276,8 +289,10 @@ class InlineTracer:
 
     def __call__(self, key: str, hf_config: dict[str, Any], training: TrainingConfig) -> str:
         if self.announce is not None:
-            self.announce("tracing this configuration once (usually 10-40 s on two busy cores: a process starts, "
-                          "imports PyTorch and traces four small models) ...")
+            self.announce(
+                "tracing this configuration once (usually 10-40 s on two busy cores: a process starts, "
+                "imports PyTorch and traces four small models) ..."
+            )
         try:
             self.cache.put(key, trace_in_subprocess(hf_config, training, self.timeout_s))
         except RuntimeError as err:

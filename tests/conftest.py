@@ -27,13 +27,22 @@ def small_registry(tmp_path_factory):
     df = df[~df["oom"].astype(bool)]
     df = df[~gate_mask(df["record_id"])]  # like the retraining job: gate rows stay unseen
     df = df.sample(min(len(df), 3000), random_state=0)
-    est = PeakMemoryRegressor(n_estimators=80, num_leaves=31).fit(df, df["peak_allocated_bytes"],
-                                                                   groups=df["model_name"])
+    est = PeakMemoryRegressor(n_estimators=80, num_leaves=31).fit(
+        df, df["peak_allocated_bytes"], groups=df["model_name"]
+    )
     root = tmp_path_factory.mktemp("registry")
     reg = Registry(root)
-    version = reg.register(est, metrics={"note": "test fixture"}, data_fingerprint=fingerprint(df),
-                           extra={"telemetry_range": {"max_total_params": float(df.total_params.max()),
-                                                      "max_seq_len": float(df.seq_len.max()),
-                                                      "max_micro_batch_size": float(df.micro_batch_size.max())}})
+    version = reg.register(
+        est,
+        metrics={"note": "test fixture"},
+        data_fingerprint=fingerprint(df),
+        extra={
+            "telemetry_range": {
+                "max_total_params": float(df.total_params.max()),
+                "max_seq_len": float(df.seq_len.max()),
+                "max_micro_batch_size": float(df.micro_batch_size.max()),
+            }
+        },
+    )
     reg.promote(version)
     return reg

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any
 
 from memfit.schema import ClusterSpec, Measurement, ModelSpec, TelemetryRecord, TrainingConfig
 
 TINY_LLAMA: dict[str, Any] = {
-    "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
 
@@ -18,12 +23,21 @@ TINY_LLAMA: dict[str, Any] = {
 def record(**over: Any) -> TelemetryRecord:
     """A valid record; keyword overrides go to the part that owns the field."""
     parts: dict[str, dict[str, Any]] = {
-        "model": dict(architecture="llama", model_name="tiny", num_layers=4, hidden_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, vocab_size=256, total_params=100_000,
-                      trainable_params=100_000),
-        "training": dict(micro_batch_size=2, seq_len=128, checkpoint_layers=[0, 1]),
-        "cluster": dict(device_name="fake-cpu", device_memory_bytes=1 << 34, gpu_count=1),
-        "measurement": dict(peak_allocated_bytes=123_456_512, method="fake_tracker"),
+        "model": {
+            "architecture": "llama",
+            "model_name": "tiny",
+            "num_layers": 4,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+            "vocab_size": 256,
+            "total_params": 100_000,
+            "trainable_params": 100_000,
+        },
+        "training": {"micro_batch_size": 2, "seq_len": 128, "checkpoint_layers": [0, 1]},
+        "cluster": {"device_name": "fake-cpu", "device_memory_bytes": 1 << 34, "gpu_count": 1},
+        "measurement": {"peak_allocated_bytes": 123_456_512, "method": "fake_tracker"},
     }
     top: dict[str, Any] = {}
     owners = {"model": ModelSpec, "training": TrainingConfig, "cluster": ClusterSpec, "measurement": Measurement}
@@ -68,8 +82,13 @@ def running_service(registry_dir, db_url: str | None, *, wait_for: str = "/v2/he
     env = {**os.environ, "MEMFIT_PORT": str(port), "MEMFIT_REGISTRY_DIR": str(registry_dir), **env_extra}
     if db_url is not None:
         env["MEMFIT_DB_URL"] = db_url
-    proc = subprocess.Popen([sys.executable, "-m", "service"], env=env, cwd=Path(__file__).resolve().parent.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service"],
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120

@@ -10,31 +10,57 @@ from model.recommend import CATEGORIES, candidate_changes, needs_alternatives, r
 
 
 def alt(name: str, category: str, loss: float, fits: bool = True, peak: int = 10, total: int = 10) -> Alternative:
-    return Alternative(description=name, change={"x": name}, fits=fits, k=0 if fits else None,
-                       predicted_peak_bytes=peak, total_upper_bytes=total, category=category,
-                       throughput_loss_fraction=loss)
+    return Alternative(
+        description=name,
+        change={"x": name},
+        fits=fits,
+        k=0 if fits else None,
+        predicted_peak_bytes=peak,
+        total_upper_bytes=total,
+        category=category,
+        throughput_loss_fraction=loss,
+    )
 
 
 def test_rank_by_category_then_throughput_loss_then_peak():
-    ranked = rank_alternatives([
-        alt("lora", "trained_weights", 0.0), alt("bf16", "numerics", 0.0), alt("gpus", "more_hardware", 0.05),
-        alt("offload", "same_training", 0.3), alt("zero3", "same_training", 0.05, peak=20),
-        alt("zero3-bigger-peak", "same_training", 0.05, peak=30), alt("nofit", "same_training", 0.0, fits=False)])
+    ranked = rank_alternatives(
+        [
+            alt("lora", "trained_weights", 0.0),
+            alt("bf16", "numerics", 0.0),
+            alt("gpus", "more_hardware", 0.05),
+            alt("offload", "same_training", 0.3),
+            alt("zero3", "same_training", 0.05, peak=20),
+            alt("zero3-bigger-peak", "same_training", 0.05, peak=30),
+            alt("nofit", "same_training", 0.0, fits=False),
+        ]
+    )
     assert [a.description for a in ranked] == ["zero3", "zero3-bigger-peak", "offload", "gpus", "bf16", "lora"]
 
 
 def test_fewer_gpus_first_among_equally_cheap_hardware():
     # a new user saw "ZeRO-3 over 64 GPUs" before 32 and 16 (the lower peak per GPU won the tie): the smallest
     # cluster that fits comes first
-    more = [Alternative(description=f"ZeRO-3 over {n} GPUs", change={"gpu_count": n, "sharding": "zero3"}, fits=True,
-                        k=0, predicted_peak_bytes=1000 // n, total_upper_bytes=1000 // n, category="more_hardware",
-                        throughput_loss_fraction=0.0) for n in (64, 16, 32)]
+    more = [
+        Alternative(
+            description=f"ZeRO-3 over {n} GPUs",
+            change={"gpu_count": n, "sharding": "zero3"},
+            fits=True,
+            k=0,
+            predicted_peak_bytes=1000 // n,
+            total_upper_bytes=1000 // n,
+            category="more_hardware",
+            throughput_loss_fraction=0.0,
+        )
+        for n in (64, 16, 32)
+    ]
     assert [a.change["gpu_count"] for a in rank_alternatives(more)] == [16, 32, 64]
 
 
 def test_heavy_recompute_keeps_only_cheaper_changes():
-    ranked = rank_alternatives([alt("offload", "same_training", 0.3), alt("bf16", "numerics", 0.02),
-                                alt("zero2", "same_training", 0.1)], current_recompute_fraction=0.25)
+    ranked = rank_alternatives(
+        [alt("offload", "same_training", 0.3), alt("bf16", "numerics", 0.02), alt("zero2", "same_training", 0.1)],
+        current_recompute_fraction=0.25,
+    )
     assert [a.description for a in ranked] == ["zero2", "bf16"]
     assert rank_alternatives([alt("offload", "same_training", 0.3)], current_recompute_fraction=0.2) == []
 
@@ -61,9 +87,17 @@ def test_needs_alternatives_when_no_fit_or_heavy_recompute():
 
 
 def test_candidates_cover_each_kind_of_change():
-    spec = ModelSpec(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
-                     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, total_params=8_030_261_248,
-                     trainable_params=8_030_261_248)
+    spec = ModelSpec(
+        architecture="llama",
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        total_params=8_030_261_248,
+        trainable_params=8_030_261_248,
+    )
     t = TrainingConfig(micro_batch_size=4, seq_len=2048, precision="bf16_fp32_master")
     cands = candidate_changes(t, spec, 2)
     changes = [c.change for c in cands]
@@ -71,23 +105,42 @@ def test_candidates_cover_each_kind_of_change():
     assert {"sharding": "zero3", "data_parallel_size": 2} in changes
     assert {"micro_batch_size": 1, "gradient_accumulation_steps": 4} in changes
     assert {"offload_optimizer": "cpu"} in changes
-    assert {"offload_optimizer": "cpu", "offload_parameters": "cpu", "sharding": "zero3",
-            "data_parallel_size": 2} in changes
+    assert {
+        "offload_optimizer": "cpu",
+        "offload_parameters": "cpu",
+        "sharding": "zero3",
+        "data_parallel_size": 2,
+    } in changes
     assert {"gpu_count": 16, "sharding": "zero3", "data_parallel_size": 16} in changes
     assert {"precision": "bf16"} in changes
     assert any(c.get("finetune") == "lora" for c in changes)
     assert {c.category for c in cands} <= set(CATEGORIES)
     # already offloaded, pure bf16, LoRA: those changes are not offered again
-    done = TrainingConfig(micro_batch_size=1, seq_len=128, precision="bf16", finetune="lora", lora_rank=8,
-                          offload_optimizer="cpu", offload_parameters="cpu")
+    done = TrainingConfig(
+        micro_batch_size=1,
+        seq_len=128,
+        precision="bf16",
+        finetune="lora",
+        lora_rank=8,
+        offload_optimizer="cpu",
+        offload_parameters="cpu",
+    )
     again = [c.change for c in candidate_changes(done, spec, 1)]
     assert not any("offload_optimizer" in c or "precision" in c or "finetune" in c for c in again)
 
 
 def test_candidates_offer_8bit_adamw_qlora_and_context_parallel_where_they_apply():
-    spec = ModelSpec(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
-                     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, total_params=8_030_261_248,
-                     trainable_params=8_030_261_248)
+    spec = ModelSpec(
+        architecture="llama",
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        total_params=8_030_261_248,
+        trainable_params=8_030_261_248,
+    )
     full = [c.change for c in candidate_changes(TrainingConfig(micro_batch_size=1, seq_len=2048), spec, 1)]
     assert {"optimizer": "adamw_8bit"} in full
     assert {"finetune": "lora", "lora_rank": 16, "quantization": "nf4"} in full
@@ -113,10 +166,21 @@ def test_heavy_recompute_gets_cheaper_alternatives_through_the_curve():
     from service.recommender import Recommender
 
     loaded = Registry().load()
-    rec = Recommender(loaded.estimator, loaded.version).recommend(RecommendRequest.model_validate({
-        "model": "mistral-7b-v0.1", "training": {"micro_batch_size": 4, "seq_len": 4096, "precision": "bf16",
-                                                 "optimizer": "adamw_foreach", "attention": "flash"},
-        "cluster": {"gpu": "A100-80GB"}}))
+    rec = Recommender(loaded.estimator, loaded.version).recommend(
+        RecommendRequest.model_validate(
+            {
+                "model": "mistral-7b-v0.1",
+                "training": {
+                    "micro_batch_size": 4,
+                    "seq_len": 4096,
+                    "precision": "bf16",
+                    "optimizer": "adamw_foreach",
+                    "attention": "flash",
+                },
+                "cluster": {"gpu": "A100-80GB"},
+            }
+        )
+    )
     assert rec.fits and rec.k > rec.num_layers // 2
     assert rec.alternatives
     first = rec.alternatives[0]
@@ -127,7 +191,8 @@ def test_heavy_recompute_gets_cheaper_alternatives_through_the_curve():
     assert not any("micro_batch_size" in a.change for a in rec.alternatives)
     assert all(a.fits and a.throughput_loss_fraction < rec.recompute_overhead_fraction for a in rec.alternatives)
     assert [CATEGORIES.index(a.category) for a in rec.alternatives] == sorted(
-        CATEGORIES.index(a.category) for a in rec.alternatives)
+        CATEGORIES.index(a.category) for a in rec.alternatives
+    )
 
 
 def test_recompute_fraction_counts_no_recompute_for_frozen_layers():
@@ -159,9 +224,17 @@ def test_longest_fitting_seq_len_bisects_multiples_of_the_step():
 
 
 def test_long_context_offers_context_parallel_over_more_gpus():
-    spec = ModelSpec(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=14336, vocab_size=128256, total_params=8_030_261_248,
-                     trainable_params=8_030_261_248)
+    spec = ModelSpec(
+        architecture="llama",
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        total_params=8_030_261_248,
+        trainable_params=8_030_261_248,
+    )
     changes = [c.change for c in candidate_changes(TrainingConfig(micro_batch_size=1, seq_len=32768), spec, 1)]
     for cp in (2, 4, 8):  # the data-parallel size is left to the request schema's default for the new gpu_count
         assert {"gpu_count": cp, "context_parallel_size": cp} in changes
@@ -176,8 +249,13 @@ def shipped_recommender():
     from service.recommender import Recommender
 
     loaded = Registry().load()
-    return Recommender(loaded.estimator, loaded.version, telemetry_range=loaded.meta.get("telemetry_range"),
-                       margins=loaded.meta.get("bound_margins"), coefficients=loaded.coefficients)
+    return Recommender(
+        loaded.estimator,
+        loaded.version,
+        telemetry_range=loaded.meta.get("telemetry_range"),
+        margins=loaded.meta.get("bound_margins"),
+        coefficients=loaded.coefficients,
+    )
 
 
 def test_llama_3_8b_at_32k_on_one_h100_is_offered_a_shorter_sequence_and_context_parallel(shipped_recommender):
@@ -185,8 +263,11 @@ def test_llama_3_8b_at_32k_on_one_h100_is_offered_a_shorter_sequence_and_context
     # parallelism were not among the alternatives
     from memfit.api import RecommendRequest
 
-    body = {"model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 32768, "precision": "bf16"},
-            "cluster": {"gpu": "H100-94GB"}}
+    body = {
+        "model": "llama-3-8b",
+        "training": {"micro_batch_size": 1, "seq_len": 32768, "precision": "bf16"},
+        "cluster": {"gpu": "H100-94GB"},
+    }
     rec = shipped_recommender.recommend(RecommendRequest.model_validate(body))
     assert not rec.fits and rec.path == "traced"
     by_change = {tuple(sorted(a.change.items())): a for a in rec.alternatives}
@@ -196,8 +277,11 @@ def test_llama_3_8b_at_32k_on_one_h100_is_offered_a_shorter_sequence_and_context
     assert shorter.fits and shorter.k == 32 and shorter.category == "shorter_sequence" and shorter.path == "traced"
     # each alternative is the answer to the changed request, and the next multiple of 1024 does not fit
     for change in ({"seq_len": 20480}, {"seq_len": 21504}, {"gpu_count": 4, "context_parallel_size": 4}):
-        changed = {**body, "training": {**body["training"], **{k: v for k, v in change.items() if k != "gpu_count"}},
-                   "cluster": {**body["cluster"], "gpu_count": change.get("gpu_count", 1)}}
+        changed = {
+            **body,
+            "training": {**body["training"], **{k: v for k, v in change.items() if k != "gpu_count"}},
+            "cluster": {**body["cluster"], "gpu_count": change.get("gpu_count", 1)},
+        }
         direct = shipped_recommender.recommend(RecommendRequest.model_validate(changed))
         if change.get("seq_len") == 21504:
             assert not direct.fits

@@ -8,24 +8,45 @@ import pytest
 
 from memfit.schema import ModelSpec, TrainingConfig
 from model.analytic import activation_bytes_per_layer, analytic_estimate, model_state_bytes
-from model.overhead import (CUDA_CONTEXT_BYTES, NCCL_BYTES, PRESSURE_FILES, VALIDATION_FILES, OverheadModel,
-                            allocated_residuals, pressure_ratios)
+from model.overhead import (
+    CUDA_CONTEXT_BYTES,
+    NCCL_BYTES,
+    PRESSURE_FILES,
+    VALIDATION_FILES,
+    OverheadModel,
+    allocated_residuals,
+    pressure_ratios,
+)
 from model.recommend import layer_indices
 
 GB = 10**9
 
 
 def spec(params=7_500_000_000, **kw):
-    base = dict(architecture="gpt2", num_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
-                intermediate_size=16384, vocab_size=50257, total_params=params, trainable_params=params)
+    base = {
+        "architecture": "gpt2",
+        "num_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 16384,
+        "vocab_size": 50257,
+        "total_params": params,
+        "trainable_params": params,
+    }
     return ModelSpec(**{**base, **kw})
 
 
 @pytest.mark.parametrize("sharding, expected_gb", [("none", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)])
 def test_zero_paper_figure1(sharding, expected_gb):
     # ZeRO (arXiv 1910.02054) Fig. 1: Psi = 7.5B, N_d = 64, K = 12 (mixed-precision Adam)
-    t = TrainingConfig(micro_batch_size=1, seq_len=1, precision="bf16_fp32_master", sharding=sharding,
-                       data_parallel_size=64 if sharding != "none" else 1)
+    t = TrainingConfig(
+        micro_batch_size=1,
+        seq_len=1,
+        precision="bf16_fp32_master",
+        sharding=sharding,
+        data_parallel_size=64 if sharding != "none" else 1,
+    )
     got = model_state_bytes(spec(), t).total_bytes / GB
     assert got == pytest.approx(expected_gb, abs=0.06)
 
@@ -48,8 +69,14 @@ def test_korthikanti_gpt_layer():
     assert activation_bytes_per_layer(m, flash) == s * b * h * 34 + 4 * a * s * b
     # Sec. 4.2: tensor parallel size t with sequence parallelism divides everything by t; without it 10*sbh
     # (LayerNorm inputs, QKV and first-MLP inputs, dropout masks) stay whole: s*b*h*(10 + 24/t + 5*a*s/(h*t))
-    sp = TrainingConfig(micro_batch_size=b, seq_len=s, precision="amp_fp16", attention="eager",
-                        tensor_parallel_size=8, sequence_parallel=True)
+    sp = TrainingConfig(
+        micro_batch_size=b,
+        seq_len=s,
+        precision="amp_fp16",
+        attention="eager",
+        tensor_parallel_size=8,
+        sequence_parallel=True,
+    )
     assert activation_bytes_per_layer(m, sp) == s * b * h * (34 + 5 * a * s // h) // 8
     tp = sp.model_copy(update={"sequence_parallel": False})
     assert activation_bytes_per_layer(m, tp) == s * b * h * 10 + s * b * h * (24 + 5 * a * s // h) // 8
@@ -77,19 +104,41 @@ def test_overhead_defaults_and_learning(tmp_path):
     ov = om.overhead(10 * GB, "NVIDIA H100 80GB HBM3", gpu_count=8)
     assert ov.cuda_context_bytes == CUDA_CONTEXT_BYTES and ov.nccl_bytes == NCCL_BYTES
     assert ov.fragmentation_bytes == pytest.approx(0.05 * 10 * GB, rel=1e-6) and ov.source.startswith("default")
-    rows = pd.DataFrame({
-        "method": ["cuda"] * 3 + ["fake_tracker"], "device_name": ["H200"] * 3 + ["fake-cpu"],
-        "peak_allocated_bytes": [100, 200, 400, 100], "peak_reserved_bytes": [110, 250, 420, None],
-        "outside_torch_bytes": [600, 700, 800, None], "oom": [False] * 4})
+    rows = pd.DataFrame(
+        {
+            "method": ["cuda"] * 3 + ["fake_tracker"],
+            "device_name": ["H200"] * 3 + ["fake-cpu"],
+            "peak_allocated_bytes": [100, 200, 400, 100],
+            "peak_reserved_bytes": [110, 250, 420, None],
+            "outside_torch_bytes": [600, 700, 800, None],
+            "oom": [False] * 4,
+        }
+    )
     # two pressure runs: the default allocator's ratios (1.02, 1.10, 1.30) and expandable segments' (ignored)
-    (tmp_path / "a.json").write_text(json.dumps({"alloc_conf": None, "rows": [
-        {"needed_over_allocated": 1.02}, {"needed_over_allocated": 1.30}, {"error": "does not run"}]}))
-    (tmp_path / "b.json").write_text(json.dumps({"alloc_conf": "expandable_segments:True", "rows": [
-        {"needed_over_allocated": 1.01}]}))
+    (tmp_path / "a.json").write_text(
+        json.dumps(
+            {
+                "alloc_conf": None,
+                "rows": [{"needed_over_allocated": 1.02}, {"needed_over_allocated": 1.30}, {"error": "does not run"}],
+            }
+        )
+    )
+    (tmp_path / "b.json").write_text(
+        json.dumps({"alloc_conf": "expandable_segments:True", "rows": [{"needed_over_allocated": 1.01}]})
+    )
     (tmp_path / "c.json").write_text(json.dumps({"alloc_conf": None, "rows": [{"needed_over_allocated": 1.10}]}))
-    (tmp_path / "v.json").write_text(json.dumps({"rows": [
-        {"allocated_bytes": 1100, "tracker_bytes": 1000}, {"allocated_bytes": 2064, "tracker_bytes": 2000},
-        {"allocated_bytes": 9000, "tracker_bytes": 1000}, {"error": "failed"}]}))
+    (tmp_path / "v.json").write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {"allocated_bytes": 1100, "tracker_bytes": 1000},
+                    {"allocated_bytes": 2064, "tracker_bytes": 2000},
+                    {"allocated_bytes": 9000, "tracker_bytes": 1000},
+                    {"error": "failed"},
+                ]
+            }
+        )
+    )
     om.fit(rows, pressure_files=sorted(tmp_path.glob("[abc].json")), validation_files=[tmp_path / "v.json"])
     assert om.rows_by_device == {"H200": 3}
     learned = om.overhead(1000, "H200", gpu_count=1)

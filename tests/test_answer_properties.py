@@ -34,9 +34,14 @@ def negative_byte_counts(value, path=""):
 def requests(draw):
     model = draw(st.sampled_from(MODELS))
     tp, pp, cp, dp = (draw(st.sampled_from(s)) for s in ([1, 2, 4], [1, 2], [1, 2, 4], [1, 2, 4]))
-    training = {"micro_batch_size": draw(st.integers(1, 4)), "seq_len": draw(st.sampled_from([512, 1024, 4096])),
-                "tensor_parallel_size": tp, "pipeline_parallel_size": pp, "context_parallel_size": cp,
-                "precision": draw(st.sampled_from(["amp_bf16", "bf16", "bf16_fp32_master"]))}
+    training = {
+        "micro_batch_size": draw(st.integers(1, 4)),
+        "seq_len": draw(st.sampled_from([512, 1024, 4096])),
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+        "context_parallel_size": cp,
+        "precision": draw(st.sampled_from(["amp_bf16", "bf16", "bf16_fp32_master"])),
+    }
     if dp * cp >= 2:
         training["sharding"] = draw(st.sampled_from(["none", "zero1", "zero2", "zero3", "fsdp_full_shard"]))
     tune = draw(st.sampled_from(["full", "lora", "qlora"]))
@@ -50,8 +55,11 @@ def requests(draw):
         training["offload_optimizer"] = "cpu"
         if training.get("sharding") in ("zero3", "fsdp_full_shard") and draw(st.booleans()):
             training["offload_parameters"] = "cpu"
-    return {"model": model, "training": training,
-            "cluster": {"gpu": draw(st.sampled_from(GPUS)), "gpu_count": dp * tp * pp * cp}}
+    return {
+        "model": model,
+        "training": training,
+        "cluster": {"gpu": draw(st.sampled_from(GPUS)), "gpu_count": dp * tp * pp * cp},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +71,9 @@ def service(tmp_path_factory, small_registry):
     patch = pytest.MonkeyPatch()
     patch.setattr(BackgroundTracer, "__call__", lambda self, key, hf_config, training: "not traced in this test")
     db = tmp_path_factory.mktemp("properties") / "p.db"
-    with TestClient(create_app(Settings(db_url=f"sqlite:///{db}", registry_dir=str(small_registry.root),
-                                        warm_up=False))) as client:
+    with TestClient(
+        create_app(Settings(db_url=f"sqlite:///{db}", registry_dir=str(small_registry.root), warm_up=False))
+    ) as client:
         yield client
     patch.undo()
 
@@ -72,8 +81,13 @@ def service(tmp_path_factory, small_registry):
 seen: dict[str, int] = {}
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(body=requests())
 def test_no_5xx_and_no_negative_byte_count(service, body):
     r = service.post("/recommend", json=body)
@@ -91,4 +105,3 @@ def test_the_examples_were_answered_and_planned_alternatives():
     if not seen:
         pytest.skip("the property test did not run")
     assert seen.get("200", 0) >= 10 and seen.get("alternatives", 0) >= 3, seen
-

@@ -23,13 +23,22 @@ def test_mixtral_8x7b_lora_fsdp_on_two_a100_80gb(recommender):
     # Traced with balanced routing through transformers 5's grouped_mm experts: 60.67 GiB, +13.2 %. The
     # grouped backward holds gradient buffers for all T·k routed rows of a layer at once (gate_up: 1.75 GiB),
     # where a per-expert loop holds one expert's; the report does not say which implementation ran.
-    req = RecommendRequest.model_validate({
-        "model": "mixtral-8x7b",
-        "training": {"micro_batch_size": 4, "seq_len": 4096, "precision": "bf16", "attention": "flash",
-                     "finetune": "lora", "lora_rank": 16,
-                     "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
-                     "sharding": "fsdp_full_shard"},
-        "cluster": {"gpu": "A100-80GB", "gpu_count": 2}})
+    req = RecommendRequest.model_validate(
+        {
+            "model": "mixtral-8x7b",
+            "training": {
+                "micro_batch_size": 4,
+                "seq_len": 4096,
+                "precision": "bf16",
+                "attention": "flash",
+                "finetune": "lora",
+                "lora_rank": 16,
+                "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                "sharding": "fsdp_full_shard",
+            },
+            "cluster": {"gpu": "A100-80GB", "gpu_count": 2},
+        }
+    )
     rec = recommender.recommend(req)
     assert rec.path == "traced"
     assert not any("approximate" in w for w in rec.warnings)
@@ -40,17 +49,24 @@ def test_mixtral_8x7b_lora_fsdp_on_two_a100_80gb(recommender):
     assert rec.curve[-1].predicted_bytes >= 43.5 * GIB  # bf16 weights alone: 46.7e9 x 2 B / 2 ranks
 
 
-@pytest.mark.parametrize("training,field", [
-    ({"expert_parallel_size": 3, "data_parallel_size": 3}, "training.expert_parallel_size"),  # 8 experts
-    ({"expert_parallel_size": 4, "data_parallel_size": 2}, "training.expert_parallel_size"),  # beyond DP
-    ({"moe_imbalance_factor": 4.5}, "training.moe_imbalance_factor"),  # > 8 experts / top-2
-])
+@pytest.mark.parametrize(
+    "training,field",
+    [
+        ({"expert_parallel_size": 3, "data_parallel_size": 3}, "training.expert_parallel_size"),  # 8 experts
+        ({"expert_parallel_size": 4, "data_parallel_size": 2}, "training.expert_parallel_size"),  # beyond DP
+        ({"moe_imbalance_factor": 4.5}, "training.moe_imbalance_factor"),  # > 8 experts / top-2
+    ],
+)
 def test_moe_settings_must_fit_the_model(recommender, training, field):
     from memfit.errors import InvalidConfiguration
 
-    req = RecommendRequest.model_validate({"model": "mixtral-8x7b",
-                                           "training": {"micro_batch_size": 1, "seq_len": 512, **training},
-                                           "cluster": {"gpu": "H200", "gpu_count": 8}})
+    req = RecommendRequest.model_validate(
+        {
+            "model": "mixtral-8x7b",
+            "training": {"micro_batch_size": 1, "seq_len": 512, **training},
+            "cluster": {"gpu": "H200", "gpu_count": 8},
+        }
+    )
     with pytest.raises(InvalidConfiguration) as err:
         recommender.recommend(req)
     assert err.value.field == field
@@ -59,8 +75,13 @@ def test_moe_settings_must_fit_the_model(recommender, training, field):
 def test_dense_model_refuses_expert_parallelism(recommender):
     from memfit.errors import InvalidConfiguration
 
-    req = RecommendRequest.model_validate({"model": "llama-3-8b", "training": {
-        "micro_batch_size": 1, "seq_len": 512, "expert_parallel_size": 2}, "cluster": {"gpu": "H200", "gpu_count": 2}})
+    req = RecommendRequest.model_validate(
+        {
+            "model": "llama-3-8b",
+            "training": {"micro_batch_size": 1, "seq_len": 512, "expert_parallel_size": 2},
+            "cluster": {"gpu": "H200", "gpu_count": 2},
+        }
+    )
     with pytest.raises(InvalidConfiguration) as err:
         recommender.recommend(req)
     assert err.value.field == "training.expert_parallel_size" and "dense" in str(err.value)
@@ -69,8 +90,25 @@ def test_dense_model_refuses_expert_parallelism(recommender):
 def test_cli_passes_expert_parallel_and_names_the_field(small_registry, capsys):
     from service.cli import EXIT_BAD_INPUT, main
 
-    code = main(["recommend", "--model", "mixtral-8x7b", "--gpu", "H200", "--gpus", "6", "--micro-batch", "1",
-                 "--seq-len", "512", "--expert-parallel", "3", "--registry", str(small_registry.root)])
+    code = main(
+        [
+            "recommend",
+            "--model",
+            "mixtral-8x7b",
+            "--gpu",
+            "H200",
+            "--gpus",
+            "6",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "512",
+            "--expert-parallel",
+            "3",
+            "--registry",
+            str(small_registry.root),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT and "training.expert_parallel_size" in err and "num_experts=8" in err
 
@@ -79,9 +117,19 @@ def test_mixtral_expert_parallel_8_on_the_provisional_path_counts_one_rank(recom
     # EP = 8 leaves one expert per rank, fewer than the top-2: not traced. The learned path once counted every
     # expert on every rank (476 GiB per GPU, more than the whole model); its analytic base now holds 1/8 of them
     GIB = 1 << 30
-    req = RecommendRequest.model_validate({"model": "mixtral-8x7b", "training": {
-        "micro_batch_size": 1, "seq_len": 4096, "precision": "bf16", "expert_parallel_size": 8,
-        "data_parallel_size": 8}, "cluster": {"gpu": "H100-80GB", "gpu_count": 8}})
+    req = RecommendRequest.model_validate(
+        {
+            "model": "mixtral-8x7b",
+            "training": {
+                "micro_batch_size": 1,
+                "seq_len": 4096,
+                "precision": "bf16",
+                "expert_parallel_size": 8,
+                "data_parallel_size": 8,
+            },
+            "cluster": {"gpu": "H100-80GB", "gpu_count": 8},
+        }
+    )
     rec = recommender.recommend(req)
     assert rec.path == "provisional"
     experts = 32 * 8 * 3 * 4096 * 14336  # routed expert parameters of Mixtral-8x7B
@@ -107,8 +155,14 @@ def test_expert_parallel_with_zero3_shards_the_experts_only_over_their_replicas(
     rest = spec.total_params - experts
 
     def states(ep: int, dp: int, sharding: str) -> int:
-        t = TrainingConfig(micro_batch_size=1, seq_len=4096, precision="bf16", sharding=sharding,
-                           data_parallel_size=dp, expert_parallel_size=ep)
+        t = TrainingConfig(
+            micro_batch_size=1,
+            seq_len=4096,
+            precision="bf16",
+            sharding=sharding,
+            data_parallel_size=dp,
+            expert_parallel_size=ep,
+        )
         return model_state_bytes(expert_parallel_rank_spec(spec, t), t).total_bytes
 
     # pure bf16 AdamW: 8 bytes per parameter (weights, gradients, two bf16 moments)
@@ -116,8 +170,19 @@ def test_expert_parallel_with_zero3_shards_the_experts_only_over_their_replicas(
     assert states(4, 8, "zero3") == pytest.approx(8 * (experts / 4 / 2 + rest / 8), rel=1e-6)
     assert states(4, 4, "none") == pytest.approx(8 * (experts / 4 + rest), rel=1e-6)
     assert states(1, 4, "zero3") == pytest.approx(states(4, 4, "zero3"), rel=1e-6)
-    req = RecommendRequest.model_validate({"model": "mixtral-8x7b", "training": {
-        "micro_batch_size": 1, "seq_len": 4096, "precision": "bf16", "expert_parallel_size": 4,
-        "data_parallel_size": 4, "sharding": "zero3"}, "cluster": {"gpu": "H100-80GB", "gpu_count": 4}})
+    req = RecommendRequest.model_validate(
+        {
+            "model": "mixtral-8x7b",
+            "training": {
+                "micro_batch_size": 1,
+                "seq_len": 4096,
+                "precision": "bf16",
+                "expert_parallel_size": 4,
+                "data_parallel_size": 4,
+                "sharding": "zero3",
+            },
+            "cluster": {"gpu": "H100-80GB", "gpu_count": 4},
+        }
+    )
     rec = recommender.recommend(req)
     assert rec.curve[-1].predicted_bytes >= states(4, 4, "zero3") > 80 * GIB and not rec.fits and rec.k is None

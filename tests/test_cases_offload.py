@@ -33,18 +33,26 @@ def recommender() -> Recommender:
     for line in TERMS.read_text().splitlines():
         entry = json.loads(line)
         terms.put(entry["key"], entry["terms"], entry["model_name"])
-    return Recommender(loaded.estimator, loaded.version, telemetry_range=loaded.meta.get("telemetry_range"),
-                       terms=terms)
+    return Recommender(
+        loaded.estimator, loaded.version, telemetry_range=loaded.meta.get("telemetry_range"), terms=terms
+    )
 
 
 def test_llama_3_8b_full_finetune_on_one_a100_80gb_needs_optimizer_offload(recommender):
     # Public report (issue 9): Llama-3-8B full fine-tune, bf16 with fp32 master weights, AdamW, one A100-80GB,
     # micro-batch 1, seq 128: no k fits (16 B/param of states = 128 GB), and the fix was offloading the optimizer.
-    req = RecommendRequest.model_validate({
-        "model": "llama-3-8b",
-        "training": {"micro_batch_size": 1, "seq_len": 128, "precision": "bf16_fp32_master",
-                     "optimizer": "adamw_foreach"},
-        "cluster": {"gpu": "A100-80GB"}})
+    req = RecommendRequest.model_validate(
+        {
+            "model": "llama-3-8b",
+            "training": {
+                "micro_batch_size": 1,
+                "seq_len": 128,
+                "precision": "bf16_fp32_master",
+                "optimizer": "adamw_foreach",
+            },
+            "cluster": {"gpu": "A100-80GB"},
+        }
+    )
     rec = recommender.recommend(req)
     assert not rec.fits and rec.k is None and rec.path == "traced"
     assert rec.host_memory_bytes == 0
@@ -62,9 +70,17 @@ def test_llama_3_8b_full_finetune_on_one_a100_80gb_needs_optimizer_offload(recom
 
 
 def _llama_8b_spec() -> ModelSpec:
-    return ModelSpec(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
-                     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                     total_params=8_030_261_248, trainable_params=8_030_261_248)
+    return ModelSpec(
+        architecture="llama",
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        total_params=8_030_261_248,
+        trainable_params=8_030_261_248,
+    )
 
 
 def test_host_memory_matches_deepspeed_estimators():
@@ -74,6 +90,7 @@ def test_host_memory_matches_deepspeed_estimators():
     p = spec.total_params
     one = TrainingConfig(micro_batch_size=1, seq_len=128, precision="bf16_fp32_master", offload_optimizer="cpu")
     assert host_memory_bytes(spec, one, 1) == stage12.estimate_zero2_model_states_mem_needs(p, 1, 1, True)[0]
+
     # eight ranks on one node, ZeRO-2 + optimizer offload: DeepSpeed's max(4 x gpus, 16) per parameter
     def changed(t, **update):
         return TrainingConfig.model_validate({**t.model_dump(), **update})
@@ -83,25 +100,37 @@ def test_host_memory_matches_deepspeed_estimators():
     # ZeRO-3 with parameters and optimizer offloaded (zero.Init): 18 B per parameter per node
     z3 = changed(z2, sharding="zero3", offload_parameters="cpu")
     largest = 128256 * 4096
-    assert host_memory_bytes(spec, z3, 8) == stage3.estimate_zero3_model_states_mem_needs(
-        p, largest, 8, 1, True, True, True)[0]
+    assert (
+        host_memory_bytes(spec, z3, 8)
+        == stage3.estimate_zero3_model_states_mem_needs(p, largest, 8, 1, True, True, True)[0]
+    )
     z3_opt = changed(z3, offload_parameters="none")
-    assert host_memory_bytes(spec, z3_opt, 8) == stage3.estimate_zero3_model_states_mem_needs(
-        p, largest, 8, 1, True, False, False)[0]
+    assert (
+        host_memory_bytes(spec, z3_opt, 8)
+        == stage3.estimate_zero3_model_states_mem_needs(p, largest, 8, 1, True, False, False)[0]
+    )
 
 
 def test_offload_validation_names_field_and_allowed_values():
     base = {"model": "llama-3-8b", "cluster": {"gpu": "A100-80GB"}}
     with pytest.raises(ValidationError) as err:
-        RecommendRequest.model_validate({**base, "training": {"micro_batch_size": 1, "seq_len": 128,
-                                                              "offload_optimizer": "nvme"}})
+        RecommendRequest.model_validate(
+            {**base, "training": {"micro_batch_size": 1, "seq_len": 128, "offload_optimizer": "nvme"}}
+        )
     assert "offload_optimizer" in str(err.value) and "'none' or 'cpu'" in str(err.value)
     with pytest.raises(ValidationError, match="offload_parameters='cpu' needs offload_optimizer='cpu'"):
-        RecommendRequest.model_validate({**base, "training": {"micro_batch_size": 1, "seq_len": 128,
-                                                              "offload_parameters": "cpu"}})
+        RecommendRequest.model_validate(
+            {**base, "training": {"micro_batch_size": 1, "seq_len": 128, "offload_parameters": "cpu"}}
+        )
     with pytest.raises(ValidationError, match="needs sharding in"):
-        TrainingConfig(micro_batch_size=1, seq_len=8, sharding="zero2", data_parallel_size=2,
-                       offload_optimizer="cpu", offload_parameters="cpu")
+        TrainingConfig(
+            micro_batch_size=1,
+            seq_len=8,
+            sharding="zero2",
+            data_parallel_size=2,
+            offload_optimizer="cpu",
+            offload_parameters="cpu",
+        )
 
 
 def test_deepspeed_config_and_fsdp_policy_are_picked_up():
@@ -109,8 +138,11 @@ def test_deepspeed_config_and_fsdp_policy_are_picked_up():
 
     from memfit.describe import describe, ds_offload
 
-    ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
-          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    }
     assert ds_offload(ds) == ("cpu", None)
     with pytest.raises(ValueError, match=r"zero_optimization.offload_param.device='nvme'.*\['none', 'cpu'\]"):
         ds_offload({"zero_optimization": {"offload_param": {"device": "nvme"}}})
@@ -148,8 +180,9 @@ def test_optimizer_offload_composition_agrees_with_a_real_cpu_run():
     from training.phases import trace_terms
 
     cfg = {**TINY_LLAMA, "num_hidden_layers": 4}
-    tr = TrainingConfig(micro_batch_size=2, seq_len=64, precision="bf16_fp32_master", optimizer="adamw_fused",
-                        offload_optimizer="cpu")
+    tr = TrainingConfig(
+        micro_batch_size=2, seq_len=64, precision="bf16_fp32_master", optimizer="adamw_fused", offload_optimizer="cpu"
+    )
     base = TrainingConfig.model_validate({**tr.model_dump(), "offload_optimizer": "none"})
     terms = TermsCache(shipped_dir=None)
     terms.put(terms_key(cfg, base), trace_terms(cfg, base).to_json())
@@ -170,9 +203,15 @@ def test_public_case_on_the_provisional_path_ranks_the_same():
     # Without traced terms for this configuration (a service that has not traced it yet) the answer is
     # provisional, and still: no k fits, optimizer offload first, the same host memory.
     loaded = Registry().load()
-    rec = Recommender(loaded.estimator, loaded.version).recommend(RecommendRequest.model_validate({
-        "model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 128, "precision": "bf16_fp32_master"},
-        "cluster": {"gpu": "A100-80GB"}}))
+    rec = Recommender(loaded.estimator, loaded.version).recommend(
+        RecommendRequest.model_validate(
+            {
+                "model": "llama-3-8b",
+                "training": {"micro_batch_size": 1, "seq_len": 128, "precision": "bf16_fp32_master"},
+                "cluster": {"gpu": "A100-80GB"},
+            }
+        )
+    )
     assert not rec.fits and rec.path == "provisional"
     first = rec.alternatives[0]
     assert first.change == {"offload_optimizer": "cpu"} and first.fits and first.path == "provisional"

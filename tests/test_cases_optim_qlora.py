@@ -36,8 +36,9 @@ def traced_predictor(hf: dict, training: TrainingConfig) -> MemoryPredictor:
 def test_llama2_7b_paged_adamw8bit_step_in_backward():
     hf = catalog.get("llama-2-7b")["hf_config"]
     spec = model_spec(hf)
-    training = TrainingConfig(micro_batch_size=4, seq_len=2048, precision="bf16", optimizer="paged_adamw_8bit",
-                              optimizer_in_backward=True)
+    training = TrainingConfig(
+        micro_batch_size=4, seq_len=2048, precision="bf16", optimizer="paged_adamw_8bit", optimizer_in_backward=True
+    )
     predictor = traced_predictor(hf, training)
     curve = predictor.curve(spec, training, hf)
     at_L = curve.points[spec.num_layers]
@@ -47,8 +48,9 @@ def test_llama2_7b_paged_adamw8bit_step_in_backward():
     assert at_L.breakdown["gradients_bytes"] == 0
     assert at_L.breakdown["optimizer_states_bytes"] == pytest.approx(spec.total_params * 8 / 256, rel=0.01)
     assert any("unified memory" in n for n in curve.notes)
-    p = plan(predictor, spec, training, hf_config=hf, capacity_bytes=gpu_memory_bytes("RTX-4090"),
-             device_name="RTX-4090")
+    p = plan(
+        predictor, spec, training, hf_config=hf, capacity_bytes=gpu_memory_bytes("RTX-4090"), device_name="RTX-4090"
+    )
     assert p.fits and p.total_upper_bytes[spec.num_layers] <= p.usable_bytes
 
 
@@ -66,34 +68,58 @@ def test_llama2_7b_paged_adamw8bit_step_in_backward():
 # holds the gradient buffer the same way. With the gradients freed after each step (GA = 1) the traced
 # peaks are 12.53 / 14.23 GB (-8.7 / -11.1 %); the step r8 -> r64 is then 1.70 GB, not 2.29.
 # ------------------------------------------------------------------------------------------------
-QWEN15_7B = {"model_type": "qwen2", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-             "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 151936,
-             "max_position_embeddings": 32768, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
-             "rope_theta": 1000000.0, "use_sliding_window": False, "hidden_act": "silu"}
+QWEN15_7B = {
+    "model_type": "qwen2",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "use_sliding_window": False,
+    "hidden_act": "silu",
+}
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _qlora_point(rank: int, gradient_accumulation_steps: int = 16):
     from service.recommender import lora_trainable_params
 
-    training = TrainingConfig(micro_batch_size=1, seq_len=1024, precision="amp_fp16", finetune="lora",
-                              lora_rank=rank, lora_target_modules=ALL_LINEAR, quantization="nf4",
-                              gradient_accumulation_steps=gradient_accumulation_steps)
+    training = TrainingConfig(
+        micro_batch_size=1,
+        seq_len=1024,
+        precision="amp_fp16",
+        finetune="lora",
+        lora_rank=rank,
+        lora_target_modules=ALL_LINEAR,
+        quantization="nf4",
+        gradient_accumulation_steps=gradient_accumulation_steps,
+    )
     spec = model_spec(QWEN15_7B)
     lora = lora_trainable_params(spec, rank, ALL_LINEAR)
     spec = spec.model_copy(update={"total_params": spec.total_params + lora, "trainable_params": lora})
     predictor = traced_predictor(QWEN15_7B, training)
     curve = predictor.curve(spec, training, QWEN15_7B)
     assert curve.path == TRACED
-    p = plan(predictor, spec, training, hf_config=QWEN15_7B, capacity_bytes=gpu_memory_bytes("V100-32GB"),
-             device_name="V100-32GB")
+    p = plan(
+        predictor,
+        spec,
+        training,
+        hf_config=QWEN15_7B,
+        capacity_bytes=gpu_memory_bytes("V100-32GB"),
+        device_name="V100-32GB",
+    )
     assert p.fits
     return curve.points[spec.num_layers], spec
 
 
 def test_qwen15_7b_qlora_r8():
-    at_L, spec = _qlora_point(8)
+    at_L, _spec = _qlora_point(8)
     assert at_L.predicted_bytes == pytest.approx(13.72e9, rel=0.10)  # measured here: 12.61 GB (-8.1 %)
     # weights: 4-bit decoder linears with their absmax, fp32 embeddings/head/norms/biases, fp32 adapters
     assert at_L.breakdown["parameters_bytes"] == pytest.approx(8.70e9, rel=0.01)

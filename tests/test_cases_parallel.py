@@ -19,10 +19,13 @@ def recommender() -> Recommender:
 
 
 def _llama3_8b(recommender, gpu="A100-40GB", **training):
-    req = RecommendRequest.model_validate({
-        "model": "llama-3-8b",
-        "training": {"micro_batch_size": 1, "seq_len": 8192, **training},
-        "cluster": {"gpu": gpu, "gpu_count": 8}})
+    req = RecommendRequest.model_validate(
+        {
+            "model": "llama-3-8b",
+            "training": {"micro_batch_size": 1, "seq_len": 8192, **training},
+            "cluster": {"gpu": gpu, "gpu_count": 8},
+        }
+    )
     return recommender.recommend(req)
 
 
@@ -81,10 +84,13 @@ def test_llama_3_8b_pipeline_8_recommends_k_per_stage(recommender):
 def test_qwen25_72b_tensor_8_by_zero3_data_8_holds_a_64th_of_the_states(recommender):
     # issue 9: Qwen2.5-72B with TP 8 x DP 8 + ZeRO-3 was given 135 GiB of states per GPU instead of about 17
     # (the provisional path counted the whole model's states on every rank) and "did not fit" on H100s
-    req = RecommendRequest.model_validate({
-        "model": "qwen2.5-72b", "training": {"micro_batch_size": 1, "seq_len": 4096, "sharding": "zero3",
-                                             "tensor_parallel_size": 8},
-        "cluster": {"gpu": "H100-80GB", "gpu_count": 64}})
+    req = RecommendRequest.model_validate(
+        {
+            "model": "qwen2.5-72b",
+            "training": {"micro_batch_size": 1, "seq_len": 4096, "sharding": "zero3", "tensor_parallel_size": 8},
+            "cluster": {"gpu": "H100-80GB", "gpu_count": 64},
+        }
+    )
     rec = recommender.recommend(req)
     per_rank = rec.parameters_per_rank
     assert per_rank == pytest.approx(72.7e9 / 8, rel=0.01)

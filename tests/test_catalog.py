@@ -22,7 +22,6 @@ ENTRIES = {e["name"]: e for e in (json.loads(p.read_text()) for p in sorted(ARCH
 REL_TOL = 0.01
 
 
-
 def built_params(cfg: dict) -> int:
     """Parameters of the model built from ``cfg`` on the meta device (tied weights once)."""
     with quiet_transformers():
@@ -38,9 +37,7 @@ def test_built_params_match_published(name):
     assert rel < REL_TOL, f"{name}: built {built:,} vs published {published:,} ({rel:.2%})"
 
 
-@pytest.mark.parametrize(
-    "model_type", sorted({e["hf_config"]["model_type"] for e in ENTRIES.values()})
-)
+@pytest.mark.parametrize("model_type", sorted({e["hf_config"]["model_type"] for e in ENTRIES.values()}))
 def test_count_params_from_config_builds_family(model_type):
     """One catalog model of every family builds (SDPA-less families fall back to eager attention)."""
     cfg = min(
@@ -164,8 +161,11 @@ def test_lora_target_shapes_snapshot_matches_meta_builds():
     snapshot = json.loads(LORA_SHAPES_PATH.read_text())
     assert snapshot["transformers_version"] == version("transformers")
     entries = snapshot["entries"]
-    with_default = [n for n in catalog.names()
-                    if peft_default_lora_targets(catalog.get(n)["hf_config"].get("model_type")) is not None]
+    with_default = [
+        n
+        for n in catalog.names()
+        if peft_default_lora_targets(catalog.get(n)["hf_config"].get("model_type")) is not None
+    ]
     assert sorted(e["model"] for e in entries.values()) == sorted(with_default)
     for name in ("gpt2", "pythia-70m", "llama-3.2-1b"):
         cfg = catalog.get(name)["hf_config"]

@@ -37,10 +37,22 @@ def llama(layers: int = 4, seed: int = 0):
 
 def rec_for(layers: list[int], num_layers: int = 4, k: int | None = -1) -> Recommendation:
     """A service-shaped answer with the given layers (byte figures irrelevant here)."""
-    return Recommendation(fits=k is not None, k=len(layers) if k == -1 else k, layers=layers, num_layers=num_layers,
-                          predicted_peak_bytes=1, upper_bound_bytes=1, total_upper_bytes=1, capacity_bytes=1,
-                          usable_bytes=1, curve=[], breakdown={}, overhead={}, recompute_overhead_fraction=0.0,
-                          model_version="0007")
+    return Recommendation(
+        fits=k is not None,
+        k=len(layers) if k == -1 else k,
+        layers=layers,
+        num_layers=num_layers,
+        predicted_peak_bytes=1,
+        upper_bound_bytes=1,
+        total_upper_bytes=1,
+        capacity_bytes=1,
+        usable_bytes=1,
+        curve=[],
+        breakdown={},
+        overhead={},
+        recompute_overhead_fraction=0.0,
+        model_version="0007",
+    )
 
 
 def step(model, seed: int = 1):
@@ -170,8 +182,9 @@ class Blocks(nn.Module):
     def __init__(self, n: int = 4, d: int = 32, vocab: int = 64):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-                                    for _ in range(n))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(n)
+        )
         self.head = nn.Linear(d, vocab)
 
     def forward(self, ids):
@@ -304,9 +317,18 @@ def test_trainer_callback_reapplies_after_trainer_enables_checkpointing(tmp_path
 
     model = llama()
     cb = MemfitTrainerCallback(rec_for([0, 1]))
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
-                             activation_checkpointing=True, use_cpu=True, report_to=[], save_strategy="no",
-                             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        activation_checkpointing=True,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     with quiet_transformers():
         Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=[cb]).train()
     assert cb.plan.layer_indices == [0, 1] and cb.verified is True
@@ -392,9 +414,16 @@ def test_deepspeed_missing_is_a_clear_import_error(monkeypatch):
 
 
 def test_deepspeed_config_block_and_hf_check():
-    assert deepspeed_activation_checkpointing_config(rec_for([0, 1, 2])) == {"activation_checkpointing": {
-        "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
-        "number_checkpoints": 3, "synchronize_checkpoint_boundary": False, "profile": False}}
+    assert deepspeed_activation_checkpointing_config(rec_for([0, 1, 2])) == {
+        "activation_checkpointing": {
+            "partition_activations": False,
+            "cpu_checkpointing": False,
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": 3,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        }
+    }
     ds = {"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {"number_checkpoints": 4}}
     with pytest.warns(MemfitWarning, match="no effect on a HF transformers model.*memfit.apply"):
         out = check_deepspeed_config(ds, llama(2))
@@ -407,7 +436,13 @@ def test_deepspeed_config_block_and_hf_check():
 
 def test_megatron_flags():
     assert megatron_flags(rec_for([0, 1, 2], num_layers=32)) == [
-        "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"]
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        "3",
+    ]
     assert megatron_flags(rec_for([], num_layers=32)) == []
     assert megatron_flags(rec_for([0, 1, 16, 17], num_layers=32), pipeline_parallel_size=2)[-1] == "2"
     assert megatron_flags(rec_for([0, 1, 16], num_layers=32), pipeline_parallel_size=2)[-1] == "2"  # widest stage
@@ -417,15 +452,21 @@ def test_megatron_flags():
         assert megatron_flags(rec_for([], k=None))[-1] == "4"
     assert megatron_flags(fallback_recommendation(None, "down"), num_layers=24)[-1] == "24"
     assert megatron_flags(fallback_recommendation(None, "down"))[-4:] == [  # every layer, count unknown
-        "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ]
 
 
 def test_memfit_package_stays_light():
     import subprocess
 
-    code = ("import sys, memfit, memfit.reporter, memfit.integrations.megatron; "
-            "print(sorted(m for m in ('torch', 'transformers', 'deepspeed', 'service', 'model', 'training', "
-            "'pandas') if m in sys.modules))")
+    code = (
+        "import sys, memfit, memfit.reporter, memfit.integrations.megatron; "
+        "print(sorted(m for m in ('torch', 'transformers', 'deepspeed', 'service', 'model', 'training', "
+        "'pandas') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     assert memfit.apply is apply and memfit.verify is verify

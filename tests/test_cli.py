@@ -20,7 +20,9 @@ from service.cli import EXIT_BAD_INPUT, EXIT_FITS, EXIT_NO_ANSWER, EXIT_NO_FIT, 
 from tests.helpers import free_port
 
 DATA = Path(__file__).resolve().parent / "data"
-QWEN3 = DATA / "qwen3-0.6b.json"  # Qwen/Qwen3-0.6B's config.json, read as a file (--config) or from a local HF cache under another id
+QWEN3 = (
+    DATA / "qwen3-0.6b.json"
+)  # Qwen/Qwen3-0.6B's config.json, read as a file (--config) or from a local HF cache under another id
 BASE = ["--micro-batch", "1", "--seq-len", "512"]
 
 
@@ -100,8 +102,9 @@ def test_table_marks_the_chosen_k_and_explain_draws_the_curve(run):
 
 def test_nothing_fits_exits_3_with_alternatives(run, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
-    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8",
-                         "--seq-len", "4096")
+    code, out, err = run(
+        "recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8", "--seq-len", "4096"
+    )
     assert code == EXIT_NO_FIT, err
     assert "does not fit at any k" in out and "alternatives" in out
     # the curve table has no chosen-k column when no k is chosen (it stood empty on every row)
@@ -109,7 +112,7 @@ def test_nothing_fits_exits_3_with_alternatives(run, monkeypatch):
     start = [line.strip() for line in lines].index("memory over k (GiB; k = checkpointed layers)")
     assert [c.strip() for c in lines[start + 2].strip("┃").split("┃")] == ["k", "predicted", "bound+overhead", "fits"]
     end = next(i for i in range(start, len(lines)) if lines[i].startswith("└"))
-    rows = [[c.strip() for c in line.strip("│").split("│")] for line in lines[start + 4:end]]
+    rows = [[c.strip() for c in line.strip("│").split("│")] for line in lines[start + 4 : end]]
     assert [r[0] for r in rows] == ["0", "3", "6", "9", "12", "15", "18", "21", "24", "27", "28"]
     assert all(len(r) == 4 and r[3] == "no" for r in rows), rows
 
@@ -119,12 +122,23 @@ def test_alternatives_read_in_80_columns(run, monkeypatch):
     the table, so an 80-column terminal keeps the figures on one line (the cost column wrapped rows over a dozen
     lines)."""
     monkeypatch.setenv("COLUMNS", "80")
-    code, out, _ = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8",
-                       "--seq-len", "4096", "--json")
+    code, out, _ = run(
+        "recommend",
+        "--config",
+        str(QWEN3),
+        "--gpu-memory-gib",
+        "4",
+        "--micro-batch",
+        "8",
+        "--seq-len",
+        "4096",
+        "--json",
+    )
     alternatives = json.loads(out)["alternatives"]
     assert code == EXIT_NO_FIT and alternatives
-    code, out, _ = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8",
-                       "--seq-len", "4096")
+    code, out, _ = run(
+        "recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8", "--seq-len", "4096"
+    )
     lines = out.splitlines()
     assert max(len(line) for line in lines) <= 80
     start = next(i for i, line in enumerate(lines) if "alternatives" in line)
@@ -145,8 +159,18 @@ def test_wrapped_costs_and_warnings_hang_under_their_number_or_bullet(run):
     from memfit.api import Recommendation
     from service.cli import render
 
-    code, out, _ = run("recommend", "--config", str(QWEN3), "--gpu-memory-gib", "4", "--micro-batch", "8",
-                       "--seq-len", "4096", "--json")
+    code, out, _ = run(
+        "recommend",
+        "--config",
+        str(QWEN3),
+        "--gpu-memory-gib",
+        "4",
+        "--micro-batch",
+        "8",
+        "--seq-len",
+        "4096",
+        "--json",
+    )
     rec = Recommendation.model_validate(json.loads(out))
     assert code == EXIT_NO_FIT and rec.alternatives
     rec.alternatives[0].cost = "smaller GEMMs: ~15% slower steps at the same global batch, " * 2  # two lines at least
@@ -157,8 +181,8 @@ def test_wrapped_costs_and_warnings_hang_under_their_number_or_bullet(run):
 
     def item(lead: str, text: str) -> list[str]:  # the lines of one item: its first and the indented ones after it
         first = next(i for i, line in enumerate(lines) if line.startswith(lead + text[:30]))
-        rest = lines[first + 1:]
-        wrapped = rest[:next((i for i, line in enumerate(rest) if not line.startswith(" " * len(lead))), len(rest))]
+        rest = lines[first + 1 :]
+        wrapped = rest[: next((i for i, line in enumerate(rest) if not line.startswith(" " * len(lead))), len(rest))]
         assert all(line[len(lead)] != " " for line in wrapped), wrapped  # under the text, not deeper
         assert all(line == line.rstrip() for line in (lines[first], *wrapped))  # not padded to the width
         assert " ".join([lines[first].removeprefix(lead), *(x.strip() for x in wrapped)]) == text.strip()
@@ -180,30 +204,37 @@ def test_titles_fit_on_one_line_over_narrow_tables_in_80_columns(run):
     from memfit.api import Recommendation
     from service.cli import render
 
-    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "RTX-4090", "--micro-batch", "1",
-                         "--seq-len", "4096", "--json")
+    code, out, err = run(
+        "recommend", "--config", str(QWEN3), "--gpu", "RTX-4090", "--micro-batch", "1", "--seq-len", "4096", "--json"
+    )
     rec = Recommendation.model_validate(json.loads(out))
     assert code == EXIT_FITS, err
     buf = io.StringIO()
-    render(rec, explain=True, label="tests/data/qwen3-0.6b.json", console=Console(file=buf, width=80,
-                                                                                    color_system=None))
+    render(
+        rec, explain=True, label="tests/data/qwen3-0.6b.json", console=Console(file=buf, width=80, color_system=None)
+    )
     lines = [line.strip() for line in buf.getvalue().splitlines()]
     assert max(len(line) for line in lines) <= 80
-    for title in (f"memfit: tests/data/qwen3-0.6b.json — {rec.num_layers} layers (predictor {rec.model_version})",
-                  "memory over k (GiB; k = checkpointed layers)",
-                  f"breakdown at k={rec.k} (GiB, each rounded to 0.01)"):
+    for title in (
+        f"memfit: tests/data/qwen3-0.6b.json — {rec.num_layers} layers (predictor {rec.model_version})",
+        "memory over k (GiB; k = checkpointed layers)",
+        f"breakdown at k={rec.k} (GiB, each rounded to 0.01)",
+    ):
         assert title in lines, title
 
 
-@pytest.mark.parametrize("argv, flag, words", [
-    (["--headroom", "2"], "--headroom", "must be a finite number in [0, 0.9]"),
-    (["--gpu-memory-gib", "-1"], "--gpu-memory-gib", "must be a finite number in (0, 16384.0]"),
-    (["--pipeline-parallel", "2"], "--pipeline-parallel", "= 2 exceeds cluster.gpu_count=1"),
-    (["--context-parallel", "3"], "--context-parallel", "1*1*1*3 = 3 exceeds cluster.gpu_count=1"),
-    (["--data-parallel", "2"], "--data-parallel", "2*1*1*1 = 2 exceeds cluster.gpu_count=1"),
-    (["--frozen-layers", "40"], "--frozen-layers", "num_layers=28"),
-    (["--frozen-layers", "4", "--lora-rank", "8"], "--frozen-layers", "full, LoRA or frozen"),
-])
+@pytest.mark.parametrize(
+    "argv, flag, words",
+    [
+        (["--headroom", "2"], "--headroom", "must be a finite number in [0, 0.9]"),
+        (["--gpu-memory-gib", "-1"], "--gpu-memory-gib", "must be a finite number in (0, 16384.0]"),
+        (["--pipeline-parallel", "2"], "--pipeline-parallel", "= 2 exceeds cluster.gpu_count=1"),
+        (["--context-parallel", "3"], "--context-parallel", "1*1*1*3 = 3 exceeds cluster.gpu_count=1"),
+        (["--data-parallel", "2"], "--data-parallel", "2*1*1*1 = 2 exceeds cluster.gpu_count=1"),
+        (["--frozen-layers", "40"], "--frozen-layers", "num_layers=28"),
+        (["--frozen-layers", "4", "--lora-rank", "8"], "--frozen-layers", "full, LoRA or frozen"),
+    ],
+)
 def test_out_of_range_values_name_the_flag_not_a_pydantic_dump(run, argv, flag, words):
     gpu = [] if "--gpu-memory-gib" in argv else ["--gpu", "L4"]
     code, out, err = run("recommend", "--config", str(QWEN3), *gpu, *BASE, *argv)
@@ -212,20 +243,35 @@ def test_out_of_range_values_name_the_flag_not_a_pydantic_dump(run, argv, flag, 
     assert "validation error for" not in err and "pydantic" not in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--micro-batch", "-2"], "--micro-batch (training.micro_batch_size): must be an integer in [1, 16384] (got -2)"),
-    (["--micro-batch", "0"], "--micro-batch (training.micro_batch_size): must be an integer in [1, 16384] (got 0)"),
-    (["--seq-len", "-512"], "--seq-len (training.seq_len): must be an integer in [1, 4194304] (got -512)"),
-    (["--gpus", "0"], "--gpus (cluster.gpu_count): must be an integer in [1, 131072] (got 0)"),
-    (["--gpus-per-node", "-8"], "--gpus-per-node (cluster.gpus_per_node): must be an integer in [1, 1024] (got -8)"),
-    (["--tensor-parallel", "0"], ("--tensor-parallel (training.tensor_parallel_size): must be an integer in "
-                                 "[1, 1024] (got 0)")),
-    (["--lora-rank", "-16"], "--lora-rank (training.lora_rank): must be an integer in [1, 4096] (got -16)"),
-    (["--grad-accum", "0"], ("--grad-accum (training.gradient_accumulation_steps): must be an integer in "
-                            "[1, 65536] (got 0)")),
-    (["--moe-imbalance", "-1"], ("--moe-imbalance (training.moe_imbalance_factor): must be a finite number in "
-                                "[1.0, 4096.0] (got -1.0)")),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["--micro-batch", "-2"],
+            "--micro-batch (training.micro_batch_size): must be an integer in [1, 16384] (got -2)",
+        ),
+        (["--micro-batch", "0"], "--micro-batch (training.micro_batch_size): must be an integer in [1, 16384] (got 0)"),
+        (["--seq-len", "-512"], "--seq-len (training.seq_len): must be an integer in [1, 4194304] (got -512)"),
+        (["--gpus", "0"], "--gpus (cluster.gpu_count): must be an integer in [1, 131072] (got 0)"),
+        (
+            ["--gpus-per-node", "-8"],
+            "--gpus-per-node (cluster.gpus_per_node): must be an integer in [1, 1024] (got -8)",
+        ),
+        (
+            ["--tensor-parallel", "0"],
+            ("--tensor-parallel (training.tensor_parallel_size): must be an integer in [1, 1024] (got 0)"),
+        ),
+        (["--lora-rank", "-16"], "--lora-rank (training.lora_rank): must be an integer in [1, 4096] (got -16)"),
+        (
+            ["--grad-accum", "0"],
+            ("--grad-accum (training.gradient_accumulation_steps): must be an integer in [1, 65536] (got 0)"),
+        ),
+        (
+            ["--moe-imbalance", "-1"],
+            ("--moe-imbalance (training.moe_imbalance_factor): must be a finite number in [1.0, 4096.0] (got -1.0)"),
+        ),
+    ],
+)
 def test_negative_and_zero_numbers_name_the_flag_field_and_range(run, argv, expected):
     # `--micro-batch -2` was argparse's "argument --micro-batch: -2 must be >= 1": no field, no upper bound, and
     # worded unlike every other value out of range; the range is the request schema's, checked with the request
@@ -240,8 +286,10 @@ def test_a_non_positive_timeout_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit) as info:
         main(["recommend", "--model", "gpt2", "--gpu", "L4", *BASE, "--url", "http://127.0.0.1:9", "--timeout-s", "0"])
     assert info.value.code == EXIT_BAD_INPUT
-    assert capsys.readouterr().err == ("memfit recommend: error: argument --timeout-s: must be a finite number of "
-                                       "seconds > 0 (got 0)\nsee `memfit recommend --help`\n")
+    assert capsys.readouterr().err == (
+        "memfit recommend: error: argument --timeout-s: must be a finite number of "
+        "seconds > 0 (got 0)\nsee `memfit recommend --help`\n"
+    )
 
 
 @pytest.mark.parametrize("value", ["2", "-0.1"])
@@ -250,62 +298,116 @@ def test_a_value_beyond_either_bound_is_told_the_whole_range(run, value):
     # request schema's (headroom_fraction: ge=0, le=0.9), worded as the service's 422 words it
     code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "L4", *BASE, "--headroom", value)
     assert code == EXIT_BAD_INPUT and out == ""
-    assert err == (f"memfit: error: --headroom (headroom_fraction): must be a finite number in [0, 0.9] "
-                   f"(got {float(value)})\n")
+    assert err == (
+        f"memfit: error: --headroom (headroom_fraction): must be a finite number in [0, 0.9] (got {float(value)})\n"
+    )
 
 
 def test_a_check_that_words_its_allowed_values_is_not_given_them_twice(run):
     # the request schema's own check names the allowed shardings in its message; the CLI (as the service's 422
     # detail) shows it as it is, without "(allowed: one of ['zero3', 'fsdp_full_shard'] ...)" after it
-    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "L4", "--gpus", "2", *BASE, "--zero", "1",
-                         "--offload-parameters", "cpu", "--offload-optimizer", "cpu")
+    code, out, err = run(
+        "recommend",
+        "--config",
+        str(QWEN3),
+        "--gpu",
+        "L4",
+        "--gpus",
+        "2",
+        *BASE,
+        "--zero",
+        "1",
+        "--offload-parameters",
+        "cpu",
+        "--offload-optimizer",
+        "cpu",
+    )
     assert code == EXIT_BAD_INPUT and out == ""
-    assert err == ("memfit: error: --zero/--sharding (training.sharding): offload_parameters='cpu' needs sharding in "
-                   "['zero3', 'fsdp_full_shard'] (or 'none' with data_parallel_size=1), got 'zero1'\n")
+    assert err == (
+        "memfit: error: --zero/--sharding (training.sharding): offload_parameters='cpu' needs sharding in "
+        "['zero3', 'fsdp_full_shard'] (or 'none' with data_parallel_size=1), got 'zero1'\n"
+    )
 
 
 def test_parallel_sizes_beyond_the_cluster_name_flag_field_and_allowed_range(run):
     # a new user's `--tensor-parallel 16` on 8 GPUs printed "... = 16 exceeds cluster.gpu_count=8" without the
     # allowed range that the service's 422 carries for the same request (service.errors.with_allowed words both)
-    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "H100-80GB", "--gpus", "8", *BASE,
-                         "--tensor-parallel", "16")
+    code, out, err = run(
+        "recommend", "--config", str(QWEN3), "--gpu", "H100-80GB", "--gpus", "8", *BASE, "--tensor-parallel", "16"
+    )
     assert code == EXIT_BAD_INPUT and out == ""
     # the rule was said twice: "... exceeds cluster.gpu_count=8 (allowed: such that data*tensor*pipeline*context
     # parallel size <= cluster.gpu_count=8)"; the allowed range is now the flag's, with the other sizes as given
-    assert err == ("memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
-                   "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: an integer in [1, 8])\n")
+    assert err == (
+        "memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
+        "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: an integer in [1, 8])\n"
+    )
 
 
 def test_a_tensor_parallel_size_the_model_cannot_split_is_refused_before_the_predictor_loads(run, tmp_path):
     # `--tensor-parallel 3` was refused after the registry, store and predictor had loaded (10 s), and it was told
     # one rule of two (the KV heads'), then the other (the query heads') on the next try. The registry given here
     # does not exist: the request's check (service.recommender.check_request) answers before it is opened
-    code, out, err = run("recommend", "--config", str(QWEN3), "--gpu", "H100-80GB", "--gpus", "4", *BASE,
-                         "--tensor-parallel", "3", "--registry", str(tmp_path / "no-registry"), registry=False)
+    code, out, err = run(
+        "recommend",
+        "--config",
+        str(QWEN3),
+        "--gpu",
+        "H100-80GB",
+        "--gpus",
+        "4",
+        *BASE,
+        "--tensor-parallel",
+        "3",
+        "--registry",
+        str(tmp_path / "no-registry"),
+        registry=False,
+    )
     assert code == EXIT_BAD_INPUT and out == ""
-    assert err == ("memfit: error: --tensor-parallel (training.tensor_parallel_size): must be one of 1, 2, 4, 8, 16 "
-                   "(a divisor of num_attention_heads=16 that divides or is a multiple of num_key_value_heads=8), "
-                   "got 3\n")
+    assert err == (
+        "memfit: error: --tensor-parallel (training.tensor_parallel_size): must be one of 1, 2, 4, 8, 16 "
+        "(a divisor of num_attention_heads=16 that divides or is a multiple of num_key_value_heads=8), "
+        "got 3\n"
+    )
     # a size the model can split passes the check and reaches the registry, which does not exist (no answer)
-    code, _, err = run("recommend", "--config", str(QWEN3), "--gpu", "H100-80GB", "--gpus", "4", *BASE,
-                       "--tensor-parallel", "4", "--registry", str(tmp_path / "no-registry"), registry=False)
+    code, _, err = run(
+        "recommend",
+        "--config",
+        str(QWEN3),
+        "--gpu",
+        "H100-80GB",
+        "--gpus",
+        "4",
+        *BASE,
+        "--tensor-parallel",
+        "4",
+        "--registry",
+        str(tmp_path / "no-registry"),
+        registry=False,
+    )
     assert code == EXIT_NO_ANSWER and "tensor" not in err, err
 
 
 def test_unreadable_configs_are_bad_input(run, tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "nomodel.json").write_text(json.dumps({"hidden_size": 64}))
-    for path, words in ((tmp_path / "bad.json", "is not a JSON file"), (tmp_path / "nomodel.json", "no 'model_type'"),
-                        (tmp_path / "missing.json", "does not exist"), (tmp_path, "has no config.json")):
+    for path, words in (
+        (tmp_path / "bad.json", "is not a JSON file"),
+        (tmp_path / "nomodel.json", "no 'model_type'"),
+        (tmp_path / "missing.json", "does not exist"),
+        (tmp_path, "has no config.json"),
+    ):
         code, _, err = run("recommend", "--config", str(path), "--gpu", "L4", *BASE)
         assert code == EXIT_BAD_INPUT and f"--config: {path}" in err and words in err, err
 
 
 def test_argparse_rejects_bad_flags_with_exit_2(capsys):
-    for argv in (["recommend", "--model", "gpt2", "--gpu", "B300", *BASE],
-                 ["recommend", "--model", "gpt2", "--gpu", "L4", "--micro-batch", "1.5", "--seq-len", "8"],
-                 ["recommend", "--model", "gpt2", "--config", "x.json", "--gpu", "L4", *BASE],
-                 ["recommend", "--model", "gpt2", *BASE]):
+    for argv in (
+        ["recommend", "--model", "gpt2", "--gpu", "B300", *BASE],
+        ["recommend", "--model", "gpt2", "--gpu", "L4", "--micro-batch", "1.5", "--seq-len", "8"],
+        ["recommend", "--model", "gpt2", "--config", "x.json", "--gpu", "L4", *BASE],
+        ["recommend", "--model", "gpt2", *BASE],
+    ):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == EXIT_BAD_INPUT
@@ -320,14 +422,18 @@ def test_unknown_gpu_and_model_names_are_told_the_close_names(run, capsys):
     with pytest.raises(SystemExit) as info:
         main(["recommend", "--model", "gpt2", "--gpu", "H100", *BASE])
     assert info.value.code == EXIT_BAD_INPUT
-    assert capsys.readouterr().err == ("memfit recommend: error: argument --gpu: unknown GPU 'H100'; close matches: "
-                                       "H100-80GB, H100-94GB, H200; all GPUs: `memfit gpus`; or give "
-                                       "--gpu-memory-gib\nsee `memfit recommend --help`\n")
+    assert capsys.readouterr().err == (
+        "memfit recommend: error: argument --gpu: unknown GPU 'H100'; close matches: "
+        "H100-80GB, H100-94GB, H200; all GPUs: `memfit gpus`; or give "
+        "--gpu-memory-gib\nsee `memfit recommend --help`\n"
+    )
     code, out, err = run("recommend", "--model", "llama3", "--gpu", "H200", *BASE)
     assert code == EXIT_BAD_INPUT and out == ""
-    assert err == ("memfit: error: --model: unknown model 'llama3'; close matches: llama-2-13b, llama-3-8b, "
-                   "llama-3-70b, tinyllama-1.1b; the catalog's names and aliases: `memfit models`; or pass --config "
-                   "PATH for a model outside the catalog\n")
+    assert err == (
+        "memfit: error: --model: unknown model 'llama3'; close matches: llama-2-13b, llama-3-8b, "
+        "llama-3-70b, tinyllama-1.1b; the catalog's names and aliases: `memfit models`; or pass --config "
+        "PATH for a model outside the catalog\n"
+    )
 
 
 def test_the_service_tells_an_unknown_gpu_its_close_names():
@@ -345,19 +451,22 @@ def test_argparse_errors_are_short_and_point_to_help(capsys):
     with pytest.raises(SystemExit) as info:
         main(["recommend", "--model", "gpt2", "--gpu", "L4", "--micro-batch", "two", "--seq-len", "8"])
     assert info.value.code == EXIT_BAD_INPUT
-    assert capsys.readouterr().err == ("memfit recommend: error: argument --micro-batch: 'two' is not an integer\n"
-                                       "see `memfit recommend --help`\n")
+    assert capsys.readouterr().err == (
+        "memfit recommend: error: argument --micro-batch: 'two' is not an integer\nsee `memfit recommend --help`\n"
+    )
     with pytest.raises(SystemExit) as info:
         main([])
     assert info.value.code == EXIT_BAD_INPUT
-    assert capsys.readouterr().err == ("memfit: error: the following arguments are required: {recommend,models,gpus}"
-                                       "\nsee `memfit --help`\n")
+    assert capsys.readouterr().err == (
+        "memfit: error: the following arguments are required: {recommend,models,gpus}\nsee `memfit --help`\n"
+    )
     # an unknown flag is the subcommand's error, pointing to that subcommand's help (it pointed to `memfit --help`)
     with pytest.raises(SystemExit) as info:
         main(["recommend", "--model", "gpt2", "--gpu", "L4", "--micro-batch", "1", "--seq-len", "8", "--bogus"])
     assert info.value.code == EXIT_BAD_INPUT
-    assert capsys.readouterr().err == ("memfit recommend: error: unrecognized arguments: --bogus\n"
-                                       "see `memfit recommend --help`\n")
+    assert capsys.readouterr().err == (
+        "memfit recommend: error: unrecognized arguments: --bogus\nsee `memfit recommend --help`\n"
+    )
 
 
 def test_help_has_text_choices_defaults_and_exit_codes(capsys):
@@ -365,10 +474,21 @@ def test_help_has_text_choices_defaults_and_exit_codes(capsys):
         main(["recommend", "--help"])
     assert info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for needle in ("--config PATH", "HF id", "(default: adamw_foreach)", ("--precision NAME training numerics; one of: "
-                   "fp32, amp_fp16, amp_bf16, bf16, bf16_fp32_master (default: bf16 for LoRA, a bf16 frozen base"),
-                   "--zero {0,1,2,3}",
-                   "(default: block)", "RTX-4090", "exit codes", "503", "3 nothing fits"):
+    for needle in (
+        "--config PATH",
+        "HF id",
+        "(default: adamw_foreach)",
+        (
+            "--precision NAME training numerics; one of: "
+            "fp32, amp_fp16, amp_bf16, bf16, bf16_fp32_master (default: bf16 for LoRA, a bf16 frozen base"
+        ),
+        "--zero {0,1,2,3}",
+        "(default: block)",
+        "RTX-4090",
+        "exit codes",
+        "503",
+        "3 nothing fits",
+    ):
         assert needle in text, needle
 
 
@@ -407,33 +527,78 @@ class _Stub(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize("status, body, code, words", [
-    (503, {"detail": "model loading"}, EXIT_NO_ANSWER, "HTTP 503"),
-    (422, {"detail": "training.seq_len=9999999 must be in [1, 4194304]"}, EXIT_BAD_INPUT, "seq_len=9999999"),
-    # the service's problem+json field list (service/errors.py): each field named by its flag, as local errors are
-    (422, {"detail": "invalid request", "errors": [
-        {"field": "training.tensor_parallel_size", "message": "must divide num_attention_heads = 12",
-         "allowed": "a divisor of 12"},
-        {"field": "cluster.gpu_count", "message": "Input should be greater than or equal to 1", "allowed": None}]},
-     EXIT_BAD_INPUT, ("--tensor-parallel (training.tensor_parallel_size): must divide num_attention_heads = 12 "
-                      "(allowed: a divisor of 12)\n--gpus (cluster.gpu_count): Input should be greater")),
-    # the service's 422 for `--tensor-parallel 16` on 8 GPUs (service.errors: InvalidConfiguration) reads as the
-    # local answer does (test_parallel_sizes_beyond_the_cluster_...): was "...): training: data*tensor*..."
-    (422, {"detail": "training: data*tensor*pipeline*context parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
-           "errors": [{"field": "training.tensor_parallel_size", "message": "training: data*tensor*pipeline*context "
-                       "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
-                       "allowed": "an integer in [1, 8]"}]},
-     EXIT_BAD_INPUT, ("memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
-                      "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: an integer in [1, 8])\n")),
-])
+@pytest.mark.parametrize(
+    "status, body, code, words",
+    [
+        (503, {"detail": "model loading"}, EXIT_NO_ANSWER, "HTTP 503"),
+        (422, {"detail": "training.seq_len=9999999 must be in [1, 4194304]"}, EXIT_BAD_INPUT, "seq_len=9999999"),
+        # the service's problem+json field list (service/errors.py): each field named by its flag, as local errors are
+        (
+            422,
+            {
+                "detail": "invalid request",
+                "errors": [
+                    {
+                        "field": "training.tensor_parallel_size",
+                        "message": "must divide num_attention_heads = 12",
+                        "allowed": "a divisor of 12",
+                    },
+                    {
+                        "field": "cluster.gpu_count",
+                        "message": "Input should be greater than or equal to 1",
+                        "allowed": None,
+                    },
+                ],
+            },
+            EXIT_BAD_INPUT,
+            (
+                "--tensor-parallel (training.tensor_parallel_size): must divide num_attention_heads = 12 "
+                "(allowed: a divisor of 12)\n--gpus (cluster.gpu_count): Input should be greater"
+            ),
+        ),
+        # the service's 422 for `--tensor-parallel 16` on 8 GPUs (service.errors: InvalidConfiguration) reads as the
+        # local answer does (test_parallel_sizes_beyond_the_cluster_...): was "...): training: data*tensor*..."
+        (
+            422,
+            {
+                "detail": "training: data*tensor*pipeline*context parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
+                "errors": [
+                    {
+                        "field": "training.tensor_parallel_size",
+                        "message": "training: data*tensor*pipeline*context "
+                        "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
+                        "allowed": "an integer in [1, 8]",
+                    }
+                ],
+            },
+            EXIT_BAD_INPUT,
+            (
+                "memfit: error: --tensor-parallel (training.tensor_parallel_size): data*tensor*pipeline*context "
+                "parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: an integer in [1, 8])\n"
+            ),
+        ),
+    ],
+)
 def test_service_answers_map_to_documented_exit_codes(capsys, status, body, code, words):
     handler = type("Handler", (_Stub,), {"status": status, "body": body})
     server = HTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        got = main(["recommend", "--model", "gpt2", "--gpu", "L4", *BASE, "--url",
-                    f"http://127.0.0.1:{server.server_port}", "--timeout-s", "5"])
+        got = main(
+            [
+                "recommend",
+                "--model",
+                "gpt2",
+                "--gpu",
+                "L4",
+                *BASE,
+                "--url",
+                f"http://127.0.0.1:{server.server_port}",
+                "--timeout-s",
+                "5",
+            ]
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -442,8 +607,20 @@ def test_service_answers_map_to_documented_exit_codes(capsys, status, body, code
 
 
 def test_unreachable_service_exits_1(capsys):
-    got = main(["recommend", "--model", "gpt2", "--gpu", "L4", *BASE, "--url", f"http://127.0.0.1:{free_port()}",
-                "--timeout-s", "2"])
+    got = main(
+        [
+            "recommend",
+            "--model",
+            "gpt2",
+            "--gpu",
+            "L4",
+            *BASE,
+            "--url",
+            f"http://127.0.0.1:{free_port()}",
+            "--timeout-s",
+            "2",
+        ]
+    )
     assert got == EXIT_NO_ANSWER
     assert "no answer" in capsys.readouterr().err
 
@@ -468,19 +645,45 @@ def test_layer_ranges():
 
 
 def test_offload_flags_show_host_memory(run):
-    code, out, err = run("recommend", "--model", "llama-3-8b", "--gpu", "A100-80GB", "--micro-batch", "1",
-                         "--seq-len", "128", "--precision", "bf16_fp32_master", "--offload-optimizer", "cpu")
+    code, out, err = run(
+        "recommend",
+        "--model",
+        "llama-3-8b",
+        "--gpu",
+        "A100-80GB",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "128",
+        "--precision",
+        "bf16_fp32_master",
+        "--offload-optimizer",
+        "cpu",
+    )
     assert code == 0, err
     assert "host memory per node (offload)" in out and "179.49 GiB" in out  # 8.03e9 x 16 B x 1.5
-    code, out, err = run("recommend", "--model", "llama-3-8b", "--gpu", "A100-80GB", "--micro-batch", "1",
-                         "--seq-len", "128", "--offload-parameters", "cpu")
+    code, out, err = run(
+        "recommend",
+        "--model",
+        "llama-3-8b",
+        "--gpu",
+        "A100-80GB",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "128",
+        "--offload-parameters",
+        "cpu",
+    )
     assert code == 2 and "offload_optimizer='cpu'" in err
 
 
 def test_parameters_per_gpu_says_what_zero3_stores(run, monkeypatch):
     # a new user read "parameters per GPU 8.030 B" under ZeRO-3 over 8 GPUs as the whole model on every GPU
     monkeypatch.setenv("COLUMNS", "200")
-    code, out, err = run("recommend", "--model", "llama-3-8b", "--gpu", "H100-80GB", "--gpus", "8", "--zero", "3", *BASE)
+    code, out, err = run(
+        "recommend", "--model", "llama-3-8b", "--gpu", "H100-80GB", "--gpus", "8", "--zero", "3", *BASE
+    )
     assert code == EXIT_FITS, err
     assert "1.004 B stored between uses (zero3: 1/8 each), 8.030 B gathered while in use" in out
 
@@ -496,6 +699,7 @@ def test_explain_says_where_the_gradients_are_while_they_build_up(run, monkeypat
     code, out, err = run(*argv, "--explain")
     assert "gradients (building up layer by layer: counted with activations)" in out
     assert "activations (with the gradients built so far)" in out
+
     # the parts add up to the point prediction, and the margin and the overhead lead from it to the headline's
     # "upper bound + overhead" (a new user summed the parts and the overhead, 22.14, and matched neither headline
     # figure, 19.29 and 22.23: the 0.10 GiB margin between the point and the bound was printed nowhere)
@@ -507,8 +711,10 @@ def test_explain_says_where_the_gradients_are_while_they_build_up(run, monkeypat
     assert sum(rec["breakdown"].values()) == rec["predicted_peak_bytes"]
     assert rec["upper_bound_bytes"] + rec["overhead"]["total_bytes"] == rec["total_upper_bytes"]
     assert row("predicted peak: the point prediction, the parts' sum") == f"{rec['predicted_peak_bytes'] / gib:.2f}"
-    assert row(f"+ margin to the upper bound ({margin / rec['predicted_peak_bytes']:.1%} of the point)") == \
-        f"{margin / gib:.2f}"
+    assert (
+        row(f"+ margin to the upper bound ({margin / rec['predicted_peak_bytes']:.1%} of the point)")
+        == f"{margin / gib:.2f}"
+    )
     assert margin > 0 and row("+ margin to the upper bound") != "0.00"
     assert row("+ overhead: CUDA context") == f"{rec['overhead']['total_bytes'] / gib:.2f}"
     total = row(f"= upper bound + overhead (fits when <= usable {rec['usable_bytes'] / gib:.2f})")
@@ -526,8 +732,12 @@ def test_readme_commands_parse_into_valid_requests():
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL)
-    commands = [line.split("#")[0] for block in blocks for line in block.replace("\\\n", " ").splitlines()
-                if line.startswith("memfit recommend --") and "..." not in line]
+    commands = [
+        line.split("#")[0]
+        for block in blocks
+        for line in block.replace("\\\n", " ").splitlines()
+        if line.startswith("memfit recommend --") and "..." not in line
+    ]
     assert len(commands) >= 5
     flags = set()
     for line in commands:
@@ -551,6 +761,7 @@ def test_readme_curl_bodies_are_valid_requests():
     calls = re.findall(r"curl -s -X POST http://[^/]+/(\w+) .*?-d '(.*?)'", readme, flags=re.DOTALL)
     kinds = {path: [] for path in ("recommend", "predict")}
     for path, body in calls:
-        kinds[path].append({"recommend": RecommendRequest, "predict": PredictRequest}[path].model_validate(
-            json.loads(body)))
+        kinds[path].append(
+            {"recommend": RecommendRequest, "predict": PredictRequest}[path].model_validate(json.loads(body))
+        )
     assert kinds["recommend"] and kinds["predict"] and kinds["predict"][0].items[0].k == 16

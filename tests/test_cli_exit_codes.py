@@ -9,8 +9,21 @@ import pytest
 
 from service.cli import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_NO_FIT, main
 
-QWEN_TP8 = ["recommend", "--model", "qwen2.5-72b", "--gpu", "H100-80GB", "--gpus", "8", "--tensor-parallel", "8",
-            "--micro-batch", "1", "--seq-len", "2048"]
+QWEN_TP8 = [
+    "recommend",
+    "--model",
+    "qwen2.5-72b",
+    "--gpu",
+    "H100-80GB",
+    "--gpus",
+    "8",
+    "--tensor-parallel",
+    "8",
+    "--micro-batch",
+    "1",
+    "--seq-len",
+    "2048",
+]
 
 
 @pytest.fixture()
@@ -42,8 +55,25 @@ def test_an_internal_error_exits_4_with_its_type_not_2(small_registry, capsys, m
 
 
 def test_bad_input_still_exits_2_naming_the_flag(small_registry, capsys):
-    code = main(["recommend", "--model", "qwen2.5-72b", "--gpu", "H100-80GB", "--gpus", "8", "--tensor-parallel",
-                 "16", "--micro-batch", "1", "--seq-len", "2048", "--registry", str(small_registry.root)])
+    code = main(
+        [
+            "recommend",
+            "--model",
+            "qwen2.5-72b",
+            "--gpu",
+            "H100-80GB",
+            "--gpus",
+            "8",
+            "--tensor-parallel",
+            "16",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "2048",
+            "--registry",
+            str(small_registry.root),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT and "--tensor-parallel" in err and "internal error" not in err
 

@@ -26,17 +26,27 @@ from memfit.schema import TelemetryRecord
 from tests.helpers import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parent.parent
-REQ = {"model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192},
-       "cluster": {"gpu": "H100-80GB"}}
+REQ = {"model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192}, "cluster": {"gpu": "H100-80GB"}}
 HF_REQ = {**REQ, "model": {**TINY_LLAMA, "num_hidden_layers": 6}}
 
 
 def answer(**over) -> dict:
-    base = dict(fits=True, k=2, layers=[0, 1], num_layers=32, predicted_peak_bytes=70 << 30,
-                upper_bound_bytes=72 << 30, total_upper_bytes=74 << 30, capacity_bytes=80 << 30,
-                usable_bytes=76 << 30, curve=[{"k": 0, "predicted_bytes": 1, "upper_bytes": 2, "total_upper_bytes": 3}],
-                breakdown={"parameters_bytes": 16 << 30}, overhead={"total_bytes": 1}, recompute_overhead_fraction=0.02,
-                model_version="0003")
+    base = {
+        "fits": True,
+        "k": 2,
+        "layers": [0, 1],
+        "num_layers": 32,
+        "predicted_peak_bytes": 70 << 30,
+        "upper_bound_bytes": 72 << 30,
+        "total_upper_bytes": 74 << 30,
+        "capacity_bytes": 80 << 30,
+        "usable_bytes": 76 << 30,
+        "curve": [{"k": 0, "predicted_bytes": 1, "upper_bytes": 2, "total_upper_bytes": 3}],
+        "breakdown": {"parameters_bytes": 16 << 30},
+        "overhead": {"total_bytes": 1},
+        "recompute_overhead_fraction": 0.02,
+        "model_version": "0003",
+    }
     return {**base, **over}
 
 
@@ -86,7 +96,12 @@ def test_unreachable_gives_the_fallback_with_one_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="memfit"):
         rec = mock_client(handler, retries=2).recommend(**HF_REQ)
     assert len(calls) == 3
-    assert isinstance(rec, FallbackRecommendation) and rec.model_version == "fallback" and is_fallback(rec) and rec.path == "fallback"
+    assert (
+        isinstance(rec, FallbackRecommendation)
+        and rec.model_version == "fallback"
+        and is_fallback(rec)
+        and rec.path == "fallback"
+    )
     assert rec.k == 6 and rec.layers == list(range(6)) and rec.num_layers == 6  # layer count from the HF config
     assert "checkpoint every layer" in rec.warnings[0] and "unreachable" in rec.warnings[0]
     warnings_logged = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -153,14 +168,22 @@ def llama(layers: int = 4):
 def test_describe_hf_model_with_deepspeed_config():
     model = llama()
     total = sum(p.numel() for p in model.parameters())
-    ds = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
-          "optimizer": {"type": "AdamW"}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW"},
+    }
     req = describe(model, seq_len=2048, deepspeed_config=ds, gpu="H100-80GB", gpu_count=8)
     assert req.model["model_type"] == "llama" and req.model["num_hidden_layers"] == 4
     assert req.model["hidden_size"] == 64 and "id2label" not in req.model
     t = req.training
-    assert (t.micro_batch_size, t.seq_len, t.sharding.value, t.precision.value) == (4, 2048, "zero3",
-                                                                                   "bf16_fp32_master")
+    assert (t.micro_batch_size, t.seq_len, t.sharding.value, t.precision.value) == (
+        4,
+        2048,
+        "zero3",
+        "bf16_fp32_master",
+    )
     assert t.trainable_params == total and t.finetune.value == "full" and t.optimizer.value == "adamw_foreach"
     assert req.cluster.gpu == "H100-80GB" and req.cluster.gpu_count == 8
     json.dumps(req.model_dump(mode="json"))  # the body is JSON
@@ -169,19 +192,35 @@ def test_describe_hf_model_with_deepspeed_config():
 def test_describe_from_training_arguments(tmp_path):
     from transformers import TrainingArguments
 
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, bf16=True, use_cpu=True,
-                             report_to=[], gradient_checkpointing_kwargs={"use_reentrant": True})
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=3,
+        bf16=True,
+        use_cpu=True,
+        report_to=[],
+        gradient_checkpointing_kwargs={"use_reentrant": True},
+    )
     req = describe(llama(), seq_len=512, training_args=args, gpu_memory_gib=24)
     t = req.training
     assert (t.micro_batch_size, t.precision.value, t.optimizer.value, t.checkpoint_impl.value) == (
-        3, "amp_bf16", "adamw_fused", "reentrant")
+        3,
+        "amp_bf16",
+        "adamw_fused",
+        "reentrant",
+    )
     assert req.cluster.memory_bytes == 24 << 30
     # a DeepSpeed config inside the TrainingArguments, "auto" resolved from them
-    args.deepspeed = {"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"},
-                      "zero_optimization": {"stage": 2}}
+    args.deepspeed = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 2},
+    }
     req = describe(llama(), seq_len=512, training_args=args, gpu_memory_gib=24, gpu_count=2)
     assert (req.training.micro_batch_size, req.training.precision.value, req.training.sharding.value) == (
-        3, "bf16_fp32_master", "zero2")
+        3,
+        "bf16_fp32_master",
+        "zero2",
+    )
 
 
 def test_describe_lora_and_frozen_counts():
@@ -195,8 +234,11 @@ def test_describe_lora_and_frozen_counts():
     assert req.training.trainable_params == trainable and 0 < trainable < total // 10
     assert req.model["num_hidden_layers"] == 4  # the base model's config through the PEFT wrapper
     frozen = llama()
-    for p in [*frozen.model.embed_tokens.parameters(), *frozen.model.layers[0].parameters(),
-              *frozen.model.layers[1].parameters()]:
+    for p in [
+        *frozen.model.embed_tokens.parameters(),
+        *frozen.model.layers[0].parameters(),
+        *frozen.model.layers[1].parameters(),
+    ]:
         p.requires_grad_(False)
     req = describe(frozen, micro_batch_size=1, seq_len=128, gpu="A100-80GB")
     assert req.training.finetune.value == "frozen" and req.training.frozen_layers == 2
@@ -220,19 +262,27 @@ class Plain(torch.nn.Module):
         super().__init__()
         self.tok = torch.nn.Embedding(1000, 64)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.TransformerEncoderLayer(64, 4, dim_feedforward=256, batch_first=True) for _ in range(3))
+            torch.nn.TransformerEncoderLayer(64, 4, dim_feedforward=256, batch_first=True) for _ in range(3)
+        )
 
 
 def test_describe_plain_model_detects_the_architecture():
     arch = detect_architecture(Plain())
     assert (arch.num_layers, arch.hidden_size, arch.num_attention_heads, arch.intermediate_size, arch.vocab_size) == (
-        3, 64, 4, 256, 1000)
+        3,
+        64,
+        4,
+        256,
+        1000,
+    )
     assert arch.total_params == sum(p.numel() for p in Plain().parameters())
     req = describe(Plain(), micro_batch_size=2, seq_len=64, gpu="L4")
     assert isinstance(req.model, ArchitectureIn) and req.model.num_layers == 3
     with pytest.raises(ValueError, match="could not detect num_attention_heads, intermediate_size, vocab_size"):
-        detect_architecture(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(8, 8)])),
-                            layers=torch.nn.ModuleList([torch.nn.Linear(8, 8)]))
+        detect_architecture(
+            torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(8, 8)])),
+            layers=torch.nn.ModuleList([torch.nn.Linear(8, 8)]),
+        )
 
 
 # -- reporter -------------------------------------------------------------------------------------------
@@ -265,8 +315,16 @@ def test_report_peak_sends_a_user_job_record():
     svc = FakeService()
     model = llama()
     plan = _trained_plan(model, [0, 1])
-    res = report_peak(mock_client(svc), model, plan, micro_batch_size=2, seq_len=16, gpu_memory_gib=16,
-                      peak_allocated_bytes=12_345_678, step_time_s=0.5)
+    res = report_peak(
+        mock_client(svc),
+        model,
+        plan,
+        micro_batch_size=2,
+        seq_len=16,
+        gpu_memory_gib=16,
+        peak_allocated_bytes=12_345_678,
+        step_time_s=0.5,
+    )
     assert res.status == "sent"
     rec = svc.records[res.record.record_id]
     assert rec.measurement.source.value == "user_job" and rec.measurement.method.value == "cpu_tracker"
@@ -282,8 +340,19 @@ def test_report_peak_spools_when_down_and_flush_sends_later(tmp_path, caplog):
     plan = _trained_plan(model, [1])
     down = FakeService(up=False)
     with caplog.at_level(logging.WARNING, logger="memfit"):
-        results = [report_peak(mock_client(down, retries=0), model, plan, micro_batch_size=2, seq_len=16,
-                               gpu="L4", peak_allocated_bytes=1000 + i, spool_path=spool) for i in range(2)]
+        results = [
+            report_peak(
+                mock_client(down, retries=0),
+                model,
+                plan,
+                micro_batch_size=2,
+                seq_len=16,
+                gpu="L4",
+                peak_allocated_bytes=1000 + i,
+                spool_path=spool,
+            )
+            for i in range(2)
+        ]
     assert [r.status for r in results] == ["spooled", "spooled"]
     assert len(spool.read_text().splitlines()) == 2
     assert len([r for r in caplog.records if "spooled" in r.getMessage()]) <= 1  # logged once per process
@@ -315,10 +384,19 @@ def test_reporter_callback_with_the_trainer(tmp_path):
     svc = FakeService()
     model = llama()
     plan_cb = MemfitTrainerCallback([1, 3])
-    report_cb = MemfitReporterCallback(mock_client(svc), plan_cb, steps=2, seq_len=32, gpu="L4",
-                                       peak_fn=lambda: 7_654_321)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True,
-                             report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    report_cb = MemfitReporterCallback(
+        mock_client(svc), plan_cb, steps=2, seq_len=32, gpu="L4", peak_fn=lambda: 7_654_321
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
     with quiet_transformers():
         Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=[plan_cb, report_cb]).train()
     assert report_cb.result.status == "sent" and len(svc.records) == 1  # once, after step 2
@@ -331,8 +409,14 @@ def test_reporter_callback_with_the_trainer(tmp_path):
 # -- examples -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("script, k", [("hf_trainer.py", 2), ("fsdp2.py", 2), ("deepspeed_style.py", 3)])
 def test_examples_run_on_cpu(script, k):
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--k", str(k)], capture_output=True,
-                         text=True, timeout=300, cwd=ROOT, check=False)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--k", str(k)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"applied plan: k={k}" in out.stdout and "verified=True" in out.stdout, out.stdout
     assert "warn" not in (out.stdout + out.stderr).lower(), out.stderr[-3000:]  # e.g. FSDP2's view-output warning

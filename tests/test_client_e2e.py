@@ -22,15 +22,23 @@ import pytest
 import torch
 
 import memfit
-from tests.helpers import HTTP_TIMEOUT_S, free_port, running_service
 from memfit.hf import decoder_layers, quiet_transformers
 from memfit.reporter import report_peak
+from tests.helpers import HTTP_TIMEOUT_S, free_port, running_service
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "data" / "telemetry" / "telemetry.parquet"
-LLAMA = {"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 128, "intermediate_size": 256,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256,
-         "tie_word_embeddings": False}
+LLAMA = {
+    "model_type": "llama",
+    "num_hidden_layers": 6,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
 MICRO_BATCH, SEQ = 2, 128
 TOKEN = "e2e-token"
 
@@ -77,8 +85,14 @@ def train(model, steps: int = 2, tracker=None) -> list[dict]:
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out.append({"loss": loss.detach(), "grads": grads, "seconds": time.perf_counter() - t0,
-                    "params": {n: p.detach().clone() for n, p in model.named_parameters()}})
+        out.append(
+            {
+                "loss": loss.detach(),
+                "grads": grads,
+                "seconds": time.perf_counter() - t0,
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            }
+        )
         del loss
     return out
 
@@ -105,14 +119,19 @@ def _synthetic_parquet(path: Path) -> Path:
     recs = []
     for name in ("gpt-neo-125m", "qwen2.5-0.5b", "tinyllama-1.1b"):
         spec = catalog.spec(name)
-        for fam in (dict(micro_batch_size=1, seq_len=256), dict(micro_batch_size=2, seq_len=512)):
+        for fam in ({"micro_batch_size": 1, "seq_len": 256}, {"micro_batch_size": 2, "seq_len": 512}):
             for k in sorted({0, spec.num_layers // 4, spec.num_layers // 2, spec.num_layers}):
                 training = TrainingConfig(**fam, checkpoint_layers=list(range(k)))
                 peak = analytic_estimate(spec, training).peak_bytes * (1.08 - 0.05 * k / spec.num_layers)
-                recs.append(TelemetryRecord(
-                    record_id=f"e2e-syn-{name}-{fam['seq_len']}-{k}", model=spec, training=training,
-                    cluster=ClusterSpec(device_name="synthetic", device_memory_bytes=80 * GIB),
-                    measurement=Measurement(peak_allocated_bytes=int(peak), method="fake_tracker")))
+                recs.append(
+                    TelemetryRecord(
+                        record_id=f"e2e-syn-{name}-{fam['seq_len']}-{k}",
+                        model=spec,
+                        training=training,
+                        cluster=ClusterSpec(device_name="synthetic", device_memory_bytes=80 * GIB),
+                        measurement=Measurement(peak_allocated_bytes=int(peak), method="fake_tracker"),
+                    )
+                )
     store = TelemetryStore(f"sqlite:///{path.with_suffix('.db')}")
     assert not store.add(recs).rejected
     store.export(path)
@@ -123,13 +142,14 @@ def _retrain_cli_usable() -> str | None:
     """None when training.retrain has the CLI this test drives, else why not."""
     try:
         from training import retrain
-    except Exception as err:  # another engineer's work in progress
+    except Exception as err:  # noqa: BLE001 - another engineer's work in progress
         return f"training.retrain does not import: {type(err).__name__}: {err}"
     if not callable(getattr(retrain, "main", None)):
         return "training.retrain has no main()"
     help_text = retrain._parser().format_help() if hasattr(retrain, "_parser") else ""
-    missing = [f for f in ("--db", "--files", "--registry", "--n-estimators", "--params", "--min-rows")
-               if f not in help_text]
+    missing = [
+        f for f in ("--db", "--files", "--registry", "--n-estimators", "--params", "--min-rows") if f not in help_text
+    ]
     return f"training.retrain CLI lacks {missing}" if missing else None
 
 
@@ -141,14 +161,19 @@ def test_recommend_apply_train_report_retrain(service):
     reference = copy.deepcopy(model)  # same weights, no checkpointing
 
     # 1. the curve at a huge capacity, then a capacity that forces 0 < k < L
-    probe = client.recommend(memfit.describe(model, micro_batch_size=MICRO_BATCH, seq_len=SEQ,
-                                             gpu_memory_bytes=1 << 40, headroom_fraction=0.0))
+    probe = client.recommend(
+        memfit.describe(
+            model, micro_batch_size=MICRO_BATCH, seq_len=SEQ, gpu_memory_bytes=1 << 40, headroom_fraction=0.0
+        )
+    )
     assert probe.num_layers == L and len(probe.curve) == L + 1 and probe.k == 0
     k_expected, capacity = capacity_forcing_middle_k(probe.curve, L)
-    request = memfit.describe(model, micro_batch_size=MICRO_BATCH, seq_len=SEQ, gpu_memory_bytes=capacity,
-                              headroom_fraction=0.0)
+    request = memfit.describe(
+        model, micro_batch_size=MICRO_BATCH, seq_len=SEQ, gpu_memory_bytes=capacity, headroom_fraction=0.0
+    )
     assert request.training.precision.value == "fp32" and request.training.trainable_params == sum(
-        p.numel() for p in model.parameters())
+        p.numel() for p in model.parameters()
+    )
     rec = client.recommend(request)
     assert not memfit.is_fallback(rec) and rec.fits
     assert rec.k == k_expected and 0 < rec.k < L and rec.layers == list(range(rec.k))
@@ -172,8 +197,15 @@ def test_recommend_apply_train_report_retrain(service):
     assert 0 < peak < peak_ref  # checkpointing k layers really lowered the measured peak
 
     # 4. report the measured peak; it lands in the service's store
-    result = report_peak(client, model, plan, request=request, peak_allocated_bytes=peak,
-                         step_time_s=min(s["seconds"] for s in steps), spool_path=service["tmp"] / "spool.jsonl")
+    result = report_peak(
+        client,
+        model,
+        plan,
+        request=request,
+        peak_allocated_bytes=peak,
+        step_time_s=min(s["seconds"] for s in steps),
+        spool_path=service["tmp"] / "spool.jsonl",
+    )
     assert result.status == "sent", result.detail
     from data.store import TelemetryStore
 
@@ -193,17 +225,41 @@ def test_recommend_apply_train_report_retrain(service):
     syn = _synthetic_parquet(service["tmp"] / "synthetic.parquet")
     shipped = shutil.copy(SHIPPED, service["tmp"] / "shipped.parquet")  # the collector may be rewriting it
     proc = subprocess.run(
-        [sys.executable, "-m", "training.retrain", "--db", service["db_url"], "--files", str(shipped), str(syn),
-         "--registry", str(service["registry"]), "--n-estimators", "80", "--params", '{"n_jobs": 1}',
-         "--min-rows", "20", "--quiet", "--no-coefficients"], check=False, cwd=ROOT, capture_output=True, text=True,
-        timeout=500)
+        [
+            sys.executable,
+            "-m",
+            "training.retrain",
+            "--db",
+            service["db_url"],
+            "--files",
+            str(shipped),
+            str(syn),
+            "--registry",
+            str(service["registry"]),
+            "--n-estimators",
+            "80",
+            "--params",
+            '{"n_jobs": 1}',
+            "--min-rows",
+            "20",
+            "--quiet",
+            "--no-coefficients",
+        ],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert lines, proc.stderr[-3000:]
     summary = json.loads(lines[-1])
     # promotion is gated on the held-out rows (tests/test_retrain.py tests that rule); when the gate keeps
     # the fixture model, an operator promotes the registered version, which the service must pick up
-    assert proc.returncode in (0, 3) and summary["status"] in ("promoted", "not_promoted"), (summary,
-                                                                                            proc.stderr[-3000:])
+    assert proc.returncode in (0, 3) and summary["status"] in ("promoted", "not_promoted"), (
+        summary,
+        proc.stderr[-3000:],
+    )
     if summary["status"] == "not_promoted":
         from model.registry import Registry
 

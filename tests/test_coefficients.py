@@ -117,16 +117,18 @@ def test_leave_architecture_out_accuracy_on_measured_rows(held_out_model):
 
 def test_artifacts_round_trip(tmp_path, entries):
     """LightGBM text boosters + JSON metadata (no pickle); the loaded model predicts the same coefficients."""
-    m = CoefficientModel(n_estimators=30).fit([e for e in entries if e["model_name"] in ("gpt2", "opt-125m",
-                                                                                           "pythia-160m", "llama-3.2-1b")])
+    m = CoefficientModel(n_estimators=30).fit(
+        [e for e in entries if e["model_name"] in ("gpt2", "opt-125m", "pythia-160m", "llama-3.2-1b")]
+    )
     path = m.save(tmp_path)
     meta = json.loads(path.read_text())
     assert meta["format"] == FORMAT and len(meta["targets"]) == len(TARGETS)
     assert {p.suffix for p in tmp_path.iterdir()} == {".json", ".txt"}
     # one booster per objective and learned target: the first objective's under the name a one-objective model used
     assert meta["params"]["objectives"] == ["l1", "huber"]
-    assert {p.name for p in tmp_path.glob("coef_*.txt")} == {f"coef_{j}{s}.txt" for j in meta["boosters"]
-                                                           for s in ("", "_huber")}
+    assert {p.name for p in tmp_path.glob("coef_*.txt")} == {
+        f"coef_{j}{s}.txt" for j in meta["boosters"] for s in ("", "_huber")
+    }
     loaded = CoefficientModel.load(tmp_path)
     assert m.shared_ and loaded.shared_ == m.shared_  # the four share amp_bf16 / foreach AdamW, unsharded
     spec = catalog.spec("qwen2.5-0.5b")
@@ -147,7 +149,8 @@ def test_one_objective_artifacts_still_load(tmp_path, entries):
     # written before session 11 ("objective": "l1", one coef_<j>.txt per target): loaded as a one-objective model that
     # predicts what it predicted
     m = CoefficientModel(n_estimators=20, objectives=("l1",)).fit(
-        [e for e in entries if e["model_name"] in ("gpt2", "opt-125m", "llama-3.2-1b")])
+        [e for e in entries if e["model_name"] in ("gpt2", "opt-125m", "llama-3.2-1b")]
+    )
     path = m.save(tmp_path)
     meta = json.loads(path.read_text())
     meta["params"]["objective"] = meta["params"].pop("objectives")[0]
@@ -178,12 +181,16 @@ def test_learned_curve_invariants(held_out_model):
         name = rng.choice(names)
         spec: ModelSpec = catalog.spec(name)
         hf = catalog.get(name)["hf_config"]
-        base = {"precision": rng.choice(["amp_bf16", "bf16", "fp32", "bf16_fp32_master", "amp_fp16"]),
-                "optimizer": rng.choice(["adamw_fused", "adamw_foreach", "sgd_momentum", "adafactor"]),
-                "attention": rng.choice(["sdpa", "eager"])}
+        base = {
+            "precision": rng.choice(["amp_bf16", "bf16", "fp32", "bf16_fp32_master", "amp_fp16"]),
+            "optimizer": rng.choice(["adamw_fused", "adamw_foreach", "sgd_momentum", "adafactor"]),
+            "attention": rng.choice(["sdpa", "eager"]),
+        }
         b, s = rng.choice([1, 2, 4]), rng.choice([512, 1024, 2048])
-        curves = [predictor.curve(spec, TrainingConfig(micro_batch_size=mb, seq_len=sl, **base), hf)
-                  for mb, sl in ((b, s), (2 * b, s), (b, 2 * s))]
+        curves = [
+            predictor.curve(spec, TrainingConfig(micro_batch_size=mb, seq_len=sl, **base), hf)
+            for mb, sl in ((b, s), (2 * b, s), (b, 2 * s))
+        ]
         c = curves[0]
         if not held_out_model.covers(spec, TrainingConfig(micro_batch_size=b, seq_len=s, **base), hf):
             continue
@@ -229,8 +236,12 @@ def test_scales_make_targets_order_one_across_precision_and_sharding(scaled_targ
     by_precision: dict[str, list[float]] = {}
     sharded_emb = []
     for spec, training, y in scaled_targets:
-        if training.sharding.value == "none" and training.finetune.value == "full" and \
-                training.tensor_parallel_size == 1 and spec.num_experts is None:
+        if (
+            training.sharding.value == "none"
+            and training.finetune.value == "full"
+            and training.tensor_parallel_size == 1
+            and spec.num_experts is None
+        ):
             by_precision.setdefault(training.precision.value, []).append(y[head])
         if training.sharding.value != "none":
             sharded_emb.append(y[emb])
@@ -255,8 +266,11 @@ def test_eager_score_and_moe_scales_make_targets_order_one(scaled_targets):
         if spec.num_experts:
             moe.append(y[token])
         # GPT-2, GPT-Neo, OPT and BLOOM compute their eager scores their own way (dropout, fp32 scores)
-        if training.attention.value == "eager" and training.tensor_parallel_size == 1 and \
-                spec.architecture not in ("gpt2", "gpt_neo", "opt", "bloom"):
+        if (
+            training.attention.value == "eager"
+            and training.tensor_parallel_size == 1
+            and spec.architecture not in ("gpt2", "gpt_neo", "opt", "bloom")
+        ):
             by_bytes.setdefault(4 if training.precision.value == "fp32" else 2, []).append(y[score])
     medians = {a: float(np.median(v)) for a, v in by_bytes.items()}
     assert set(medians) == {2, 4} and all(0.95 < m < 1.05 for m in medians.values()), medians
@@ -323,8 +337,12 @@ def test_expert_parallel_constants_are_scaled_by_the_rank_experts(entries, scale
     keys = [TARGETS.index((p, q, "1")) for p in ("rest", "opt") for q in ("f0", "dF")]
     by_model: dict[str, dict[int, np.ndarray]] = {}
     for e, (spec, training, y) in zip(entries, scaled_targets):
-        if spec.num_experts and training.precision.value == "bf16" and training.sharding.value == "none" \
-                and training.finetune.value == "full":
+        if (
+            spec.num_experts
+            and training.precision.value == "bf16"
+            and training.sharding.value == "none"
+            and training.finetune.value == "full"
+        ):
             by_model.setdefault(e["model_name"], {})[training.expert_parallel_size] = y[keys]
     paired = {name: v for name, v in by_model.items() if 4 in v and 1 in v}
     assert len(paired) == 4, sorted(by_model)
@@ -334,8 +352,8 @@ def test_expert_parallel_constants_are_scaled_by_the_rank_experts(entries, scale
     spec, training, hf = entry_configuration(_entry(entries, "mixtral-reduced", expert_parallel_size=4))
     local = rank_hf_config(hf, training)
     assert local["num_local_experts"] * 4 == hf["num_local_experts"]
-    one, layer = small_model_states(spec, training, hf)
-    whole_one, whole_layer = small_model_states(spec, training.model_copy(update={"expert_parallel_size": 1}), hf)
+    _one, layer = small_model_states(spec, training, hf)
+    _whole_one, whole_layer = small_model_states(spec, training.model_copy(update={"expert_parallel_size": 1}), hf)
     assert 2.5 < whole_layer / layer < 4.0  # mostly experts: a quarter of them per rank
     # experts that do not split over the ranks: the formula split of expert_parallel_rank_spec, not every expert
     assert rank_hf_config(hf, training.model_copy(update={"expert_parallel_size": 3})) is None

@@ -36,8 +36,15 @@ def tiny(name: str, layers: int = 2, **over) -> dict:
     if cfg["model_type"] == "gpt2":
         cfg.update(n_layer=layers, n_embd=64, n_head=4, vocab_size=256, n_positions=1024, n_ctx=1024)
     else:
-        cfg.update(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, vocab_size=256)
+        cfg.update(
+            num_hidden_layers=layers,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=256,
+        )
     cfg.update(over)
     return cfg
 
@@ -67,12 +74,20 @@ PRIME_CASES = [
     pytest.param(GPT2, cfg_(precision="fp32", optimizer="adafactor"), 0, id="gpt2-adafactor"),
     pytest.param(LLAMA, cfg_(precision="fp32", optimizer="adafactor"), 0, id="llama-adafactor"),
     pytest.param(LLAMA, cfg_(precision="fp32", optimizer="sgd_momentum"), 0, id="llama-sgd_momentum"),
-    pytest.param(LLAMA, cfg_(precision="amp_bf16", sharding="fsdp_full_shard", data_parallel_size=2), 0,
-                 id="llama-fsdp_full_shard-dp2"),
+    pytest.param(
+        LLAMA,
+        cfg_(precision="amp_bf16", sharding="fsdp_full_shard", data_parallel_size=2),
+        0,
+        id="llama-fsdp_full_shard-dp2",
+    ),
     pytest.param(GPT2, cfg_(precision="fp32", sharding="zero1", data_parallel_size=2), 0, id="gpt2-zero1-dp2"),
     # Fused AdamW + LoRA: the primed run's step counters differ by a few tiny tensors (observed 1024 B).
-    pytest.param(LLAMA, cfg_(precision="amp_bf16", optimizer="adamw_fused", finetune="lora", lora_rank=4), 4096,
-                 id="llama-lora-adamw_fused"),
+    pytest.param(
+        LLAMA,
+        cfg_(precision="amp_bf16", optimizer="adamw_fused", finetune="lora", lora_rank=4),
+        4096,
+        id="llama-lora-adamw_fused",
+    ),
 ]
 
 
@@ -82,7 +97,9 @@ def test_primed_single_step_equals_two_unprimed_steps(hf, training, tol):
     unprimed = next(measure_family(hf, training, [[]], steps=2, prime=False)).measurement
     assert primed.peak_allocated_bytes > 500_000
     assert abs(primed.peak_allocated_bytes - unprimed.peak_allocated_bytes) <= tol, (
-        primed.peak_allocated_bytes, unprimed.peak_allocated_bytes)
+        primed.peak_allocated_bytes,
+        unprimed.peak_allocated_bytes,
+    )
     assert primed.peak_phase is unprimed.peak_phase
     # Priming creates the optimizer states before the peak window: they are in the primed run's baseline.
     if training.optimizer.value.startswith("adamw") or training.optimizer.value == "sgd_momentum":
@@ -127,7 +144,9 @@ def test_lora_counts_and_lower_peak_than_full():
     assert lora.model.total_params == LLAMA_TOTAL + adapters
     assert lora.model.trainable_params < lora.model.total_params / 40
     assert lora.measurement.peak_allocated_bytes < 0.75 * full.measurement.peak_allocated_bytes, (
-        lora.measurement.peak_allocated_bytes, full.measurement.peak_allocated_bytes)  # observed 0.53
+        lora.measurement.peak_allocated_bytes,
+        full.measurement.peak_allocated_bytes,
+    )  # observed 0.53
 
 
 def test_frozen_counts_and_lower_peak_than_full():
@@ -146,8 +165,9 @@ def test_frozen_counts_and_lower_peak_than_full():
 # 4. The record validates and round-trips through to_row / from_row
 # ------------------------------------------------------------------------------------------------
 def test_record_valid_and_round_trips():
-    training = cfg_(precision="fp32", finetune="lora", lora_rank=2, lora_target_modules=["q_proj", "o_proj"],
-                    checkpoint_layers=[1])
+    training = cfg_(
+        precision="fp32", finetune="lora", lora_rank=2, lora_target_modules=["q_proj", "o_proj"], checkpoint_layers=[1]
+    )
     rec = measure(LLAMA, training, model_name="llama-3.2-1b")
     assert isinstance(rec, TelemetryRecord)
     m = rec.measurement
@@ -173,9 +193,11 @@ def test_record_valid_and_round_trips():
 def test_memory_after_init_hand_computed():
     """fp32 tiny Llama before the first step: weights, the two RoPE buffers and the input ids."""
     rec = measure(LLAMA, cfg_(precision="fp32"))
-    weights = (r512(LLAMA_EMBED * 4)  # 65536 (tied lm_head shares it)
-               + 2 * (2 * r512(64 * 64 * 4) + 2 * r512(64 * 32 * 4) + 3 * r512(64 * 128 * 4) + 2 * r512(64 * 4))
-               + r512(64 * 4))  # final norm: 256 B -> 512
+    weights = (
+        r512(LLAMA_EMBED * 4)  # 65536 (tied lm_head shares it)
+        + 2 * (2 * r512(64 * 64 * 4) + 2 * r512(64 * 32 * 4) + 3 * r512(64 * 128 * 4) + 2 * r512(64 * 4))
+        + r512(64 * 4)
+    )  # final norm: 256 B -> 512
     rope = 2 * r512(8 * 4)  # inv_freq and original_inv_freq: head_dim/2 = 8 floats each -> 512
     ids = r512(2 * 32 * 8)  # int64 2x32 = 512
     assert rec.measurement.memory_after_init_bytes == weights + rope + ids == 364544
@@ -199,12 +221,15 @@ def _fake_and_cpu(hf, training):
     return fake.measurement, cpu.measurement
 
 
-@pytest.mark.parametrize("hf, ckpt", [
-    pytest.param(LLAMA, [], id="llama"),
-    pytest.param(LLAMA, [1], id="llama-ckpt-1"),
-    # attention dropout 0: with dropout > 0 CPU SDPA (real and fake alike) takes the math path, CUDA does not
-    pytest.param({**GPT2, "attn_pdrop": 0.0}, [], id="gpt2-no-attn-dropout"),
-])
+@pytest.mark.parametrize(
+    "hf, ckpt",
+    [
+        pytest.param(LLAMA, [], id="llama"),
+        pytest.param(LLAMA, [1], id="llama-ckpt-1"),
+        # attention dropout 0: with dropout > 0 CPU SDPA (real and fake alike) takes the math path, CUDA does not
+        pytest.param({**GPT2, "attn_pdrop": 0.0}, [], id="gpt2-no-attn-dropout"),
+    ],
+)
 def test_cpu_measurement_matches_fake(hf, ckpt):
     """Same kernels on both sides: the tracker over fake tensors counts what it counts over real ones.
     Observed: identical to the byte in all three cases."""

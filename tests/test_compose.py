@@ -15,16 +15,26 @@ from training.terms import hf_config_of
 
 
 def _entries() -> list[dict]:
-    return [json.loads(line) for path in sorted(SHIPPED_DIR.glob("*.jsonl"))
-            for line in path.read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line)
+        for path in sorted(SHIPPED_DIR.glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
 
 
 ENTRIES = _entries()
 
 
 def _opt13b_zero3_lora64() -> dict:
-    (entry,) = [e for e in ENTRIES if e["model_name"] == "opt-1.3b" and e["training"]["sharding"] == "zero3"
-                and e["training"]["precision"] == "fp32" and e["training"].get("lora_rank") == 64]
+    (entry,) = [
+        e
+        for e in ENTRIES
+        if e["model_name"] == "opt-1.3b"
+        and e["training"]["sharding"] == "zero3"
+        and e["training"]["precision"] == "fp32"
+        and e["training"].get("lora_rank") == 64
+    ]
     return entry
 
 
@@ -53,8 +63,14 @@ def test_envelope_is_the_max_over_smaller_token_counts():
     e = _opt13b_zero3_lora64()
     t, L = e["terms"], catalog.spec("opt-1.3b").num_layers
     b, s = 9, 300
-    brute = np.max([compose(t["coef"], L, bb, ss, _depths(t), monotone=False).phase_bytes
-                    for bb in range(1, b + 1) for ss in range(1, s + 1)], axis=0)
+    brute = np.max(
+        [
+            compose(t["coef"], L, bb, ss, _depths(t), monotone=False).phase_bytes
+            for bb in range(1, b + 1)
+            for ss in range(1, s + 1)
+        ],
+        axis=0,
+    )
     env = compose(t["coef"], L, b, s, _depths(t)).phase_bytes
     assert (env >= brute - 1e-3).all()
     assert np.allclose(env, brute, rtol=1e-4)
@@ -121,7 +137,9 @@ def test_traced_training_names_the_base_of_composed_configurations():
     base = traced_training(spec, zero1, hf)
     assert base.sharding is Sharding.NONE and base.data_parallel_size == 1
     # a bitsandbytes optimizer under ZeRO-1 is not composed (ZeroRedundancyOptimizer wraps torch optimizers)
-    bnb = TrainingConfig(micro_batch_size=1, seq_len=512, sharding="zero1", data_parallel_size=8, optimizer="adamw_8bit")
+    bnb = TrainingConfig(
+        micro_batch_size=1, seq_len=512, sharding="zero1", data_parallel_size=8, optimizer="adamw_8bit"
+    )
     assert traced_training(spec, bnb, hf) is None
     # GPT-2's learned position table stays trainable below the frozen layers: not composed either
     gpt2 = TrainingConfig(micro_batch_size=1, seq_len=512, finetune="frozen", frozen_layers=2)

@@ -28,8 +28,9 @@ def full_form(cfg: dict) -> dict:
 def predictor() -> MemoryPredictor:
     """The shipped model and terms, as the service answers (no tracer: nothing is traced here)."""
     loaded = Registry().load()
-    return MemoryPredictor(loaded.estimator, TermsCache(), loaded.meta.get("bound_margins"),
-                           coefficients=loaded.coefficients)
+    return MemoryPredictor(
+        loaded.estimator, TermsCache(), loaded.meta.get("bound_margins"), coefficients=loaded.coefficients
+    )
 
 
 def test_every_catalog_model_gets_one_key_and_one_curve(predictor):
@@ -62,14 +63,17 @@ def test_the_shipped_splits_are_found_under_the_canonical_key():
 
 def test_aliases_and_rope_spellings_share_a_key():
     training = TrainingConfig(micro_batch_size=1, seq_len=512)
-    assert terms_key({"model_type": "gpt2", "n_embd": 768, "n_layer": 12}, training) == \
-        terms_key({"model_type": "gpt2", "hidden_size": 768, "num_hidden_layers": 12}, training)
+    assert terms_key({"model_type": "gpt2", "n_embd": 768, "n_layer": 12}, training) == terms_key(
+        {"model_type": "gpt2", "hidden_size": 768, "num_hidden_layers": 12}, training
+    )
     llama = {"model_type": "llama", "num_hidden_layers": 16, "hidden_size": 2048}
-    assert terms_key({**llama, "rope_theta": 500000.0}, training) == \
-        terms_key({**llama, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, training)
+    assert terms_key({**llama, "rope_theta": 500000.0}, training) == terms_key(
+        {**llama, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, training
+    )
     # provenance and use_cache (taken as False: memfit.apply and transformers' checkpointing turn it off) do not count
-    assert terms_key({**llama, "use_cache": True, "_name_or_path": "x/y", "torch_dtype": "bfloat16"}, training) == \
-        terms_key(llama, training)
+    assert terms_key(
+        {**llama, "use_cache": True, "_name_or_path": "x/y", "torch_dtype": "bfloat16"}, training
+    ) == terms_key(llama, training)
 
 
 def test_dropout_keeps_the_users_value():
@@ -82,8 +86,13 @@ def test_dropout_keeps_the_users_value():
 
 
 def test_a_family_transformers_does_not_know_keeps_its_shapes():
-    cfg = {"model_type": "not_a_family", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-           "vocab_size": 32000}
+    cfg = {
+        "model_type": "not_a_family",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "vocab_size": 32000,
+    }
     canon = canonical_hf_config(cfg)
     assert canon["model_type"] == "not_a_family"
     assert canon["num_hidden_layers"] == 32  # Llama's default, kept: the config is built as Llama
@@ -107,12 +116,18 @@ def test_the_service_answers_both_forms_of_gpt2_medium_alike():
     from service.recommender import Recommender
 
     loaded = Registry().load()
-    rec = Recommender(loaded.estimator, loaded.version, margins=loaded.meta.get("bound_margins"),
-                      coefficients=loaded.coefficients)
+    rec = Recommender(
+        loaded.estimator, loaded.version, margins=loaded.meta.get("bound_margins"), coefficients=loaded.coefficients
+    )
     published = catalog.get("gpt2-medium")["hf_config"]
-    answers = [rec.predict(PredictItem.model_validate({
-        "model": cfg, "training": {"micro_batch_size": 2, "seq_len": 2048, "precision": "bf16"}, "k": 0}))
-        for cfg in (published, full_form(published))]
+    answers = [
+        rec.predict(
+            PredictItem.model_validate(
+                {"model": cfg, "training": {"micro_batch_size": 2, "seq_len": 2048, "precision": "bf16"}, "k": 0}
+            )
+        )
+        for cfg in (published, full_form(published))
+    ]
     assert [a.path for a in answers] == [TRACED, TRACED]
     assert answers[0].predicted_peak_bytes == answers[1].predicted_peak_bytes
     assert answers[0].predicted_peak_bytes / GIB == pytest.approx(9.939, abs=5e-4)
@@ -130,8 +145,10 @@ def test_the_catalogs_canonical_configs_are_read_without_importing_transformers(
     for name in catalog.names():
         key, entry = canonical_snapshot_entry(catalog.get(name)["hf_config"])
         assert snapshot[key] == entry, name
-    code = ("import sys; from data import catalog; from memfit.hf import config_assumptions; "
-            "from memfit.schema import TrainingConfig; from model.terms import terms_key; "
-            "cfg = catalog.get('llama-3-8b')['hf_config']; terms_key(cfg, TrainingConfig(micro_batch_size=1, seq_len=8)); "
-            "assert config_assumptions(cfg); assert 'transformers' not in sys.modules")
+    code = (
+        "import sys; from data import catalog; from memfit.hf import config_assumptions; "
+        "from memfit.schema import TrainingConfig; from model.terms import terms_key; "
+        "cfg = catalog.get('llama-3-8b')['hf_config']; terms_key(cfg, TrainingConfig(micro_batch_size=1, seq_len=8)); "
+        "assert config_assumptions(cfg); assert 'transformers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -23,31 +23,48 @@ from model.analytic import model_state_bytes
 GIB = 1 << 30
 
 
-@pytest.mark.parametrize(("gpus", "tp", "pp", "cp", "requested", "dp"), [
-    (4, 1, 1, 2, None, 2),  # the GPUs left: 4 / 2
-    (8, 2, 2, 2, None, 1),
-    (4, 1, 1, 2, 2, 2),  # replicas, as given
-    (4, 1, 1, 2, 4, 2),  # 4 x 2 > 4 GPUs: the sharding group over data x context ranks, 2 replicas
-    (8, 2, 1, 2, 4, 2),
-    (4, 1, 1, 2, 3, 3),  # fits neither way: returned, the caller names the field
-    (8, 1, 1, 1, 16, 16),
-])
+@pytest.mark.parametrize(
+    ("gpus", "tp", "pp", "cp", "requested", "dp"),
+    [
+        (4, 1, 1, 2, None, 2),  # the GPUs left: 4 / 2
+        (8, 2, 2, 2, None, 1),
+        (4, 1, 1, 2, 2, 2),  # replicas, as given
+        (4, 1, 1, 2, 4, 2),  # 4 x 2 > 4 GPUs: the sharding group over data x context ranks, 2 replicas
+        (8, 2, 1, 2, 4, 2),
+        (4, 1, 1, 2, 3, 3),  # fits neither way: returned, the caller names the field
+        (8, 1, 1, 1, 16, 16),
+    ],
+)
 def test_one_data_parallel_default(gpus, tp, pp, cp, requested, dp):
     assert default_data_parallel_size(gpus, tp, pp, cp, requested) == dp
 
 
 def test_states_shard_over_data_times_context_parallel_ranks():
-    spec = ModelSpec(model_name="x", architecture="llama", num_layers=4, hidden_size=256, num_attention_heads=4,
-                     num_key_value_heads=4, intermediate_size=512, vocab_size=1000, total_params=4_000_000,
-                     trainable_params=4_000_000)
-    cp2 = TrainingConfig(micro_batch_size=1, seq_len=64, sharding="fsdp_full_shard", data_parallel_size=2,
-                         context_parallel_size=2)
+    spec = ModelSpec(
+        model_name="x",
+        architecture="llama",
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=512,
+        vocab_size=1000,
+        total_params=4_000_000,
+        trainable_params=4_000_000,
+    )
+    cp2 = TrainingConfig(
+        micro_batch_size=1, seq_len=64, sharding="fsdp_full_shard", data_parallel_size=2, context_parallel_size=2
+    )
     dp4 = TrainingConfig(micro_batch_size=1, seq_len=64, sharding="fsdp_full_shard", data_parallel_size=4)
     assert cp2.sharding_group_size == 4
     assert model_state_bytes(spec, cp2) == model_state_bytes(spec, dp4)
     # FSDP over the two context-parallel ranks alone is a valid job (torchtitan shards over dp_shard_cp = 2)
-    assert TrainingConfig(micro_batch_size=1, seq_len=64, sharding="fsdp_full_shard",
-                          context_parallel_size=2).sharding_group_size == 2
+    assert (
+        TrainingConfig(
+            micro_batch_size=1, seq_len=64, sharding="fsdp_full_shard", context_parallel_size=2
+        ).sharding_group_size
+        == 2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +82,34 @@ def traced_recommender():
         cache.put(key, trace_terms(hf_config, training, parallel=False).to_json())
         return "traced"
 
-    return Recommender(loaded.estimator, loaded.version, telemetry_range=loaded.meta.get("telemetry_range"),
-                       terms=cache, margins=loaded.meta.get("bound_margins"), tracer=tracer,
-                       coefficients=loaded.coefficients)
+    return Recommender(
+        loaded.estimator,
+        loaded.version,
+        telemetry_range=loaded.meta.get("telemetry_range"),
+        terms=cache,
+        margins=loaded.meta.get("bound_margins"),
+        tracer=tracer,
+        coefficients=loaded.coefficients,
+    )
 
 
 def _fsdp_cp2(recommender, **extra):
-    return recommender.recommend(RecommendRequest.model_validate({
-        "model": "llama-3-8b", "cluster": {"gpu": "H100-80GB", "gpu_count": 4},
-        "training": {"micro_batch_size": 1, "seq_len": 8192, "precision": "amp_bf16", "sharding": "fsdp_full_shard",
-                     "context_parallel_size": 2, **extra}}))
+    return recommender.recommend(
+        RecommendRequest.model_validate(
+            {
+                "model": "llama-3-8b",
+                "cluster": {"gpu": "H100-80GB", "gpu_count": 4},
+                "training": {
+                    "micro_batch_size": 1,
+                    "seq_len": 8192,
+                    "precision": "amp_bf16",
+                    "sharding": "fsdp_full_shard",
+                    "context_parallel_size": 2,
+                    **extra,
+                },
+            }
+        )
+    )
 
 
 def test_fsdp_with_context_parallel_2_on_4_gpus_matches_the_reported_run(traced_recommender):
@@ -114,22 +149,44 @@ def test_context_parallel_telemetry_goes_through_post_telemetry_and_is_stored(tm
     app = TestClient(create_app(Settings(db_url=db_url, registry_dir=str(small_registry.root))))
 
     def forward(request: httpx.Request) -> httpx.Response:  # the real POST /telemetry of the app
-        r = app.request(request.method, request.url.path, content=request.content,
-                        headers={k: v for k, v in request.headers.items() if k.lower() != "host"})
+        r = app.request(
+            request.method,
+            request.url.path,
+            content=request.content,
+            headers={k: v for k, v in request.headers.items() if k.lower() != "host"},
+        )
         return httpx.Response(r.status_code, content=r.content, headers=r.headers)
 
-    cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128}
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 128,
+    }
     torch.manual_seed(0)
     with quiet_transformers():
         model = build_causal_lm(cfg)
-    request = RecommendRequest.model_validate({
-        "model": {**cfg}, "cluster": {"gpu": "L4", "gpu_count": 4},
-        "training": {"micro_batch_size": 1, "seq_len": 64, "precision": "fp32", "sharding": "fsdp_full_shard",
-                     "context_parallel_size": 2}})
+    request = RecommendRequest.model_validate(
+        {
+            "model": {**cfg},
+            "cluster": {"gpu": "L4", "gpu_count": 4},
+            "training": {
+                "micro_batch_size": 1,
+                "seq_len": 64,
+                "precision": "fp32",
+                "sharding": "fsdp_full_shard",
+                "context_parallel_size": 2,
+            },
+        }
+    )
     client = Client("http://memfit.test", transport=httpx.MockTransport(forward), backoff_s=0.0)
-    result = report_peak(client, model, [0], request=request, peak_allocated_bytes=64 << 20,
-                         spool_path=tmp_path / "spool.jsonl")
+    result = report_peak(
+        client, model, [0], request=request, peak_allocated_bytes=64 << 20, spool_path=tmp_path / "spool.jsonl"
+    )
     assert result.status == "sent", result.detail
     row = TelemetryStore(db_url).dataframe().set_index("record_id").loc[result.record.record_id]
     assert (int(row.context_parallel_size), int(row.data_parallel_size), int(row.gpu_count)) == (2, 2, 4)
@@ -143,9 +200,30 @@ def test_cli_accepts_data_parallel_4_context_parallel_2_on_4_gpus(small_registry
     from service.tracing import InlineTracer
 
     monkeypatch.setattr(InlineTracer, "__call__", lambda self, key, hf_config, training: "not traced in this test")
-    code = main(["recommend", "--model", "llama-3.2-1b", "--gpu", "H100-80GB", "--gpus", "4", "--zero", "3",
-                 "--data-parallel", "4", "--context-parallel", "2", "--micro-batch", "1", "--seq-len", "8192",
-                 "--json", "--registry", str(small_registry.root)])
+    code = main(
+        [
+            "recommend",
+            "--model",
+            "llama-3.2-1b",
+            "--gpu",
+            "H100-80GB",
+            "--gpus",
+            "4",
+            "--zero",
+            "3",
+            "--data-parallel",
+            "4",
+            "--context-parallel",
+            "2",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "8192",
+            "--json",
+            "--registry",
+            str(small_registry.root),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code != EXIT_BAD_INPUT, err
     answer = json.loads(out)

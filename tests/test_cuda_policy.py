@@ -38,7 +38,7 @@ def test_cuda_autocast_lists_apply_only_inside_the_block():
         with cuda_step_semantics("sm90") as gen:
             assert gen.value == "sm90" and active_generation() is gen
             assert torch.pow(x, 3.0).dtype == torch.float32
-            assert (x ** 3).dtype == torch.float32
+            assert (x**3).dtype == torch.float32
             assert F.softmax(x, dim=-1).dtype == torch.float32
             assert F.layer_norm(x, (8,)).dtype == torch.float32
             assert torch.rsqrt(x.abs() + 1).dtype == torch.float32
@@ -119,8 +119,9 @@ def test_gpt2_under_autocast_traced_as_cuda_runs_it():
     cfg = catalog.get("gpt2")["hf_config"]
 
     def trace():
-        return next(iter(measure_family(cfg, fam.training(), [[]], model_name="gpt2", device="fake", steps=1,
-                                        prime=True))).measurement.peak_allocated_bytes
+        return next(
+            iter(measure_family(cfg, fam.training(), [[]], model_name="gpt2", device="fake", steps=1, prime=True))
+        ).measurement.peak_allocated_bytes
 
     before = trace()
     with cuda_step_semantics("sm90"):

@@ -12,14 +12,30 @@ SM80, SM89, SM90 = G.SM80, G.SM89, G.SM90
 
 
 def call(**kw) -> SdpaCall:
-    base = {"batch": 4, "num_heads": 12, "num_kv_heads": 12, "seq_q": 1024, "seq_k": 1024, "head_dim": 64,
-            "dtype": "bf16", "is_causal": True}
+    base = {
+        "batch": 4,
+        "num_heads": 12,
+        "num_kv_heads": 12,
+        "seq_q": 1024,
+        "seq_k": 1024,
+        "head_dim": 64,
+        "dtype": "bf16",
+        "is_causal": True,
+    }
     return SdpaCall(**(base | kw))
 
 
-@pytest.mark.parametrize("name,gen", [("NVIDIA H200", SM90), ("H100 80GB HBM3", SM90), ("NVIDIA A100-SXM4-80GB", SM80),
-                                      ("NVIDIA L40S", SM89), ("NVIDIA GeForce RTX 4090", SM89),
-                                      ("NVIDIA GeForce RTX 3090", G.SM86)])
+@pytest.mark.parametrize(
+    "name,gen",
+    [
+        ("NVIDIA H200", SM90),
+        ("H100 80GB HBM3", SM90),
+        ("NVIDIA A100-SXM4-80GB", SM80),
+        ("NVIDIA L40S", SM89),
+        ("NVIDIA GeForce RTX 4090", SM89),
+        ("NVIDIA GeForce RTX 3090", G.SM86),
+    ],
+)
 def test_generation_of_device_names(name, gen):
     assert generation_of(name) is gen
 
@@ -46,8 +62,12 @@ TABLE = [
     # a mask (sliding windows, padding): flash refuses masks; cuDNN takes it on sm90, memory-efficient elsewhere
     ({"has_mask": True, "is_causal": False, "head_dim": 96}, B.EFFICIENT, B.EFFICIENT, B.CUDNN),
     # Gemma-3 head dim 256 with a mask: over cuDNN's 128 limit on this cuDNN -> memory-efficient
-    ({"has_mask": True, "is_causal": False, "head_dim": 256, "num_heads": 4, "num_kv_heads": 4},
-     B.EFFICIENT, B.EFFICIENT, B.EFFICIENT),
+    (
+        {"has_mask": True, "is_causal": False, "head_dim": 256, "num_heads": 4, "num_kv_heads": 4},
+        B.EFFICIENT,
+        B.EFFICIENT,
+        B.EFFICIENT,
+    ),
     # head dim 256 with dropout while training: flash refused on sm89 ((224, 256] with dropout)
     ({"head_dim": 256, "dropout_p": 0.1}, B.FLASH, B.EFFICIENT, B.FLASH),
     # head dim 200 training: flash refused on sm86-sm89 ((192, 224]), memory-efficient takes it

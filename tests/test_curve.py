@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 
 from data import catalog
-from memfit.errors import UnknownModel
 from memfit.api import PredictItem, RecommendRequest
+from memfit.errors import UnknownModel
 from memfit.schema import FineTune, TrainingConfig
 from model.analytic import model_state_bytes
 from model.curve import PROVISIONAL, TRACED, MemoryPredictor
@@ -30,8 +31,9 @@ def _shipped_entries(pattern: str = "*.jsonl") -> list[dict]:
 
 
 #: every shipped terms file but the MoE one (checked on its own below: adding entries reshuffles the draws)
-ENTRIES_ALL = [e for path in sorted(SHIPPED_DIR.glob("*.jsonl")) if path.name != "moe.jsonl"
-               for e in _shipped_entries(path.name)]
+ENTRIES_ALL = [
+    e for path in sorted(SHIPPED_DIR.glob("*.jsonl")) if path.name != "moe.jsonl" for e in _shipped_entries(path.name)
+]
 #: single-rank dense entries (the random draws below stay those of the suite before tensor-parallel terms shipped)
 ENTRIES = [e for e in ENTRIES_ALL if "tensor_parallel_size" not in e["training"]]
 TP_ENTRIES = [e for e in ENTRIES_ALL if "tensor_parallel_size" in e["training"]]
@@ -97,8 +99,14 @@ def test_shipped_terms_cover_every_catalog_architecture():
 def test_opt13b_zero3_lora64_curve_does_not_fall_with_micro_batch(predictor, mb, seq):
     """opt-1.3b, fp32, ZeRO-3 over 8 ranks, LoRA r64: the composed peak at k = L-1 fell by 10-16 MB for one more
     sample (the composition's fwd.layers split charges a negative count of per-layer increments there)."""
-    (entry,) = [e for e in ENTRIES_ALL if e["model_name"] == "opt-1.3b" and e["training"]["sharding"] == "zero3"
-                and e["training"]["precision"] == "fp32" and e["training"].get("lora_rank") == 64]
+    (entry,) = [
+        e
+        for e in ENTRIES_ALL
+        if e["model_name"] == "opt-1.3b"
+        and e["training"]["sharding"] == "zero3"
+        and e["training"]["precision"] == "fp32"
+        and e["training"].get("lora_rank") == 64
+    ]
     spec, training, hf = _config(entry, mb, seq)
     a = predictor.curve(spec, training, hf)
     b = predictor.curve(spec, training.model_copy(update={"micro_batch_size": mb + 1}), hf)
@@ -135,8 +143,13 @@ def test_property_curves_over_10000_random_configurations(predictor):
         k = int(rng.integers(spec.num_layers + 1))
         assert sum(c.points[k].breakdown.values()) == c.points[k].predicted_bytes
         more_mb = predictor.curve(spec, training.model_copy(update={"micro_batch_size": mb + 1}), hf)
-        more_seq = predictor.curve(spec, training.model_copy(
-            update={"seq_len": training.seq_len + training.tensor_parallel_size * int(rng.integers(1, 512))}), hf)
+        more_seq = predictor.curve(
+            spec,
+            training.model_copy(
+                update={"seq_len": training.seq_len + training.tensor_parallel_size * int(rng.integers(1, 512))}
+            ),
+            hf,
+        )
         assert all(a.predicted_bytes <= b.predicted_bytes for a, b in zip(c.points, more_mb.points))
         assert all(a.predicted_bytes <= b.predicted_bytes for a, b in zip(c.points, more_seq.points))
         checked += 1
@@ -150,27 +163,32 @@ def recommender(small_registry) -> Recommender:
     return Recommender(loaded.estimator, loaded.version)
 
 
-@pytest.mark.parametrize("model,training", [
-    ("llama-3-8b", {"micro_batch_size": 2, "seq_len": 4096, "precision": "bf16"}),
-    ("qwen2.5-7b", {"micro_batch_size": 1, "seq_len": 8192}),
-    ("gpt2-xl", {"micro_batch_size": 8, "seq_len": 1024, "optimizer": "adamw_fused"}),
-    # frozen: composed from the traced full fine-tune of the 20 layers above the frozen ones (model.frozen)
-    ("llama-2-13b", {"micro_batch_size": 1, "seq_len": 2048, "finetune": "frozen", "frozen_layers": 20}),
-    # frozen with GPT-2's learned position table trainable below the layers: not composed, provisional
-    ("gpt2-xl", {"micro_batch_size": 1, "seq_len": 1024, "finetune": "frozen", "frozen_layers": 8}),
-    ("mixtral-8x7b", {"micro_batch_size": 1, "seq_len": 2048, "finetune": "lora", "lora_rank": 16}),  # provisional
-])
+@pytest.mark.parametrize(
+    "model,training",
+    [
+        ("llama-3-8b", {"micro_batch_size": 2, "seq_len": 4096, "precision": "bf16"}),
+        ("qwen2.5-7b", {"micro_batch_size": 1, "seq_len": 8192}),
+        ("gpt2-xl", {"micro_batch_size": 8, "seq_len": 1024, "optimizer": "adamw_fused"}),
+        # frozen: composed from the traced full fine-tune of the 20 layers above the frozen ones (model.frozen)
+        ("llama-2-13b", {"micro_batch_size": 1, "seq_len": 2048, "finetune": "frozen", "frozen_layers": 20}),
+        # frozen with GPT-2's learned position table trainable below the layers: not composed, provisional
+        ("gpt2-xl", {"micro_batch_size": 1, "seq_len": 1024, "finetune": "frozen", "frozen_layers": 8}),
+        ("mixtral-8x7b", {"micro_batch_size": 1, "seq_len": 2048, "finetune": "lora", "lora_rank": 16}),  # provisional
+    ],
+)
 def test_predict_equals_recommend_at_every_k(recommender, model, training):
     req = RecommendRequest.model_validate({"model": model, "training": training, "cluster": {"gpu": "H200"}})
     rec = recommender.recommend(req)
     for point in rec.curve:
-        p = recommender.predict(PredictItem.model_validate({"model": model, "training": training, "k": point.k,
-                                                            "cluster": {"gpu": "H200"}}))
+        p = recommender.predict(
+            PredictItem.model_validate({"model": model, "training": training, "k": point.k, "cluster": {"gpu": "H200"}})
+        )
         assert p.predicted_peak_bytes == point.predicted_bytes and p.upper_bound_bytes == point.upper_bytes
         assert p.total_upper_bytes == point.total_upper_bytes and p.path == rec.path
     assert sum(rec.breakdown.values()) == rec.predicted_peak_bytes
-    expected = PROVISIONAL if model.startswith("mixtral") or model == "gpt2-xl" and "frozen_layers" in training \
-        else TRACED
+    expected = (
+        PROVISIONAL if model.startswith("mixtral") or model == "gpt2-xl" and "frozen_layers" in training else TRACED
+    )
     assert rec.path == expected
     if expected == PROVISIONAL:
         assert any("provisional" in w for w in rec.warnings)
@@ -179,11 +197,24 @@ def test_predict_equals_recommend_at_every_k(recommender, model, training):
 def test_provisional_curve_keeps_the_shape(recommender):
     """The learned path too: monotone in k and never below the state floor (the old /predict was not)."""
     # frozen GPT-2: its learned position table stays trainable, so model.frozen does not compose it
-    c, spec, training = recommender.curve("gpt2-xl", RecommendRequest.model_validate(
-        {"model": "x", "training": {"micro_batch_size": 2, "seq_len": 1024, "precision": "bf16", "finetune": "frozen",
-                                    "frozen_layers": 8}, "cluster": {"gpu": "H200"}}).training)
+    c, spec, training = recommender.curve(
+        "gpt2-xl",
+        RecommendRequest.model_validate(
+            {
+                "model": "x",
+                "training": {
+                    "micro_batch_size": 2,
+                    "seq_len": 1024,
+                    "precision": "bf16",
+                    "finetune": "frozen",
+                    "frozen_layers": 8,
+                },
+                "cluster": {"gpu": "H200"},
+            }
+        ).training,
+    )
     pts = [p.predicted_bytes for p in c.points]
-    assert c.path == PROVISIONAL and all(b <= a for a, b in zip(pts, pts[1:]))
+    assert c.path == PROVISIONAL and all(b <= a for a, b in itertools.pairwise(pts))
     assert min(pts) >= model_state_bytes(spec, training).total_bytes
 
 
@@ -200,15 +231,19 @@ def test_untraced_config_is_provisional_then_traced_once():
     assert p.curve(spec, training, hf).path == TRACED
 
 
-@pytest.mark.parametrize("training,field", [
-    ({"micro_batch_size": 1, "seq_len": 512, "tensor_parallel_size": 7}, "training.tensor_parallel_size"),
-    ({"micro_batch_size": 1, "seq_len": 512, "pipeline_parallel_size": 16}, "training.pipeline_parallel_size"),
-])
+@pytest.mark.parametrize(
+    "training,field",
+    [
+        ({"micro_batch_size": 1, "seq_len": 512, "tensor_parallel_size": 7}, "training.tensor_parallel_size"),
+        ({"micro_batch_size": 1, "seq_len": 512, "pipeline_parallel_size": 16}, "training.pipeline_parallel_size"),
+    ],
+)
 def test_parallel_sizes_must_fit_the_model(recommender, training, field):
     from memfit.errors import InvalidConfiguration
 
-    req = RecommendRequest.model_validate({"model": "gpt2", "training": training, "cluster": {"gpu": "H200",
-                                                                                          "gpu_count": 16}})
+    req = RecommendRequest.model_validate(
+        {"model": "gpt2", "training": training, "cluster": {"gpu": "H200", "gpu_count": 16}}
+    )
     with pytest.raises(InvalidConfiguration) as err:
         recommender.recommend(req)
     assert err.value.field == field

@@ -1,5 +1,7 @@
 """Facts that must hold on the shipped telemetry (data/telemetry/telemetry.parquet)."""
 
+import itertools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +14,31 @@ from model.parallel import tensor_parallel_rank_spec
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
 GIB = 1 << 30
-FAMILY = ["model_name", "micro_batch_size", "seq_len", "precision", "optimizer", "sharding", "data_parallel_size",
-          "attention", "finetune", "lora_rank", "frozen_layers", "checkpoint_impl", "method",
-          # issue-9 settings (rows from before them hold the defaults)
-          "optimizer_in_backward", "quantization", "offload_optimizer", "offload_parameters", "tensor_parallel_size",
-          "sequence_parallel", "expert_parallel_size", "moe_imbalance_factor", "gradient_accumulation_steps"]
+FAMILY = [
+    "model_name",
+    "micro_batch_size",
+    "seq_len",
+    "precision",
+    "optimizer",
+    "sharding",
+    "data_parallel_size",
+    "attention",
+    "finetune",
+    "lora_rank",
+    "frozen_layers",
+    "checkpoint_impl",
+    "method",
+    # issue-9 settings (rows from before them hold the defaults)
+    "optimizer_in_backward",
+    "quantization",
+    "offload_optimizer",
+    "offload_parameters",
+    "tensor_parallel_size",
+    "sequence_parallel",
+    "expert_parallel_size",
+    "moe_imbalance_factor",
+    "gradient_accumulation_steps",
+]
 # Checkpointing one more layer may *raise* the peak by at most this much: recompute of a checkpointed
 # layer in backward briefly re-materialises that layer's activations (tiny when activations are tiny).
 MONOTONE_TOLERANCE_BYTES = 4 << 20
@@ -54,7 +76,7 @@ def test_every_family_spans_k_zero_to_L(df):
 
 def test_rows_validate(df):
     for row in df.sample(min(len(df), 300), random_state=0).to_dict("records"):
-        row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+        row = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
         row["lora_rank"] = row["lora_rank"] or None
         TelemetryRecord.from_row(row)
 
@@ -79,8 +101,14 @@ def test_peak_non_increasing_in_k(df):
 
 def test_opt_1_3b_short_sequences_gain_little(df):
     # public report: 6.34 vs 6.41 GB at seq_len 64, micro-batch 4, fp16 mixed precision
-    f = df[(df.model_name == "opt-1.3b") & (df.seq_len == 64) & (df.micro_batch_size == 4)
-           & (df.precision == "amp_fp16") & (df.sharding == "none") & (df.finetune == "full")]
+    f = df[
+        (df.model_name == "opt-1.3b")
+        & (df.seq_len == 64)
+        & (df.micro_batch_size == 4)
+        & (df.precision == "amp_fp16")
+        & (df.sharding == "none")
+        & (df.finetune == "full")
+    ]
     k0 = f[f.num_checkpointed_layers == 0].peak_allocated_bytes.iloc[0]
     kl = f[f.num_checkpointed_layers == f.num_layers].peak_allocated_bytes.iloc[0]
     assert abs(k0 - kl) < GIB
@@ -90,7 +118,7 @@ def test_opt_1_3b_short_sequences_gain_little(df):
 def test_peak_at_least_model_states(df):
     sample = df.sample(min(len(df), 2000), random_state=1).to_dict("records")
     for row in sample:
-        row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+        row = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
         row["lora_rank"] = row["lora_rank"] or None
         rec = TelemetryRecord.from_row(row)
         if rec.training.expert_parallel_size > 1:
@@ -101,9 +129,18 @@ def test_peak_at_least_model_states(df):
 
 
 def test_saving_grows_with_tokens(df):
-    f = df[(df.model_name == "llama-3.2-1b") & (df.precision == "amp_bf16") & (df.optimizer == "adamw_foreach")
-           & (df.sharding == "none") & (df.finetune == "full") & (df.attention == "sdpa") & (df.method != "cuda")
-           & (df.tensor_parallel_size == 1) & (df.offload_optimizer == "none") & ~df.optimizer_in_backward.astype(bool)]
+    f = df[
+        (df.model_name == "llama-3.2-1b")
+        & (df.precision == "amp_bf16")
+        & (df.optimizer == "adamw_foreach")
+        & (df.sharding == "none")
+        & (df.finetune == "full")
+        & (df.attention == "sdpa")
+        & (df.method != "cuda")
+        & (df.tensor_parallel_size == 1)
+        & (df.offload_optimizer == "none")
+        & ~df.optimizer_in_backward.astype(bool)
+    ]
     saved = {}
     for (mb, seq), g in f.groupby(["micro_batch_size", "seq_len"]):
         ks = g.set_index("num_checkpointed_layers")["peak_allocated_bytes"]
@@ -112,5 +149,5 @@ def test_saving_grows_with_tokens(df):
     tokens = sorted(saved)
     assert len(tokens) >= 6
     values = [saved[t] for t in tokens]
-    assert all(b >= a for a, b in zip(values, values[1:])), values
+    assert all(b >= a for a, b in itertools.pairwise(values)), values
     assert values[-1] > values[0] + GIB

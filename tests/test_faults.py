@@ -29,8 +29,11 @@ from tests.helpers import HTTP_TIMEOUT_S, TINY_LLAMA, record, running_service
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "fault-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-LLAMA8B = {"model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192, "sharding": "zero3"},
-           "cluster": {"gpu": "H100-80GB", "gpu_count": 8}}
+LLAMA8B = {
+    "model": "llama-3-8b",
+    "training": {"micro_batch_size": 2, "seq_len": 8192, "sharding": "zero3"},
+    "cluster": {"gpu": "H100-80GB", "gpu_count": 8},
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +42,9 @@ def srv(small_registry, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     shutil.copytree(small_registry.root, tmp / "models")
     db = tmp / "t.db"
-    with running_service(tmp / "models", f"sqlite:///{db}", MEMFIT_TOKEN=TOKEN,
-                         MEMFIT_SQLITE_BUSY_TIMEOUT_S="0.5") as base:
+    with running_service(
+        tmp / "models", f"sqlite:///{db}", MEMFIT_TOKEN=TOKEN, MEMFIT_SQLITE_BUSY_TIMEOUT_S="0.5"
+    ) as base:
         yield {"url": base, "registry": Registry(tmp / "models"), "db": db, "tmp": tmp}
 
 
@@ -72,18 +76,24 @@ def _resize(b: bytes) -> bytes:
 
 def _bit_flip(b: bytes) -> bytes:
     i = len(b) // 2
-    return b[:i] + bytes([b[i] ^ 0x10]) + b[i + 1:]
+    return b[:i] + bytes([b[i] ^ 0x10]) + b[i + 1 :]
 
 
 def _leaves(value: bytes):
     """Damage: every leaf value becomes ``value``, written in the same number of bytes (so the tree
     sizes in the header still hold): a LightGBM file that parses, with the same length, and is wrong."""
+
     def same_length(t: bytes) -> bytes:
         return value + b"0" * (len(t) - len(value)) if len(t) >= len(value) else t
 
     def damage(b: bytes) -> bytes:
-        return re.sub(rb"^leaf_value=(.*)$", lambda m: b"leaf_value=" + b" ".join(
-            same_length(t) for t in m.group(1).split(b" ")), b, flags=re.MULTILINE)
+        return re.sub(
+            rb"^leaf_value=(.*)$",
+            lambda m: b"leaf_value=" + b" ".join(same_length(t) for t in m.group(1).split(b" ")),
+            b,
+            flags=re.MULTILINE,
+        )
+
     return damage
 
 
@@ -92,16 +102,19 @@ _subtly_wrong = _leaves(b"0.01")  # +0.01 per tree: plausible sizes, but not the
 
 
 # -- fault 1 and 2: damaged models are refused, the last good keeps serving, nothing crashes -----------
-@pytest.mark.parametrize("damage, kw, why", [
-    (_truncate, {}, "sha256"),
-    (_resize, {}, "sha256"),
-    (_bit_flip, {}, "sha256"),
-    (_wrong_but_parsable, {}, "sha256"),
-    (_subtly_wrong, {"reseal": True}, "does not reproduce the stored"),
-    (_wrong_but_parsable, {"reseal": True}, "below the model-state floor"),
-    (_wrong_but_parsable, {"drop_canary": True}, "below the model-state floor"),
-    (_truncate, {"drop_canary": True}, "does not parse"),  # unsealed: parsed in a child process only
-])
+@pytest.mark.parametrize(
+    "damage, kw, why",
+    [
+        (_truncate, {}, "sha256"),
+        (_resize, {}, "sha256"),
+        (_bit_flip, {}, "sha256"),
+        (_wrong_but_parsable, {}, "sha256"),
+        (_subtly_wrong, {"reseal": True}, "does not reproduce the stored"),
+        (_wrong_but_parsable, {"reseal": True}, "below the model-state floor"),
+        (_wrong_but_parsable, {"drop_canary": True}, "below the model-state floor"),
+        (_truncate, {"drop_canary": True}, "does not parse"),  # unsealed: parsed in a child process only
+    ],
+)
 def test_damaged_model_is_refused_and_last_good_serves(srv, damage, kw, why):
     base, reg = srv["url"], srv["registry"]
     good = httpx.get(base + "/models", timeout=HTTP_TIMEOUT_S).json()["serving"]
@@ -169,13 +182,17 @@ def test_locked_store_answers_503_fast_and_reads_keep_answering(srv):
     ``python -m benchmarks.service_latency`` (step 5), not a timed assertion here."""
     base = srv["url"]
     deadline = time.time() + 120
-    while not httpx.get(base + "/v2/health/ready", timeout=HTTP_TIMEOUT_S).json()["details"]["warmed_up"] and time.time() < deadline:
+    while (
+        not httpx.get(base + "/v2/health/ready", timeout=HTTP_TIMEOUT_S).json()["details"]["warmed_up"]
+        and time.time() < deadline
+    ):
         time.sleep(0.5)
     locker = sqlite3.connect(srv["db"], timeout=0)
     locker.execute("BEGIN EXCLUSIVE")
     try:
-        storm = subprocess.Popen([sys.executable, "-c", STORM, base, TOKEN], cwd=ROOT, stdout=subprocess.PIPE,
-                                 text=True)
+        storm = subprocess.Popen(
+            [sys.executable, "-c", STORM, base, TOKEN], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
         during = _recommend_latencies(base, 20, until=lambda: storm.poll() is None)
         posts = json.loads(storm.communicate(timeout=120)[0])
     finally:
@@ -202,8 +219,11 @@ def test_read_only_data_dir_recommends_and_refuses_writes(srv, tmp_path):
     data = _unwritable_dir(tmp_path)
     with running_service(srv["registry"].root, None, MEMFIT_DATA_DIR=str(data)) as base:
         ready = httpx.get(base + "/v2/health/ready", timeout=HTTP_TIMEOUT_S).json()
-        assert ready["read_only"] is True and "not writable" in ready["details"]["telemetry"] or \
-            "cannot be opened" in ready["details"]["telemetry"]
+        assert (
+            ready["read_only"] is True
+            and "not writable" in ready["details"]["telemetry"]
+            or "cannot be opened" in ready["details"]["telemetry"]
+        )
         assert httpx.post(base + "/recommend", json=LLAMA8B, timeout=30).status_code == 200
         r = httpx.post(base + "/telemetry", json=[record().model_dump(mode="json")], timeout=HTTP_TIMEOUT_S)
         assert r.status_code == 503 and r.headers["content-type"].startswith("application/problem+json")
@@ -223,10 +243,21 @@ def test_image_entry_point_uses_the_environment_not_the_package_dir(tmp_path):
     before = _tree_state(ROOT / "data")
     data, port = tmp_path / "var-lib-memfit", free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMFIT_")}
-    env.update(PYTHONPATH=str(ROOT), MEMFIT_HOST="0.0.0.0", MEMFIT_PORT=str(port), MEMFIT_DATA_DIR=str(data),
-               MEMFIT_TOKEN=TOKEN)
-    proc = subprocess.Popen([sys.executable, "-m", "training.main"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    env.update(
+        PYTHONPATH=str(ROOT),
+        MEMFIT_HOST="0.0.0.0",
+        MEMFIT_PORT=str(port),
+        MEMFIT_DATA_DIR=str(data),
+        MEMFIT_TOKEN=TOKEN,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "training.main"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300
@@ -270,7 +301,12 @@ def test_implausible_telemetry_is_quarantined_with_reason(srv):
     inf_step = record(record_id="implausible-0002", peak_allocated_bytes=10**9, **h100).model_dump(mode="json")
     inf_step["measurement"]["step_time_s"] = math.inf
     body = json.dumps([huge, inf_step], allow_nan=True)  # Infinity, as a careless client sends it
-    r = httpx.post(srv["url"] + "/telemetry", content=body, headers={**AUTH, "content-type": "application/json"}, timeout=HTTP_TIMEOUT_S)
+    r = httpx.post(
+        srv["url"] + "/telemetry",
+        content=body,
+        headers={**AUTH, "content-type": "application/json"},
+        timeout=HTTP_TIMEOUT_S,
+    )
     assert r.status_code == 200, r.text
     q = r.json()["quarantined"]
     assert [x["record_id"] for x in q] == ["implausible-0001", "implausible-0002"] and not r.json()["stored"]
@@ -283,8 +319,9 @@ def test_implausible_telemetry_is_quarantined_with_reason(srv):
 def test_no_token_on_a_public_bind_refuses_to_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MEMFIT_TOKEN"}
     env.update(MEMFIT_HOST="0.0.0.0", MEMFIT_PORT="1", MEMFIT_DATA_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-m", "service"], env=env, cwd=ROOT, capture_output=True, text=True,
-                          check=False, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "service"], env=env, cwd=ROOT, capture_output=True, text=True, check=False, timeout=120
+    )
     assert done.returncode != 0 and "MEMFIT_TOKEN is required" in done.stderr
     assert "Traceback" not in done.stderr
 
@@ -295,16 +332,19 @@ def test_writes_need_the_token(srv):
 
 
 # -- fault 4: HF-config values that gave 500 get 422 naming the field; the connection stays usable ---
-@pytest.mark.parametrize("key, value, allowed", [
-    ("num_key_value_heads", 0, "[1, 4096]"),
-    ("head_dim", 0, "[1, 4096]"),
-    ("hidden_size", 256.7, "[1, 131072]"),
-    ("num_hidden_layers", "4", "[1, 1024]"),
-    ("num_hidden_layers", [4], "[1, 1024]"),
-    ("torch_dtype", "float1024", "bfloat16"),
-    ("model_type", {}, "string of 1 to 64"),
-    ("num_hidden_layers", True, "[1, 1024]"),
-])
+@pytest.mark.parametrize(
+    "key, value, allowed",
+    [
+        ("num_key_value_heads", 0, "[1, 4096]"),
+        ("head_dim", 0, "[1, 4096]"),
+        ("hidden_size", 256.7, "[1, 131072]"),
+        ("num_hidden_layers", "4", "[1, 1024]"),
+        ("num_hidden_layers", [4], "[1, 1024]"),
+        ("torch_dtype", "float1024", "bfloat16"),
+        ("model_type", {}, "string of 1 to 64"),
+        ("num_hidden_layers", True, "[1, 1024]"),
+    ],
+)
 def test_bad_hf_config_values_are_422_naming_the_field(srv, key, value, allowed):
     with httpx.Client(base_url=srv["url"], timeout=60) as c:
         r = c.post("/recommend", json={**LLAMA8B, "model": {**TINY_LLAMA, key: value}})
@@ -330,20 +370,32 @@ def test_unknown_model_type(srv, model_type):
 # -- fault 9: error classification -------------------------------------------------------------------
 def test_error_answers_name_field_and_range(srv):
     base = srv["url"]
-    r = httpx.post(base + "/recommend", json={**LLAMA8B, "training": {"micro_batch_size": True, "seq_len": 64}}, timeout=HTTP_TIMEOUT_S)
+    r = httpx.post(
+        base + "/recommend",
+        json={**LLAMA8B, "training": {"micro_batch_size": True, "seq_len": 64}},
+        timeout=HTTP_TIMEOUT_S,
+    )
     assert r.status_code == 422
-    assert r.json()["errors"][0] == {"field": "training.micro_batch_size", "message": "Input should be a valid integer",
-                                     "allowed": "an integer in [1, 16384]"}
+    assert r.json()["errors"][0] == {
+        "field": "training.micro_batch_size",
+        "message": "Input should be a valid integer",
+        "allowed": "an integer in [1, 16384]",
+    }
     nan = json.dumps({**LLAMA8B, "headroom_fraction": math.nan})
-    r = httpx.post(base + "/recommend", content=nan, headers={"content-type": "application/json"}, timeout=HTTP_TIMEOUT_S)
+    r = httpx.post(
+        base + "/recommend", content=nan, headers={"content-type": "application/json"}, timeout=HTTP_TIMEOUT_S
+    )
     assert r.status_code == 422 and "finite number" in r.json()["detail"] and "[0, 0.9]" in r.json()["detail"]
     assert "greater than" not in r.json()["detail"]
     r = httpx.post(base + "/recommend", content=json.dumps(LLAMA8B).encode(), timeout=HTTP_TIMEOUT_S)  # no content type
     assert r.status_code == 415 and "no content-type" in r.json()["detail"]
     r = httpx.post(base + "/recommend", json={**LLAMA8B, "model": "no-such-model"}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "model" and "/" + "work" not in r.text
-    r = httpx.post(base + "/predict", json={"items": [{"model": "gpt2", "training": {"micro_batch_size": 1,
-                                                                                       "seq_len": 64}, "k": 99}]}, timeout=HTTP_TIMEOUT_S)
+    r = httpx.post(
+        base + "/predict",
+        json={"items": [{"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64}, "k": 99}]},
+        timeout=HTTP_TIMEOUT_S,
+    )
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "items.0.k"
     assert "[0, num_layers=12]" in r.json()["detail"]
 

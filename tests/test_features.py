@@ -14,8 +14,11 @@ LATER = ["quantization", "offload_optimizer", "offload_parameters", "pipeline_sc
 
 
 def test_every_enum_field_of_the_training_config_is_converted():
-    enums = {n for n, f in TrainingConfig.model_fields.items()
-             if isinstance(f.annotation, type) and issubclass(f.annotation, enum.Enum)}
+    enums = {
+        n
+        for n, f in TrainingConfig.model_fields.items()
+        if isinstance(f.annotation, type) and issubclass(f.annotation, enum.Enum)
+    }
     assert enums <= set(_ENUMS)
 
 
@@ -30,8 +33,12 @@ def test_default_strings_in_a_row_equal_the_missing_columns():
 
 
 def test_a_quantized_row_counts_its_base_smaller():
-    plain = build_features(pd.DataFrame([record(finetune="lora", lora_rank=8, trainable_params=1000,
-                                                precision="bf16").to_row()]))
-    nf4 = build_features(pd.DataFrame([record(finetune="lora", lora_rank=8, trainable_params=1000, precision="bf16",
-                                              quantization="nf4").to_row()]))
+    plain = build_features(
+        pd.DataFrame([record(finetune="lora", lora_rank=8, trainable_params=1000, precision="bf16").to_row()])
+    )
+    nf4 = build_features(
+        pd.DataFrame(
+            [record(finetune="lora", lora_rank=8, trainable_params=1000, precision="bf16", quantization="nf4").to_row()]
+        )
+    )
     assert nf4.at[0, "weights_bytes"] < plain.at[0, "weights_bytes"]

@@ -20,24 +20,40 @@ def client(tmp_path_factory, small_registry):
 
 
 def _errors(client, training=None, cluster=None, model="llama-3-8b"):
-    r = client.post("/recommend", json={"model": model,
-                                        "training": {"micro_batch_size": 1, "seq_len": 1024, **(training or {})},
-                                        "cluster": cluster or {"gpu": "H100-80GB"}})
+    r = client.post(
+        "/recommend",
+        json={
+            "model": model,
+            "training": {"micro_batch_size": 1, "seq_len": 1024, **(training or {})},
+            "cluster": cluster or {"gpu": "H100-80GB"},
+        },
+    )
     assert r.status_code == 422, r.text
     return r.json()["errors"]
 
 
-@pytest.mark.parametrize("training, cluster, field, words", [
-    ({"sharding": "zero3"}, {"gpu": "H100-80GB", "gpu_count": 1}, "training.sharding", "data_parallel_size is 1"),
-    ({}, {"gpu": "H900"}, "cluster.gpu", "H100-80GB, H100-94GB, H200, L4"),
-    ({}, {"gpu": "H100-80GB", "gpu_memory_gib": 80}, "cluster.gpu", "exactly one of"),
-    ({"finetune": "lora", "lora_target_modules": ["q_proj", "qproj"]}, None, "training.lora_target_modules",
-     "'gate_proj'"),
-    ({"finetune": "frozen", "frozen_layers": 4, "trainable_params": 10**12}, None, "training.trainable_params",
-     "total_params=8030261248"),
-    # frozen layers without frozen fine-tuning were ignored silently (a full fine-tune was answered)
-    ({"frozen_layers": 4}, None, "training.frozen_layers", "0 unless finetune='frozen'"),
-])
+@pytest.mark.parametrize(
+    "training, cluster, field, words",
+    [
+        ({"sharding": "zero3"}, {"gpu": "H100-80GB", "gpu_count": 1}, "training.sharding", "data_parallel_size is 1"),
+        ({}, {"gpu": "H900"}, "cluster.gpu", "H100-80GB, H100-94GB, H200, L4"),
+        ({}, {"gpu": "H100-80GB", "gpu_memory_gib": 80}, "cluster.gpu", "exactly one of"),
+        (
+            {"finetune": "lora", "lora_target_modules": ["q_proj", "qproj"]},
+            None,
+            "training.lora_target_modules",
+            "'gate_proj'",
+        ),
+        (
+            {"finetune": "frozen", "frozen_layers": 4, "trainable_params": 10**12},
+            None,
+            "training.trainable_params",
+            "total_params=8030261248",
+        ),
+        # frozen layers without frozen fine-tuning were ignored silently (a full fine-tune was answered)
+        ({"frozen_layers": 4}, None, "training.frozen_layers", "0 unless finetune='frozen'"),
+    ],
+)
 def test_model_level_checks_name_their_field(client, training, cluster, field, words):
     (err,) = _errors(client, training, cluster)
     assert err["field"] == field and words in err["message"] and "Value error" not in err["message"]
@@ -45,8 +61,13 @@ def test_model_level_checks_name_their_field(client, training, cluster, field, w
 
 
 def test_shape_checks_name_the_model_field(client):
-    bad = {"model_type": "llama", "hidden_size": 768, "num_hidden_layers": 2, "num_attention_heads": 5,
-           "vocab_size": 1000}
+    bad = {
+        "model_type": "llama",
+        "hidden_size": 768,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 5,
+        "vocab_size": 1000,
+    }
     (err,) = _errors(client, model=bad)
     assert err["field"] == "model.num_attention_heads" and "divisor of hidden_size=768" in err["message"]
 
@@ -56,8 +77,10 @@ def test_lora_counts_the_models_real_matrices():
     # GPT-2: PEFT's default target is the fused c_attn Conv1D, 768 -> 3 * 768, in each of 12 layers
     assert lora_trainable_params(catalog.spec("gpt2"), 8, None, gpt2) == 8 * (768 + 3 * 768) * 12
     # Llama-3-8B q_proj 4096 -> 4096 and v_proj 4096 -> 1024 (8 KV heads of 128), 32 layers
-    assert lora_trainable_params(catalog.spec("llama-3-8b"), 16, ["q_proj", "v_proj"], llama) == \
-        16 * ((4096 + 4096) + (4096 + 1024)) * 32
+    assert (
+        lora_trainable_params(catalog.spec("llama-3-8b"), 16, ["q_proj", "v_proj"], llama)
+        == 16 * ((4096 + 4096) + (4096 + 1024)) * 32
+    )
     with pytest.raises(InvalidConfiguration) as info:
         lora_trainable_params(catalog.spec("gpt2"), 8, ["q_proj"], gpt2)
     assert info.value.field == "training.lora_target_modules" and "c_attn" in info.value.allowed

@@ -36,10 +36,23 @@ deepspeed = pytest.importorskip("deepspeed")
 
 
 def rec_for(layers: list[int], num_layers: int = 4, k: int | None = -1, pp: int = 1) -> Recommendation:
-    return Recommendation(fits=k is not None, k=len(layers) if k == -1 else k, layers=layers, num_layers=num_layers,
-                          predicted_peak_bytes=1, upper_bound_bytes=1, total_upper_bytes=1, capacity_bytes=1,
-                          usable_bytes=1, curve=[], breakdown={}, overhead={}, recompute_overhead_fraction=0.0,
-                          model_version="0007", training={"pipeline_parallel_size": pp})
+    return Recommendation(
+        fits=k is not None,
+        k=len(layers) if k == -1 else k,
+        layers=layers,
+        num_layers=num_layers,
+        predicted_peak_bytes=1,
+        upper_bound_bytes=1,
+        total_upper_bytes=1,
+        capacity_bytes=1,
+        usable_bytes=1,
+        curve=[],
+        breakdown={},
+        overhead={},
+        recompute_overhead_fraction=0.0,
+        model_version="0007",
+        training={"pipeline_parallel_size": pp},
+    )
 
 
 # -- DeepSpeed: the patch over the real deepspeed.checkpointing -----------------------------------------
@@ -74,8 +87,10 @@ def count_backward_forwards(model) -> dict[int, int]:
     """Per layer, how many times its forward ran inside a backward pass (= recomputed)."""
     counts = {i: 0 for i in range(len(model.layers))}
     for i, layer in enumerate(model.layers):
+
         def hook(_mod, _inp, _out, i=i):
             counts[i] += int(torch._C._current_graph_task_id() != -1)
+
         layer.register_forward_hook(hook)
     return counts
 
@@ -123,8 +138,9 @@ def test_deepspeed_helpers_take_the_fallback_for_a_catalog_model_name():
     from memfit.integrations.deepspeed import deepspeed_activation_checkpointing_config, patch_deepspeed_checkpointing
     from memfit.integrations.megatron import megatron_flags, megatron_recompute_config
 
-    req = RecommendRequest(model="llama-3-8b", training={"micro_batch_size": 1, "seq_len": 4096},
-                           cluster={"gpu": "H100-80GB"})
+    req = RecommendRequest(
+        model="llama-3-8b", training={"micro_batch_size": 1, "seq_len": 4096}, cluster={"gpu": "H100-80GB"}
+    )
     fb = fallback_recommendation(req, "unreachable")
     assert fb.num_layers == 32 and fb.layers == list(range(32))  # read from the catalog
     block = deepspeed_activation_checkpointing_config(fb)["activation_checkpointing"]
@@ -135,7 +151,8 @@ def test_deepspeed_helpers_take_the_fallback_for_a_catalog_model_name():
     assert unknown.num_layers == 0
     assert deepspeed_activation_checkpointing_config(unknown)["activation_checkpointing"]["number_checkpoints"] is None
     assert megatron_recompute_config(unknown) == [
-        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}]
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    ]
 
     torch.manual_seed(0)
     model = MegatronDeepSpeedStyle()
@@ -165,16 +182,24 @@ def test_activation_checkpointing_block_is_what_deepspeeds_parsers_read():
     full = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, **block})
     assert full.activation_checkpointing_config.number_checkpoints == 3
     # DeepSpeed ignores keys it does not know: the equality above is what proves none of ours is ignored
-    assert vars(DeepSpeedActivationCheckpointingConfig({"activation_checkpointing": {"bogus": 1}}))[
-        "number_checkpoints"] is None
+    assert (
+        vars(DeepSpeedActivationCheckpointingConfig({"activation_checkpointing": {"bogus": 1}}))["number_checkpoints"]
+        is None
+    )
 
 
 @pytest.mark.timeout(900)
 def test_hf_trainer_with_a_deepspeed_config_applies_and_verifies_the_plan():
     """HF Trainer + DeepSpeed (ZeRO-0, one CPU process): the callback applies k=2 of 4 after DeepSpeed
     wrapped the model, exactly those layers recompute, and training matches the un-checkpointed run."""
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "ds_trainer_job.py")], capture_output=True, text=True,
-                         timeout=850, cwd=ROOT, check=False)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "ds_trainer_job.py")],
+        capture_output=True,
+        text=True,
+        timeout=850,
+        cwd=ROOT,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["plan_layers"] == [0, 1] and result["recomputed"] == [0, 1] and result["verified"] is True
@@ -204,7 +229,7 @@ def test_describe_reads_rank_targets_and_trainable_count_from_peft():
     from memfit.describe import describe
 
     model = lora(llama(), r=8, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
-    trainable, total = model.get_nb_trainable_parameters()
+    trainable, _total = model.get_nb_trainable_parameters()
     req = describe(model, seq_len=64, micro_batch_size=2, gpu="L4")
     t = req.training
     assert (t.finetune.value, t.lora_rank) == ("lora", 8)
@@ -217,8 +242,10 @@ def test_describe_reads_rank_targets_and_trainable_count_from_peft():
     for targets in (r".*\.(q_proj|v_proj)", "all-linear"):  # a regex; PEFT resolves all-linear to full paths
         req = describe(lora(llama(), targets=targets), seq_len=64, micro_batch_size=2, gpu="L4")
         assert req.training.lora_target_modules == (
-            ["q_proj", "v_proj"] if "|" in targets else
-            ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]), targets
+            ["q_proj", "v_proj"]
+            if "|" in targets
+            else ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+        ), targets
 
     model.add_adapter("wide", peft.LoraConfig(r=16, target_modules=["gate_proj"]))
     model.set_adapter("wide")
@@ -289,7 +316,10 @@ def test_megatron_recompute_fields_per_stage_are_accepted_by_transformer_config(
     for rank, fields in enumerate(stages):
         config = transformer_config(pipeline_model_parallel_size=2, pipeline_dtype=torch.bfloat16, **fields)
         assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == (
-            "full", "block", [2, 1][rank])
+            "full",
+            "block",
+            [2, 1][rank],
+        )
 
     stages = megatron_recompute_config(rec_for([0, 1], num_layers=8, pp=2))  # stage 1 checkpoints nothing
     config = transformer_config(pipeline_model_parallel_size=2, pipeline_dtype=torch.bfloat16, **stages[1])

@@ -29,8 +29,15 @@ def tiny(name: str, **over) -> dict:
     if cfg["model_type"] == "gpt2":
         cfg.update(n_layer=LAYERS, n_embd=64, n_head=4, vocab_size=256, n_positions=1024, n_ctx=1024)
     else:
-        cfg.update(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, vocab_size=256)
+        cfg.update(
+            num_hidden_layers=LAYERS,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=256,
+        )
     cfg.update(over)
     return cfg
 
@@ -57,14 +64,26 @@ def _predictor(hf: dict, training: TrainingConfig) -> MemoryPredictor:
     return MemoryPredictor(terms=cache)
 
 
-@pytest.mark.parametrize("hf,training", [
-    pytest.param(LLAMA_TIED, TrainingConfig(micro_batch_size=2, seq_len=64, precision="fp32",
-                                            optimizer="adamw_foreach"), id="llama-tied-fp32-foreach"),
-    pytest.param(LLAMA_UNTIED, TrainingConfig(micro_batch_size=2, seq_len=64, precision="amp_bf16",
-                                              optimizer="adamw_fused"), id="llama-untied-amp-fused"),
-    pytest.param(LLAMA_TIED, TrainingConfig(micro_batch_size=4, seq_len=32, precision="bf16",
-                                            optimizer="adafactor", attention="eager"), id="llama-tied-bf16-adafactor"),
-])
+@pytest.mark.parametrize(
+    "hf,training",
+    [
+        pytest.param(
+            LLAMA_TIED,
+            TrainingConfig(micro_batch_size=2, seq_len=64, precision="fp32", optimizer="adamw_foreach"),
+            id="llama-tied-fp32-foreach",
+        ),
+        pytest.param(
+            LLAMA_UNTIED,
+            TrainingConfig(micro_batch_size=2, seq_len=64, precision="amp_bf16", optimizer="adamw_fused"),
+            id="llama-untied-amp-fused",
+        ),
+        pytest.param(
+            LLAMA_TIED,
+            TrainingConfig(micro_batch_size=4, seq_len=32, precision="bf16", optimizer="adafactor", attention="eager"),
+            id="llama-tied-bf16-adafactor",
+        ),
+    ],
+)
 def test_composed_curve_matches_the_measured_frozen_model(hf, training):
     training = training.model_copy(update={"finetune": FineTune.FROZEN, "frozen_layers": N})
     measured = _measured(hf, training)
@@ -80,8 +99,9 @@ def test_composed_curve_matches_the_measured_frozen_model(hf, training):
         assert m - 4096 <= p <= m * 1.03 + 64 * 1024, (k, p, m)
     for pt in curve.points:
         assert sum(pt.breakdown.values()) == pt.predicted_bytes
-        assert pt.breakdown["parameters_bytes"] == 4 * spec.total_params // (2 if training.precision.value == "bf16"
-                                                                            else 1)
+        assert pt.breakdown["parameters_bytes"] == 4 * spec.total_params // (
+            2 if training.precision.value == "bf16" else 1
+        )
 
 
 def _trainable(hf: dict, training: TrainingConfig) -> int:
@@ -97,8 +117,9 @@ def test_device_phases_shift_k_and_remove_the_embedding_states():
     from model.frozen import device_phases
 
     spec = model_spec(LLAMA_UNTIED)
-    training = TrainingConfig(micro_batch_size=1, seq_len=8, precision="fp32", optimizer="adamw_foreach",
-                              finetune="frozen", frozen_layers=N)
+    training = TrainingConfig(
+        micro_batch_size=1, seq_len=8, precision="fp32", optimizer="adamw_foreach", finetune="frozen", frozen_layers=N
+    )
     emb, layer = 256 * 64, (spec.total_params - 2 * 256 * 64 - 64) // LAYERS
     spec = spec.model_copy(update={"trainable_params": spec.total_params - emb - N * layer})
     base = np.arange((LAYERS - N + 1) * len(PEAK_PHASES), dtype=np.float64).reshape(LAYERS - N + 1, -1) * 1e6
@@ -136,8 +157,13 @@ def test_frozen_row_counts_as_traced_when_its_base_is():
     training = TrainingConfig(micro_batch_size=2, seq_len=64, finetune="frozen", frozen_layers=3)
     hf = catalog.get("pythia-70m")["hf_config"]
     spec = model_spec(hf)
-    row = {**spec.model_dump(), **training.model_dump(mode="json"), "model_name": "pythia-70m",
-           "num_checkpointed_layers": 0, "checkpoint_layers": []}
+    row = {
+        **spec.model_dump(),
+        **training.model_dump(mode="json"),
+        "model_name": "pythia-70m",
+        "num_checkpointed_layers": 0,
+        "checkpoint_layers": [],
+    }
     df = pd.DataFrame([row])
     cache = TermsCache(shipped_dir=None)
     assert list(row_paths(df, cache)) == [PROVISIONAL]

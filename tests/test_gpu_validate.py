@@ -39,11 +39,9 @@ def test_ingest_reads_both_files_of_the_shipped_h200_rows(tmp_path):
     rows = gv.Path(__file__).resolve().parent.parent / "data" / "telemetry" / "gpu_validation"
     url = f"sqlite:///{tmp_path / 'h200.db'}"
     # 28 rows of the built-in configs + 60 catalog rows (two of them out of memory at k = 0)
-    assert gv.ingest(rows / "h200-2026-12-04", url) == {"stored": 88, "duplicates": 0, "rejected": 0,
-                                                         "quarantined": 0}
+    assert gv.ingest(rows / "h200-2026-12-04", url) == {"stored": 88, "duplicates": 0, "rejected": 0, "quarantined": 0}
     store = TelemetryStore(url)
     assert set(store.dataframe()["method"]) == {"cuda"}
     # the 2026-11-30 run measured the same built-in configs: same record ids, other figures -> quarantined
-    assert gv.ingest(rows / "h200-2026-11-30", url) == {"stored": 0, "duplicates": 0, "rejected": 0,
-                                                         "quarantined": 26}
+    assert gv.ingest(rows / "h200-2026-11-30", url) == {"stored": 0, "duplicates": 0, "rejected": 0, "quarantined": 26}
     assert store.count() == 88

@@ -18,17 +18,26 @@ import pytest
 from memfit.schema import Offload, TrainingConfig
 from model.terms import terms_key
 
-TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320, "max_position_embeddings": 512,
-        "tie_word_embeddings": False}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 320,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
 PLANS = [[], [0, 1], [0, 1, 2, 3]]
 
 
 def _peaks(training: TrainingConfig, device: str = "fake") -> list[int]:
     from training.collect import measure_family
 
-    return [r.measurement.peak_allocated_bytes
-            for r in measure_family(TINY, training, PLANS, device=device, prime=True)]
+    return [
+        r.measurement.peak_allocated_bytes for r in measure_family(TINY, training, PLANS, device=device, prime=True)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +108,14 @@ def test_terms_key_depends_on_accumulation_only_where_gradients_stay_on_the_devi
     assert not off8.accumulates_gradients and terms_key(TINY, off8) == terms_key(TINY, off)
 
 
-@pytest.mark.parametrize("fields, field", [
-    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
-    ({"gradient_accumulation_steps": 4, "optimizer_in_backward": True}, "gradient_accumulation_steps"),
-    ({"gradient_accumulation_steps": 4, "pipeline_parallel_size": 2}, "gradient_accumulation_steps"),
-])
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+        ({"gradient_accumulation_steps": 4, "optimizer_in_backward": True}, "gradient_accumulation_steps"),
+        ({"gradient_accumulation_steps": 4, "pipeline_parallel_size": 2}, "gradient_accumulation_steps"),
+    ],
+)
 def test_bad_accumulation_names_the_field(fields, field):
     with pytest.raises(ValueError, match=field):
         TrainingConfig(micro_batch_size=1, seq_len=128, **fields)
@@ -179,8 +191,14 @@ def test_describe_reads_accumulation_from_trainer_and_deepspeed_configs():
     from memfit.describe import describe
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    arch = {"architecture": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-            "intermediate_size": 128, "vocab_size": 320}
+    arch = {
+        "architecture": "llama",
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 320,
+    }
     args = SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=8, bf16=True)
     req = describe(model, seq_len=128, training_args=args, gpu="A100-80GB", architecture=arch)
     assert req.training.gradient_accumulation_steps == 8
@@ -197,8 +215,9 @@ def test_describe_reads_accumulation_from_trainer_and_deepspeed_configs():
 def test_accumulation_mask_marks_rows_with_gradients_on_the_device():
     from model.features import accumulation_mask
 
-    rows = pd.DataFrame({"gradient_accumulation_steps": [1, 4, np.nan, 4],
-                         "offload_optimizer": ["none", "none", "none", "cpu"]})
+    rows = pd.DataFrame(
+        {"gradient_accumulation_steps": [1, 4, np.nan, 4], "offload_optimizer": ["none", "none", "none", "cpu"]}
+    )
     assert accumulation_mask(rows).tolist() == [0.0, 1.0, 0.0, 0.0]
     assert accumulation_mask(rows.drop(columns="gradient_accumulation_steps")).tolist() == [0.0] * 4
 
@@ -234,28 +253,66 @@ def test_mistral_7b_micro_batch_one_with_accumulation_on_an_a100():
     rec = Recommender(loaded.estimator, loaded.version)
     plans = {}
     for ga in (1, 4):
-        plans[ga] = rec.recommend(RecommendRequest.model_validate({
-            "model": "mistral-7b-v0.1", "training": {"micro_batch_size": 1, "seq_len": 4096, "precision": "bf16",
-                                                     "attention": "flash", "gradient_accumulation_steps": ga},
-            "cluster": {"gpu": "A100-80GB"}}))
+        plans[ga] = rec.recommend(
+            RecommendRequest.model_validate(
+                {
+                    "model": "mistral-7b-v0.1",
+                    "training": {
+                        "micro_batch_size": 1,
+                        "seq_len": 4096,
+                        "precision": "bf16",
+                        "attention": "flash",
+                        "gradient_accumulation_steps": ga,
+                    },
+                    "cluster": {"gpu": "A100-80GB"},
+                }
+            )
+        )
     assert plans[1].fits and plans[4].fits
     assert plans[1].k <= 4 and plans[4].k >= 15
     at0 = [p.curve[0].predicted_bytes for p in plans.values()]
     assert at0[1] - at0[0] == pytest.approx(14_483_464_192, rel=0.01)  # the bf16 gradients of 7.24 B parameters
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--grad-accum", "0"], ("memfit: error: --grad-accum (training.gradient_accumulation_steps): must be an integer "
-                            "in [1, 65536] (got 0)")),
-    (["--grad-accum", "4", "--optimizer-in-backward"], ("memfit: error: --grad-accum (training.gradient_accumulation_"
-                                                       "steps): must be 1 with optimizer_in_backward")),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["--grad-accum", "0"],
+            (
+                "memfit: error: --grad-accum (training.gradient_accumulation_steps): must be an integer "
+                "in [1, 65536] (got 0)"
+            ),
+        ),
+        (
+            ["--grad-accum", "4", "--optimizer-in-backward"],
+            (
+                "memfit: error: --grad-accum (training.gradient_accumulation_"
+                "steps): must be 1 with optimizer_in_backward"
+            ),
+        ),
+    ],
+)
 def test_cli_refuses_bad_accumulation_naming_the_flag(small_registry, capsys, argv, expected):
     from service.cli import main
 
     try:
-        code = main(["recommend", "--model", "llama-3-8b", "--gpu", "A100-80GB", "--micro-batch", "1", "--seq-len",
-                     "128", "--registry", str(small_registry.root), *argv])
+        code = main(
+            [
+                "recommend",
+                "--model",
+                "llama-3-8b",
+                "--gpu",
+                "A100-80GB",
+                "--micro-batch",
+                "1",
+                "--seq-len",
+                "128",
+                "--registry",
+                str(small_registry.root),
+                *argv,
+            ]
+        )
     except SystemExit as exit_:  # argparse refuses a value that is not an integer
         code = exit_.code
     err = capsys.readouterr().err
@@ -270,8 +327,13 @@ def test_http_refuses_bad_accumulation_with_a_422_naming_the_field(tmp_path, sma
 
     app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 's.db'}", registry_dir=str(small_registry.root)))
     with TestClient(app) as client:
-        r = client.post("/recommend", json={"model": "llama-3-8b", "cluster": {"gpu": "A100-80GB"},
-                                            "training": {"micro_batch_size": 1, "seq_len": 128,
-                                                         "gradient_accumulation_steps": 0}})
+        r = client.post(
+            "/recommend",
+            json={
+                "model": "llama-3-8b",
+                "cluster": {"gpu": "A100-80GB"},
+                "training": {"micro_batch_size": 1, "seq_len": 128, "gradient_accumulation_steps": 0},
+            },
+        )
     assert r.status_code == 422
     assert "training.gradient_accumulation_steps" in r.text

@@ -17,17 +17,27 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from data import catalog  # noqa: E402
-from data.catalog import ARCH_DIR  # noqa: E402
-from memfit.describe import describe  # noqa: E402
-from memfit.hf import decoder_layers, quiet_transformers, spec_fields_from_hf_config  # noqa: E402
+from data import catalog
+from data.catalog import ARCH_DIR
+from memfit.describe import describe
+from memfit.hf import decoder_layers, quiet_transformers, spec_fields_from_hf_config
 
 ENTRIES = {e["name"]: e for e in (json.loads(p.read_text()) for p in sorted(ARCH_DIR.glob("*.json")))}
-ARCH_FIELDS = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings", "num_experts",
-               "num_experts_per_token")
+ARCH_FIELDS = (
+    "architecture",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+    "num_experts",
+    "num_experts_per_token",
+)
 #: names of the FFN down projection (input width = FFN width) across the catalog's families
 DOWN_PROJ = ("down_proj", "dense_4h_to_h", "fc2", "fc_out", "c_proj")
 #: fused Q/K/V projections: output width = (heads + 2 * kv_heads) * head_dim
@@ -94,18 +104,25 @@ def test_describe_of_full_config_model_equals_catalog_spec(name):
 TINY = {"hidden_size": 64, "num_attention_heads": 8, "vocab_size": 128, "num_hidden_layers": 2}
 VARIANTS = {
     # Falcon-40B/180B: new_decoder_architecture with 8 KV heads; multi_query (default True) must not win.
-    "falcon-40b-style": ({**TINY, "model_type": "falcon", "new_decoder_architecture": True, "num_kv_heads": 2},
-                         {"num_key_value_heads": 2, "intermediate_size": 256}),
+    "falcon-40b-style": (
+        {**TINY, "model_type": "falcon", "new_decoder_architecture": True, "num_kv_heads": 2},
+        {"num_key_value_heads": 2, "intermediate_size": 256},
+    ),
     "falcon-40b-style-explicit-multi-query": (
         {**TINY, "model_type": "falcon", "new_decoder_architecture": True, "num_kv_heads": 2, "multi_query": True},
-        {"num_key_value_heads": 2}),
+        {"num_key_value_heads": 2},
+    ),
     "falcon-7b-style": ({**TINY, "model_type": "falcon", "multi_query": True}, {"num_key_value_heads": 1}),
     "falcon-7b-style-default": ({**TINY, "model_type": "falcon"}, {"num_key_value_heads": 1}),
     "falcon-rw-style": ({**TINY, "model_type": "falcon", "multi_query": False}, {"num_key_value_heads": 8}),
-    "gpt_bigcode-mqa": ({"model_type": "gpt_bigcode", "n_embd": 64, "n_head": 8, "n_layer": 2, "vocab_size": 128},
-                        {"num_key_value_heads": 1, "intermediate_size": 256}),
-    "gpt2-n_inner": ({"model_type": "gpt2", "n_embd": 64, "n_head": 8, "n_layer": 2, "vocab_size": 128,
-                      "n_inner": 96}, {"num_key_value_heads": 8, "intermediate_size": 96}),
+    "gpt_bigcode-mqa": (
+        {"model_type": "gpt_bigcode", "n_embd": 64, "n_head": 8, "n_layer": 2, "vocab_size": 128},
+        {"num_key_value_heads": 1, "intermediate_size": 256},
+    ),
+    "gpt2-n_inner": (
+        {"model_type": "gpt2", "n_embd": 64, "n_head": 8, "n_layer": 2, "vocab_size": 128, "n_inner": 96},
+        {"num_key_value_heads": 8, "intermediate_size": 96},
+    ),
     "opt-ffn_dim": ({**TINY, "model_type": "opt", "ffn_dim": 200}, {"intermediate_size": 200}),
 }
 

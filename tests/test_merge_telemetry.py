@@ -31,8 +31,13 @@ def test_merge_adds_new_rows_and_keeps_the_old_ones(tmp_path):
     _jsonl(incoming, [record(record_id="new-row-1", micro_batch_size=4), record(record_id="old-row-1")])
     out = merge(target, [incoming])
     assert (out["before"], out["after"], out["written"], out["held"]) == (2, 3, True, False)
-    assert out["files"][str(incoming)] | {"held": None} == {"stored": 1, "duplicates": 1, "rejected": 0,
-                                                            "quarantined": 0, "held": None}
+    assert out["files"][str(incoming)] | {"held": None} == {
+        "stored": 1,
+        "duplicates": 1,
+        "rejected": 0,
+        "quarantined": 0,
+        "held": None,
+    }
     df = pd.read_parquet(target).set_index("record_id")
     assert set(df.index) == {"old-row-1", "old-row-2", "new-row-1"}
     assert df.at["new-row-1", "micro_batch_size"] == 4 and df.at["old-row-2", "seq_len"] == 256
@@ -43,8 +48,14 @@ def test_a_conflicting_or_implausible_row_leaves_the_target_unchanged(tmp_path, 
     before = target.read_bytes()
     incoming = tmp_path / "in.jsonl"
     # same id, other peak: a conflict, never an overwrite; and a parameter count the shapes cannot hold
-    _jsonl(incoming, [record(record_id="old-row-1", peak_allocated_bytes=999_999_488),
-                      record(record_id="new-row-1"), record(record_id="bad-row-1", total_params=10**12)])
+    _jsonl(
+        incoming,
+        [
+            record(record_id="old-row-1", peak_allocated_bytes=999_999_488),
+            record(record_id="new-row-1"),
+            record(record_id="bad-row-1", total_params=10**12),
+        ],
+    )
     assert main([str(incoming), "--into", str(target)]) == 1
     err = capsys.readouterr().err
     assert "old-row-1" in err and "bad-row-1" in err and "disagrees with the shapes" in err

@@ -58,8 +58,14 @@ def test_fake_trace_equals_real_cpu_run_with_the_same_routing(family):
 
 def test_expert_parallel_and_imbalance_fake_equal_real_cpu():
     # amp_bf16 keeps fp32 experts: transformers' grouped_mm fallback op, on both sides
-    t = TrainingConfig(micro_batch_size=2, seq_len=64, precision="amp_bf16", data_parallel_size=2,
-                       expert_parallel_size=2, moe_imbalance_factor=2.0)
+    t = TrainingConfig(
+        micro_batch_size=2,
+        seq_len=64,
+        precision="amp_bf16",
+        data_parallel_size=2,
+        expert_parallel_size=2,
+        moe_imbalance_factor=2.0,
+    )
     fake, cpu = (measure(TINY_MOE["mixtral"], t, device=d) for d in ("fake", "cpu"))
     assert fake.measurement.peak_allocated_bytes == cpu.measurement.peak_allocated_bytes
     from memfit.hf import count_params_from_config
@@ -88,12 +94,17 @@ def test_trace_is_deterministic():
     assert a == b
 
 
-@pytest.mark.parametrize("family,fields", [
-    ("mixtral", {"precision": "bf16"}),
-    ("deepseek_v3", {"precision": "amp_bf16"}),
-    ("qwen2_moe", {"precision": "bf16", "data_parallel_size": 2, "expert_parallel_size": 2,
-                   "moe_imbalance_factor": 2.0}),
-])
+@pytest.mark.parametrize(
+    "family,fields",
+    [
+        ("mixtral", {"precision": "bf16"}),
+        ("deepseek_v3", {"precision": "amp_bf16"}),
+        (
+            "qwen2_moe",
+            {"precision": "bf16", "data_parallel_size": 2, "expert_parallel_size": 2, "moe_imbalance_factor": 2.0},
+        ),
+    ],
+)
 def test_composed_moe_peak_equals_full_measurement(family, fields):
     L = 4
     cfg = _with_layers(TINY_MOE[family], L)
@@ -103,8 +114,10 @@ def test_composed_moe_peak_equals_full_measurement(family, fields):
     assert (b, s) not in set(terms.points)
     t = training.model_copy(update={"micro_batch_size": b, "seq_len": s})
     ks = [0, 2, L]
-    measured = [r.measurement.peak_allocated_bytes
-                for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)]
+    measured = [
+        r.measurement.peak_allocated_bytes
+        for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)
+    ]
     curve = compose(terms.coef, L, b, s, terms.depths)
     for k, m in zip(ks, measured):
         assert abs(int(curve.peak_bytes[k]) - m) / m < 2e-3, (k, int(curve.peak_bytes[k]), m)
@@ -130,8 +143,9 @@ def test_not_traceable_moe_setups_are_named():
     assert "dense and MoE decoder layers" in not_traceable_reason(spec, t, ds)
     assert "saving per checkpointed layer is approximate" in not_traceable_reason(spec, t, ds)  # issue 30 item 8
     assert not_traceable_reason(spec, t, TINY_MOE["deepseek_v3"]) is None
-    fsdp_ep = TrainingConfig(micro_batch_size=1, seq_len=128, sharding="fsdp_full_shard", data_parallel_size=2,
-                             expert_parallel_size=2)
+    fsdp_ep = TrainingConfig(
+        micro_batch_size=1, seq_len=128, sharding="fsdp_full_shard", data_parallel_size=2, expert_parallel_size=2
+    )
     assert "sharding=none" in not_traceable_reason(spec, fsdp_ep, TINY_MOE["deepseek_v3"])
     with pytest.raises(ValueError, match="must divide num_experts=8"):
         local_expert_config(TINY_MOE["olmoe"], 3)
@@ -145,8 +159,9 @@ def test_moe_settings_are_checked_against_the_model():
         check_moe_settings(spec, TrainingConfig(micro_batch_size=1, seq_len=8, moe_imbalance_factor=2.5))
     assert err.value.field == "training.moe_imbalance_factor"
     with pytest.raises(InvalidConfiguration) as err:
-        check_moe_settings(spec, TrainingConfig(micro_batch_size=1, seq_len=8, data_parallel_size=3,
-                                                expert_parallel_size=3))
+        check_moe_settings(
+            spec, TrainingConfig(micro_batch_size=1, seq_len=8, data_parallel_size=3, expert_parallel_size=3)
+        )
     assert err.value.field == "training.expert_parallel_size"
     with pytest.raises(ValueError, match="expert_parallel_size: must be a divisor of data_parallel_size=1"):
         TrainingConfig(micro_batch_size=1, seq_len=8, expert_parallel_size=2)

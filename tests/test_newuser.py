@@ -11,9 +11,17 @@ from model.offload import host_bytes_per_rank, host_memory_bytes
 
 
 def _llama_8b_spec() -> ModelSpec:
-    return ModelSpec(architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
-                     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                     total_params=8_030_261_248, trainable_params=8_030_261_248)
+    return ModelSpec(
+        architecture="llama",
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        total_params=8_030_261_248,
+        trainable_params=8_030_261_248,
+    )
 
 
 @pytest.mark.parametrize("optimizer", list(Optimizer))
@@ -21,13 +29,24 @@ def test_offload_host_memory_answers_for_every_optimizer(optimizer):
     # `memfit recommend ... --optimizer lion --offload-optimizer cpu` died with KeyError (HTTP 500, CLI
     # "error: lion" with exit 2), and so did every 8-bit request whose alternatives try optimizer offload.
     spec = _llama_8b_spec()
-    tr = TrainingConfig(micro_batch_size=1, seq_len=128, precision=Precision.BF16_FP32_MASTER, optimizer=optimizer,
-                        offload_optimizer="cpu")
+    tr = TrainingConfig(
+        micro_batch_size=1,
+        seq_len=128,
+        precision=Precision.BF16_FP32_MASTER,
+        optimizer=optimizer,
+        offload_optimizer="cpu",
+    )
     per_rank = host_bytes_per_rank(spec, tr)
     # the host keeps the optimizer states, the fp32 master copy and the fp32 gradient copy (4 + 4 B)
-    states = {Optimizer.ADAMW_FOREACH: 8, Optimizer.ADAMW_FUSED: 8, Optimizer.SGD_MOMENTUM: 4,
-              Optimizer.ADAFACTOR: 0, Optimizer.LION: 4,
-              Optimizer.ADAMW_8BIT: 2 + 8 / 256, Optimizer.PAGED_ADAMW_8BIT: 2 + 8 / 256}[optimizer]
+    states = {
+        Optimizer.ADAMW_FOREACH: 8,
+        Optimizer.ADAMW_FUSED: 8,
+        Optimizer.SGD_MOMENTUM: 4,
+        Optimizer.ADAFACTOR: 0,
+        Optimizer.LION: 4,
+        Optimizer.ADAMW_8BIT: 2 + 8 / 256,
+        Optimizer.PAGED_ADAMW_8BIT: 2 + 8 / 256,
+    }[optimizer]
     assert per_rank == pytest.approx(spec.trainable_params * (states + 8), abs=1)
     assert host_memory_bytes(spec, tr) >= int(4 * spec.total_params * 1.5)
 
@@ -58,12 +77,29 @@ def test_cli_config_keeps_the_quantization_config(tmp_path):
     from service.cli import build_parser, request_from_args
 
     cfg = json.loads((__import__("pathlib").Path(__file__).parent / "data" / "qwen3-0.6b.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-                                  "bnb_4bit_use_double_quant": True}
+    cfg["quantization_config"] = {
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    a = build_parser().parse_args(["recommend", "--config", str(path), "--lora-rank", "8", "--gpu", "T4",
-                                   "--micro-batch", "1", "--seq-len", "128"])
+    a = build_parser().parse_args(
+        [
+            "recommend",
+            "--config",
+            str(path),
+            "--lora-rank",
+            "8",
+            "--gpu",
+            "T4",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "128",
+        ]
+    )
     req = request_from_args(a)
     assert req.model["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
     assert req.training.resolved_quantization(req.model["quantization_config"]).value == "nf4_double_quant"
@@ -93,8 +129,11 @@ def test_422_detail_names_the_field_once():
     from memfit.api import RecommendRequest
     from service.errors import _validation_errors, validation_detail
 
-    body = {"model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 512, "offload_parameters": "cpu"},
-            "cluster": {"gpu": "B200"}}
+    body = {
+        "model": "llama-3-8b",
+        "training": {"micro_batch_size": 1, "seq_len": 512, "offload_parameters": "cpu"},
+        "cluster": {"gpu": "B200"},
+    }
     with pytest.raises(ValidationError) as err:
         RecommendRequest.model_validate(body)
     exc = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.value.errors()])
@@ -105,32 +144,63 @@ def test_422_detail_names_the_field_once():
     assert detail.endswith("got 'B200'; close matches: H200"), detail
     # a plain pydantic error keeps its field prefix and its allowed range
     with pytest.raises(ValidationError) as err:
-        RecommendRequest.model_validate({**body, "training": {"micro_batch_size": 0, "seq_len": 512},
-                                         "cluster": {"gpu": "T4"}})
+        RecommendRequest.model_validate(
+            {**body, "training": {"micro_batch_size": 0, "seq_len": 512}, "cluster": {"gpu": "T4"}}
+        )
     exc = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.value.errors()])
     assert validation_detail(_validation_errors(exc, RecommendRequest)).startswith(
-        "training.micro_batch_size: Input should be greater than or equal to 1 (allowed: an integer in [1, 16384])")
+        "training.micro_batch_size: Input should be greater than or equal to 1 (allowed: an integer in [1, 16384])"
+    )
 
 
-@pytest.mark.parametrize("argv, expected", [
-    # a check inside the request schema's validator: was "training: offload_optimizer: offload_parameters=..."
-    # (now with the field, as every CLI field error names it: service.cli.flag_problem)
-    (["--offload-parameters", "cpu"], ("memfit: error: --offload-optimizer (training.offload_optimizer): "
-                                       "offload_parameters='cpu' needs offload_optimizer='cpu' (allowed: 'cpu')")),
-    # a check of the recommender: was "training.sharding: must be ..." without the flag
-    (["--zero", "3"], ("memfit: error: --zero/--sharding (training.sharding): must be 'none' when "
-                       "data_parallel_size is 1")),
-    # the same, with a message that names the section: was "... (training.data_parallel_size): training: data*..."
-    # and the flag the user raised (was --data-parallel, which they had not passed)
-    (["--gpus", "2", "--pipeline-parallel", "4"], ("memfit: error: --pipeline-parallel (training.pipeline_parallel_size"
-                                                   "): data*tensor*pipeline*context parallel size = 1*1*4*1 = 4 "
-                                                   "exceeds")),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        # a check inside the request schema's validator: was "training: offload_optimizer: offload_parameters=..."
+        # (now with the field, as every CLI field error names it: service.cli.flag_problem)
+        (
+            ["--offload-parameters", "cpu"],
+            (
+                "memfit: error: --offload-optimizer (training.offload_optimizer): "
+                "offload_parameters='cpu' needs offload_optimizer='cpu' (allowed: 'cpu')"
+            ),
+        ),
+        # a check of the recommender: was "training.sharding: must be ..." without the flag
+        (
+            ["--zero", "3"],
+            ("memfit: error: --zero/--sharding (training.sharding): must be 'none' when data_parallel_size is 1"),
+        ),
+        # the same, with a message that names the section: was "... (training.data_parallel_size): training: data*..."
+        # and the flag the user raised (was --data-parallel, which they had not passed)
+        (
+            ["--gpus", "2", "--pipeline-parallel", "4"],
+            (
+                "memfit: error: --pipeline-parallel (training.pipeline_parallel_size"
+                "): data*tensor*pipeline*context parallel size = 1*1*4*1 = 4 "
+                "exceeds"
+            ),
+        ),
+    ],
+)
 def test_cli_errors_name_the_flag(small_registry, capsys, argv, expected):
     from service.cli import EXIT_BAD_INPUT, main
 
-    code = main(["recommend", "--model", "llama-3-8b", "--gpu", "A100-80GB", "--micro-batch", "1", "--seq-len", "128",
-                 "--registry", str(small_registry.root), *argv])
+    code = main(
+        [
+            "recommend",
+            "--model",
+            "llama-3-8b",
+            "--gpu",
+            "A100-80GB",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "128",
+            "--registry",
+            str(small_registry.root),
+            *argv,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT and err.startswith(expected), err
 
@@ -144,29 +214,47 @@ def test_trace_terms_ignores_pipeline_and_context_parallel():
 
     from training.phases import trace_terms
 
-    tiny = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
-            "num_key_value_heads": 4, "intermediate_size": 512, "vocab_size": 2048, "tie_word_embeddings": False}
+    tiny = {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 512,
+        "vocab_size": 2048,
+        "tie_word_embeddings": False,
+    }
     points = [(2, 64), (2, 16), (2, 32), (4, 16), (4, 64)]  # as in tests/test_parallel.py
     base = TrainingConfig(micro_batch_size=1, seq_len=64, tensor_parallel_size=2)
-    parallel = TrainingConfig(micro_batch_size=1, seq_len=64, tensor_parallel_size=2, pipeline_parallel_size=2,
-                              context_parallel_size=2, num_micro_batches=4)
+    parallel = TrainingConfig(
+        micro_batch_size=1,
+        seq_len=64,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        context_parallel_size=2,
+        num_micro_batches=4,
+    )
     import torch.distributed as dist
 
     was_initialized = dist.is_initialized()
     try:
-        a, b = (json.dumps(trace_terms(tiny, t, points=points).to_json()["coef"], sort_keys=True)
-                for t in (base, parallel))
+        a, b = (
+            json.dumps(trace_terms(tiny, t, points=points).to_json()["coef"], sort_keys=True) for t in (base, parallel)
+        )
     finally:
         if not was_initialized and dist.is_initialized():  # the TP trace's fake process group: later tests
-            dist.destroy_process_group()                    # (describe() reads the world size) must not see it
+            dist.destroy_process_group()  # (describe() reads the world size) must not see it
     assert a == b
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"offload_optimizer": "disk"}, "offload_optimizer"),  # was "ValueError: 'disk' is not a valid Offload"
-    ({"offload_parameters": "gpu"}, "offload_parameters"),
-    ({"sharding": "zero4", "gpu_count": 2}, "sharding"),   # was "ValueError: 'zero4' is not a valid Sharding"
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"offload_optimizer": "disk"}, "offload_optimizer"),  # was "ValueError: 'disk' is not a valid Offload"
+        ({"offload_parameters": "gpu"}, "offload_parameters"),
+        ({"sharding": "zero4", "gpu_count": 2}, "sharding"),  # was "ValueError: 'zero4' is not a valid Sharding"
+    ],
+)
 def test_describe_names_the_argument_and_allowed_values(kwargs, field):
     import torch
 
@@ -175,13 +263,26 @@ def test_describe_names_the_argument_and_allowed_values(kwargs, field):
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(InvalidConfiguration) as err:
-        memfit.describe(model, micro_batch_size=1, seq_len=128, gpu="T4",
-                        architecture={"family": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                                      "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256},
-                        **kwargs)
+        memfit.describe(
+            model,
+            micro_batch_size=1,
+            seq_len=128,
+            gpu="T4",
+            architecture={
+                "family": "llama",
+                "num_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 128,
+                "vocab_size": 256,
+            },
+            **kwargs,
+        )
     assert err.value.field == field, str(err.value)
-    assert str(err.value).startswith(f"{field}: must be one of [") and ("'cpu'" in str(err.value)
-                                                                       or "'zero3'" in str(err.value)), str(err.value)
+    assert str(err.value).startswith(f"{field}: must be one of [") and (
+        "'cpu'" in str(err.value) or "'zero3'" in str(err.value)
+    ), str(err.value)
 
 
 def test_cli_stderr_has_no_bitsandbytes_cpu_kernel_notice():
@@ -192,17 +293,41 @@ def test_cli_stderr_has_no_bitsandbytes_cpu_kernel_notice():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "service.cli", "recommend", "--model", "llama-3-8b", "--gpu",
-                           "H100-80GB", "--gpus", "8", "--zero", "3", "--micro-batch", "2", "--seq-len", "8192",
-                           "--json"], check=False, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "recommend",
+            "--model",
+            "llama-3-8b",
+            "--gpu",
+            "H100-80GB",
+            "--gpus",
+            "8",
+            "--zero",
+            "3",
+            "--micro-batch",
+            "2",
+            "--seq-len",
+            "8192",
+            "--json",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "kernels" not in done.stderr, done.stderr
     # stdout is the answer alone, read at the file descriptor (C-level library output included): one JSON document.
     # The fake process group line a new user took for library chatter is the answer's own note on how the
     # sharding was traced, inside that document, worded for the user
     rec = json.loads(done.stdout)
-    assert rec["warnings"][0] == ("zero3 over 8 data-parallel ranks: rank 0's memory, traced in one process over "
-                                  "torch's fake process group of 8 ranks (no communication is run)")
+    assert rec["warnings"][0] == (
+        "zero3 over 8 data-parallel ranks: rank 0's memory, traced in one process over "
+        "torch's fake process group of 8 ranks (no communication is run)"
+    )
     assert done.stderr == ""
 
 
@@ -215,10 +340,15 @@ def test_parameters_per_rank_counts_one_expert_parallel_shard():
     from service.recommender import Recommender
 
     loaded = Registry().load()
-    rec = Recommender(loaded.estimator, loaded.version).recommend(RecommendRequest.model_validate({
-        "model": "mixtral-8x7b", "training": {"micro_batch_size": 1, "seq_len": 512, "precision": "bf16",
-                                              "expert_parallel_size": 4},
-        "cluster": {"gpu": "H200", "gpu_count": 8}}))
+    rec = Recommender(loaded.estimator, loaded.version).recommend(
+        RecommendRequest.model_validate(
+            {
+                "model": "mixtral-8x7b",
+                "training": {"micro_batch_size": 1, "seq_len": 512, "precision": "bf16", "expert_parallel_size": 4},
+                "cluster": {"gpu": "H200", "gpu_count": 8},
+            }
+        )
+    )
     experts = 32 * 8 * 3 * 4096 * 14336  # layers x experts x (w1, w2, w3) x hidden x FFN
     rest = rec.parameters_per_rank - experts // 4
     assert rest == pytest.approx(46_702_792_704 - experts, rel=1e-3)
@@ -230,8 +360,22 @@ def test_exit_code_survives_a_reader_that_leaves():
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "service.cli", "recommend", "--model", "llama-3-8b", "--gpu", "A100-80GB",
-           "--precision", "bf16_fp32_master", "--micro-batch", "1", "--seq-len", "128"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "recommend",
+        "--model",
+        "llama-3-8b",
+        "--gpu",
+        "A100-80GB",
+        "--precision",
+        "bf16_fp32_master",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "128",
+    ]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
         proc.stdout.read(10)
         proc.stdout.close()
@@ -244,8 +388,9 @@ def test_lists_survive_a_reader_that_leaves():
     import sys
 
     for command in ("gpus", "models"):
-        with subprocess.Popen([sys.executable, "-m", "service.cli", command], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) as proc:
+        with subprocess.Popen(
+            [sys.executable, "-m", "service.cli", command], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        ) as proc:
             proc.stdout.read(10)
             proc.stdout.close()
             assert proc.wait(timeout=120) == 0
@@ -260,18 +405,37 @@ def test_adamw_is_pytorchs_default_adamw_the_foreach_one(small_registry, capsys)
     from memfit.schema import Optimizer
     from service.cli import main
 
-    assert TrainingIn.model_validate({"micro_batch_size": 1, "seq_len": 8, "optimizer": "adamw"}).optimizer is \
-        Optimizer.ADAMW_FOREACH
+    assert (
+        TrainingIn.model_validate({"micro_batch_size": 1, "seq_len": 8, "optimizer": "adamw"}).optimizer
+        is Optimizer.ADAMW_FOREACH
+    )
     assert "adamw" not in {o.value for o in Optimizer}
     answers = {}
     for name in ("adamw", "adamw_foreach"):
-        code = main(["recommend", "--model", "gpt2", "--gpu", "A100-80GB", "--micro-batch", "1", "--seq-len",
-                     "1024", "--optimizer", name, "--json", "--registry", str(small_registry.root)])
+        code = main(
+            [
+                "recommend",
+                "--model",
+                "gpt2",
+                "--gpu",
+                "A100-80GB",
+                "--micro-batch",
+                "1",
+                "--seq-len",
+                "1024",
+                "--optimizer",
+                name,
+                "--json",
+                "--registry",
+                str(small_registry.root),
+            ]
+        )
         answers[name] = json.loads(capsys.readouterr().out)
         assert code == 0
     assert answers["adamw"]["training"]["optimizer"] == "adamw_foreach"
     assert answers["adamw"]["curve"] == answers["adamw_foreach"]["curve"]
     with pytest.raises(SystemExit):
         main(["recommend", "--help"])
-    assert "adamw is PyTorch's default torch.optim.AdamW, which runs adamw_foreach on CUDA" in \
-        " ".join(capsys.readouterr().out.split())
+    assert "adamw is PyTorch's default torch.optim.AdamW, which runs adamw_foreach on CUDA" in " ".join(
+        capsys.readouterr().out.split()
+    )

@@ -18,23 +18,33 @@ from pydantic import ValidationError
 
 from memfit.schema import Optimizer, Quantization, TrainingConfig
 from model.analytic import (
-    decoder_linear_shapes, model_state_bytes, optimizer_state_bytes_per_param, quantized_linear_bytes,
+    decoder_linear_shapes,
+    model_state_bytes,
+    optimizer_state_bytes_per_param,
+    quantized_linear_bytes,
 )
 from training.bnb import _bnb
-from training.collect import measure, measure_family, prepared_model
+from training.collect import _prime_optimizer, measure, measure_family, prepared_model
 from training.phases import _traced_step
-from training.collect import _prime_optimizer
 
 bnb = _bnb()
 
 # a small Llama wide enough that AdamW8bit quantizes its matrices (>= 4096 elements) and PagedAdamW8bit
 # pages the MLP ones (>= 1e5 elements: 256 x 512), while q/k/v/o (256 x 256 = 65536) stay on the device
-HF = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-      "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 320, "max_position_embeddings": 1024,
-      "tie_word_embeddings": False}
+HF = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 320,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
 
 
-def r512(n: int | float) -> int:
+def r512(n: float) -> int:
     return math.ceil(n / 512) * 512
 
 
@@ -57,7 +67,9 @@ def test_adamw8bit_state_layout_matches_bitsandbytes():
     assert (st["state1"].dtype, st["state2"].dtype, st["state1"].shape) == (torch.uint8, torch.uint8, big.shape)
     assert st["absmax1"].dtype == torch.float32 and st["absmax1"].numel() == math.ceil(big.numel() / 256)
     assert {k: v.dtype for k, v in opt.state[small].items() if torch.is_tensor(v)} == {
-        "state1": torch.float32, "state2": torch.float32}
+        "state1": torch.float32,
+        "state2": torch.float32,
+    }
     # memfit's per-parameter figure is exact for the large tensor (2 B + 2 x 4 B per 256 elements)
     per_param, paged = optimizer_state_bytes_per_param(cfg(optimizer="adamw_8bit"))
     real = sum(st[k].numel() * st[k].element_size() for k in ("state1", "state2", "absmax1", "absmax2"))
@@ -78,8 +90,9 @@ def test_lion_keeps_one_fp32_state_whatever_the_parameter_dtype():
 def test_4bit_layout_matches_bitsandbytes(quantization):
     """A real ``bnb.nn.Linear4bit`` quantized on CPU holds what :func:`quantized_linear_bytes` counts."""
     out_f, in_f = 384, 320  # 122880 weights: 1920 absmax blocks, 8 double-quant blocks (the last one partial)
-    lin = bnb.nn.Linear4bit(in_f, out_f, bias=False, quant_type="nf4",
-                            compress_statistics=quantization is Quantization.NF4_DOUBLE_QUANT)
+    lin = bnb.nn.Linear4bit(
+        in_f, out_f, bias=False, quant_type="nf4", compress_statistics=quantization is Quantization.NF4_DOUBLE_QUANT
+    )
     lin = lin.to("cpu")
     qs = lin.weight.quant_state
     tensors = [lin.weight.data, qs.absmax, qs.code]
@@ -102,16 +115,26 @@ def test_int8_layout_matches_bitsandbytes():
 # 2. The trace under fake tensors equals a real CPU run
 # ------------------------------------------------------------------------------------------------
 CASES = [
-    pytest.param(dict(optimizer="adamw_8bit"), id="adamw_8bit"),
-    pytest.param(dict(optimizer="paged_adamw_8bit"), id="paged_adamw_8bit"),
-    pytest.param(dict(optimizer="lion"), id="lion"),
-    pytest.param(dict(optimizer="adamw_8bit", optimizer_in_backward=True), id="adamw_8bit-in-backward"),
-    pytest.param(dict(optimizer="adamw_foreach", optimizer_in_backward=True, precision="amp_bf16"),
-                 id="adamw-in-backward-amp"),
-    pytest.param(dict(finetune="lora", lora_rank=8, quantization="nf4"), id="qlora-nf4"),
-    pytest.param(dict(finetune="lora", lora_rank=8, quantization="nf4_double_quant", precision="amp_bf16",
-                      checkpoint_layers=[1]), id="qlora-nf4-dq-amp-ckpt"),
-    pytest.param(dict(finetune="lora", lora_rank=8, quantization="int8"), id="qlora-int8"),
+    pytest.param({"optimizer": "adamw_8bit"}, id="adamw_8bit"),
+    pytest.param({"optimizer": "paged_adamw_8bit"}, id="paged_adamw_8bit"),
+    pytest.param({"optimizer": "lion"}, id="lion"),
+    pytest.param({"optimizer": "adamw_8bit", "optimizer_in_backward": True}, id="adamw_8bit-in-backward"),
+    pytest.param(
+        {"optimizer": "adamw_foreach", "optimizer_in_backward": True, "precision": "amp_bf16"},
+        id="adamw-in-backward-amp",
+    ),
+    pytest.param({"finetune": "lora", "lora_rank": 8, "quantization": "nf4"}, id="qlora-nf4"),
+    pytest.param(
+        {
+            "finetune": "lora",
+            "lora_rank": 8,
+            "quantization": "nf4_double_quant",
+            "precision": "amp_bf16",
+            "checkpoint_layers": [1],
+        },
+        id="qlora-nf4-dq-amp-ckpt",
+    ),
+    pytest.param({"finetune": "lora", "lora_rank": 8, "quantization": "int8"}, id="qlora-int8"),
 ]
 
 
@@ -162,7 +185,7 @@ def test_step_in_backward_leaves_no_gradient_for_the_optimizer_phase():
             timeline = _traced_step(run, opt, run.input_ids(2, 64))
             grads = sum(r512(p.numel() * p.element_size()) for p in run.model.parameters() if p.requires_grad)
             getattr(opt, "close", lambda: None)()
-        marks = dict((phase, live) for phase, live in reversed(timeline))  # first entry of each phase
+        marks = {phase: live for phase, live in reversed(timeline)}  # first entry of each phase
         live_at[fused] = marks["opt"] - marks["rest"]
     assert live_at[True] == 0
     assert live_at[False] == grads
@@ -204,8 +227,9 @@ def test_hf_quantization_config_read():
     from memfit.hf import quantization_from_hf
 
     assert quantization_from_hf({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}) is Quantization.NF4
-    assert quantization_from_hf({"load_in_4bit": True, "bnb_4bit_use_double_quant": True}) is \
-        Quantization.NF4_DOUBLE_QUANT
+    assert (
+        quantization_from_hf({"load_in_4bit": True, "bnb_4bit_use_double_quant": True}) is Quantization.NF4_DOUBLE_QUANT
+    )
     assert quantization_from_hf({"load_in_8bit": True}) is Quantization.INT8
     assert quantization_from_hf({"quant_method": "bitsandbytes"}) is Quantization.NONE
     with pytest.raises(InvalidConfiguration, match="quantization_config.quant_method: must be 'bitsandbytes'"):
@@ -227,7 +251,7 @@ def test_service_takes_quantization_from_the_config_dict_and_refuses_contradicti
 
     hf = {**HF, "quantization_config": {"load_in_4bit": True, "bnb_4bit_use_double_quant": True}}
     spec = model_spec(HF)
-    lora = dict(micro_batch_size=1, seq_len=64, finetune="lora", lora_rank=8)
+    lora = {"micro_batch_size": 1, "seq_len": 64, "finetune": "lora", "lora_rank": 8}
     training, _ = training_config(TrainingIn(**lora), spec, 1, hf)
     assert training.quantization is Quantization.NF4_DOUBLE_QUANT
     with pytest.raises(InvalidConfiguration) as err:
@@ -246,8 +270,11 @@ def test_service_answers_422_naming_the_field(tmp_path, small_registry):
 
     app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 's.db'}", registry_dir=str(small_registry.root)))
     with TestClient(app) as client:
-        body = {"model": "llama-3.2-1b", "training": {"micro_batch_size": 1, "seq_len": 512,
-                                                      "optimizer": "adamw_bnb"}, "cluster": {"gpu": "A100-80GB"}}
+        body = {
+            "model": "llama-3.2-1b",
+            "training": {"micro_batch_size": 1, "seq_len": 512, "optimizer": "adamw_bnb"},
+            "cluster": {"gpu": "A100-80GB"},
+        }
         r = client.post("/recommend", json=body)
         assert r.status_code == 422, r.text
         assert "training.optimizer" in r.text and "paged_adamw_8bit" in r.text
@@ -267,9 +294,17 @@ def test_shipped_rows_answered_by_the_traced_curve():
 
     records = load_records(Path(__file__).resolve().parent.parent / DEFAULT_ROWS)
     res = evaluate(records)
-    assert set(res) == {"adamw_8bit", "adamw_8bit in-backward", "adamw_foreach in-backward", "lion",
-                        "paged_adamw_8bit", "paged_adamw_8bit in-backward", "qlora int8", "qlora nf4",
-                        "qlora nf4_double_quant"}
+    assert set(res) == {
+        "adamw_8bit",
+        "adamw_8bit in-backward",
+        "adamw_foreach in-backward",
+        "lion",
+        "paged_adamw_8bit",
+        "paged_adamw_8bit in-backward",
+        "qlora int8",
+        "qlora nf4",
+        "qlora nf4_double_quant",
+    }
     for name, m in res.items():
         assert m["paths"] == ["traced"] and m["max_err_pct"] < 0.01, (name, m)
 
@@ -285,14 +320,20 @@ def test_describe_picks_up_a_qlora_model_and_bitsandbytes_optim_names():
     from training.bnb import quantize_base_linears
 
     model = build_causal_lm(HF, dtype=torch.bfloat16)
-    quantize_base_linears(model, Quantization.NF4_DOUBLE_QUANT, storage_dtype=torch.bfloat16,
-                          compute_dtype=torch.bfloat16)
+    quantize_base_linears(
+        model, Quantization.NF4_DOUBLE_QUANT, storage_dtype=torch.bfloat16, compute_dtype=torch.bfloat16
+    )
     model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     args = types.SimpleNamespace(per_device_train_batch_size=1, optim="paged_adamw_8bit", bf16=True)
     req = memfit.describe(model, seq_len=128, training_args=args, gpu="A100-80GB", optimizer_in_backward=True)
     t = req.training
     assert (t.quantization, t.optimizer, t.optimizer_in_backward, t.finetune.value, t.lora_rank) == (
-        Quantization.NF4_DOUBLE_QUANT, Optimizer.PAGED_ADAMW_8BIT, True, "lora", 8)
+        Quantization.NF4_DOUBLE_QUANT,
+        Optimizer.PAGED_ADAMW_8BIT,
+        True,
+        "lora",
+        8,
+    )
     # the 4-bit weights count as the weights they hold, not as their packed bytes
     from memfit.describe import parameter_counts
 
@@ -300,19 +341,45 @@ def test_describe_picks_up_a_qlora_model_and_bitsandbytes_optim_names():
     assert req.training.trainable_params == lora
     assert parameter_counts(model) == (parameter_counts(build_causal_lm(HF))[0] + lora, lora)
     model.get_base_model().config.quantization_config = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
-    assert memfit.describe(model, seq_len=128, micro_batch_size=1, gpu="A100-80GB").training.quantization is \
-        Quantization.NF4
+    assert (
+        memfit.describe(model, seq_len=128, micro_batch_size=1, gpu="A100-80GB").training.quantization
+        is Quantization.NF4
+    )
     with pytest.raises(ValueError, match="training_args.optim='adamw_anyprecision' is not modelled"):
-        memfit.describe(model, seq_len=128, gpu="A100-80GB",
-                        training_args=types.SimpleNamespace(per_device_train_batch_size=1, optim="adamw_anyprecision"))
+        memfit.describe(
+            model,
+            seq_len=128,
+            gpu="A100-80GB",
+            training_args=types.SimpleNamespace(per_device_train_batch_size=1, optim="adamw_anyprecision"),
+        )
 
 
 def test_cli_flags_reach_the_request():
     from service.cli import build_parser, request_from_args
 
-    a = build_parser().parse_args(["recommend", "--model", "llama-3.2-1b", "--micro-batch", "1", "--seq-len", "512",
-                                   "--gpu", "A100-80GB", "--lora-rank", "8", "--quantization", "nf4",
-                                   "--optimizer", "paged_adamw_8bit", "--optimizer-in-backward"])
+    a = build_parser().parse_args(
+        [
+            "recommend",
+            "--model",
+            "llama-3.2-1b",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "512",
+            "--gpu",
+            "A100-80GB",
+            "--lora-rank",
+            "8",
+            "--quantization",
+            "nf4",
+            "--optimizer",
+            "paged_adamw_8bit",
+            "--optimizer-in-backward",
+        ]
+    )
     t = request_from_args(a).training
     assert (t.quantization, t.optimizer, t.optimizer_in_backward) == (
-        Quantization.NF4, Optimizer.PAGED_ADAMW_8BIT, True)
+        Quantization.NF4,
+        Optimizer.PAGED_ADAMW_8BIT,
+        True,
+    )

@@ -11,12 +11,24 @@ from memfit.errors import InvalidConfiguration
 from memfit.hf import model_spec
 from memfit.schema import TrainingConfig
 from model.parallel import (
-    compose_stage, micro_batches_in_flight, pipeline_stages, ring_attention_bytes, stage_layer_counts,
+    compose_stage,
+    micro_batches_in_flight,
+    pipeline_stages,
+    ring_attention_bytes,
+    stage_layer_counts,
     tensor_parallel_rank_spec,
 )
 
-TINY = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 256, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "intermediate_size": 512, "vocab_size": 2048, "tie_word_embeddings": False}
+TINY = {
+    "model_type": "llama",
+    "num_hidden_layers": 8,
+    "hidden_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 512,
+    "vocab_size": 2048,
+    "tie_word_embeddings": False,
+}
 POINTS = [(2, 64), (2, 16), (2, 32), (4, 16), (4, 64)]
 
 
@@ -82,8 +94,9 @@ def test_stage_layer_counts_and_micro_batches_in_flight():
     assert [micro_batches_in_flight(i, few) for i in range(4)] == [2, 2, 2, 1]
     gpipe = cfg_(pipeline_parallel_size=4, num_micro_batches=8, pipeline_schedule="gpipe")
     assert {micro_batches_in_flight(i, gpipe) for i in range(4)} == {8}
-    inter = cfg_(pipeline_parallel_size=4, num_micro_batches=8, pipeline_schedule="interleaved_1f1b",
-                 pipeline_chunks_per_rank=2)
+    inter = cfg_(
+        pipeline_parallel_size=4, num_micro_batches=8, pipeline_schedule="interleaved_1f1b", pipeline_chunks_per_rank=2
+    )
     assert micro_batches_in_flight(0, inter) == 4 + 3 / 2  # pp + (pp - 1) / v, Narayanan et al. 2021
     assert micro_batches_in_flight(3, inter) == (0 + 4 + 1) / 2
 
@@ -142,8 +155,9 @@ def test_context_parallel_divides_activations(tiny_terms):
 
     spec = model_spec(TINY)
     one = compose_pipeline(tiny_terms.coef, tiny_terms.depths, spec, cfg_(precision="fp32", seq_len=1024))
-    four = compose_pipeline(tiny_terms.coef, tiny_terms.depths, spec,
-                            cfg_(precision="fp32", seq_len=1024, context_parallel_size=4))
+    four = compose_pipeline(
+        tiny_terms.coef, tiny_terms.depths, spec, cfg_(precision="fp32", seq_len=1024, context_parallel_size=4)
+    )
     assert four.peak_bytes[0] < one.peak_bytes[0]
     assert (four.peak_bytes <= one.peak_bytes).all()
 
@@ -158,20 +172,27 @@ def test_schema_rejects_bad_parallel_settings():
         cfg_(pipeline_schedule="zero_bubble")
 
 
-@pytest.mark.parametrize("fields,field", [
-    ({"context_parallel_size": 3}, "training.context_parallel_size"),
-    ({"sequence_parallel": True}, "training.sequence_parallel"),
-    ({"context_parallel_size": 2, "attention": "eager"}, "training.attention"),
-    ({"pipeline_parallel_size": 4, "pipeline_schedule": "interleaved_1f1b", "pipeline_chunks_per_rank": 3},
-     "training.pipeline_chunks_per_rank"),
-    ({"tensor_parallel_size": 4, "context_parallel_size": 4}, "training.tensor_parallel_size"),
-    ({"tensor_parallel_size": 2, "data_parallel_size": 8}, "training.data_parallel_size"),
-    # settings that would be ignored silently (found by a new-user trial)
-    ({"num_micro_batches": 4}, "training.num_micro_batches"),  # no pipeline
-    ({"pipeline_parallel_size": 2, "pipeline_chunks_per_rank": 4}, "training.pipeline_chunks_per_rank"),  # 1f1b
-    ({"pipeline_parallel_size": 4, "pipeline_schedule": "interleaved_1f1b", "num_micro_batches": 6},
-     "training.num_micro_batches"),
-])
+@pytest.mark.parametrize(
+    "fields,field",
+    [
+        ({"context_parallel_size": 3}, "training.context_parallel_size"),
+        ({"sequence_parallel": True}, "training.sequence_parallel"),
+        ({"context_parallel_size": 2, "attention": "eager"}, "training.attention"),
+        (
+            {"pipeline_parallel_size": 4, "pipeline_schedule": "interleaved_1f1b", "pipeline_chunks_per_rank": 3},
+            "training.pipeline_chunks_per_rank",
+        ),
+        ({"tensor_parallel_size": 4, "context_parallel_size": 4}, "training.tensor_parallel_size"),
+        ({"tensor_parallel_size": 2, "data_parallel_size": 8}, "training.data_parallel_size"),
+        # settings that would be ignored silently (found by a new-user trial)
+        ({"num_micro_batches": 4}, "training.num_micro_batches"),  # no pipeline
+        ({"pipeline_parallel_size": 2, "pipeline_chunks_per_rank": 4}, "training.pipeline_chunks_per_rank"),  # 1f1b
+        (
+            {"pipeline_parallel_size": 4, "pipeline_schedule": "interleaved_1f1b", "num_micro_batches": 6},
+            "training.num_micro_batches",
+        ),
+    ],
+)
 def test_service_names_the_bad_parallel_field(fields, field):
     from service.recommender import training_config
 
@@ -220,8 +241,15 @@ def test_tensor_parallel_with_fsdp_on_a_2d_mesh_is_measured_and_composes(shardin
     from training.phases import trace_terms
 
     cfg = {**TINY, "num_hidden_layers": 6}
-    t = cfg_(seq_len=64, tensor_parallel_size=4, sequence_parallel=sp, precision="amp_bf16", checkpoint_layers=[0, 1],
-             sharding=sharding, data_parallel_size=2)
+    t = cfg_(
+        seq_len=64,
+        tensor_parallel_size=4,
+        sequence_parallel=sp,
+        precision="amp_bf16",
+        checkpoint_layers=[0, 1],
+        sharding=sharding,
+        data_parallel_size=2,
+    )
     assert not_traceable_reason(model_spec(cfg), t) is None
     fake = measure(cfg, t, device="fake").measurement.peak_allocated_bytes
     real = measure(cfg, t, device="cpu").measurement.peak_allocated_bytes
@@ -231,6 +259,7 @@ def test_tensor_parallel_with_fsdp_on_a_2d_mesh_is_measured_and_composes(shardin
     assert terms.depths == (3, 4)
     assert abs(int(compose(terms.coef, 6, 2, 64, terms.depths).peak_bytes[2]) - fake) <= 1024
     # less than TP alone: the data-parallel dimension shards what each tensor-parallel rank holds
-    alone = measure(cfg, TrainingConfig(**{**t.model_dump(), "sharding": "none", "data_parallel_size": 1}),
-                    device="fake")
+    alone = measure(
+        cfg, TrainingConfig(**{**t.model_dump(), "sharding": "none", "data_parallel_size": 1}), device="fake"
+    )
     assert fake < alone.measurement.peak_allocated_bytes

@@ -35,8 +35,15 @@ def small_width(name: str, **over) -> dict:
     if cfg["model_type"] == "gpt2":
         cfg.update(n_layer=L, n_embd=512, n_head=8, vocab_size=4096, n_positions=1024, n_ctx=1024)
     else:
-        cfg.update(num_hidden_layers=L, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                   num_key_value_heads=4, head_dim=64, vocab_size=4096)
+        cfg.update(
+            num_hidden_layers=L,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            vocab_size=4096,
+        )
         if "layer_types" in cfg:
             cfg.pop("layer_types")
     cfg.update(over)
@@ -49,8 +56,10 @@ CASES = [
     ("gemma-2-2b", {"precision": "amp_bf16", "optimizer": "adamw_foreach"}),  # eager, sliding window, soft-cap
     ("qwen2.5-0.5b", {"precision": "bf16_fp32_master", "optimizer": "adamw_foreach"}),
     ("llama-3-8b", {"precision": "amp_bf16", "optimizer": "adamw_foreach", "finetune": "lora", "lora_rank": 8}),
-    ("llama-3-8b", {"precision": "bf16", "optimizer": "adamw_fused", "sharding": "fsdp_full_shard",
-                    "data_parallel_size": 4}),
+    (
+        "llama-3-8b",
+        {"precision": "bf16", "optimizer": "adamw_fused", "sharding": "fsdp_full_shard", "data_parallel_size": 4},
+    ),
 ]
 
 
@@ -69,8 +78,10 @@ def test_composed_peak_equals_full_measurement(name, fields):
         assert (b, s) not in traced
         t = training.model_copy(update={"micro_batch_size": b, "seq_len": s})
         ks = [0, 1, L // 2, L]
-        measured = [r.measurement.peak_allocated_bytes
-                    for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)]
+        measured = [
+            r.measurement.peak_allocated_bytes
+            for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)
+        ]
         curve = compose_terms(terms.to_json(), L, b, s)
         for k, m in zip(ks, measured):
             got = int(curve.peak_bytes[k])
@@ -90,15 +101,25 @@ def test_fsdp_lora_micro_batch_one_composes_from_its_own_traces():
     Known miss: with 0 < k < L at b = 1 a constant boundary term (~10 MB here, the layer above the
     checkpointed block keeping its input's buffer) is not in the all-or-nothing small models: 2.6-3.5 % low."""
     cfg = small_width("pythia-160m")
-    training = TrainingConfig(micro_batch_size=1, seq_len=128, precision="fp32", optimizer="adamw_foreach",
-                              sharding="fsdp_full_shard", data_parallel_size=2, attention="eager", finetune="lora",
-                              lora_rank=16)
+    training = TrainingConfig(
+        micro_batch_size=1,
+        seq_len=128,
+        precision="fp32",
+        optimizer="adamw_foreach",
+        sharding="fsdp_full_shard",
+        data_parallel_size=2,
+        attention="eager",
+        finetune="lora",
+        lora_rank=16,
+    )
     terms = trace_terms(cfg, training)
     assert terms.depths == (3, 4) and terms.mb1_coef is not None
     t = training.model_copy(update={"micro_batch_size": 1, "seq_len": 1000})
     ks = [0, 1, L // 2, L]
-    measured = [r.measurement.peak_allocated_bytes
-                for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)]
+    measured = [
+        r.measurement.peak_allocated_bytes
+        for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)
+    ]
     fitted = compose(terms.coef, L, 1, 1000, terms.depths, monotone=False).peak_bytes  # b = 1 from the b >= 2 fit
     own = compose_terms(terms.to_json(), L, 1, 1000).peak_bytes
     assert (fitted[0] - measured[0]) / measured[0] < -0.03
@@ -125,8 +146,10 @@ def test_sliding_window_regimes_compose_on_both_sides():
     spec = catalog.spec(cfg)
     for b, s in [(2, 1000), (1, 1024), (1, 3000)]:
         t = training.model_copy(update={"micro_batch_size": b, "seq_len": s})
-        measured = [r.measurement.peak_allocated_bytes for r in measure_family(cfg, t, [[], list(range(L))], prime=True,
-                                                                               steps=1)]
+        measured = [
+            r.measurement.peak_allocated_bytes
+            for r in measure_family(cfg, t, [[], list(range(L))], prime=True, steps=1)
+        ]
         c = MemoryPredictor(None, cache).curve(spec, t, cfg)
         for k, m in zip((0, L), measured):
             assert abs(c.points[k].predicted_bytes - m) / m < 2e-3, (b, s, k)
@@ -143,8 +166,10 @@ def test_micro_batch_one_on_the_fit_drops_only_missing_allocations():
     assert folded is not None and folded.shape == (5, 2)
     assert folded[0].tolist() == pytest.approx([50, 50]) and folded[2].tolist() == pytest.approx([1000, 2000])
     assert not folded[1].any() and not folded[3].any()
-    assert micro_batch_one_on_fit(timelines, points, [0, 1], [at_one[0], ("fwd.layers", 50 + 2500 * 300)],
-                                  (1, 300)) is None
+    assert (
+        micro_batch_one_on_fit(timelines, points, [0, 1], [at_one[0], ("fwd.layers", 50 + 2500 * 300)], (1, 300))
+        is None
+    )
     assert micro_batch_one_on_fit(timelines, points, [0, 1], [*at_one, ("fwd.layers", 1)], (1, 300)) is None
     assert micro_batch_one_on_fit(timelines, points, [0, 1], at_one, (2, 300)) is None  # not micro-batch 1
 
@@ -195,14 +220,42 @@ def test_composition_reads_phases_not_one_total():
         return [[float(v), 0.0, 0.0, 0.0, 0.0]]
 
     small = {
-        (1, 0): {"rest": 10, "fwd.layers": 12, "fwd.head": 20, "bwd.head": 30, "bwd.layers": 18, "bwd.emb": 16,
-                 "opt": 22},
-        (2, 0): {"rest": 14, "fwd.layers": 18, "fwd.head": 26, "bwd.head": 36, "bwd.layers": 26, "bwd.emb": 22,
-                 "opt": 30},
-        (1, 1): {"rest": 10, "fwd.layers": 12, "fwd.head": 18, "bwd.head": 28, "bwd.layers": 20, "bwd.emb": 16,
-                 "opt": 22},
-        (2, 2): {"rest": 14, "fwd.layers": 16, "fwd.head": 22, "bwd.head": 32, "bwd.layers": 25, "bwd.emb": 22,
-                 "opt": 30},
+        (1, 0): {
+            "rest": 10,
+            "fwd.layers": 12,
+            "fwd.head": 20,
+            "bwd.head": 30,
+            "bwd.layers": 18,
+            "bwd.emb": 16,
+            "opt": 22,
+        },
+        (2, 0): {
+            "rest": 14,
+            "fwd.layers": 18,
+            "fwd.head": 26,
+            "bwd.head": 36,
+            "bwd.layers": 26,
+            "bwd.emb": 22,
+            "opt": 30,
+        },
+        (1, 1): {
+            "rest": 10,
+            "fwd.layers": 12,
+            "fwd.head": 18,
+            "bwd.head": 28,
+            "bwd.layers": 20,
+            "bwd.emb": 16,
+            "opt": 22,
+        },
+        (2, 2): {
+            "rest": 14,
+            "fwd.layers": 16,
+            "fwd.head": 22,
+            "bwd.head": 32,
+            "bwd.layers": 25,
+            "bwd.emb": 22,
+            "opt": 30,
+        },
     }
     coef = {nc: {p: piece(v) for p, v in phases.items()} for nc, phases in small.items()}
     c = compose(coef, 10, 1, 1)
@@ -225,33 +278,57 @@ def test_linear_check_passes_only_steps_without_s2_terms():
     assert sorted([*three, check, rest]) == sorted(points) and {b for b, _ in three} == {2, 4}
 
     def timeline(b, s, mask=0, batch_mask=0):  # live bytes after three events: weights, activations, a mask
-        return [("rest", 1 << 30), ("fwd.layers", (1 << 30) + 4096 * b * s + 512 * s),
-                ("bwd.head", 2048 * b * s + mask * s * s + batch_mask * b * s * s)]
+        return [
+            ("rest", 1 << 30),
+            ("fwd.layers", (1 << 30) + 4096 * b * s + 512 * s),
+            ("bwd.head", 2048 * b * s + mask * s * s + batch_mask * b * s * s),
+        ]
 
     assert timeline_on_fit([timeline(b, s) for b, s in three], three, [0, 1, 2], timeline(*check), check)
     # an explicit 1-byte mask, (1, 1, s, s) or (b, 1, s, s): the check point is s1²/8 or s1²/4 bytes off the fit
     for m in ({"mask": 1}, {"batch_mask": 1}):
-        assert not timeline_on_fit([timeline(b, s, **m) for b, s in three], three, [0, 1, 2],
-                                   timeline(*check, **m), check), m
+        assert not timeline_on_fit(
+            [timeline(b, s, **m) for b, s in three], three, [0, 1, 2], timeline(*check, **m), check
+        ), m
     # a step with one allocation more at the check point (a shape-dependent op sequence)
-    assert not timeline_on_fit([timeline(b, s) for b, s in three], three, [0, 1, 2],
-                               [*timeline(*check), ("opt", 1)], check)
+    assert not timeline_on_fit(
+        [timeline(b, s) for b, s in three], three, [0, 1, 2], [*timeline(*check), ("opt", 1)], check
+    )
 
 
 def test_small_config_cuts_per_layer_lists():
-    cfg = {"model_type": "gpt_neo", "num_layers": 4, "attention_types": [[["global", "local"], 2]],
-           "hidden_size": 64, "num_heads": 4, "vocab_size": 256}
+    cfg = {
+        "model_type": "gpt_neo",
+        "num_layers": 4,
+        "attention_types": [[["global", "local"], 2]],
+        "hidden_size": 64,
+        "num_heads": 4,
+        "vocab_size": 256,
+    }
     assert small_config(cfg, 1)["attention_types"] == [[["global"], 1]]
     assert small_config(cfg, 2)["attention_types"] == [[["global"], 1], [["local"], 1]]
-    g = {"model_type": "gemma2", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-         "vocab_size": 256, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    g = {
+        "model_type": "gemma2",
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "vocab_size": 256,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    }
     assert small_config(g, 2)["layer_types"] == ["sliding_attention", "full_attention"]
     assert small_config(g, 2)["num_hidden_layers"] == 2
     # a model shallower than the traced depth (2 layers traced at 3 and 4): the pattern repeats, and HF's own
     # check (num_hidden_layers == len(layer_types)) holds; it failed every trace of 2-layer Qwen3 configs
-    q = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256,
-         "layer_types": ["full_attention", "full_attention"]}
+    q = {
+        "model_type": "qwen3",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+        "layer_types": ["full_attention", "full_attention"],
+    }
     assert small_config(q, 3)["layer_types"] == ["full_attention"] * 3
     assert small_config(g, 6)["layer_types"] == ["sliding_attention", "full_attention"] * 3
     assert small_config(cfg, 5)["attention_types"] == [[[t], 1] for t in ["global", "local"] * 2 + ["global"]]
@@ -275,8 +352,10 @@ def test_token_points_respect_learned_positions():
 
 REPLAY_CASES = [
     ("qwen2.5-0.5b", {"precision": "bf16_fp32_master", "optimizer": "adamw_foreach"}),  # frees bf16 grads mid-step
-    ("llama-3-8b", {"precision": "bf16", "optimizer": "adamw_fused", "sharding": "fsdp_full_shard",
-                    "data_parallel_size": 4}),  # DTensor states
+    (
+        "llama-3-8b",
+        {"precision": "bf16", "optimizer": "adamw_fused", "sharding": "fsdp_full_shard", "data_parallel_size": 4},
+    ),  # DTensor states
     ("llama-3-8b", {"precision": "amp_bf16", "optimizer": "adafactor", "gradient_accumulation_steps": 4}),
 ]
 

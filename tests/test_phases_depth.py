@@ -27,7 +27,7 @@ from data import catalog
 from memfit.schema import Sharding, TrainingConfig
 from model.compose import compose_terms
 from training.collect import measure_family
-from training.phases import traced_depths, trace_terms
+from training.phases import trace_terms, traced_depths
 
 L = 6
 
@@ -40,8 +40,7 @@ REDUCED = {
 CASES = [
     ("bloom-560m", {"precision": "amp_bf16", "optimizer": "adafactor"}, (3, 1536)),  # eager: b·heads·s² scores
     ("gpt-j-6b", {"precision": "bf16", "optimizer": "adamw_fused", "finetune": "lora", "lora_rank": 16}, (3, 768)),
-    ("falcon-7b", {"precision": "bf16", "optimizer": "adamw_foreach", "finetune": "lora", "lora_rank": 16},
-     (1, 1000)),
+    ("falcon-7b", {"precision": "bf16", "optimizer": "adamw_foreach", "finetune": "lora", "lora_rank": 16}, (1, 1000)),
 ]
 
 
@@ -55,8 +54,10 @@ def test_composed_from_two_and_three_layers_equals_full_measurement(name, fields
     assert (b, s) not in terms.points
     t = training.model_copy(update={"micro_batch_size": b, "seq_len": s})
     ks = list(range(L + 1))
-    measured = [r.measurement.peak_allocated_bytes
-                for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)]
+    measured = [
+        r.measurement.peak_allocated_bytes
+        for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)
+    ]
     curve = compose_terms(terms.to_json(), L, b, s)
     for k, m in zip(ks, measured):
         got = int(curve.peak_bytes[k])
@@ -88,14 +89,24 @@ def test_fsdp_lora_mixed_k_forward_is_not_charged_checkpointed_inputs():
     activations are, so the per-layer increment read from 3 and 4 layers is too small there (opt-1.3b ZeRO-3
     LoRA r64 at 24 layers: -1.1 to -1.6 % for k <= 18)."""
     cfg = {**catalog.get("opt-1.3b")["hf_config"], "num_hidden_layers": 4}
-    training = TrainingConfig(micro_batch_size=1, seq_len=128, precision="fp32", optimizer="adamw_fused",
-                              sharding="zero3", data_parallel_size=8, finetune="lora", lora_rank=64)
+    training = TrainingConfig(
+        micro_batch_size=1,
+        seq_len=128,
+        precision="fp32",
+        optimizer="adamw_fused",
+        sharding="zero3",
+        data_parallel_size=8,
+        finetune="lora",
+        lora_rank=64,
+    )
     terms = trace_terms(cfg, training)
     assert terms.depths == (3, 4)
     t = training.model_copy(update={"micro_batch_size": 1, "seq_len": 640})
     ks = list(range(5))
-    measured = [r.measurement.peak_allocated_bytes
-                for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)]
+    measured = [
+        r.measurement.peak_allocated_bytes
+        for r in measure_family(cfg, t, [list(range(k)) for k in ks], prime=True, steps=1)
+    ]
     curve = compose_terms(terms.to_json(), 4, 1, 640)
     assert curve.phase[2] == "fwd.layers"
     for k, m in zip(ks, measured):

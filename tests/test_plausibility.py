@@ -17,8 +17,10 @@ GB = 10**9
 
 
 def _rows(df: pd.DataFrame) -> list[dict]:
-    return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-            for r in df.to_dict("records")]
+    return [
+        {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+        for r in df.to_dict("records")
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,11 @@ def shipped() -> pd.DataFrame:
 @pytest.fixture(scope="module")
 def real_1b(shipped) -> dict:
     """A real H200 row: Llama-3.2-1B (1.24 B parameters, 16 layers), peak 47.08 GB, after init 14.90 GB."""
-    row = _rows(shipped[(shipped.method == "cuda") & (shipped.model_name == "llama-3.2-1b")
-                        & (shipped.recomputed_layers == 0)].head(1))[0]
+    row = _rows(
+        shipped[
+            (shipped.method == "cuda") & (shipped.model_name == "llama-3.2-1b") & (shipped.recomputed_layers == 0)
+        ].head(1)
+    )[0]
     assert row["peak_allocated_bytes"] == 47_077_871_104 and row["memory_after_init_bytes"] == 14_899_120_640
     return row
 
@@ -39,10 +44,14 @@ CASES = {  # the 15 implausible method=cuda records of issue 30: changes to a re
     "peak 0 B": ({"peak_allocated_bytes": 0}, "weights"),
     "peak 1 B": ({"peak_allocated_bytes": 1}, "weights"),
     "peak 1 MB": ({"peak_allocated_bytes": 10**6}, "weights"),
-    "peak 1 MB, no snapshots": ({"peak_allocated_bytes": 10**6, "memory_after_init_bytes": None,
-                                 "memory_after_forward_bytes": None}, "weights"),
-    "peak 1 GB, no snapshots": ({"peak_allocated_bytes": GB, "memory_after_init_bytes": None,
-                                 "memory_after_forward_bytes": None}, "weights"),
+    "peak 1 MB, no snapshots": (
+        {"peak_allocated_bytes": 10**6, "memory_after_init_bytes": None, "memory_after_forward_bytes": None},
+        "weights",
+    ),
+    "peak 1 GB, no snapshots": (
+        {"peak_allocated_bytes": GB, "memory_after_init_bytes": None, "memory_after_forward_bytes": None},
+        "weights",
+    ),
     "peak below after init": ({"peak_allocated_bytes": 14 * GB}, "memory_after_init_bytes"),
     "peak below after forward": ({"peak_allocated_bytes": 30 * GB}, "memory_after_forward_bytes"),
     "recomputed 1e9": ({"recomputed_layers": 10**9}, "recomputed_layers"),
@@ -68,9 +77,16 @@ def test_fifteen_implausible_cuda_records_are_quarantined_with_reasons(real_1b, 
 
 
 def test_oom_row_may_exceed_nothing_but_is_exempt_from_the_floor(real_1b):
-    rec = TelemetryRecord.from_row({**real_1b, "peak_allocated_bytes": 10**6, "peak_reserved_bytes": 10**6,
-                                    "memory_after_init_bytes": None, "memory_after_forward_bytes": None,
-                                    "oom": True})
+    rec = TelemetryRecord.from_row(
+        {
+            **real_1b,
+            "peak_allocated_bytes": 10**6,
+            "peak_reserved_bytes": 10**6,
+            "memory_after_init_bytes": None,
+            "memory_after_forward_bytes": None,
+            "oom": True,
+        }
+    )
     assert implausibility(rec) is None
 
 
@@ -86,10 +102,21 @@ def test_long_rope_models_say_why_they_are_not_traced():
     from memfit.schema import TrainingConfig
     from model.terms import not_traceable_reason
 
-    cfg = {"model_type": "phi3", "vocab_size": 1000, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1, "hidden_size": 64, "intermediate_size": 128,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-           "max_position_embeddings": 4096, "original_max_position_embeddings": 512,
-           "rope_scaling": {"type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}}
+    cfg = {
+        "model_type": "phi3",
+        "vocab_size": 1000,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 1,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 512,
+        "rope_scaling": {"type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8},
+    }
     t = TrainingConfig(micro_batch_size=1, seq_len=128)
     assert "long-RoPE" in not_traceable_reason(catalog.spec(cfg), t, cfg)
     plain = {k: v for k, v in cfg.items() if k != "rope_scaling"}

@@ -33,17 +33,41 @@ def test_the_rule_names_the_field_and_leaves_dense_models_and_moe_lora_alone():
 
 
 def test_service_answers_422_naming_training_quantization(tmp_path, small_registry):
-    app = TestClient(create_app(Settings(db_url=f"sqlite:///{tmp_path / 's.db'}",
-                                         registry_dir=str(small_registry.root))))
-    r = app.post("/recommend", json={"model": "mixtral-8x7b", "cluster": {"gpu": "A100-80GB"},
-                                     "training": {"micro_batch_size": 1, "seq_len": 2048, **QLORA}})
+    app = TestClient(
+        create_app(Settings(db_url=f"sqlite:///{tmp_path / 's.db'}", registry_dir=str(small_registry.root)))
+    )
+    r = app.post(
+        "/recommend",
+        json={
+            "model": "mixtral-8x7b",
+            "cluster": {"gpu": "A100-80GB"},
+            "training": {"micro_batch_size": 1, "seq_len": 2048, **QLORA},
+        },
+    )
     assert r.status_code == 422, r.text
     assert "training.quantization" in r.text and "mixture-of-experts" in r.text
 
 
 def test_cli_exits_2_naming_the_flag(small_registry, capsys):
-    code = main(["recommend", "--model", "mixtral-8x7b", "--gpu", "A100-80GB", "--micro-batch", "1", "--seq-len",
-                 "2048", "--lora-rank", "16", "--quantization", "nf4", "--registry", str(small_registry.root)])
+    code = main(
+        [
+            "recommend",
+            "--model",
+            "mixtral-8x7b",
+            "--gpu",
+            "A100-80GB",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "2048",
+            "--lora-rank",
+            "16",
+            "--quantization",
+            "nf4",
+            "--registry",
+            str(small_registry.root),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT, err
     assert "--quantization" in err and "mixture-of-experts" in err
@@ -63,8 +87,14 @@ def test_alternatives_for_a_moe_model_offer_no_qlora(small_registry):
     from service.recommender import Recommender
 
     loaded = Registry(small_registry.root).load()
-    rec = Recommender(loaded.estimator, loaded.version).recommend(RecommendRequest.model_validate({
-        "model": "mixtral-8x7b", "cluster": {"gpu": "A100-80GB"},
-        "training": {"micro_batch_size": 1, "seq_len": 2048}}))
+    rec = Recommender(loaded.estimator, loaded.version).recommend(
+        RecommendRequest.model_validate(
+            {
+                "model": "mixtral-8x7b",
+                "cluster": {"gpu": "A100-80GB"},
+                "training": {"micro_batch_size": 1, "seq_len": 2048},
+            }
+        )
+    )
     assert not rec.fits and rec.alternatives
     assert not any(a.change.get("quantization", "none") != "none" for a in rec.alternatives)

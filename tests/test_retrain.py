@@ -26,11 +26,20 @@ from model.registry import Registry
 from training.retrain import EXIT_BAD_INPUT, EXIT_NOT_PROMOTED, EXIT_OK, main, promotion_decision
 from training.sweep import Family, k_values, run_sweep
 
-SYNTHETIC_MODELS = ["opt-125m", "gpt-neo-125m", "qwen2.5-0.5b", "llama-3.2-1b", "tinyllama-1.1b", "qwen2.5-14b",
-                    "gemma-2-27b"]
-SYNTHETIC_FAMILIES = [{"micro_batch_size": 1, "seq_len": 256},
-                      {"micro_batch_size": 2, "seq_len": 512, "precision": "bf16"},
-                      {"micro_batch_size": 4, "seq_len": 1024, "attention": "eager"}]
+SYNTHETIC_MODELS = [
+    "opt-125m",
+    "gpt-neo-125m",
+    "qwen2.5-0.5b",
+    "llama-3.2-1b",
+    "tinyllama-1.1b",
+    "qwen2.5-14b",
+    "gemma-2-27b",
+]
+SYNTHETIC_FAMILIES = [
+    {"micro_batch_size": 1, "seq_len": 256},
+    {"micro_batch_size": 2, "seq_len": 512, "precision": "bf16"},
+    {"micro_batch_size": 4, "seq_len": 1024, "attention": "eager"},
+]
 FAST = ["--n-estimators", "40", "--params", '{"n_jobs": 1}', "--min-rows", "20", "--quiet", "--no-coefficients"]
 
 
@@ -39,20 +48,29 @@ def _synthetic(name: str, fam: dict, k: int) -> TelemetryRecord:
     training = TrainingConfig(**fam, checkpoint_layers=list(range(k)))
     peak = analytic_estimate(spec, training).peak_bytes * (1.08 - 0.05 * k / spec.num_layers)
     rid = "syn" + hashlib.sha256(json.dumps([name, fam, k], sort_keys=True).encode()).hexdigest()[:29]
-    return TelemetryRecord(record_id=rid, model=spec, training=training,
-                           cluster=ClusterSpec(device_name="synthetic", device_memory_bytes=80 * GIB),
-                           measurement=Measurement(peak_allocated_bytes=int(peak), method="fake_tracker"))
+    return TelemetryRecord(
+        record_id=rid,
+        model=spec,
+        training=training,
+        cluster=ClusterSpec(device_name="synthetic", device_memory_bytes=80 * GIB),
+        measurement=Measurement(peak_allocated_bytes=int(peak), method="fake_tracker"),
+    )
 
 
 @pytest.fixture(scope="module")
 def db(tmp_path_factory) -> str:
     url = f"sqlite:///{tmp_path_factory.mktemp('telemetry') / 't.db'}"
     store = TelemetryStore(url)
-    summary = run_sweep([Family("pythia-70m", 1, 128), Family("gpt2", 1, 128)], store=store, workers=1,
-                        k_points=4, progress=False)
+    summary = run_sweep(
+        [Family("pythia-70m", 1, 128), Family("gpt2", 1, 128)], store=store, workers=1, k_points=4, progress=False
+    )
     assert not summary["failed"], summary["failed"]
-    recs = [_synthetic(m, f, k) for m in SYNTHETIC_MODELS for f in SYNTHETIC_FAMILIES
-            for k in k_values(catalog.spec(m).num_layers, 5)]
+    recs = [
+        _synthetic(m, f, k)
+        for m in SYNTHETIC_MODELS
+        for f in SYNTHETIC_FAMILIES
+        for k in k_values(catalog.spec(m).num_layers, 5)
+    ]
     assert not store.add(recs).rejected
     return url
 
@@ -89,8 +107,27 @@ def test_oracle_eval_by_hand():
         "D": [(0, 20, 15)],  # 16: nothing fits but rec 0 -> OOM; 24, 48 exact
         "E": [(0, 10, 20)],  # 16: fits but no rec -> false infeasible; 24, 48 exact
     }
-    base = {c: v for c, v in zip(FAMILY_COLUMNS, [None, 1, 128, "amp_bf16", "adamw_foreach", "none", 1, "sdpa",
-                                                  "full", None, 0, "non_reentrant", "fake_tracker"])}
+    base = {
+        c: v
+        for c, v in zip(
+            FAMILY_COLUMNS,
+            [
+                None,
+                1,
+                128,
+                "amp_bf16",
+                "adamw_foreach",
+                "none",
+                1,
+                "sdpa",
+                "full",
+                None,
+                0,
+                "non_reentrant",
+                "fake_tracker",
+            ],
+        )
+    }
     rows, upper = [], []
     for name, pts in fams.items():
         for k, peak, up in pts:
@@ -173,8 +210,21 @@ def test_retrain_lifecycle(db, tmp_path, capsys):
     assert s["reason"] == "no usable current model" and reg.current() == "0002"
 
     # a much worse model (one tiny step away from the analytic estimate) is registered, not promoted
-    code, s = _run(capsys, "--db", db, "--registry", str(reg_dir), "--n-estimators", "1", "--params",
-                   '{"n_jobs": 1, "learning_rate": 1e-6}', "--min-rows", "20", "--quiet", "--no-coefficients")
+    code, s = _run(
+        capsys,
+        "--db",
+        db,
+        "--registry",
+        str(reg_dir),
+        "--n-estimators",
+        "1",
+        "--params",
+        '{"n_jobs": 1, "learning_rate": 1e-6}',
+        "--min-rows",
+        "20",
+        "--quiet",
+        "--no-coefficients",
+    )
     assert code == EXIT_NOT_PROMOTED, s
     assert s["status"] == "not_promoted" and "MAPE" in s["reason"]
     assert reg.versions() == ["0001", "0002", "0003"] and reg.current() == "0002"
@@ -198,16 +248,19 @@ def test_dry_run_registers_nothing(db, tmp_path, capsys):
     assert (out / "report.md").exists() and (out / "report.json").exists()
 
 
-@pytest.mark.parametrize("args", [
-    ["--engine", "dask"],  # no --dask-address
-    ["--engine", "spark"],
-    ["--files", "/nonexistent/t.parquet"],
-    ["--min-rows", "100000"],
-    ["--params", "[1]"],
-    ["--params", '{"bogus": 1}'],
-    ["--n-estimators", "0"],
-    ["--jobs", "0"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--engine", "dask"],  # no --dask-address
+        ["--engine", "spark"],
+        ["--files", "/nonexistent/t.parquet"],
+        ["--min-rows", "100000"],
+        ["--params", "[1]"],
+        ["--params", '{"bogus": 1}'],
+        ["--n-estimators", "0"],
+        ["--jobs", "0"],
+    ],
+)
 def test_bad_input_exits_2(db, tmp_path, capsys, args):
     argv = ["--db", db, "--registry", str(tmp_path / "models"), "--quiet", *args]
     assert main(argv) == EXIT_BAD_INPUT
@@ -219,8 +272,18 @@ def test_dask_engine(db, tmp_path, capsys):
 
     reg_dir = tmp_path / "models"
     with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster:
-        code, s = _run(capsys, "--db", db, "--registry", str(reg_dir), "--engine", "dask", "--dask-address",
-                       cluster.scheduler_address, *FAST)
+        code, s = _run(
+            capsys,
+            "--db",
+            db,
+            "--registry",
+            str(reg_dir),
+            "--engine",
+            "dask",
+            "--dask-address",
+            cluster.scheduler_address,
+            *FAST,
+        )
     assert code == EXIT_OK, s
     loaded = Registry(reg_dir).load()
     assert loaded.estimator.booster_.num_trees() == 40
@@ -263,8 +326,9 @@ def test_folds_in_worker_processes_give_the_same_predictions(db):
     np.testing.assert_array_equal(pred2, pred)
     np.testing.assert_array_equal(upper2, upper)
     assert s2["metrics"] == s["metrics"] and s2["oracle"] == s["oracle"]
-    assert [ln.split(":")[0] for ln in lines] == [f"leave_architecture_out fold {i + 1}/{s['n_folds']}"
-                                                  for i in range(s["n_folds"])]
+    assert [ln.split(":")[0] for ln in lines] == [
+        f"leave_architecture_out fold {i + 1}/{s['n_folds']}" for i in range(s["n_folds"])
+    ]
     with pytest.raises(ValueError, match="n_jobs must be >= 1"):
         cross_evaluate(df, make, "leave_architecture_out", n_jobs=0)
 
@@ -296,8 +360,9 @@ def test_retrain_registers_learned_coefficients_and_the_service_serves_them(db, 
     reg_dir = tmp_path / "models"
     fast = [a for a in FAST if a != "--no-coefficients"]
     # two evaluation folds at once: the job's closures (coefficient model, curve) travel to joblib's workers
-    code, s = _run(capsys, "--db", db, "--registry", str(reg_dir), "--coefficient-estimators", "3", "--jobs", "2",
-                   *fast)
+    code, s = _run(
+        capsys, "--db", db, "--registry", str(reg_dir), "--coefficient-estimators", "3", "--jobs", "2", *fast
+    )
     assert code == EXIT_OK, s
     reg = Registry(reg_dir)
     meta = reg.meta("0001")

@@ -15,20 +15,20 @@ def test_roundtrip_through_flat_row():
 @pytest.mark.parametrize(
     "over, field_word",
     [
-        (dict(hidden_size=65), "hidden_size"),
-        (dict(num_key_value_heads=3), "num_key_value_heads"),
-        (dict(checkpoint_layers=[0, 1, 2, 3, 4]), "num_layers=4"),
-        (dict(checkpoint_layers=[7]), "[0, 3]"),
-        (dict(checkpoint_layers=[1, 1]), "checkpoint_layers: must be distinct"),
-        (dict(micro_batch_size=0), "micro_batch_size"),
-        (dict(seq_len=-5), "seq_len"),
-        (dict(trainable_params=200_000), "trainable_params"),
-        (dict(total_params=10**15, trainable_params=10), "total_params"),
-        (dict(sharding="zero3"), "data_parallel_size"),
-        (dict(finetune="lora"), "lora_rank"),
-        (dict(peak_reserved_bytes=10), "peak_reserved_bytes"),
-        (dict(data_parallel_size=8, sharding="zero1"), "gpu_count"),
-        (dict(precision="fp8"), "precision"),
+        ({"hidden_size": 65}, "hidden_size"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"checkpoint_layers": [0, 1, 2, 3, 4]}, "num_layers=4"),
+        ({"checkpoint_layers": [7]}, "[0, 3]"),
+        ({"checkpoint_layers": [1, 1]}, "checkpoint_layers: must be distinct"),
+        ({"micro_batch_size": 0}, "micro_batch_size"),
+        ({"seq_len": -5}, "seq_len"),
+        ({"trainable_params": 200_000}, "trainable_params"),
+        ({"total_params": 10**15, "trainable_params": 10}, "total_params"),
+        ({"sharding": "zero3"}, "data_parallel_size"),
+        ({"finetune": "lora"}, "lora_rank"),
+        ({"peak_reserved_bytes": 10}, "peak_reserved_bytes"),
+        ({"data_parallel_size": 8, "sharding": "zero1"}, "gpu_count"),
+        ({"precision": "fp8"}, "precision"),
     ],
 )
 def test_invalid_records_name_the_field(over, field_word):
@@ -53,5 +53,15 @@ def test_content_hash_ignores_id_and_time_only():
 
 def test_model_spec_rejects_moe_half_given():
     with pytest.raises(ValidationError, match="num_experts"):
-        ModelSpec(architecture="mixtral", num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                  intermediate_size=64, vocab_size=10, total_params=10, trainable_params=10, num_experts=8)
+        ModelSpec(
+            architecture="mixtral",
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=64,
+            vocab_size=10,
+            total_params=10,
+            trainable_params=10,
+            num_experts=8,
+        )

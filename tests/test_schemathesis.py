@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, settings  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
 
-from service.app import create_app  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from service.app import create_app
+from service.settings import Settings
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +53,31 @@ def test_stateful_links_in_a_fresh_interpreter():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           f"{__file__}::test_stateful_links_from_ingestion_to_read_back"],
-                          env={**os.environ, "MEMFIT_STATEFUL_INNER": "1"}, capture_output=True, text=True,
-                          timeout=900, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            f"{__file__}::test_stateful_links_from_ingestion_to_read_back",
+        ],
+        env={**os.environ, "MEMFIT_STATEFUL_INNER": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 
-@pytest.mark.skipif(__import__("os").environ.get("MEMFIT_STATEFUL_INNER") != "1",
-                    reason="run in a fresh interpreter by test_stateful_links_in_a_fresh_interpreter")
+@pytest.mark.skipif(
+    __import__("os").environ.get("MEMFIT_STATEFUL_INNER") != "1",
+    reason="run in a fresh interpreter by test_stateful_links_in_a_fresh_interpreter",
+)
 def test_stateful_links_from_ingestion_to_read_back(small_registry, tmp_path):
     """Schemathesis' stateful phase: sequences that post telemetry and follow the OpenAPI links of the
     answer (stored / duplicate / quarantined id) to ``GET /telemetry/{record_id}``, with all of
@@ -77,25 +93,33 @@ def test_stateful_links_from_ingestion_to_read_back(small_registry, tmp_path):
     from memfit.schema import TelemetryRecord
     from tests.helpers import record
 
-    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 'stateful.db'}",
-                              registry_dir=str(small_registry.root), warm_up=False))
+    app = create_app(
+        Settings(db_url=f"sqlite:///{tmp_path / 'stateful.db'}", registry_dir=str(small_registry.root), warm_up=False)
+    )
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
 
     def realistic(record_id: str, peak_bytes: int, method: str, oom: bool) -> dict:
-        return record(record_id=record_id, peak_allocated_bytes=peak_bytes, method=method,
-                      oom=oom).model_dump(mode="json")
+        return record(record_id=record_id, peak_allocated_bytes=peak_bytes, method=method, oom=oom).model_dump(
+            mode="json"
+        )
 
     ids = st.sampled_from([f"stateful-{i:04d}" for i in range(6)])
     peaks = st.integers(1, 1 << 36)  # the device holds 1 << 34 bytes: a cuda peak above it without OOM is implausible
-    batches = st.lists(st.builds(realistic, ids, peaks, st.sampled_from(["fake_tracker", "cuda"]), st.booleans()),
-                       min_size=1, max_size=3)
+    batches = st.lists(
+        st.builds(realistic, ids, peaks, st.sampled_from(["fake_tracker", "cuda"]), st.booleans()),
+        min_size=1,
+        max_size=3,
+    )
     batches = st.one_of(batches, batches.map(lambda b: b + b[:1]))  # a record sent twice: a duplicate
 
     @schema.hook
     def flatmap_body(ctx, body):
         # only bodies that are valid as generated (a list of objects) are swapped, so negative cases stay negative
-        if (ctx.operation is None or ctx.operation.label != "POST /telemetry"
-                or not (isinstance(body, list) and all(isinstance(x, dict) for x in body))):
+        if (
+            ctx.operation is None
+            or ctx.operation.label != "POST /telemetry"
+            or not (isinstance(body, list) and all(isinstance(x, dict) for x in body))
+        ):
             return st.just(body)
         return st.one_of(batches, batches, batches, st.just(body))
 
@@ -121,11 +145,19 @@ def test_stateful_links_from_ingestion_to_read_back(small_registry, tmp_path):
                     assert kept_hash.setdefault(body["record_id"], h) == h
             return out
 
-    Machine.run(settings=settings(max_examples=30, stateful_step_count=5, deadline=None, derandomize=True,
-                                  suppress_health_check=list(HealthCheck)))
+    Machine.run(
+        settings=settings(
+            max_examples=30,
+            stateful_step_count=5,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
+    )
     assert steps and max(s for *_, s in steps) < 500
-    followed = {link for link, applied, op, status in steps
-                if applied and op == "GET /telemetry/{record_id}" and status == 200}
+    followed = {
+        link for link, applied, op, status in steps if applied and op == "GET /telemetry/{record_id}" and status == 200
+    }
     # ReadStored is no longer drawn with the derandomized budget since TrainingConfig gained
     # gradient_accumulation_steps (the generated sequence changed; stored reads are still checked above whenever
     # a GET returns a record); the two links that need earlier state are required

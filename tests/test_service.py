@@ -8,8 +8,14 @@ from tests.helpers import record
 
 @pytest.fixture
 def client(tmp_path, small_registry):
-    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 's.db'}", token="s3cret", max_body_bytes=64 * 1024,
-                              registry_dir=str(small_registry.root)))
+    app = create_app(
+        Settings(
+            db_url=f"sqlite:///{tmp_path / 's.db'}",
+            token="s3cret",
+            max_body_bytes=64 * 1024,
+            registry_dir=str(small_registry.root),
+        )
+    )
     return TestClient(app)
 
 
@@ -19,8 +25,10 @@ def test_not_ready_without_a_model(tmp_path):
     assert c.get("/v2/health/live").status_code == 200
     r = c.get("/v2/health/ready")
     assert r.status_code == 503 and "no model" in r.json()["detail"]
-    r = c.post("/recommend", json={"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64},
-                                   "cluster": {"gpu": "T4"}})
+    r = c.post(
+        "/recommend",
+        json={"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64}, "cluster": {"gpu": "T4"}},
+    )
     assert r.status_code == 503
 
 
@@ -52,8 +60,9 @@ def test_telemetry_read_back_stored_quarantined_and_unknown(client):
     r = client.post("/telemetry", json=[good], headers=AUTH)
     assert r.json()["stored"] == ["job-00000011"]
     conflict = record(record_id="job-00000011", peak_allocated_bytes=999_999_488).model_dump(mode="json")
-    implausible = record(record_id="job-00000012", method="cuda", oom=False,
-                         peak_allocated_bytes=(1 << 34) + 4096).model_dump(mode="json")
+    implausible = record(
+        record_id="job-00000012", method="cuda", oom=False, peak_allocated_bytes=(1 << 34) + 4096
+    ).model_dump(mode="json")
     r = client.post("/telemetry", json=[conflict, implausible], headers=AUTH)
     assert [q["record_id"] for q in r.json()["quarantined"]] == ["job-00000011", "job-00000012"]
 
@@ -102,10 +111,10 @@ def test_malformed_and_oversized_bodies_are_problems(client):
 
 
 def test_curve_cache_reuses_curves_and_refreshes_a_provisional_one_once_traced():
+    from data import catalog
     from memfit.schema import TrainingConfig
     from model.curve import PROVISIONAL, TRACED, Curve
     from service.recommender import CurveCache
-    from data import catalog
 
     class Predictor:
         def __init__(self):
@@ -131,13 +140,13 @@ def test_curve_cache_reuses_curves_and_refreshes_a_provisional_one_once_traced()
 def test_curve_cache_recomputes_a_provisional_curve_once_its_trace_failed():
     """A curve answered while its configuration waits in the background tracer's queue says "ask again"; once
     the trace has failed, the next answer is recomputed and says so (it said "ask again" forever)."""
+    from data import catalog
     from memfit.schema import TrainingConfig
     from model.curve import PROVISIONAL, Curve
     from service.recommender import CurveCache
-    from data import catalog
 
     class Tracer:
-        pending = {"key"}
+        pending = {"key"}  # noqa: RUF012 - the stand-in's state; the test swaps it
 
     class Predictor:
         terms, tracer, calls = {}, Tracer(), 0
@@ -166,8 +175,10 @@ def test_dependencies_can_be_swapped(client):
         raise ModelUnavailable("swapped out for the test", retry_after_s=7)
 
     client.app.dependency_overrides[get_recommender] = unavailable
-    r = client.post("/recommend", json={"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64},
-                                        "cluster": {"gpu": "T4"}})
+    r = client.post(
+        "/recommend",
+        json={"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64}, "cluster": {"gpu": "T4"}},
+    )
     assert r.status_code == 503 and r.headers["retry-after"] == "7"
     assert r.headers["content-type"].startswith("application/problem+json") and "swapped out" in r.json()["detail"]
     client.app.dependency_overrides.clear()
@@ -176,9 +187,11 @@ def test_dependencies_can_be_swapped(client):
 def test_openapi_documents_error_answers_as_sent(tmp_path):
     """Errors are problem+json in the schema too (schemathesis' conformance checks found 401, 404, 413,
     415 and 503 undocumented and 422 documented as application/json)."""
+
     def spec(**kw):
-        return create_app(Settings(db_url=f"sqlite:///{tmp_path / 'o.db'}", registry_dir="/nonexistent",
-                                   warm_up=False, **kw)).openapi()
+        return create_app(
+            Settings(db_url=f"sqlite:///{tmp_path / 'o.db'}", registry_dir="/nonexistent", warm_up=False, **kw)
+        ).openapi()
 
     with_token = spec(token="s3cret")
     post = with_token["paths"]["/telemetry"]["post"]
@@ -205,18 +218,30 @@ def test_curve_totals_in_one_pass_equal_the_per_point_overhead():
     for m in (OverheadModel(), learned):
         for device, gpus in (("H100-80GB", 1), ("H100-80GB", 64), ("A100-40GB", 8), (None, 1)):
             assert m.total_bytes(allocated, device, gpus) == [
-                a + m.overhead(a, device, gpus).total_bytes for a in allocated]
+                a + m.overhead(a, device, gpus).total_bytes for a in allocated
+            ]
 
 
 def test_read_back_on_a_read_only_server_is_503(tmp_path, small_registry):
-    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 'r.db'}", registry_dir=str(small_registry.root),
-                              read_only=True, warm_up=False))
+    app = create_app(
+        Settings(
+            db_url=f"sqlite:///{tmp_path / 'r.db'}",
+            registry_dir=str(small_registry.root),
+            read_only=True,
+            warm_up=False,
+        )
+    )
     r = TestClient(app).get("/telemetry/job-00000001")
     assert r.status_code == 503 and "read-only" in r.json()["detail"]
     assert r.headers["content-type"].startswith("application/problem+json")
+
+
 def test_offload_values_are_422_naming_the_field_and_answers_carry_host_memory(client):
-    body = {"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64, "offload_optimizer": "nvme"},
-            "cluster": {"gpu": "T4"}}
+    body = {
+        "model": "gpt2",
+        "training": {"micro_batch_size": 1, "seq_len": 64, "offload_optimizer": "nvme"},
+        "cluster": {"gpu": "T4"},
+    }
     r = client.post("/recommend", json=body)
     assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
     assert "offload_optimizer" in r.text and "'none' or 'cpu'" in r.text
@@ -258,21 +283,33 @@ def test_recommender_check_422_detail_names_the_field_and_the_allowed_range(clie
     # the allowed range of a recommender check (InvalidConfiguration, service/errors.py) was only in errors[]:
     # the detail read "training: data*tensor*pipeline*context parallel size = 1*16*1*1 = 16 exceeds
     # cluster.gpu_count=8", naming neither the field nor what it may be
-    body = {"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64, "tensor_parallel_size": 16},
-            "cluster": {"gpu": "T4", "gpu_count": 8}}
+    body = {
+        "model": "gpt2",
+        "training": {"micro_batch_size": 1, "seq_len": 64, "tensor_parallel_size": 16},
+        "cluster": {"gpu": "T4", "gpu_count": 8},
+    }
     r = client.post("/recommend", json=body)
     assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
-    assert r.json()["detail"] == ("training.tensor_parallel_size: data*tensor*pipeline*context parallel size = "
-                                  "1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: an integer in [1, 8])")
-    assert r.json()["errors"] == [{"field": "training.tensor_parallel_size", "message": "training: data*tensor*"
-                                   "pipeline*context parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
-                                   "allowed": "an integer in [1, 8]"}]
+    assert r.json()["detail"] == (
+        "training.tensor_parallel_size: data*tensor*pipeline*context parallel size = "
+        "1*16*1*1 = 16 exceeds cluster.gpu_count=8 (allowed: an integer in [1, 8])"
+    )
+    assert r.json()["errors"] == [
+        {
+            "field": "training.tensor_parallel_size",
+            "message": "training: data*tensor*"
+            "pipeline*context parallel size = 1*16*1*1 = 16 exceeds cluster.gpu_count=8",
+            "allowed": "an integer in [1, 8]",
+        }
+    ]
     body["training"]["tensor_parallel_size"] = 5  # gpt2: 12 query and 12 KV heads
     r = client.post("/predict", json={"items": [{**body, "k": 0}]})
     assert r.status_code == 422
-    assert r.json()["detail"] == ("items.0.training.tensor_parallel_size: must be one of 1, 2, 3, 4, 6, 12 (a divisor "
-                                  "of num_attention_heads=12 that divides or is a multiple of num_key_value_heads=12)"
-                                  ", got 5")
+    assert r.json()["detail"] == (
+        "items.0.training.tensor_parallel_size: must be one of 1, 2, 3, 4, 6, 12 (a divisor "
+        "of num_attention_heads=12 that divides or is a multiple of num_key_value_heads=12)"
+        ", got 5"
+    )
     r = client.post("/recommend", json={**body, "model": "gtp2"})
     assert r.status_code == 422
     assert r.json()["detail"].startswith("model: unknown model 'gtp2'; close matches: gpt2")

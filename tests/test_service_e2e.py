@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import httpx
@@ -10,15 +11,19 @@ import pytest
 from model.registry import IncompatibleArtifact
 from tests.helpers import HTTP_TIMEOUT_S, record, running_service
 
-LLAMA8B_8xH100 = {"model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192, "sharding": "zero3"},
-                  "cluster": {"gpu": "H100-80GB", "gpu_count": 8}}
+LLAMA8B_8xH100 = {
+    "model": "llama-3-8b",
+    "training": {"micro_batch_size": 2, "seq_len": 8192, "sharding": "zero3"},
+    "cluster": {"gpu": "H100-80GB", "gpu_count": 8},
+}
 
 
 @pytest.fixture(scope="module")
 def server(small_registry, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("srv")
-    with running_service(small_registry.root, f"sqlite:///{tmp / 't.db'}", MEMFIT_TOKEN="tok",
-                         MEMFIT_MAX_BODY_BYTES="200000") as base:
+    with running_service(
+        small_registry.root, f"sqlite:///{tmp / 't.db'}", MEMFIT_TOKEN="tok", MEMFIT_MAX_BODY_BYTES="200000"
+    ) as base:
         yield base, small_registry
 
 
@@ -29,7 +34,7 @@ def test_recommend_llama_8b(server):
     j = r.json()
     assert j["num_layers"] == 32 and len(j["curve"]) == 33
     uppers = [c["total_upper_bytes"] for c in j["curve"]]
-    assert all(b <= a for a, b in zip(uppers, uppers[1:]))  # monotone in k
+    assert all(b <= a for a, b in itertools.pairwise(uppers))  # monotone in k
     if j["fits"]:
         assert j["layers"] == list(range(j["k"])) and j["total_upper_bytes"] <= j["usable_bytes"]
         assert j["k"] == 0 or uppers[j["k"] - 1] > j["usable_bytes"]  # smallest such k
@@ -39,20 +44,46 @@ def test_recommend_llama_8b(server):
     assert sum(j["breakdown"].values()) == j["predicted_peak_bytes"]  # the parts add up exactly
 
 
-@pytest.mark.parametrize("body, word", [
-    ({**LLAMA8B_8xH100, "model": "no-such-model"}, "unknown model"),
-    ({**LLAMA8B_8xH100, "training": {"micro_batch_size": 0, "seq_len": 8192}}, "micro_batch_size"),
-    ({**LLAMA8B_8xH100, "training": {"micro_batch_size": -1, "seq_len": 8192}}, "micro_batch_size"),
-    ({**LLAMA8B_8xH100, "model": {"architecture": "llama", "num_layers": 4, "hidden_size": 65,
-                                  "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}},
-     "hidden_size"),
-    ({**LLAMA8B_8xH100, "model": {"architecture": "llama", "num_layers": 4, "hidden_size": 64,
-                                  "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
-                                  "total_params": 10**15}}, "total_params"),
-    ({**LLAMA8B_8xH100, "cluster": {"gpu": "H100-80GB", "gpu_count": 8, "gpu_memory_gib": 80}}, "exactly one"),
-    ({**LLAMA8B_8xH100, "cluster": {"gpu": "TPU-v9"}}, "cluster.gpu: must be one of"),
-    ({**LLAMA8B_8xH100, "headroom_fraction": 2}, "headroom_fraction"),
-])
+@pytest.mark.parametrize(
+    "body, word",
+    [
+        ({**LLAMA8B_8xH100, "model": "no-such-model"}, "unknown model"),
+        ({**LLAMA8B_8xH100, "training": {"micro_batch_size": 0, "seq_len": 8192}}, "micro_batch_size"),
+        ({**LLAMA8B_8xH100, "training": {"micro_batch_size": -1, "seq_len": 8192}}, "micro_batch_size"),
+        (
+            {
+                **LLAMA8B_8xH100,
+                "model": {
+                    "architecture": "llama",
+                    "num_layers": 4,
+                    "hidden_size": 65,
+                    "num_attention_heads": 4,
+                    "intermediate_size": 128,
+                    "vocab_size": 100,
+                },
+            },
+            "hidden_size",
+        ),
+        (
+            {
+                **LLAMA8B_8xH100,
+                "model": {
+                    "architecture": "llama",
+                    "num_layers": 4,
+                    "hidden_size": 64,
+                    "num_attention_heads": 4,
+                    "intermediate_size": 128,
+                    "vocab_size": 100,
+                    "total_params": 10**15,
+                },
+            },
+            "total_params",
+        ),
+        ({**LLAMA8B_8xH100, "cluster": {"gpu": "H100-80GB", "gpu_count": 8, "gpu_memory_gib": 80}}, "exactly one"),
+        ({**LLAMA8B_8xH100, "cluster": {"gpu": "TPU-v9"}}, "cluster.gpu: must be one of"),
+        ({**LLAMA8B_8xH100, "headroom_fraction": 2}, "headroom_fraction"),
+    ],
+)
 def test_bad_recommend_inputs_are_problems(server, body, word):
     base, _ = server
     r = httpx.post(base + "/recommend", json=body, timeout=60)
@@ -63,19 +94,30 @@ def test_bad_recommend_inputs_are_problems(server, body, word):
 
 def test_transport_level_bad_requests(server):
     base, _ = server
-    r = httpx.post(base + "/recommend", content=b"{oops", headers={"content-type": "application/json"}, timeout=HTTP_TIMEOUT_S)
+    r = httpx.post(
+        base + "/recommend", content=b"{oops", headers={"content-type": "application/json"}, timeout=HTTP_TIMEOUT_S
+    )
     assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
     assert "invalid JSON" in r.json()["detail"]
-    r = httpx.post(base + "/recommend", content=b"x" * 300_000, headers={"content-type": "application/json"}, timeout=HTTP_TIMEOUT_S)
+    r = httpx.post(
+        base + "/recommend",
+        content=b"x" * 300_000,
+        headers={"content-type": "application/json"},
+        timeout=HTTP_TIMEOUT_S,
+    )
     assert r.status_code == 413
-    r = httpx.post(base + "/recommend", content=b"model=x", headers={"content-type": "text/plain"}, timeout=HTTP_TIMEOUT_S)
+    r = httpx.post(
+        base + "/recommend", content=b"model=x", headers={"content-type": "text/plain"}, timeout=HTTP_TIMEOUT_S
+    )
     assert r.status_code == 415 and "application/json" in r.json()["detail"]
 
     def chunks():  # no Content-Length: the limit is enforced on the bytes that arrive
         for _ in range(50):
             yield b" " * 10_000
 
-    r = httpx.post(base + "/recommend", content=chunks(), headers={"content-type": "application/json"}, timeout=HTTP_TIMEOUT_S)
+    r = httpx.post(
+        base + "/recommend", content=chunks(), headers={"content-type": "application/json"}, timeout=HTTP_TIMEOUT_S
+    )
     assert r.status_code == 413 and r.headers["content-type"].startswith("application/problem+json")
     assert httpx.get(base + "/v2/health/live", timeout=HTTP_TIMEOUT_S).status_code == 200  # still up
 
@@ -123,9 +165,17 @@ def test_models_hot_swap_and_refusal(server):
     httpx.post(base + "/models/reload", headers={"Authorization": "Bearer tok"}, timeout=HTTP_TIMEOUT_S)
     j = httpx.get(base + "/models", timeout=HTTP_TIMEOUT_S).json()
     assert j["serving"] == new_dir.name and "refused" in j["last_error"]
-    assert httpx.post(base + "/recommend", json=LLAMA8B_8xH100, timeout=HTTP_TIMEOUT_S).json()["model_version"] == new_dir.name
+    assert (
+        httpx.post(base + "/recommend", json=LLAMA8B_8xH100, timeout=HTTP_TIMEOUT_S).json()["model_version"]
+        == new_dir.name
+    )
     reg.promote(first)  # rollback = moving the alias
-    assert httpx.post(base + "/models/reload", headers={"Authorization": "Bearer tok"}, timeout=HTTP_TIMEOUT_S).json()["serving"] == first
+    assert (
+        httpx.post(base + "/models/reload", headers={"Authorization": "Bearer tok"}, timeout=HTTP_TIMEOUT_S).json()[
+            "serving"
+        ]
+        == first
+    )
 
 
 def test_metrics_exposes_k_histogram(server):

@@ -61,9 +61,14 @@ def _free_port() -> int:
 
 
 def _start(env: dict, port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "training.main", "--data-dir", env["MEMFIT_DATA_DIR"]],
-                            cwd=ROOT, env={**env, "MEMFIT_PORT": str(port)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "training.main", "--data-dir", env["MEMFIT_DATA_DIR"]],
+        cwd=ROOT,
+        env={**env, "MEMFIT_PORT": str(port)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_live(port: int, proc: subprocess.Popen, timeout_s: float) -> float | None:
@@ -118,8 +123,15 @@ def test_broken_registry_banner_and_refusal(tmp_path):
     """training.main on a data dir whose model is corrupted: re-seeded, and the banner says why."""
     _broken_copy(tmp_path / "models")
     env = {**os.environ, "MEMFIT_DATA_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "training.main", "--no-serve"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "training.main", "--no-serve"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("[2/3]"))
     assert line.startswith(f"[2/3] seeded the registry with the shipped model {SHIPPED} (checksum verified)")

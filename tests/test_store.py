@@ -1,10 +1,10 @@
-import pandas as pd
-import pytest
-
 import math
-from pathlib import Path
 import sqlite3
 import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
 
 from data.store import CONFLICT, TelemetryStore
 from memfit.errors import StoreBusy
@@ -36,7 +36,8 @@ def test_idempotent_never_overwrites_and_reports_everything(store):
     assert rep.quarantined == [{"index": 1, "record_id": "rec-aaaaaaaa", "reason": CONFLICT}]
     assert "never overwritten" in CONFLICT
     assert store.quarantined()[0]["record"]["measurement"]["peak_allocated_bytes"] == (
-        a.measurement.peak_allocated_bytes + 512)  # kept, not dropped
+        a.measurement.peak_allocated_bytes + 512
+    )  # kept, not dropped
     assert "checkpoint_layers" in reasons[2] and "[0, 3]" in reasons[2]
     assert store.count() == 3
     stored_a = next(r for r in store.records() if r.record_id == "rec-aaaaaaaa")
@@ -51,8 +52,9 @@ def test_duplicate_within_one_batch(store):
 
 @pytest.mark.parametrize("suffix", [".parquet", ".csv"])
 def test_export_import_roundtrip(store, tmp_path, suffix):
-    recs = [record(record_id=f"rec-{i:08d}", seq_len=128 * (i + 1), checkpoint_layers=list(range(i % 4)))
-            for i in range(6)]
+    recs = [
+        record(record_id=f"rec-{i:08d}", seq_len=128 * (i + 1), checkpoint_layers=list(range(i % 4))) for i in range(6)
+    ]
     store.add(recs)
     path = tmp_path / f"out{suffix}"
     assert store.export(path) == 6
@@ -93,7 +95,7 @@ def test_jsonl_export_one_record_per_line(store, tmp_path):
 
 # -- issue 10, fault 7: implausible telemetry is quarantined with the reason, never trained on ------------
 def test_implausible_telemetry_is_quarantined_not_stored(store):
-    h100 = dict(device_name="NVIDIA H100 80GB HBM3", device_memory_bytes=80 * 10**9, method="cuda")
+    h100 = {"device_name": "NVIDIA H100 80GB HBM3", "device_memory_bytes": 80 * 10**9, "method": "cuda"}
     huge = record(record_id="rec-huge0001", peak_allocated_bytes=10**15, oom=False, **h100)
     inf_step = record(record_id="rec-inf00001", step_time_s=math.inf, peak_allocated_bytes=10**9, **h100)
     oom = record(record_id="rec-oom00001", peak_allocated_bytes=81 * 10**9, oom=True, **h100)
@@ -139,8 +141,12 @@ def test_lookup_keeps_the_instant_of_timestamps(store):
     from datetime import UTC, datetime, timedelta, timezone
 
     sent_at = datetime(2026, 5, 1, 12, 0, tzinfo=timezone(timedelta(hours=2)))
-    store.add([record(record_id="tz-000001", created_at=sent_at),
-               record(record_id="tz-000002", method="cuda", peak_allocated_bytes=(1 << 34) + 4096)])
+    store.add(
+        [
+            record(record_id="tz-000001", created_at=sent_at),
+            record(record_id="tz-000002", method="cuda", peak_allocated_bytes=(1 << 34) + 4096),
+        ]
+    )
     stored, held = store.lookup("tz-000001")
     assert held == [] and stored.created_at == sent_at and stored.created_at.utcoffset() is not None
     stored, held = store.lookup("tz-000002")

@@ -47,8 +47,16 @@ def pg_url(tmp_path_factory):
 
 def test_two_writers_are_idempotent_and_lose_nothing(pg_url):
     n, batch, start_at = 1000, 10, time.time() + 8
-    writers = [subprocess.Popen([sys.executable, "-c", WRITER, pg_url, str(n), str(batch), str(start_at)], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, pg_url, str(n), str(batch), str(start_at)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outs = [w.communicate(timeout=300) for w in writers]
     assert all(w.returncode == 0 for w in writers), [err[-2000:] for _out, err in outs]
     stored, dups = zip(*(map(int, out.split()) for out, _err in outs))

@@ -21,7 +21,10 @@ def test_record_ids_are_stable_and_distinct():
 
 def test_smoke_sweep_is_resumable_and_monotone(tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 's.db'}"
-    assert main(["--grid", "smoke", "--workers", "2", "--db", url, "--quiet", "--export", str(tmp_path / "s.parquet")]) == 0
+    assert (
+        main(["--grid", "smoke", "--workers", "2", "--db", url, "--quiet", "--export", str(tmp_path / "s.parquet")])
+        == 0
+    )
     first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     fams = GRIDS["smoke"]().families()
     assert first["families"] == len(fams) and first["failed"] == 0

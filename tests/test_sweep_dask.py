@@ -52,8 +52,9 @@ def test_dask_sweep_is_resumable_stops_on_budget_and_matches_the_local_path(tmp_
     # measured on a running scheduler's workers (--scheduler ADDR): a LocalCluster of 2 worker processes
     from distributed import LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit=0,
-                      dashboard_address=None) as cluster:
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, memory_limit=0, dashboard_address=None
+    ) as cluster:
         assert main([*args, "--scheduler", cluster.scheduler_address]) == 0
     first = _last_json(capsys)
     assert first["to_run"] == first["done"] == 2 and first["failed"] == 0 and not first["stopped_on_budget"]
@@ -164,8 +165,9 @@ def test_grow_spec_reaches_15000_rows_over_45_architectures():
     settings the schema lacks are skipped, and only add to this)."""
     shipped = pd.read_parquet(SHIPPED, columns=["record_id", "model_name"])
     plan = load_spec(GROW)
-    new_ids = {f.record_id(k, "fake") for f in plan.families
-               for k in k_values(catalog.spec(f.model).num_layers, plan.k_points)}
+    new_ids = {
+        f.record_id(k, "fake") for f in plan.families for k in k_values(catalog.spec(f.model).num_layers, plan.k_points)
+    }
     assert len(new_ids) == plan.rows()
     assert len(set(shipped["record_id"]) | new_ids) >= 15_000
     archs = set(shipped["model_name"]) | {f.model for f in plan.families}
@@ -191,8 +193,20 @@ def test_collected_dense_new_records_are_valid_shipped_and_monotone_in_k():
     shipped = pd.read_parquet(SHIPPED).set_index("record_id")
     assert set(ids) <= set(shipped.index)
     assert all(shipped.at[r.record_id, "peak_allocated_bytes"] == r.measurement.peak_allocated_bytes for r in recs)
-    new_dense = {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "gemma-3-1b", "olmo-2-1b", "olmo-2-7b",
-                 "smollm3-3b", "granite-3.3-2b", "granite-3.3-8b", "glm-4-9b-0414", "phi-4"}
+    new_dense = {
+        "qwen3-0.6b",
+        "qwen3-1.7b",
+        "qwen3-4b",
+        "qwen3-8b",
+        "gemma-3-1b",
+        "olmo-2-1b",
+        "olmo-2-7b",
+        "smollm3-3b",
+        "granite-3.3-2b",
+        "granite-3.3-8b",
+        "glm-4-9b-0414",
+        "phi-4",
+    }
     assert {r.model.model_name for r in recs} <= new_dense
     families: dict = {}
     for r in recs:
@@ -203,7 +217,9 @@ def test_collected_dense_new_records_are_valid_shipped_and_monotone_in_k():
         families.setdefault(key, []).append(r)
     for fam in families.values():
         ks = sorted(fam, key=lambda r: r.training.num_checkpointed_layers)
-        assert ks[0].training.num_checkpointed_layers == 0 and ks[-1].training.num_checkpointed_layers == ks[
-            -1].model.num_layers
+        assert (
+            ks[0].training.num_checkpointed_layers == 0
+            and ks[-1].training.num_checkpointed_layers == ks[-1].model.num_layers
+        )
         peaks = [r.measurement.peak_allocated_bytes for r in ks]
         assert all(b <= a + (4 << 20) for a, b in itertools.pairwise(peaks)), peaks  # as tests/test_dataset.py

@@ -26,13 +26,23 @@ QLORA = {"finetune": "lora", "lora_rank": 16, "quantization": "nf4"}
 @pytest.fixture(scope="module")
 def recommender() -> Recommender:
     loaded = Registry().load()
-    return Recommender(loaded.estimator, loaded.version, telemetry_range=loaded.meta.get("telemetry_range"),
-                       margins=loaded.meta.get("bound_margins"), coefficients=loaded.coefficients)
+    return Recommender(
+        loaded.estimator,
+        loaded.version,
+        telemetry_range=loaded.meta.get("telemetry_range"),
+        margins=loaded.meta.get("bound_margins"),
+        coefficients=loaded.coefficients,
+    )
 
 
 def _ask(recommender, model, gpu, gpus, **training):
-    req = RecommendRequest.model_validate({"model": model, "cluster": {"gpu": gpu, "gpu_count": gpus},
-                                           "training": {"micro_batch_size": 1, "seq_len": 2048, **training}})
+    req = RecommendRequest.model_validate(
+        {
+            "model": model,
+            "cluster": {"gpu": gpu, "gpu_count": gpus},
+            "training": {"micro_batch_size": 1, "seq_len": 2048, **training},
+        }
+    )
     return recommender.recommend(req)
 
 
@@ -51,11 +61,25 @@ def _byte_counts(value, path=""):
 
 def test_decoder_linear_shapes_are_megatron_shards():
     spec = resolve_model("llama-3-8b")[0]  # h 4096, 32 heads, 8 KV heads of 128, FFN 14336
-    assert decoder_linear_shapes(spec) == [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096),
-                                           (14336, 4096), (14336, 4096), (4096, 14336)]
+    assert decoder_linear_shapes(spec) == [
+        (4096, 4096),
+        (1024, 4096),
+        (1024, 4096),
+        (4096, 4096),
+        (14336, 4096),
+        (14336, 4096),
+        (4096, 14336),
+    ]
     # q/k/v/gate/up split by output, o/down by input
-    assert decoder_linear_shapes(spec, 2) == [(2048, 4096), (512, 4096), (512, 4096), (4096, 2048),
-                                              (7168, 4096), (7168, 4096), (4096, 7168)]
+    assert decoder_linear_shapes(spec, 2) == [
+        (2048, 4096),
+        (512, 4096),
+        (512, 4096),
+        (4096, 2048),
+        (7168, 4096),
+        (7168, 4096),
+        (4096, 7168),
+    ]
     # 16 ranks over 8 KV heads: each rank keeps one whole KV head (Megatron replicates them)
     assert decoder_linear_shapes(spec, 16)[1] == (128, 4096)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -64,8 +88,9 @@ def test_decoder_linear_shapes_are_megatron_shards():
 
 def test_rank_spec_counts_replicated_kv_heads():
     spec = resolve_model("llama-3-8b")[0]
-    tp16 = tensor_parallel_rank_spec(spec, TrainingConfig(micro_batch_size=1, seq_len=16, tensor_parallel_size=16,
-                                                          data_parallel_size=1))
+    tp16 = tensor_parallel_rank_spec(
+        spec, TrainingConfig(micro_batch_size=1, seq_len=16, tensor_parallel_size=16, data_parallel_size=1)
+    )
     tp8 = tensor_parallel_rank_spec(spec, TrainingConfig(micro_batch_size=1, seq_len=16, tensor_parallel_size=8))
     # halving everything but the K and V projections, which stay one head (128 x 4096 each) per rank per layer
     kv = 2 * 128 * 4096 * 32
@@ -90,7 +115,8 @@ def test_tensor_parallel_sweep_answers_with_per_rank_states(recommender, model):
         assert per_rank == pytest.approx(states / tp, rel=0.01), (model, tp)
         # 4-bit weights of one rank's shards: about 1/tp of the TP-1 ones (embedding split too, norms whole)
         assert qlora[tp].breakdown["parameters_bytes"] == pytest.approx(
-            qlora[1].breakdown["parameters_bytes"] / tp, rel=0.02), (model, tp)
+            qlora[1].breakdown["parameters_bytes"] / tp, rel=0.02
+        ), (model, tp)
 
 
 def test_sweep_covers_answers_with_and_without_alternatives(recommender):
@@ -120,16 +146,26 @@ def test_qwen2_5_72b_tp8_on_8_h100_answers_instead_of_a_math_domain_error(recomm
     rec = _ask(recommender, "qwen2.5-72b", "H100-80GB", 8, tensor_parallel_size=8)
     assert rec.breakdown["parameters_bytes"] > 0
     assert not rec.fits and rec.alternatives  # 72B x 16 B of states over 8 ranks is 135 GiB per rank
-    assert (rec.breakdown["parameters_bytes"] + rec.breakdown["gradients_bytes"]
-            + rec.breakdown["optimizer_states_bytes"]) / GIB == pytest.approx(135, rel=0.02)
+    assert (
+        rec.breakdown["parameters_bytes"] + rec.breakdown["gradients_bytes"] + rec.breakdown["optimizer_states_bytes"]
+    ) / GIB == pytest.approx(135, rel=0.02)
 
 
 def test_a_hand_written_spec_smaller_than_its_shapes_never_goes_negative():
     # a spec whose total_params is below its layer shapes (hand-written, or one pipeline stage's) keeps weights >= 0
     from model.analytic import model_state_bytes
 
-    spec = ModelSpec(model_name="x", architecture="llama", num_layers=4, hidden_size=1024, num_attention_heads=8,
-                     num_key_value_heads=8, intermediate_size=4096, vocab_size=1000, total_params=1_000_000,
-                     trainable_params=1000)
+    spec = ModelSpec(
+        model_name="x",
+        architecture="llama",
+        num_layers=4,
+        hidden_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=4096,
+        vocab_size=1000,
+        total_params=1_000_000,
+        trainable_params=1000,
+    )
     t = TrainingConfig(micro_batch_size=1, seq_len=16, finetune="lora", lora_rank=8, quantization="nf4")
     assert model_state_bytes(spec, t).weights_bytes > 0

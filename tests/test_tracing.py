@@ -13,9 +13,16 @@ from model.curve import MemoryPredictor
 from model.terms import TermsCache, terms_key
 from service.tracing import BackgroundTracer, InlineTracer, TracingProcess, trace_in_subprocess
 
-SMALL = {**catalog.get("llama-3-8b")["hf_config"], "hidden_size": 256, "intermediate_size": 512,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096,
-         "num_hidden_layers": 4}
+SMALL = {
+    **catalog.get("llama-3-8b")["hf_config"],
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 4096,
+    "num_hidden_layers": 4,
+}
 TRAINING = TrainingConfig(micro_batch_size=1, seq_len=512)
 
 
@@ -79,8 +86,9 @@ def test_inline_tracer_answers_on_the_traced_path():
 def test_reentrant_checkpointing_behind_frozen_embeddings_is_traced_as_memfit_apply_runs_it():
     # issue 28.7: LoRA (frozen embeddings) + reentrant checkpointing failed the trace ("element 0 of tensors does not
     # require grad") and the answer fell back to the learned path without naming the cause
-    training = TrainingConfig(micro_batch_size=1, seq_len=512, finetune="lora", lora_rank=8,
-                              checkpoint_impl="reentrant")
+    training = TrainingConfig(
+        micro_batch_size=1, seq_len=512, finetune="lora", lora_rank=8, checkpoint_impl="reentrant"
+    )
     cache = TermsCache(shipped_dir=None)
     p = MemoryPredictor(None, cache, tracer=InlineTracer(cache))
     spec = catalog.spec(SMALL)

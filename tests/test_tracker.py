@@ -116,11 +116,26 @@ def test_track_tensors_counts_preexisting_once_and_views_share_storage():
 # ------------------------------------------------------------------------------------------------
 # 2. Agreement with torch.distributed._tools.mem_tracker.MemTracker
 # ------------------------------------------------------------------------------------------------
-TINY_LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 256,
-              "tie_word_embeddings": False}
-TINY_GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 128,
-             "tie_word_embeddings": True}
+TINY_LLAMA = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "tie_word_embeddings": False,
+}
+TINY_GPT2 = {
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_embd": 64,
+    "n_head": 4,
+    "vocab_size": 256,
+    "n_positions": 128,
+    "tie_word_embeddings": True,
+}
 
 
 def _two_adamw_steps(tracker_kind: str, cfg: dict, ckpt_layers: list[int]) -> int:
@@ -223,12 +238,15 @@ def _shard_all(model, mesh, reshard_after_forward=True):
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
-@pytest.mark.parametrize("world, shard_bytes", [
-    # Linear(16 -> 64): weight 64x16 (4096 B); Linear(64 -> 3): weight 3x64 (768 B). FSDP2 shards dim 0 in
-    # ceil(rows / world) chunks; rank 0 (the one measured) holds the first chunk.
-    (2, r512(32 * 16 * F32) + r512(2 * 64 * F32)),  # 2048 + 512 (2x64 = 512 B)
-    (4, r512(16 * 16 * F32) + r512(1 * 64 * F32)),  # 1024 + 512 (1x64 = 256 B -> 512)
-])
+@pytest.mark.parametrize(
+    "world, shard_bytes",
+    [
+        # Linear(16 -> 64): weight 64x16 (4096 B); Linear(64 -> 3): weight 3x64 (768 B). FSDP2 shards dim 0 in
+        # ceil(rows / world) chunks; rank 0 (the one measured) holds the first chunk.
+        (2, r512(32 * 16 * F32) + r512(2 * 64 * F32)),  # 2048 + 512 (2x64 = 512 B)
+        (4, r512(16 * 16 * F32) + r512(1 * 64 * F32)),  # 1024 + 512 (1x64 = 256 B -> 512)
+    ],
+)
 def test_fsdp2_sharded_params_counted(world, shard_bytes):
     from torch.distributed.tensor import DTensor
 
@@ -274,11 +292,19 @@ def test_fsdp2_step_peak_exact():
     AG1 = r512(2 * 10 * 10 * F32)  # layer-1 all-gather output, prefetched during layer-2 backward
     RS2_IN = r512(2 * 2 * 20 * F32)  # layer-2 reduce-scatter input (held until the next reduce-scatter)
     G2s = r512(2 * 20 * F32)  # layer-2 sharded gradient (reduce-scatter output)
-    peak = (W1s + W2s  # sharded parameters
-            + X + SCALAR + SCALAR  # input, loss, ones_like(loss)
-            + ACT  # r, saved by ReLU
-            + ACT + ACT  # grad_r, grad_h
-            + AG1 + RS2_IN + G2s)
+    peak = (
+        W1s
+        + W2s  # sharded parameters
+        + X
+        + SCALAR
+        + SCALAR  # input, loss, ones_like(loss)
+        + ACT  # r, saved by ReLU
+        + ACT
+        + ACT  # grad_r, grad_h
+        + AG1
+        + RS2_IN
+        + G2s
+    )
     assert peak == 7680
 
     mesh = _mesh(2)

@@ -20,9 +20,17 @@ from model.zero1 import (
 )
 from tests.conftest import SHIPPED
 
-TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320, "max_position_embeddings": 512,
-        "tie_word_embeddings": False}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 320,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
 PLANS = [[], [0, 1], [0, 1, 2, 3]]
 
 
@@ -32,8 +40,9 @@ def _zero_partition_rank0(params, world: int) -> list[int]:
 
     from training.collect import _fake_process_group
 
-    zero = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, process_group=_fake_process_group(world),
-                                   lr=0.1)
+    zero = ZeroRedundancyOptimizer(
+        params, optimizer_class=torch.optim.SGD, process_group=_fake_process_group(world), lr=0.1
+    )
     mine = {id(p) for g in zero._partition_parameters()[0] for p in g["params"]}
     return [i for i, p in enumerate(params) if id(p) in mine]
 
@@ -48,8 +57,14 @@ def test_sorted_greedy_partition_and_its_tie_rule_match_zero_redundancy_optimize
     assert _zero_partition_rank0(params, world) == sorted(expected)
 
 
-@pytest.mark.parametrize("fields", [{"precision": "fp32"}, {"precision": "amp_bf16", "finetune": "lora", "lora_rank": 4},
-                                    {"precision": "bf16_fp32_master", "optimizer": "adamw_fused"}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"precision": "fp32"},
+        {"precision": "amp_bf16", "finetune": "lora", "lora_rank": 4},
+        {"precision": "bf16_fp32_master", "optimizer": "adamw_fused"},
+    ],
+)
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_rank0_share_of_a_tiny_llama_is_the_collectors(fields, world):
     # the collector's own ZeroRedundancyOptimizer (through MasterWeightsOptimizer for bf16 + fp32 master) over the
@@ -80,19 +95,58 @@ def _measure(training: TrainingConfig):
     return records[0].model, [r.measurement.peak_allocated_bytes for r in records]
 
 
-@pytest.mark.parametrize("fields, exact", [
-    # measured here: composed == measured to the byte at every k
-    ({"micro_batch_size": 2, "seq_len": 64, "precision": "fp32", "optimizer": "adamw_foreach", "data_parallel_size": 2}, True),
-    # the peak falls in the optimizer step at every k (foreach temporaries of rank 0's masters only); the base's
-    # own composition misses the measurement by -256 B and the composed ZeRO-1 curve by exactly the same
-    ({"micro_batch_size": 1, "seq_len": 32, "precision": "bf16_fp32_master", "optimizer": "adamw_foreach",
-          "data_parallel_size": 3}, True),
-    # LoRA adapters over 8 ranks, fused AdamW: the base misses by -2,048 B, ZeRO-1 by the same
-    ({"micro_batch_size": 2, "seq_len": 64, "precision": "amp_bf16", "optimizer": "adamw_fused", "data_parallel_size": 8,
-          "finetune": "lora", "lora_rank": 4}, True),
-    # Adafactor's step temporaries are not subtracted: an upper bound (measured here +10.3 % at k = 4, exact below)
-    ({"micro_batch_size": 2, "seq_len": 64, "precision": "fp32", "optimizer": "adafactor", "data_parallel_size": 2}, False),
-])
+@pytest.mark.parametrize(
+    "fields, exact",
+    [
+        # measured here: composed == measured to the byte at every k
+        (
+            {
+                "micro_batch_size": 2,
+                "seq_len": 64,
+                "precision": "fp32",
+                "optimizer": "adamw_foreach",
+                "data_parallel_size": 2,
+            },
+            True,
+        ),
+        # the peak falls in the optimizer step at every k (foreach temporaries of rank 0's masters only); the base's
+        # own composition misses the measurement by -256 B and the composed ZeRO-1 curve by exactly the same
+        (
+            {
+                "micro_batch_size": 1,
+                "seq_len": 32,
+                "precision": "bf16_fp32_master",
+                "optimizer": "adamw_foreach",
+                "data_parallel_size": 3,
+            },
+            True,
+        ),
+        # LoRA adapters over 8 ranks, fused AdamW: the base misses by -2,048 B, ZeRO-1 by the same
+        (
+            {
+                "micro_batch_size": 2,
+                "seq_len": 64,
+                "precision": "amp_bf16",
+                "optimizer": "adamw_fused",
+                "data_parallel_size": 8,
+                "finetune": "lora",
+                "lora_rank": 4,
+            },
+            True,
+        ),
+        # Adafactor's step temporaries are not subtracted: an upper bound (measured here +10.3 % at k = 4, exact below)
+        (
+            {
+                "micro_batch_size": 2,
+                "seq_len": 64,
+                "precision": "fp32",
+                "optimizer": "adafactor",
+                "data_parallel_size": 2,
+            },
+            False,
+        ),
+    ],
+)
 def test_composed_curve_against_the_collectors_zero1_step(fields, exact):
     from training.phases import trace_terms
 
@@ -121,8 +175,9 @@ def test_composed_curve_against_the_collectors_zero1_step(fields, exact):
 
 
 def test_bf16_master_weights_stay_whole_and_rank0_states_exceed_an_even_share():
-    training = TrainingConfig(micro_batch_size=1, seq_len=16, precision="bf16_fp32_master", sharding="zero1",
-                              data_parallel_size=8)
+    training = TrainingConfig(
+        micro_batch_size=1, seq_len=16, precision="bf16_fp32_master", sharding="zero1", data_parallel_size=8
+    )
     spec = model_spec(TINY, name="tiny")
     split = zero1_split(TINY, training)
     states = rank0_states(spec, training, split)
@@ -148,19 +203,27 @@ def test_a_zero1_request_asks_the_tracer_for_its_unsharded_base():
 
 
 def test_bitsandbytes_optimizers_under_zero1_are_not_composed():
-    training = TrainingConfig(micro_batch_size=2, seq_len=64, sharding="zero1", data_parallel_size=4,
-                              optimizer="adamw_8bit")
+    training = TrainingConfig(
+        micro_batch_size=2, seq_len=64, sharding="zero1", data_parallel_size=4, optimizer="adamw_8bit"
+    )
     assert "not measured" in not_traceable_reason(model_spec(TINY, name="tiny"), training)
-    assert not_traceable_reason(model_spec(TINY, name="tiny"), training.model_copy(
-        update={"optimizer": "adamw_foreach"})).startswith("ZeRO-1 partitions whole parameters")
+    assert not_traceable_reason(
+        model_spec(TINY, name="tiny"), training.model_copy(update={"optimizer": "adamw_foreach"})
+    ).startswith("ZeRO-1 partitions whole parameters")
 
 
 def test_row_paths_counts_zero1_rows_with_a_traced_base_as_traced():
     from model.evaluate import row_paths
 
     df = pd.read_parquet(SHIPPED)
-    z = df[(df.sharding == "zero1") & (df.model_name == "gpt2") & (df.precision == "amp_bf16")
-           & (df.optimizer == "adamw_foreach") & (df.micro_batch_size == 8) & (df.seq_len == 1024)].reset_index(drop=True)
+    z = df[
+        (df.sharding == "zero1")
+        & (df.model_name == "gpt2")
+        & (df.precision == "amp_bf16")
+        & (df.optimizer == "adamw_foreach")
+        & (df.micro_batch_size == 8)
+        & (df.seq_len == 1024)
+    ].reset_index(drop=True)
     assert len(z) == 13  # one family: dp 8, AdamW foreach, full fine-tune; its unsharded base is shipped
     assert set(row_paths(z, TermsCache())) == {"traced"}
     assert set(row_paths(z, TermsCache(shipped_dir=None))) == {"provisional"}
@@ -172,15 +235,23 @@ def test_zero1_with_the_optimizer_offloaded_is_the_unsharded_offloaded_device_cu
     from training.collect import measure_family
     from training.phases import trace_terms
 
-    training = TrainingConfig(micro_batch_size=2, seq_len=64, precision="amp_bf16", optimizer="adamw_foreach",
-                              sharding="zero1", data_parallel_size=4, offload_optimizer="cpu")
+    training = TrainingConfig(
+        micro_batch_size=2,
+        seq_len=64,
+        precision="amp_bf16",
+        optimizer="adamw_foreach",
+        sharding="zero1",
+        data_parallel_size=4,
+        offload_optimizer="cpu",
+    )
     base = TrainingConfig(micro_batch_size=2, seq_len=64, precision="amp_bf16", optimizer="adamw_foreach")
     cache = TermsCache(shipped_dir=None)
     cache.put(terms_key(TINY, base), trace_terms(TINY, base).to_json())
     records = list(measure_family(TINY, training, PLANS, device="fake", prime=True))
     curve = MemoryPredictor(None, cache).curve(records[0].model, training, TINY)
-    alone = MemoryPredictor(None, cache).curve(records[0].model, training.model_copy(
-        update={"sharding": Sharding.NONE, "data_parallel_size": 1}), TINY)
+    alone = MemoryPredictor(None, cache).curve(
+        records[0].model, training.model_copy(update={"sharding": Sharding.NONE, "data_parallel_size": 1}), TINY
+    )
     assert curve.path == TRACED
     assert [p.predicted_bytes for p in curve.points] == [p.predicted_bytes for p in alone.points]
     for r in records:

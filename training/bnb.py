@@ -81,8 +81,10 @@ def make_bnb_optimizer(kind: Optimizer, params, *, lr: float, tracker=None):
     if kind is Optimizer.LION:
         return bnb.optim.Lion(params, lr=lr)
     if kind is not Optimizer.PAGED_ADAMW_8BIT:
-        raise ValueError(f"optimizer={kind.value} is not a bitsandbytes optimizer (allowed: "
-                         f"{', '.join(sorted(o.value for o in BNB_OPTIMIZERS))})")
+        raise ValueError(
+            f"optimizer={kind.value} is not a bitsandbytes optimizer (allowed: "
+            f"{', '.join(sorted(o.value for o in BNB_OPTIMIZERS))})"
+        )
     if tracker is None:
         return bnb.optim.PagedAdamW8bit(params, lr=lr)
 
@@ -149,14 +151,26 @@ def _linear4bit(linear: torch.nn.Linear, double_quant: bool, storage_dtype, comp
         # made under another (fake) mode it cannot mix with this one's tensors: let this mode make it
         F.name2qmap.pop("dynamic", None)
     with torch.no_grad():
-        packed, state = F.quantize_4bit(linear.weight.detach().to(storage_dtype), blocksize=NF4_BLOCK,
-                                        compress_statistics=double_quant, quant_type="nf4",
-                                        quant_storage=torch.uint8)
+        packed, state = F.quantize_4bit(
+            linear.weight.detach().to(storage_dtype),
+            blocksize=NF4_BLOCK,
+            compress_statistics=double_quant,
+            quant_type="nf4",
+            quant_storage=torch.uint8,
+        )
     mod = bnb.nn.Linear4bit.__new__(bnb.nn.Linear4bit)
     torch.nn.Module.__init__(mod)
     mod.in_features, mod.out_features = linear.in_features, linear.out_features
-    mod.weight = _frozen_weight(packed, quant_state=state, quant_type="nf4", compress_statistics=double_quant,
-                                blocksize=NF4_BLOCK, quant_storage=torch.uint8, bnb_quantized=True, module=mod)
+    mod.weight = _frozen_weight(
+        packed,
+        quant_state=state,
+        quant_type="nf4",
+        compress_statistics=double_quant,
+        blocksize=NF4_BLOCK,
+        quant_storage=torch.uint8,
+        bnb_quantized=True,
+        module=mod,
+    )
     # Linear4bit.forward casts a bias to the compute dtype in place on the first call: do it now, so that
     # every measured step runs the same ops
     mod.bias = None if linear.bias is None else _frozen_weight(linear.bias.detach().to(compute_dtype))
@@ -211,11 +225,12 @@ def quantize_base_linears(model, quantization: Quantization, *, storage_dtype, c
         raise ValueError("quantization='none' quantizes nothing")
     conv = [name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"]
     if conv:
-        raise ValueError(f"quantization={quantization.value} is modelled for decoders of nn.Linear layers; this "
-                         f"model's {conv[0]} is a Conv1D")
+        raise ValueError(
+            f"quantization={quantization.value} is modelled for decoders of nn.Linear layers; this "
+            f"model's {conv[0]} is a Conv1D"
+        )
     out_emb = model.get_output_embeddings()
-    targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is torch.nn.Linear and m is not out_emb]
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear and m is not out_emb]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

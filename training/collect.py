@@ -53,15 +53,31 @@ import torch
 from memfit.checkpointing import apply_activation_checkpointing
 from memfit.hf import build_causal_lm, decoder_layers, model_spec, peft_default_lora_targets, quiet_transformers
 from memfit.schema import (
-    Attention, CheckpointImpl, ClusterSpec, FineTune, Measurement, Method, Offload, Optimizer, Phase, Precision,
-    Quantization, Sharding, TelemetryRecord, TrainingConfig, check_moe_settings, check_quantized_base,
+    Attention,
+    CheckpointImpl,
+    ClusterSpec,
+    FineTune,
+    Measurement,
+    Method,
+    Offload,
+    Optimizer,
+    Phase,
+    Precision,
+    Quantization,
+    Sharding,
+    TelemetryRecord,
+    TrainingConfig,
+    check_moe_settings,
+    check_quantized_base,
 )
 from training.tracker import LiveStorageTracker
 
 _HALF = {Precision.AMP_FP16: torch.float16, Precision.AMP_BF16: torch.bfloat16}
 _FSDP_RESHARD = {
-    Sharding.ZERO3: True, Sharding.FSDP_FULL_SHARD: True,
-    Sharding.ZERO2: False, Sharding.FSDP_SHARD_GRAD_OP: False,
+    Sharding.ZERO3: True,
+    Sharding.FSDP_FULL_SHARD: True,
+    Sharding.ZERO2: False,
+    Sharding.FSDP_SHARD_GRAD_OP: False,
 }
 
 
@@ -139,8 +155,10 @@ def make_optimizer(kind: Optimizer, params, *, lr: float = 1e-4, process_group=N
 
     if kind in BNB_OPTIMIZERS:
         if process_group is not None:
-            raise ValueError(f"optimizer={kind.value} cannot run with sharding=zero1 in the collector "
-                             "(ZeroRedundancyOptimizer over a bitsandbytes optimizer)")
+            raise ValueError(
+                f"optimizer={kind.value} cannot run with sharding=zero1 in the collector "
+                "(ZeroRedundancyOptimizer over a bitsandbytes optimizer)"
+            )
         return make_bnb_optimizer(kind, [p for p in params if p.requires_grad], lr=lr, tracker=tracker)
     table: dict[Optimizer, tuple[type, dict[str, Any]]] = {
         Optimizer.ADAMW_FOREACH: (torch.optim.AdamW, {"lr": lr, "foreach": True}),
@@ -203,8 +221,13 @@ def _apply_finetune(model, training: TrainingConfig, layers) -> Any:
         # Mixtral (NoMatchingPeftModuleError) though its mapping has q_proj, v_proj; for the other families the
         # explicit list adapts the same modules
         targets = training.lora_target_modules or peft_default_lora_targets(model.config.model_type)
-        cfg = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0,
-                         target_modules=targets, task_type="CAUSAL_LM")
+        cfg = LoraConfig(
+            r=training.lora_rank,
+            lora_alpha=2 * training.lora_rank,
+            lora_dropout=0.0,
+            target_modules=targets,
+            task_type="CAUSAL_LM",
+        )
         with _module_to_via_set_data():
             return get_peft_model(model, cfg)
     if training.finetune is FineTune.FROZEN:
@@ -285,27 +308,30 @@ def _cuda_sdpa_kernels():
         if backend is SdpaBackend.MATH:
             mask = attn_mask
             if mask is not None and mask.dtype == torch.bool:  # convert_boolean_attn_mask, as the public op does
-                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask,
-                                                                                                   float("-inf"))
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                    ~mask, float("-inf")
+                )
             return torch.ops.aten._scaled_dot_product_attention_math(
-                query, key, value, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+                query, key, value, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )[0]
         if attn_mask is None and dropout_p == 0.0:
-            return orig(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=enable_gqa)
+            return orig(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         if enable_gqa and key.shape[-3] != query.shape[-3]:
             rep = query.shape[-3] // key.shape[-3]
             key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
         bias = attn_mask
         if bias is not None:
             if bias.dtype == torch.bool:
-                bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill_(~bias,
-                                                                                                   float("-inf"))
+                bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                    ~bias, float("-inf")
+                )
             elif bias.dtype != query.dtype:
                 bias = bias.to(query.dtype)
             bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         out = torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, bias, need_lse, dropout_p, is_causal, scale=scale)[0]
+            query, key, value, bias, need_lse, dropout_p, is_causal, scale=scale
+        )[0]
         # cuDNN returns (B, H, S, D)-contiguous output, so the caller's transpose(1, 2).contiguous() copies
         return out.contiguous() if backend is SdpaBackend.CUDNN else out
 
@@ -345,38 +371,57 @@ def accumulation_micro_batches(training: TrainingConfig) -> int:
 
 def _check_supported(training: TrainingConfig) -> None:
     if training.gradient_accumulation_steps > 1 and training.offload_optimizer is not Offload.NONE:
-        raise ValueError("gradient_accumulation_steps > 1 with an offloaded optimizer is not simulated by the "
-                         "collector: the gradients accumulate in host memory, so the device holds one micro-batch's "
-                         "peak (model.offload composes it)")
+        raise ValueError(
+            "gradient_accumulation_steps > 1 with an offloaded optimizer is not simulated by the "
+            "collector: the gradients accumulate in host memory, so the device holds one micro-batch's "
+            "peak (model.offload composes it)"
+        )
     if training.offload_parameters is Offload.CPU:
-        raise ValueError("offload_parameters='cpu' is not simulated by the collector: it is composed from the "
-                         "FSDP full-shard trace (model.offload)")
+        raise ValueError(
+            "offload_parameters='cpu' is not simulated by the collector: it is composed from the "
+            "FSDP full-shard trace (model.offload)"
+        )
     if training.pipeline_parallel_size != 1 or training.context_parallel_size != 1:
-        raise ValueError("the collector runs pipeline_parallel_size=1 and context_parallel_size=1 only "
-                         "(model.parallel composes pipeline and context parallelism)")
+        raise ValueError(
+            "the collector runs pipeline_parallel_size=1 and context_parallel_size=1 only "
+            "(model.parallel composes pipeline and context parallelism)"
+        )
     if training.tensor_parallel_size > 1 and training.sharding not in (Sharding.NONE, *_FSDP_RESHARD):
-        raise ValueError(f"tensor_parallel_size={training.tensor_parallel_size} is measured with sharding none, "
-                         f"zero2/zero3 or FSDP (FSDP2 over the data-parallel dimension); got {training.sharding.value}")
-    if training.tensor_parallel_size > 1 and (training.optimizer_in_backward
-                                              or training.quantization is not Quantization.NONE):
-        raise ValueError(f"tensor_parallel_size={training.tensor_parallel_size} is measured without "
-                         "optimizer_in_backward and quantization only")
+        raise ValueError(
+            f"tensor_parallel_size={training.tensor_parallel_size} is measured with sharding none, "
+            f"zero2/zero3 or FSDP (FSDP2 over the data-parallel dimension); got {training.sharding.value}"
+        )
+    if training.tensor_parallel_size > 1 and (
+        training.optimizer_in_backward or training.quantization is not Quantization.NONE
+    ):
+        raise ValueError(
+            f"tensor_parallel_size={training.tensor_parallel_size} is measured without "
+            "optimizer_in_backward and quantization only"
+        )
     if training.optimizer_in_backward and training.sharding is not Sharding.NONE:
-        raise ValueError(f"optimizer_in_backward=True is collected with sharding='none' only "
-                         f"(got sharding={training.sharding.value!r})")
+        raise ValueError(
+            f"optimizer_in_backward=True is collected with sharding='none' only "
+            f"(got sharding={training.sharding.value!r})"
+        )
     if training.quantization is not Quantization.NONE and training.sharding is not Sharding.NONE:
-        raise ValueError(f"quantization={training.quantization.value} is collected with sharding='none' only "
-                         f"(got sharding={training.sharding.value!r})")
+        raise ValueError(
+            f"quantization={training.quantization.value} is collected with sharding='none' only "
+            f"(got sharding={training.sharding.value!r})"
+        )
     if training.expert_parallel_size > 1 and training.sharding is not Sharding.NONE:
         # FSDP would shard the local experts over all data-parallel ranks instead of the expert-data-parallel
         # group (data_parallel_size / expert_parallel_size), which the fake process group does not model
-        raise ValueError(f"expert_parallel_size={training.expert_parallel_size} is simulated with sharding=none "
-                         f"only; got sharding={training.sharding.value}")
+        raise ValueError(
+            f"expert_parallel_size={training.expert_parallel_size} is simulated with sharding=none "
+            f"only; got sharding={training.sharding.value}"
+        )
     if training.optimizer is Optimizer.ADAFACTOR and training.sharding in _FSDP_RESHARD:
         # torch.optim.Adafactor squares its row/column means in place; on FSDP2's DTensor parameters those
         # are _NormPartial placements, and DTensor refuses in-place ops that change placement (torch 2.13).
-        raise ValueError(f"optimizer=adafactor cannot run with sharding={training.sharding.value} "
-                         "(FSDP2 DTensor parameters); use zero1 or an AdamW/SGD optimizer")
+        raise ValueError(
+            f"optimizer=adafactor cannot run with sharding={training.sharding.value} "
+            "(FSDP2 DTensor parameters); use zero1 or an AdamW/SGD optimizer"
+        )
 
 
 def _device_context(device: str):
@@ -407,9 +452,14 @@ def _cluster(device: str, training: TrainingConfig) -> ClusterSpec:
         ds_version = metadata.version("deepspeed")
     except metadata.PackageNotFoundError:
         ds_version = None
-    return ClusterSpec(device_name=name, device_memory_bytes=mem, gpu_count=world, torch_version=torch.__version__,
-                       transformers_version=transformers.__version__, deepspeed_version=ds_version)
-
+    return ClusterSpec(
+        device_name=name,
+        device_memory_bytes=mem,
+        gpu_count=world,
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        deepspeed_version=ds_version,
+    )
 
 
 @dataclasses.dataclass
@@ -452,11 +502,13 @@ class PreparedModel:
         def make(params):
             if self.training.offload_optimizer is Offload.CPU:
                 dtype = torch.bfloat16 if self.training.precision is Precision.BF16 else torch.float32
-                return HostOffloadOptimizer(params, lambda ps: make_optimizer(kind, ps, process_group=group,
-                                                                              tracker=tracker), tracker, dtype)
+                return HostOffloadOptimizer(
+                    params, lambda ps: make_optimizer(kind, ps, process_group=group, tracker=tracker), tracker, dtype
+                )
             if self.training.precision is Precision.BF16_FP32_MASTER:
-                return MasterWeightsOptimizer(params, lambda ps: make_optimizer(kind, ps, process_group=group,
-                                                                                tracker=tracker))
+                return MasterWeightsOptimizer(
+                    params, lambda ps: make_optimizer(kind, ps, process_group=group, tracker=tracker)
+                )
             return make_optimizer(kind, params, process_group=group, tracker=tracker)
 
         if self.training.optimizer_in_backward:
@@ -474,8 +526,14 @@ def close_optimizer(opt) -> None:
 
 
 @contextlib.contextmanager
-def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model_name: str | None = None,
-                   device: str = "fake", seed: int = 0):
+def prepared_model(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    *,
+    model_name: str | None = None,
+    device: str = "fake",
+    seed: int = 0,
+):
     """Build the model of ``hf_config`` for ``training`` inside the measuring context and yield a
     :class:`PreparedModel`: random weights, fine-tuning applied, no layer checkpointed yet, FSDP2
     applied for ``zero2``/``zero3``/FSDP sharding over a fake process group of ``data_parallel_size``.
@@ -487,8 +545,9 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
     _check_supported(training)
     limit = max_seq_len(hf_config)
     if limit is not None and training.seq_len > limit:
-        raise ValueError(f"seq_len={training.seq_len} exceeds this model's learned position embeddings: "
-                         f"allowed 1..{limit}")
+        raise ValueError(
+            f"seq_len={training.seq_len} exceeds this model's learned position embeddings: allowed 1..{limit}"
+        )
     from training.moe import balanced_routing, local_expert_config, num_routed_experts
 
     num_experts = num_routed_experts(hf_config)
@@ -530,7 +589,7 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
         kernel_ctx = cuda_kernel_choices()
     else:
         kernel_ctx = contextlib.nullcontext()
-    with quiet_transformers(), sdpa_ctx, ctx, (tracker or contextlib.nullcontext()), kernel_ctx:
+    with quiet_transformers(), sdpa_ctx, ctx, tracker or contextlib.nullcontext(), kernel_ctx:
         model = build_causal_lm(built_config, dtype=param_dtype(training.precision), attention=training.attention.value)
         if model.config._attn_implementation == "eager" and training.attention is not Attention.EAGER:
             training = training.model_copy(update={"attention": Attention.EAGER})  # family lacks SDPA
@@ -548,8 +607,9 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
             extra = spec.total_params - count_params_from_config(built_config)  # LoRA adapters
             total = count_params_from_config(hf_config) + extra
             trainable = total if spec.trainable_params == spec.total_params else spec.trainable_params
-            spec = spec.model_copy(update={"num_experts": num_experts, "total_params": total,
-                                           "trainable_params": trainable})
+            spec = spec.model_copy(
+                update={"num_experts": num_experts, "total_params": total, "trainable_params": trainable}
+            )
         check_moe_settings(spec, training)
         check_quantized_base(spec, training)
         reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
@@ -568,14 +628,28 @@ def prepared_model(hf_config: dict[str, Any], training: TrainingConfig, *, model
                 for layer in layers:
                     fully_shard(layer, **kw)
                 fully_shard(model, **kw)
-        routing = balanced_routing(model, imbalance_factor=training.moe_imbalance_factor, expert_parallel_size=ep,
-                                   num_experts=num_experts) if num_experts else contextlib.nullcontext()
+        routing = (
+            balanced_routing(
+                model, imbalance_factor=training.moe_imbalance_factor, expert_parallel_size=ep, num_experts=num_experts
+            )
+            if num_experts
+            else contextlib.nullcontext()
+        )
         with routing:
-            yield PreparedModel(model=model, layers=layers, spec=spec, training=training, tracker=tracker,
-                                cluster=cluster, use_autocast=amp_dtype is not None and mesh is None,
-                                amp_dtype=amp_dtype, on=on,
-                                zero1_group=group if training.sharding is Sharding.ZERO1 else None, method=method,
-                                vocab_parallel=tp_mesh is not None)
+            yield PreparedModel(
+                model=model,
+                layers=layers,
+                spec=spec,
+                training=training,
+                tracker=tracker,
+                cluster=cluster,
+                use_autocast=amp_dtype is not None and mesh is None,
+                amp_dtype=amp_dtype,
+                on=on,
+                zero1_group=group if training.sharding is Sharding.ZERO1 else None,
+                method=method,
+                vocab_parallel=tp_mesh is not None,
+            )
 
 
 def measure(
@@ -601,8 +675,9 @@ def measure(
         pydantic.ValidationError: the resulting record is invalid (e.g. k > layers).
     """
     plans = [training.checkpoint_layers]
-    return next(iter(measure_family(hf_config, training, plans, model_name=model_name, device=device,
-                                    steps=steps, seed=seed)))
+    return next(
+        iter(measure_family(hf_config, training, plans, model_name=model_name, device=device, steps=steps, seed=seed))
+    )
 
 
 def measure_family(
@@ -654,8 +729,19 @@ def measure_family(
                 after_init = live()
                 if tracker:
                     tracker.reset_peak()
-                after_forward, step_times = _run_steps(model, opt, ids, steps, tracker, use_autocast, on, amp_dtype,
-                                                       live, run.loss_context, accumulation_micro_batches(training))
+                after_forward, step_times = _run_steps(
+                    model,
+                    opt,
+                    ids,
+                    steps,
+                    tracker,
+                    use_autocast,
+                    on,
+                    amp_dtype,
+                    live,
+                    run.loss_context,
+                    accumulation_micro_batches(training),
+                )
             except torch.OutOfMemoryError:
                 oom, after_init, after_forward, step_times = True, None, None, []
                 model.zero_grad(set_to_none=True)
@@ -677,16 +763,32 @@ def measure_family(
                 step_time_s=None if device == "fake" or oom else min(step_times),
                 method=method,
                 recomputed_layers=len(plan.recomputed),
-                host_peak_bytes=tracker.host_peak_bytes if tracker and training.offload_optimizer is Offload.CPU
+                host_peak_bytes=tracker.host_peak_bytes
+                if tracker and training.offload_optimizer is Offload.CPU
                 else None,
                 **extra,
             )
-            yield TelemetryRecord(model=spec, training=training.model_copy(update={"checkpoint_layers": plan_layers}),
-                                  cluster=cluster, measurement=measurement)
+            yield TelemetryRecord(
+                model=spec,
+                training=training.model_copy(update={"checkpoint_layers": plan_layers}),
+                cluster=cluster,
+                measurement=measurement,
+            )
 
 
-def _run_steps(model, opt, ids, n, tracker, use_autocast, on, amp_dtype, live, loss_context=contextlib.nullcontext,
-               micro_batches: int = 1):
+def _run_steps(
+    model,
+    opt,
+    ids,
+    n,
+    tracker,
+    use_autocast,
+    on,
+    amp_dtype,
+    live,
+    loss_context=contextlib.nullcontext,
+    micro_batches: int = 1,
+):
     """Run ``n`` training steps of ``micro_batches`` forward/backward passes each (gradient accumulation);
     returns (live bytes after the first forward, step times in s)."""
     after_forward, times = None, []

@@ -42,16 +42,39 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "f
 
 #: (owner, attribute) of CUDA autocast ``fp32`` ops a decoder step calls from Python
 FP32_ENTRY_POINTS = (
-    (torch, "pow"), (torch.Tensor, "pow"), (torch.Tensor, "__pow__"), (torch, "exp"), (torch.Tensor, "exp"),
-    (torch, "log"), (torch.Tensor, "log"), (torch, "log1p"), (torch, "expm1"), (torch, "rsqrt"),
-    (torch.Tensor, "rsqrt"), (torch, "reciprocal"), (torch.Tensor, "reciprocal"), (F, "layer_norm"),
-    (F, "group_norm"), (F, "softplus"), (torch, "logsumexp"), (torch.Tensor, "logsumexp"),
+    (torch, "pow"),
+    (torch.Tensor, "pow"),
+    (torch.Tensor, "__pow__"),
+    (torch, "exp"),
+    (torch.Tensor, "exp"),
+    (torch, "log"),
+    (torch.Tensor, "log"),
+    (torch, "log1p"),
+    (torch, "expm1"),
+    (torch, "rsqrt"),
+    (torch.Tensor, "rsqrt"),
+    (torch, "reciprocal"),
+    (torch.Tensor, "reciprocal"),
+    (F, "layer_norm"),
+    (F, "group_norm"),
+    (F, "softplus"),
+    (torch, "logsumexp"),
+    (torch.Tensor, "logsumexp"),
 )
 #: (owner, attribute) of CUDA autocast ``fp32_set_opt_dtype`` ops
 FP32_SET_OPT_DTYPE_ENTRY_POINTS = (
-    (F, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax"), (F, "log_softmax"), (torch, "log_softmax"),
-    (torch.Tensor, "log_softmax"), (torch, "sum"), (torch.Tensor, "sum"), (torch, "cumsum"),
-    (torch.Tensor, "cumsum"), (torch, "prod"), (torch.Tensor, "prod"),
+    (F, "softmax"),
+    (torch, "softmax"),
+    (torch.Tensor, "softmax"),
+    (F, "log_softmax"),
+    (torch, "log_softmax"),
+    (torch.Tensor, "log_softmax"),
+    (torch, "sum"),
+    (torch.Tensor, "sum"),
+    (torch, "cumsum"),
+    (torch.Tensor, "cumsum"),
+    (torch, "prod"),
+    (torch.Tensor, "prod"),
 )
 
 #: cuDNN version the 2026-12-04 H200 rows imply (torch 2.11 + CUDA 13; inferred, not read on the machine): newer than
@@ -73,6 +96,7 @@ def _fp32(orig):
             args = tuple(_up(a) for a in args)
             kwargs = {k: _up(v) for k, v in kwargs.items()}
         return orig(*args, **kwargs)
+
     return run
 
 
@@ -81,10 +105,15 @@ def _fp32_set_opt_dtype(orig):
     def run(*args, **kwargs):
         x = args[0] if args else kwargs.get("input")
         dtype_given = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args[1:])
-        if torch.is_autocast_enabled("cpu") and not dtype_given and isinstance(x, torch.Tensor) \
-                and x.is_floating_point():
+        if (
+            torch.is_autocast_enabled("cpu")
+            and not dtype_given
+            and isinstance(x, torch.Tensor)
+            and x.is_floating_point()
+        ):
             kwargs = {**kwargs, "dtype": torch.float32}
         return orig(*args, **kwargs)
+
     return run
 
 
@@ -94,13 +123,19 @@ def _fused_dropout(orig):
         if training and 0.0 < p < 1.0 and not inplace and input.is_floating_point():
             return torch.native_dropout(input, p, True)[0]
         return orig(input, p, training, inplace)
+
     return run
 
 
 @contextlib.contextmanager
-def cuda_step_semantics(generation: GpuGeneration | str = GpuGeneration.SM90, *, autocast: bool = True,
-                        dropout: bool = True, cudnn_version: int | None = ROWS_CUDNN_VERSION,
-                        mqa_broadcast: bool = False):
+def cuda_step_semantics(
+    generation: GpuGeneration | str = GpuGeneration.SM90,
+    *,
+    autocast: bool = True,
+    dropout: bool = True,
+    cudnn_version: int | None = ROWS_CUDNN_VERSION,
+    mqa_broadcast: bool = False,
+):
     """Within the block, traced steps follow CUDA's autocast lists, fused dropout and ``generation``'s SDPA
     backend choice (see the module docstring). Not reentrant.
 
@@ -161,9 +196,18 @@ def sdpa_backend(query, key, attn_mask, dropout_p: float, is_causal: bool, enabl
     gen = _state["generation"]
     if gen is None or query.dim() != 4 or key.dim() != 4 or query.dtype not in _DTYPE_NAMES:
         return None
-    call = SdpaCall(batch=query.shape[0], num_heads=query.shape[1], num_kv_heads=key.shape[1],
-                    seq_q=query.shape[2], seq_k=key.shape[2], head_dim=query.shape[3],
-                    dtype=_DTYPE_NAMES[query.dtype], has_mask=attn_mask is not None, dropout_p=dropout_p,
-                    is_causal=is_causal, enable_gqa=enable_gqa,
-                    requires_grad=torch.is_grad_enabled() and query.requires_grad)
+    call = SdpaCall(
+        batch=query.shape[0],
+        num_heads=query.shape[1],
+        num_kv_heads=key.shape[1],
+        seq_q=query.shape[2],
+        seq_k=key.shape[2],
+        head_dim=query.shape[3],
+        dtype=_DTYPE_NAMES[query.dtype],
+        has_mask=attn_mask is not None,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        enable_gqa=enable_gqa,
+        requires_grad=torch.is_grad_enabled() and query.requires_grad,
+    )
     return select_backend(call, gen, _state["cudnn_version"], _state["mqa_broadcast"])

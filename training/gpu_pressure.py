@@ -90,9 +90,15 @@ def measure(fam, k: int, resolution_bytes: int) -> dict[str, Any]:
                 lo = mid
         del opt
     torch.cuda.empty_cache()
-    return {"allocated_bytes": allocated, "reserved_bytes": reserved, "min_cap_bytes": hi, "trials": trials,
-            "needed_over_allocated": hi / allocated, "reserved_over_allocated": reserved / allocated,
-            "needed_minus_allocated_bytes": hi - allocated}
+    return {
+        "allocated_bytes": allocated,
+        "reserved_bytes": reserved,
+        "min_cap_bytes": hi,
+        "trials": trials,
+        "needed_over_allocated": hi / allocated,
+        "reserved_over_allocated": reserved / allocated,
+        "needed_minus_allocated_bytes": hi - allocated,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,9 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         row = {"family": fam.__dict__, "k": k, **row}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "tag": a.tag,
-           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "resolution_mib": a.resolution_mib,
-           "seconds": round(time.perf_counter() - t0, 1), "rows": rows}
+    out = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "tag": a.tag,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "resolution_mib": a.resolution_mib,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "rows": rows,
+    }
     (a.out / f"gpu_pressure_{a.tag}.json").write_text(json.dumps(out, indent=1))
     return 0
 

@@ -32,8 +32,14 @@ from typing import Any
 
 from training.sweep import Family
 
-ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_MODULE_LOADING", "CUBLAS_WORKSPACE_CONFIG",
-             "NCCL_BUFFSIZE", "CUDA_VISIBLE_DEVICES")
+ALLOC_ENV = (
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "CUDA_MODULE_LOADING",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "NCCL_BUFFSIZE",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 # (family, k values): small enough that every config fits on an 80 GB card and runs in seconds.
 CONFIGS: list[tuple[Family, list[int]]] = [
@@ -77,11 +83,15 @@ def run(out_dir: Path, device: str = "cuda", limit: int | None = None, budget_s:
         cfg = catalog.get(fam.model)["hf_config"]
         plan = [list(range(k))]
         try:
-            real = next(iter(measure_family(cfg, fam.training(), plan, model_name=fam.model, device=device,
-                                            steps=1, warmup=1)))
-            fake = next(iter(measure_family(cfg, fam.training(), plan, model_name=fam.model, device="fake",
-                                            steps=1, prime=True)))
-        except Exception as err:  # keep going: one failed config must not cost the whole call
+            real = next(
+                iter(measure_family(cfg, fam.training(), plan, model_name=fam.model, device=device, steps=1, warmup=1))
+            )
+            fake = next(
+                iter(
+                    measure_family(cfg, fam.training(), plan, model_name=fam.model, device="fake", steps=1, prime=True)
+                )
+            )
+        except Exception as err:  # noqa: BLE001 - keep going: one failed config must not cost the whole call
             rows.append({"family": fam.__dict__, "k": k, "error": f"{type(err).__name__}: {err}"[:400]})
             continue
         finally:
@@ -92,26 +102,37 @@ def run(out_dir: Path, device: str = "cuda", limit: int | None = None, budget_s:
         gpu_f.write(real.model_dump_json() + "\n")
         fake_f.write(fake.model_dump_json() + "\n")
         m, f = real.measurement, fake.measurement
-        rows.append({
-            "family": fam.__dict__, "k": k,
-            "allocated_bytes": m.peak_allocated_bytes, "tracker_bytes": f.peak_allocated_bytes,
-            "allocated_over_tracker": m.peak_allocated_bytes / f.peak_allocated_bytes,
-            "reserved_bytes": m.peak_reserved_bytes,
-            "reserved_minus_allocated_bytes": (m.peak_reserved_bytes - m.peak_allocated_bytes)
-            if m.peak_reserved_bytes is not None else None,
-            "active_peak_bytes": m.active_peak_bytes, "num_alloc_retries": m.num_alloc_retries,
-            "outside_torch_bytes": m.outside_torch_bytes, "step_time_s": m.step_time_s, "oom": m.oom,
-        })
+        rows.append(
+            {
+                "family": fam.__dict__,
+                "k": k,
+                "allocated_bytes": m.peak_allocated_bytes,
+                "tracker_bytes": f.peak_allocated_bytes,
+                "allocated_over_tracker": m.peak_allocated_bytes / f.peak_allocated_bytes,
+                "reserved_bytes": m.peak_reserved_bytes,
+                "reserved_minus_allocated_bytes": (m.peak_reserved_bytes - m.peak_allocated_bytes)
+                if m.peak_reserved_bytes is not None
+                else None,
+                "active_peak_bytes": m.active_peak_bytes,
+                "num_alloc_retries": m.num_alloc_retries,
+                "outside_torch_bytes": m.outside_torch_bytes,
+                "step_time_s": m.step_time_s,
+                "oom": m.oom,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     gpu_f.close()
     fake_f.close()
     ratios = [r["allocated_over_tracker"] for r in rows if "allocated_over_tracker" in r]
     summary = {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else device,
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "env": {k: os.environ.get(k) for k in ALLOC_ENV},
-        "configs": len(rows), "measured": len(ratios),
-        "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None),
+        "configs": len(rows),
+        "measured": len(ratios),
+        "ratio_min": min(ratios, default=None),
+        "ratio_max": max(ratios, default=None),
         "ratio_mean": sum(ratios) / len(ratios) if ratios else None,
         "seconds": round(time.perf_counter() - t_start, 1),
         "rows": rows,
@@ -144,8 +165,12 @@ def ingest(in_dir: Path, db: str | None = None) -> dict[str, int]:
     for r in rep.rejected:
         print(f"rejected: {r}", file=sys.stderr)
     # a re-measurement of the same (family, k) has the same record id and other figures: quarantined as a conflict
-    return {"stored": len(rep.stored), "duplicates": len(rep.duplicates), "rejected": len(rep.rejected),
-            "quarantined": len(rep.quarantined)}
+    return {
+        "stored": len(rep.stored),
+        "duplicates": len(rep.duplicates),
+        "rejected": len(rep.rejected),
+        "quarantined": len(rep.quarantined),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--limit", type=int, help="measure only the first N (config, k) pairs")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new configs after this long")
-    p.add_argument("--ingest", type=Path, help="store this folder's CUDA rows (gpu_records.jsonl, "
-                   "catalog_records.jsonl) instead of measuring")
+    p.add_argument(
+        "--ingest",
+        type=Path,
+        help="store this folder's CUDA rows (gpu_records.jsonl, catalog_records.jsonl) instead of measuring",
+    )
     p.add_argument("--db", help="SQLAlchemy URL for --ingest")
     a = p.parse_args(argv)
     if a.ingest:

@@ -27,8 +27,11 @@ import sys
 from pathlib import Path
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
-CURL_BODY = {"model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192, "sharding": "zero3"},
-             "cluster": {"gpu": "H100-80GB", "gpu_count": 8}}
+CURL_BODY = {
+    "model": "llama-3-8b",
+    "training": {"micro_batch_size": 2, "seq_len": 8192, "sharding": "zero3"},
+    "cluster": {"gpu": "H100-80GB", "gpu_count": 8},
+}
 
 
 def _settings(a: argparse.Namespace):
@@ -70,8 +73,10 @@ def _seed_registry(settings, retrain: bool) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.main", description=__doc__.split("\n\n")[0])
     p.add_argument("--data-dir", help="the directory memfit writes under (env MEMFIT_DATA_DIR; default data/)")
-    p.add_argument("--db", help="SQLAlchemy URL of the telemetry store (env MEMFIT_DB_URL; default "
-                                "sqlite:///<data-dir>/telemetry.db)")
+    p.add_argument(
+        "--db",
+        help="SQLAlchemy URL of the telemetry store (env MEMFIT_DB_URL; default sqlite:///<data-dir>/telemetry.db)",
+    )
     p.add_argument("--registry", help="model registry folder (env MEMFIT_REGISTRY_DIR; default <data-dir>/models)")
     p.add_argument("--sweep", help="run this collection grid first (smoke, small, default)")
     p.add_argument("--retrain", action="store_true", help="retrain even when a model is registered")
@@ -95,9 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             marker.write_text(f"{digest} {settings.db_url}")
         except OSError:
             pass
-        print(f"[1/3] shipped telemetry: {len(rep.stored)} new, {len(rep.duplicates)} already stored, "
-              f"{len(rep.rejected)} rejected, {len(rep.quarantined)} quarantined; store holds {store.count()} "
-              f"records", flush=True)
+        print(
+            f"[1/3] shipped telemetry: {len(rep.stored)} new, {len(rep.duplicates)} already stored, "
+            f"{len(rep.rejected)} rejected, {len(rep.quarantined)} quarantined; store holds {store.count()} "
+            f"records",
+            flush=True,
+        )
         for r in rep.rejected[:10]:
             print(f"  rejected: {r}", file=sys.stderr)
     if store is not None and a.sweep:
@@ -141,9 +149,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot listen on {settings.host}:{settings.port} ({err}); set MEMFIT_PORT", file=sys.stderr)
             return 3
     url = f"http://{settings.host}:{settings.port}"
-    print(f"[3/3] serving on {url}  (docs: {url}/docs)\n\nTry:\n"
-          f"curl -s -X POST {url}/recommend -H 'content-type: application/json' \\\n"
-          f"     -d '{json.dumps(CURL_BODY)}'\n", flush=True)
+    print(
+        f"[3/3] serving on {url}  (docs: {url}/docs)\n\nTry:\n"
+        f"curl -s -X POST {url}/recommend -H 'content-type: application/json' \\\n"
+        f"     -d '{json.dumps(CURL_BODY)}'\n",
+        flush=True,
+    )
     if store is not None:
         store.engine.dispose()
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")

@@ -42,16 +42,23 @@ def merge(into: Path, inputs: list[Path], *, write: bool = True, allow_held: boo
         store = TelemetryStore(f"sqlite:///{Path(tmp) / 'merge.db'}")
         base = store.import_file(into) if into.exists() else None
         if base is not None and (base.rejected or base.quarantined):
-            raise ValueError(f"{into}: {len(base.rejected)} rejected / {len(base.quarantined)} quarantined rows in "
-                             "the target itself; fix it first")
+            raise ValueError(
+                f"{into}: {len(base.rejected)} rejected / {len(base.quarantined)} quarantined rows in "
+                "the target itself; fix it first"
+            )
         before = store.count()
         files, held_any = {}, False
         for path in inputs:
             rep = store.import_file(path)
             held = [{"record_id": h["record_id"], "reason": h["reason"]} for h in rep.rejected + rep.quarantined]
             held_any |= bool(held)
-            files[str(path)] = {"stored": len(rep.stored), "duplicates": len(rep.duplicates),
-                                "rejected": len(rep.rejected), "quarantined": len(rep.quarantined), "held": held}
+            files[str(path)] = {
+                "stored": len(rep.stored),
+                "duplicates": len(rep.duplicates),
+                "rejected": len(rep.rejected),
+                "quarantined": len(rep.quarantined),
+                "held": held,
+            }
         after = store.count()
         written = write and after > before and (allow_held or not held_any)
         if written:
@@ -64,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("inputs", nargs="+", type=Path, help=".jsonl / .parquet / .csv telemetry files")
     p.add_argument("--into", type=Path, default=SHIPPED, help=f"target .parquet (default {SHIPPED})")
     p.add_argument("--dry-run", action="store_true", help="report only; write nothing")
-    p.add_argument("--allow-held", action="store_true",
-                   help="write the valid rows even when some were rejected or quarantined (listed)")
+    p.add_argument(
+        "--allow-held",
+        action="store_true",
+        help="write the valid rows even when some were rejected or quarantined (listed)",
+    )
     a = p.parse_args(argv)
     missing = [str(x) for x in a.inputs if not x.exists()]
     if missing:
@@ -82,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, f in out["files"].items():
         for h in f["held"]:
             print(f"held back from {name}: {h['record_id']}: {h['reason']}", file=sys.stderr)
-    print(json.dumps({k: v for k, v in out.items() if k != "files"}
-                     | {"files": {n: {k: v for k, v in f.items() if k != "held"} for n, f in out["files"].items()}}))
+    print(
+        json.dumps(
+            {k: v for k, v in out.items() if k != "files"}
+            | {"files": {n: {k: v for k, v in f.items() if k != "held"} for n, f in out["files"].items()}}
+        )
+    )
     return 1 if out["held"] else 0
 
 

@@ -38,8 +38,9 @@ def expert_modules(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")]
 
 
-def balanced_expert_index(num_tokens: int, top_k: int, num_experts: int, imbalance_factor: float = 1.0,
-                          device: Any = "cpu") -> torch.Tensor:
+def balanced_expert_index(
+    num_tokens: int, top_k: int, num_experts: int, imbalance_factor: float = 1.0, device: Any = "cpu"
+) -> torch.Tensor:
     """A deterministic routing: expert ids of shape ``(num_tokens, top_k)``, int64.
 
     With ``imbalance_factor`` f = 1, flat slot p = t·k + j goes to expert ``p mod E``: every expert gets
@@ -68,12 +69,15 @@ def check_imbalance_factor(imbalance_factor: float, num_experts: int, top_k: int
     """Raise ValueError unless 1 <= ``imbalance_factor`` <= num_experts / top_k."""
     hi = num_experts / top_k
     if not 1.0 <= imbalance_factor <= hi:
-        raise ValueError(f"moe_imbalance_factor={imbalance_factor} must be in [1, num_experts / num_experts_per_token"
-                         f" = {hi:g}] (the hottest expert's share relative to balanced)")
+        raise ValueError(
+            f"moe_imbalance_factor={imbalance_factor} must be in [1, num_experts / num_experts_per_token"
+            f" = {hi:g}] (the hottest expert's share relative to balanced)"
+        )
 
 
-def received_token_rows(num_tokens: int, num_experts: int, expert_parallel_size: int,
-                        imbalance_factor: float = 1.0) -> int:
+def received_token_rows(
+    num_tokens: int, num_experts: int, expert_parallel_size: int, imbalance_factor: float = 1.0
+) -> int:
     """Tokens (each with its k expert slots) the rank holding the hottest expert receives per MoE layer.
 
     Every rank sends its T tokens' T·k slots; with E experts over ``expert_parallel_size`` (P) ranks,
@@ -135,8 +139,9 @@ def _grouped_mm_bf16_only():
 
 
 @contextlib.contextmanager
-def balanced_routing(model, *, imbalance_factor: float = 1.0, expert_parallel_size: int = 1,
-                     num_experts: int | None = None):
+def balanced_routing(
+    model, *, imbalance_factor: float = 1.0, expert_parallel_size: int = 1, num_experts: int | None = None
+):
     """Route every MoE layer of ``model`` deterministically while inside (the tracer's one MoE patch).
 
     What it changes, per experts module (:func:`expert_modules`), for the duration of the block:
@@ -169,8 +174,7 @@ def balanced_routing(model, *, imbalance_factor: float = 1.0, expert_parallel_si
         total = num_experts or local * expert_parallel_size
         orig = m.forward
 
-        def forward(hidden_states, top_k_index, top_k_weights, *args, _orig=orig, _local=local, _total=total,
-                    **kwargs):
+        def forward(hidden_states, top_k_index, top_k_weights, *args, _orig=orig, _local=local, _total=total, **kwargs):
             T, k = top_k_index.shape
             if expert_parallel_size > 1:
                 rows = received_token_rows(T, _total, expert_parallel_size, imbalance_factor)

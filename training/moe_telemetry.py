@@ -27,38 +27,97 @@ from memfit.schema import TelemetryRecord, TrainingConfig
 OUT = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "incoming" / "moe.jsonl"
 SCHEMA_TAG = "moe-v1"
 
-_BASE = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 4096,
-         "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "num_hidden_layers": 6}
+_BASE = {
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 4096,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "num_hidden_layers": 6,
+}
 
 #: reduced-width MoE architectures: the public configs' layouts (expert counts, top-k, shared experts) at
 #: hidden 512 and 6 layers; sources: config.json of mistralai/Mixtral-8x7B-v0.1, allenai/OLMoE-1B-7B-0924,
 #: Qwen/Qwen1.5-MoE-A2.7B, Qwen/Qwen3-30B-A3B, deepseek-ai/DeepSeek-V3 on the HF hub
 REDUCED_MOE: dict[str, dict[str, Any]] = {
-    "mixtral-reduced": {**_BASE, "model_type": "mixtral", "intermediate_size": 1792, "num_local_experts": 8,
-                        "num_experts_per_tok": 2},
-    "olmoe-reduced": {**_BASE, "model_type": "olmoe", "intermediate_size": 256, "num_experts": 64,
-                      "num_experts_per_tok": 8, "num_key_value_heads": 8},
-    "qwen1.5-moe-reduced": {**_BASE, "model_type": "qwen2_moe", "intermediate_size": 1408,
-                            "moe_intermediate_size": 176, "shared_expert_intermediate_size": 704, "num_experts": 60,
-                            "num_experts_per_tok": 4, "decoder_sparse_step": 1, "mlp_only_layers": []},
-    "qwen3-moe-reduced": {**_BASE, "model_type": "qwen3_moe", "intermediate_size": 1536, "moe_intermediate_size": 128,
-                          "num_experts": 128, "num_experts_per_tok": 8, "head_dim": 64, "decoder_sparse_step": 1,
-                          "mlp_only_layers": []},
-    "deepseek-v3-reduced": {**_BASE, "model_type": "deepseek_v3", "intermediate_size": 1536,
-                            "moe_intermediate_size": 128, "n_routed_experts": 32, "n_shared_experts": 1,
-                            "num_experts_per_tok": 8, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 0,
-                            "kv_lora_rank": 128, "q_lora_rank": 192, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32,
-                            "v_head_dim": 64, "num_key_value_heads": 8},
+    "mixtral-reduced": {
+        **_BASE,
+        "model_type": "mixtral",
+        "intermediate_size": 1792,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "olmoe-reduced": {
+        **_BASE,
+        "model_type": "olmoe",
+        "intermediate_size": 256,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "num_key_value_heads": 8,
+    },
+    "qwen1.5-moe-reduced": {
+        **_BASE,
+        "model_type": "qwen2_moe",
+        "intermediate_size": 1408,
+        "moe_intermediate_size": 176,
+        "shared_expert_intermediate_size": 704,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "qwen3-moe-reduced": {
+        **_BASE,
+        "model_type": "qwen3_moe",
+        "intermediate_size": 1536,
+        "moe_intermediate_size": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "head_dim": 64,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "deepseek-v3-reduced": {
+        **_BASE,
+        "model_type": "deepseek_v3",
+        "intermediate_size": 1536,
+        "moe_intermediate_size": 128,
+        "n_routed_experts": 32,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 0,
+        "kv_lora_rank": 128,
+        "q_lora_rank": 192,
+        "qk_rope_head_dim": 32,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 64,
+        "num_key_value_heads": 8,
+    },
 }
 
 #: (training settings, token shapes) per architecture: two traced keys each, three (b, s) per key
 SETTINGS: list[tuple[dict[str, Any], list[tuple[int, int]]]] = [
     ({"precision": "bf16", "optimizer": "adamw_foreach"}, [(1, 512), (2, 1024), (4, 2048)]),
     ({"precision": "amp_bf16", "optimizer": "adamw_fused"}, [(1, 1024), (2, 2048), (8, 512)]),
-    ({"precision": "bf16", "finetune": "lora", "lora_rank": 16, "lora_target_modules": ["o_proj"],  # every family has it (MLA too)
-      "sharding": "fsdp_full_shard", "data_parallel_size": 2}, [(2, 1024), (4, 4096)]),
-    ({"precision": "bf16", "data_parallel_size": 4, "expert_parallel_size": 4, "moe_imbalance_factor": 1.5},
-     [(2, 1024), (4, 2048)]),
+    (
+        {
+            "precision": "bf16",
+            "finetune": "lora",
+            "lora_rank": 16,
+            "lora_target_modules": ["o_proj"],  # every family has it (MLA too)
+            "sharding": "fsdp_full_shard",
+            "data_parallel_size": 2,
+        },
+        [(2, 1024), (4, 4096)],
+    ),
+    (
+        {"precision": "bf16", "data_parallel_size": 4, "expert_parallel_size": 4, "moe_imbalance_factor": 1.5},
+        [(2, 1024), (4, 2048)],
+    ),
 ]
 
 
@@ -79,8 +138,9 @@ def configurations() -> list[tuple[str, TrainingConfig]]:
 
 
 def record_id(name: str, training: TrainingConfig, k: int, device: str) -> str:
-    body = json.dumps([SCHEMA_TAG, device, name, training.model_dump(mode="json", exclude={"checkpoint_layers"}), k],
-                      sort_keys=True)
+    body = json.dumps(
+        [SCHEMA_TAG, device, name, training.model_dump(mode="json", exclude={"checkpoint_layers"}), k], sort_keys=True
+    )
     return "m" + hashlib.sha256(body.encode()).hexdigest()[:31]
 
 
@@ -108,8 +168,17 @@ def collect(out: Path = OUT, device: str = "fake") -> dict[str, Any]:
                 stats["skipped"] += 1
                 continue
             try:
-                recs = list(measure_family(REDUCED_MOE[name], training, [list(range(k)) for k in ks],
-                                           model_name=name, device=device, steps=1, prime=True))
+                recs = list(
+                    measure_family(
+                        REDUCED_MOE[name],
+                        training,
+                        [list(range(k)) for k in ks],
+                        model_name=name,
+                        device=device,
+                        steps=1,
+                        prime=True,
+                    )
+                )
             except Exception as err:  # noqa: BLE001 - one configuration's failure is reported, not fatal
                 stats["failed"].append(f"{name} {training.model_dump(exclude_defaults=True)}: {err}"[:400])
                 continue
@@ -152,10 +221,13 @@ def check(path: Path = OUT) -> dict[str, Any]:
         m = rec.measurement.peak_allocated_bytes
         errs.setdefault(name, []).append((got - m) / m)
     allerr = np.array([e for v in errs.values() for e in v])
-    return {"rows": len(allerr), "paths": sorted(paths),
-            "mape_pct": round(float(np.mean(np.abs(allerr))) * 100, 3),
-            "worst_pct": round(float(allerr[np.argmax(np.abs(allerr))]) * 100, 3),
-            "per_architecture_mape_pct": {k: round(float(np.mean(np.abs(v))) * 100, 3) for k, v in errs.items()}}
+    return {
+        "rows": len(allerr),
+        "paths": sorted(paths),
+        "mape_pct": round(float(np.mean(np.abs(allerr))) * 100, 3),
+        "worst_pct": round(float(allerr[np.argmax(np.abs(allerr))]) * 100, 3),
+        "per_architecture_mape_pct": {k: round(float(np.mean(np.abs(v))) * 100, 3) for k, v in errs.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

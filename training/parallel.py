@@ -43,8 +43,7 @@ def tensor_parallel_unsupported(model: Any) -> str | None:
     from memfit.hf import decoder_layers
 
     base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "embed_tokens") or not hasattr(base, "norm") or \
-            not hasattr(model, "lm_head"):
+    if base is None or not hasattr(base, "embed_tokens") or not hasattr(base, "norm") or not hasattr(model, "lm_head"):
         return f"{type(model).__name__} lacks model.embed_tokens / model.norm / lm_head"
     for layer in decoder_layers(model):
         names = dict(layer.named_modules())
@@ -67,8 +66,12 @@ class _ReplicatedModule:
         from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
         def to_dtensor(_mod, inputs, device_mesh):
-            return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+            return tuple(
+                DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
 
         def to_local(_mod, out, _mesh):
             return out.to_local() if isinstance(out, DTensor) else out
@@ -90,7 +93,11 @@ def apply_tensor_parallel(model: Any, layers, mesh, *, sequence_parallel: bool =
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
     )
 
     why = tensor_parallel_unsupported(model)
@@ -103,24 +110,31 @@ def apply_tensor_parallel(model: Any, layers, mesh, *, sequence_parallel: bool =
         plan.update({name: rowwise for name in ROWWISE})
         if sequence_parallel:
             plan.update({name: SequenceParallel() for name in NORMS})
-            plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
-                                                   desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                                   use_local_output=True)
-            plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                             use_local_output=True)
+            plan["self_attn"] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": seq},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=True,
+            )
+            plan["mlp"] = PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
         parallelize_module(layer, mesh, plan)
         if sequence_parallel and layer is layers[0]:
             # the embedding output stays replicated so that HF derives rotary positions from the whole
             # sequence; the first layer keeps its own chunk of it (no communication)
-            parallelize_module(layer, mesh, PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(seq,),
-                                                               use_local_output=True))
+            parallelize_module(
+                layer,
+                mesh,
+                PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True),
+            )
         if not sequence_parallel:
             for name in NORMS:
                 _ReplicatedModule.apply(layer.get_submodule(name), mesh)
     top: dict[str, Any] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Shard(-1),
-                                   use_local_output=False),
+        "lm_head": ColwiseParallel(
+            input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Shard(-1), use_local_output=False
+        ),
     }
     if sequence_parallel:
         top["model.norm"] = SequenceParallel()

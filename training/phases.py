@@ -81,8 +81,11 @@ def token_points(hf_config: dict[str, Any], long: bool = False) -> list[tuple[in
     w = sliding_window_threshold(hf_config)
     if w is not None and long:
         s2 = 1 << (w - 1).bit_length()  # the power of two >= w
-        return [(2, 2 * s2), (2, s2), (2, 3 * s2 // 2), (4, s2), (4, 2 * s2)] if s2 > w else \
-            [(2, 2 * w), (2, w), (2, 3 * w // 2), (4, w), (4, 2 * w)]
+        return (
+            [(2, 2 * s2), (2, s2), (2, 3 * s2 // 2), (4, s2), (4, 2 * s2)]
+            if s2 > w
+            else [(2, 2 * w), (2, w), (2, 3 * w // 2), (4, w), (4, 2 * w)]
+        )
     if w is not None and s1 >= w:
         s1 = 1 << ((w - 1).bit_length() - 1)  # the largest power of two < w
     s2, s3 = s1 // 4, s1 // 2
@@ -97,7 +100,9 @@ LINEAR_COLUMNS = [0, 1, 2]
 LINEAR_CHECK_TOLERANCE_BYTES = 64 * 1024
 
 
-def linear_token_points(points: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], tuple[int, int], tuple[int, int]]:
+def linear_token_points(
+    points: list[tuple[int, int]],
+) -> tuple[list[tuple[int, int]], tuple[int, int], tuple[int, int]]:
     """Split :func:`token_points`' five points into three that fix a fit on :data:`LINEAR_COLUMNS` (two lengths
     at b = 2, the shorter again at b = 4), the check point (the middle length at b = 2) and the fifth point,
     traced only when the check fails.
@@ -112,16 +117,22 @@ def linear_token_points(points: list[tuple[int, int]]) -> tuple[list[tuple[int, 
     return [p[0], p[1], p[3]], p[2], p[4]
 
 
-def timeline_on_fit(timelines: list[list[tuple[str, int]]], points: list[tuple[int, int]], columns: list[int],
-                    check: list[tuple[str, int]], check_point: tuple[int, int]) -> bool:
+def timeline_on_fit(
+    timelines: list[list[tuple[str, int]]],
+    points: list[tuple[int, int]],
+    columns: list[int],
+    check: list[tuple[str, int]],
+    check_point: tuple[int, int],
+) -> bool:
     """Whether the timeline traced at ``check_point`` is, event by event, what the exact fit of ``timelines`` (traced
     at ``points``) on the basis ``columns`` predicts there, to :data:`LINEAR_CHECK_TOLERANCE_BYTES`. False when
     the op sequences differ."""
     if not _aligned([*timelines, check]):
         return False
     predicted = token_basis(*check_point) @ event_coefficients(timelines, points, columns)
-    return bool(np.abs(predicted - np.array([v for _, v in check], dtype=np.float64)).max()
-                <= LINEAR_CHECK_TOLERANCE_BYTES)
+    return bool(
+        np.abs(predicted - np.array([v for _, v in check], dtype=np.float64)).max() <= LINEAR_CHECK_TOLERANCE_BYTES
+    )
 
 
 #: the most allocation events a micro-batch-1 timeline may lack against the b >= 2 fit and still be answered by it
@@ -129,8 +140,13 @@ def timeline_on_fit(timelines: list[list[tuple[str, int]]], points: list[tuple[i
 MICRO_BATCH_ONE_DROPPED_EVENTS = 8
 
 
-def micro_batch_one_on_fit(timelines: list[list[tuple[str, int]]], points: list[tuple[int, int]], columns: list[int],
-                           check: list[tuple[str, int]], check_point: tuple[int, int]) -> np.ndarray | None:
+def micro_batch_one_on_fit(
+    timelines: list[list[tuple[str, int]]],
+    points: list[tuple[int, int]],
+    columns: list[int],
+    check: list[tuple[str, int]],
+    check_point: tuple[int, int],
+) -> np.ndarray | None:
     """The b >= 2 fit of ``timelines`` (traced at ``points``, on the basis ``columns``) at micro-batch 1, as event
     coefficients on (1, s, s²) (shape (5, events), bytes: ``b·s`` folded into ``s`` and ``b·s²`` into ``s²``), when
     the micro-batch-1 timeline ``check`` traced at ``check_point`` is on it; else None.
@@ -150,8 +166,9 @@ def micro_batch_one_on_fit(timelines: list[list[tuple[str, int]]], points: list[
     fit_phases = [p for p, _ in timelines[0]]
     kept, i = [], 0
     for phase, live in check:
-        while i < len(fit_phases) and not (fit_phases[i] == phase
-                                            and abs(predicted[i] - live) <= LINEAR_CHECK_TOLERANCE_BYTES):
+        while i < len(fit_phases) and not (
+            fit_phases[i] == phase and abs(predicted[i] - live) <= LINEAR_CHECK_TOLERANCE_BYTES
+        ):
             i += 1
         if i == len(fit_phases) or i - len(kept) > MICRO_BATCH_ONE_DROPPED_EVENTS:
             return None
@@ -266,11 +283,18 @@ class PhaseTerms:
         def keyed(coef):
             return None if coef is None else {f"{n},{c}": v for (n, c), v in coef.items()}
 
-        out = {"coef": keyed(self.coef), "points": self.points,
-               "attention": self.attention, "trace_s": round(self.trace_s, 3), "basis": list(BASIS_NAMES),
-               "period": self.period, "depths": list(self.depths or (self.period, 2 * self.period)),
-               "long": None if self.long_coef is None else {
-                   "min_seq_len": self.long_min_seq_len, "coef": keyed(self.long_coef)}}
+        out = {
+            "coef": keyed(self.coef),
+            "points": self.points,
+            "attention": self.attention,
+            "trace_s": round(self.trace_s, 3),
+            "basis": list(BASIS_NAMES),
+            "period": self.period,
+            "depths": list(self.depths or (self.period, 2 * self.period)),
+            "long": None
+            if self.long_coef is None
+            else {"min_seq_len": self.long_min_seq_len, "coef": keyed(self.long_coef)},
+        }
         if self.mb1_coef is not None:
             out["mb1"] = {"coef": keyed(self.mb1_coef)}
         if self.long_mb1_coef is not None and out["long"] is not None:
@@ -283,13 +307,18 @@ class PhaseTerms:
             return None if coef is None else {tuple(int(x) for x in k.split(",")): v for k, v in coef.items()}
 
         long = d.get("long")
-        return cls(coef=tupled(d["coef"]), points=[tuple(p) for p in d["points"]], attention=d["attention"],
-                   trace_s=d.get("trace_s", 0.0), period=d.get("period", 1),
-                   long_coef=tupled(long["coef"]) if long else None,
-                   long_min_seq_len=long["min_seq_len"] if long else None,
-                   depths=tuple(d["depths"]) if d.get("depths") else None,
-                   mb1_coef=tupled((d.get("mb1") or {}).get("coef")),
-                   long_mb1_coef=tupled(long.get("mb1_coef")) if long else None)
+        return cls(
+            coef=tupled(d["coef"]),
+            points=[tuple(p) for p in d["points"]],
+            attention=d["attention"],
+            trace_s=d.get("trace_s", 0.0),
+            period=d.get("period", 1),
+            long_coef=tupled(long["coef"]) if long else None,
+            long_min_seq_len=long["min_seq_len"] if long else None,
+            depths=tuple(d["depths"]) if d.get("depths") else None,
+            mb1_coef=tupled((d.get("mb1") or {}).get("coef")),
+            long_mb1_coef=tupled(long.get("mb1_coef")) if long else None,
+        )
 
 
 def _first_tensor(x):
@@ -322,8 +351,10 @@ def _phase_hooks(layers, tracker, state: dict[str, bool]):
             h.register_hook(lambda g: tracker.enter_phase("bwd.layers"))
 
     inner = [getattr(m, "_checkpoint_wrapped_module", m) for m in (layers[0], layers[-1])]
-    handles = [inner[0].register_forward_pre_hook(bottom_pre, with_kwargs=True),
-               inner[1].register_forward_hook(top_post, with_kwargs=True)]
+    handles = [
+        inner[0].register_forward_pre_hook(bottom_pre, with_kwargs=True),
+        inner[1].register_forward_hook(top_post, with_kwargs=True),
+    ]
     try:
         yield
     finally:
@@ -409,8 +440,9 @@ def _traced_step(run, opt, ids, replay: OptimizerReplay | None = None) -> list[t
     return timeline
 
 
-def _traced_at(run, opt, micro_batch_size: int, seq_len: int, replay: OptimizerReplay | None = None
-               ) -> list[tuple[str, int]]:
+def _traced_at(
+    run, opt, micro_batch_size: int, seq_len: int, replay: OptimizerReplay | None = None
+) -> list[tuple[str, int]]:
     """:func:`_traced_step` on input ids of shape (micro_batch_size, seq_len)."""
     return _traced_step(run, opt, run.input_ids(micro_batch_size, seq_len), replay)
 
@@ -430,8 +462,9 @@ def _aligned(timelines: list[list[tuple[str, int]]]) -> bool:
     return len({tuple(p for p, _ in t) for t in timelines}) == 1
 
 
-def event_coefficients(timelines: list[list[tuple[str, int]]], points: list[tuple[int, int]],
-                       columns: list[int] | None = None) -> np.ndarray:
+def event_coefficients(
+    timelines: list[list[tuple[str, int]]], points: list[tuple[int, int]], columns: list[int] | None = None
+) -> np.ndarray:
     """Every timeline event's live bytes solved exactly on the :func:`model.compose.token_basis` ``columns`` (default
     all five; the others 0) from the timelines traced at ``points``: shape (5, events), bytes.
 
@@ -439,8 +472,10 @@ def event_coefficients(timelines: list[list[tuple[str, int]]], points: list[tupl
         RuntimeError: the timelines do not align (a shape-dependent branch in the model code).
     """
     if not _aligned(timelines):
-        raise RuntimeError(f"timelines of the traced token points differ (lengths {sorted({len(t) for t in timelines})}): "
-                           "the step's op sequence depends on the input shape")
+        raise RuntimeError(
+            f"timelines of the traced token points differ (lengths {sorted({len(t) for t in timelines})}): "
+            "the step's op sequence depends on the input shape"
+        )
     cols = list(range(len(BASIS_NAMES))) if columns is None else list(columns)
     X = np.stack([token_basis(b, s) for b, s in points])[:, cols]
     Y = np.array([[v for _, v in t] for t in timelines], dtype=np.float64)  # (points, events)
@@ -449,8 +484,12 @@ def event_coefficients(timelines: list[list[tuple[str, int]]], points: list[tupl
     return theta
 
 
-def envelope_pieces(timelines: list[list[tuple[str, int]]], points: list[tuple[int, int]], grid: np.ndarray,
-                    columns: list[int] | None = None) -> dict[str, list[list[float]]]:
+def envelope_pieces(
+    timelines: list[list[tuple[str, int]]],
+    points: list[tuple[int, int]],
+    grid: np.ndarray,
+    columns: list[int] | None = None,
+) -> dict[str, list[list[float]]]:
     """Fit every timeline event's live bytes on :func:`model.compose.token_basis` and keep, per phase, the events on the
     upper envelope over ``grid``.
 
@@ -485,8 +524,15 @@ class _TracePlan:
     """What :func:`trace_terms` traces per small model: the token regimes (points, pruning grid, basis columns; the
     b >= 2 polynomials first, ``n_poly`` of them, then their micro-batch-1 regimes) for one configuration."""
 
-    def __init__(self, hf_config: dict[str, Any], probe: TrainingConfig, regimes: list, n_poly: int,
-                 reentrant: bool, forced_points: bool) -> None:
+    def __init__(
+        self,
+        hf_config: dict[str, Any],
+        probe: TrainingConfig,
+        regimes: list,
+        n_poly: int,
+        reentrant: bool,
+        forced_points: bool,
+    ) -> None:
         self.hf_config, self.probe, self.regimes, self.n_poly = hf_config, probe, regimes, n_poly
         self.reentrant, self.forced_points = reentrant, forced_points
 
@@ -646,9 +692,14 @@ class _Forked:
         return out
 
 
-def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
-                points: list[tuple[int, int]] | None = None, micro_batch_one: bool = True,
-                parallel: bool = True) -> PhaseTerms:
+def trace_terms(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    *,
+    points: list[tuple[int, int]] | None = None,
+    micro_batch_one: bool = True,
+    parallel: bool = True,
+) -> PhaseTerms:
     """Trace the four small models of ``hf_config`` under ``training`` and fit per-phase coefficients.
 
     ``training``'s micro-batch size, sequence length, checkpoint layers, offload settings and pipeline and
@@ -676,11 +727,17 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     # and per sequence chunk (model.parallel); the terms key holds none of them
     # (an offloaded optimizer accumulates gradients in host memory: its base is traced without accumulation)
     # (context parallel: the states are sharded over data x context-parallel ranks, traced as that many data ranks)
-    training = training.model_copy(update={"offload_optimizer": Offload.NONE, "offload_parameters": Offload.NONE,
-                                           "data_parallel_size": training.sharding_group_size,
-                                           "pipeline_parallel_size": 1, "context_parallel_size": 1,
-                                           "num_micro_batches": None,
-                                           "gradient_accumulation_steps": 2 if training.accumulates_gradients else 1})
+    training = training.model_copy(
+        update={
+            "offload_optimizer": Offload.NONE,
+            "offload_parameters": Offload.NONE,
+            "data_parallel_size": training.sharding_group_size,
+            "pipeline_parallel_size": 1,
+            "context_parallel_size": 1,
+            "num_micro_batches": None,
+            "gradient_accumulation_steps": 2 if training.accumulates_gradients else 1,
+        }
+    )
     w = None if points else sliding_window_threshold(hf_config)
     regimes = [(points or token_points(hf_config), _pruning_grid(hf_config, hi=(w - 1) if w else None))]
     if w is not None:
@@ -689,15 +746,24 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     # differ), so b = 1 is not on the b >= 2 polynomial (FSDP + LoRA on pythia-160m: +6 MiB per layer at s = 1024)
     regimes = [(pts, grid, None) for pts, grid in regimes]
     if micro_batch_one:
-        regimes += [([(1, s) for s in sorted({s for _, s in pts})][:3], grid[grid[:, 1] == grid[:, 2]], [0, 2, 4])
-                    for pts, grid, _ in regimes]
-    probe = training.model_copy(update={"micro_batch_size": 1, "seq_len": min(p[1] for p in regimes[0][0]),
-                                        "checkpoint_layers": []})
+        regimes += [
+            ([(1, s) for s in sorted({s for _, s in pts})][:3], grid[grid[:, 1] == grid[:, 2]], [0, 2, 4])
+            for pts, grid, _ in regimes
+        ]
+    probe = training.model_copy(
+        update={"micro_batch_size": 1, "seq_len": min(p[1] for p in regimes[0][0]), "checkpoint_layers": []}
+    )
     period = layer_period(hf_config)
     depths = traced_depths(period, training.sharding)
     n_poly = 2 if w is not None else 1  # the b >= 2 regimes (below and from a sliding window); mb1 ones follow
-    plan = _TracePlan(hf_config, probe, regimes, n_poly, training.checkpoint_impl is CheckpointImpl.REENTRANT,
-                      forced_points=points is not None)
+    plan = _TracePlan(
+        hf_config,
+        probe,
+        regimes,
+        n_poly,
+        training.checkpoint_impl is CheckpointImpl.REENTRANT,
+        forced_points=points is not None,
+    )
     # the two small models are independent: the larger one is traced in a forked process while this one traces
     # the smaller (each decides linearity on its own first trace; they agree, or both are traced again at all
     # five points)
@@ -720,6 +786,15 @@ def trace_terms(hf_config: dict[str, Any], training: TrainingConfig, *,
     coefs = [{**a, **b} for a, b in zip(mine["coef"], theirs["coef"])]
     attention, fitted_points = mine["attention"], mine["points"]
     mb1 = coefs[n_poly:] if micro_batch_one else [None, None]
-    return PhaseTerms(coef=coefs[0], points=fitted_points[0], attention=attention, trace_s=time.perf_counter() - t0,
-                      period=period, long_coef=coefs[1] if w is not None else None, long_min_seq_len=w,
-                      depths=depths, mb1_coef=mb1[0], long_mb1_coef=mb1[1] if w is not None else None)
+    return PhaseTerms(
+        coef=coefs[0],
+        points=fitted_points[0],
+        attention=attention,
+        trace_s=time.perf_counter() - t0,
+        period=period,
+        long_coef=coefs[1] if w is not None else None,
+        long_min_seq_len=w,
+        depths=depths,
+        mb1_coef=mb1[0],
+        long_mb1_coef=mb1[1] if w is not None else None,
+    )

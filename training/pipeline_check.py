@@ -56,7 +56,7 @@ def measure_stage(hf_config: dict[str, Any], training: TrainingConfig, stage: in
         raise ValueError(f"k={k} must be in [0, {st.num_layers}]")
     layers = decoder_layers(model)
     apply_activation_checkpointing(model, list(range(st.first_layer, st.first_layer + k)), layers=layers)
-    mine = torch.nn.ModuleList(list(decoder_layers(model))[st.first_layer:st.first_layer + st.num_layers])
+    mine = torch.nn.ModuleList(list(decoder_layers(model))[st.first_layer : st.first_layer + st.num_layers])
     embed, norm, lm_head, rotary = model.model.embed_tokens, model.model.norm, model.lm_head, model.model.rotary_emb
     keep: list[torch.nn.Module] = [mine]
     if st.has_embedding:
@@ -86,16 +86,14 @@ def measure_stage(hf_config: dict[str, Any], training: TrainingConfig, stage: in
         for kind, i in one_f_one_b_order(stage, pp, m):
             if kind == "F":
                 with torch.autocast("cpu", dtype=amp) if amp else torch.autocast("cpu", enabled=False):
-                    x = embed(ids) if st.has_embedding else \
-                        torch.randn(b, s, h, dtype=act_dtype, requires_grad=True)
+                    x = embed(ids) if st.has_embedding else torch.randn(b, s, h, dtype=act_dtype, requires_grad=True)
                     cos_sin = rotary(x, pos)
                     for layer in mine:
                         x = layer(x, position_embeddings=cos_sin, position_ids=pos)
                         x = x[0] if isinstance(x, tuple) else x
                     if st.has_head:
                         logits = lm_head(norm(x))
-                        x = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]),
-                                                              ids.view(-1))
+                        x = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), ids.view(-1))
                         del logits
                     del cos_sin
                 outs[i] = x
@@ -109,7 +107,6 @@ def measure_stage(hf_config: dict[str, Any], training: TrainingConfig, stage: in
         opt.step()
         opt.zero_grad(set_to_none=True)
     return tracker.peak_bytes
-
 
 
 def model_spec_of(hf_config: dict[str, Any], model) -> Any:

@@ -124,23 +124,36 @@ def _parser() -> argparse.ArgumentParser:
     from model.registry import DEFAULT_ROOT
 
     p = argparse.ArgumentParser(prog="python -m training.retrain", description=__doc__.split("\n\n")[0])
-    p.add_argument("--db", help="SQLAlchemy URL of the telemetry store (default: data/telemetry.db; read "
-                                "when given or when no --files are)")
+    p.add_argument(
+        "--db",
+        help="SQLAlchemy URL of the telemetry store (default: data/telemetry.db; read "
+        "when given or when no --files are)",
+    )
     p.add_argument("--files", nargs="*", default=[], help=".parquet/.csv telemetry files")
     p.add_argument("--registry", default=str(DEFAULT_ROOT), help=f"model registry root (default {DEFAULT_ROOT})")
-    p.add_argument("--report-dir", help="report folder (default <registry>/<version>/report; a temp folder "
-                                        "with --dry-run)")
+    p.add_argument(
+        "--report-dir", help="report folder (default <registry>/<version>/report; a temp folder with --dry-run)"
+    )
     p.add_argument("--engine", choices=["local", "dask"], default="local", help="where the final model trains")
     p.add_argument("--dask-address", help="Dask scheduler address (required with --engine dask)")
     p.add_argument("--n-estimators", type=int, help="boosting rounds (default: the estimator's)")
     p.add_argument("--params", default="{}", help="JSON object of other PeakMemoryRegressor parameters")
-    p.add_argument("--coefficients", action=argparse.BooleanOptionalAction, default=True,
-                   help="also fit, evaluate and register the learned phase coefficients of the provisional path "
-                        "(model.coefficients; default on)")
-    p.add_argument("--coefficient-estimators", type=int, help="boosting rounds per coefficient (default: the "
-                                                              "CoefficientModel's)")
-    p.add_argument("--jobs", type=int, default=1, help="evaluation folds run at once, each in a worker process "
-                                                       "(default 1; the evaluation does not depend on it)")
+    p.add_argument(
+        "--coefficients",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also fit, evaluate and register the learned phase coefficients of the provisional path "
+        "(model.coefficients; default on)",
+    )
+    p.add_argument(
+        "--coefficient-estimators", type=int, help="boosting rounds per coefficient (default: the CoefficientModel's)"
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="evaluation folds run at once, each in a worker process (default 1; the evaluation does not depend on it)",
+    )
     p.add_argument("--dry-run", action="store_true", help="evaluate and report, register nothing")
     p.add_argument("--min-rows", type=int, default=100, help="fewest valid rows to train on (default 100)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -158,8 +171,9 @@ def _estimator_params(a: argparse.Namespace) -> dict[str, Any]:
         raise BadInput("--params must be a JSON object")
     unknown = set(params) - set(PeakMemoryRegressor().get_params())
     if unknown:
-        raise BadInput(f"--params: unknown parameters {sorted(unknown)}; allowed: "
-                       f"{sorted(PeakMemoryRegressor().get_params())}")
+        raise BadInput(
+            f"--params: unknown parameters {sorted(unknown)}; allowed: {sorted(PeakMemoryRegressor().get_params())}"
+        )
     if a.n_estimators is not None:
         if a.n_estimators < 1:
             raise BadInput("--n-estimators must be >= 1")
@@ -185,8 +199,10 @@ def _load_current(registry, gate_df: pd.DataFrame, log: Callable[[str], None], t
             ce = CurveEstimator(terms if terms is not None else TermsCache())
             ce.provisional_ = cur.estimator
             ce.coefficients_ = cur.coefficients
-            ce.margins_ = {PROVISIONAL: float(np.expm1(cur.estimator.conformal_log_margin_)),
-                           **cur.meta.get("bound_margins", {})}
+            ce.margins_ = {
+                PROVISIONAL: float(np.expm1(cur.estimator.conformal_log_margin_)),
+                **cur.meta.get("bound_margins", {}),
+            }
             out["metrics"] = metrics(y, *ce.predict_both(gate_df))
         else:
             out["metrics"] = metrics([], [], [])
@@ -204,9 +220,9 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
     """The retraining steps (see the module docstring); fills ``summary``; returns the exit code."""
     from model.estimator import PeakMemoryRegressor
     from model.evaluate import SPLITS, CurveEstimator, cross_evaluate, gate_mask, group_labels, load_rows, metrics
-    from model.terms import TermsCache
     from model.registry import Registry, fingerprint
     from model.report import json_safe, write_report
+    from model.terms import TermsCache
 
     if a.engine == "dask" and not a.dask_address:
         raise BadInput("--engine dask needs --dask-address")
@@ -223,18 +239,21 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
     except (FileNotFoundError, ValueError) as err:
         raise BadInput(str(err)) from err
     at = df.attrs
-    summary.update(rows=len(df), rejected=len(rejected), oom_dropped=at["n_oom_dropped"],
-                   duplicates=at["n_duplicates"])
-    log(f"      {at['n_input']} input rows from {at['sources']}: {len(df)} valid, {len(rejected)} rejected, "
-        f"{at['n_oom_dropped']} OOM (censored) dropped, {at['n_duplicates']} duplicates")
+    summary.update(rows=len(df), rejected=len(rejected), oom_dropped=at["n_oom_dropped"], duplicates=at["n_duplicates"])
+    log(
+        f"      {at['n_input']} input rows from {at['sources']}: {len(df)} valid, {len(rejected)} rejected, "
+        f"{at['n_oom_dropped']} OOM (censored) dropped, {at['n_duplicates']} duplicates"
+    )
     for r in rejected[:5]:
         log(f"      rejected {r['record_id']}: {r['reason'][:200]}")
     if len(df) < a.min_rows:
         raise BadInput(f"{len(df)} valid rows < --min-rows {a.min_rows}")
     groups = group_labels(df)
     if len(set(groups)) < MIN_ARCHITECTURES:
-        raise BadInput(f"rows of {len(set(groups))} architecture(s); need >= {MIN_ARCHITECTURES} "
-                       "(calibration holds out architectures)")
+        raise BadInput(
+            f"rows of {len(set(groups))} architecture(s); need >= {MIN_ARCHITECTURES} "
+            "(calibration holds out architectures)"
+        )
 
     make_coefficients = entries = None
     if a.coefficients:
@@ -249,11 +268,17 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
             return CoefficientModel(**coef_params)
 
     def make_curve():  # the curve as served: traced terms, else learned coefficients, else the ratio model
-        return CurveEstimator(terms, lambda: PeakMemoryRegressor(**params), make_coefficients=make_coefficients,
-                              coefficient_entries=entries)
+        return CurveEstimator(
+            terms,
+            lambda: PeakMemoryRegressor(**params),
+            make_coefficients=make_coefficients,
+            coefficient_entries=entries,
+        )
 
-    log(f"[2/6] evaluating the curve ({', '.join(SPLITS)}) with {params or 'default parameters'}"
-        f"{', learned coefficients' if a.coefficients else ''}")
+    log(
+        f"[2/6] evaluating the curve ({', '.join(SPLITS)}) with {params or 'default parameters'}"
+        f"{', learned coefficients' if a.coefficients else ''}"
+    )
     terms = TermsCache()
     results: dict[str, Any] = {}
     oof: tuple[np.ndarray, np.ndarray] | None = None
@@ -263,9 +288,15 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
         if split == "leave_architecture_out":
             oof = (pred, upper)
         m = s["metrics"]
-        log(f"      {split}: " + (f"skipped ({s['skipped']})" if s.get("skipped") else
-                                   f"MAPE {m['mape_pct']:.2f}%, coverage {m['coverage']:.3f}, "
-                                   f"exact-k {s['oracle']['exact_k_rate']:.3f}, OOM {s['oracle']['oom_rate']:.3f}"))
+        log(
+            f"      {split}: "
+            + (
+                f"skipped ({s['skipped']})"
+                if s.get("skipped")
+                else f"MAPE {m['mape_pct']:.2f}%, coverage {m['coverage']:.3f}, "
+                f"exact-k {s['oracle']['exact_k_rate']:.3f}, OOM {s['oracle']['oom_rate']:.3f}"
+            )
+        )
     summary["lao_mape_pct"] = results["leave_architecture_out"]["metrics"]["mape_pct"]
     summary["lao_coverage"] = results["leave_architecture_out"]["metrics"]["coverage"]
     summary["s2l_mape_pct"] = results["small_to_large"]["metrics"]["mape_pct"]
@@ -284,8 +315,10 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
     booster = train_booster_dask(train_df, y_train, est, a.dask_address, log) if a.engine == "dask" else None
     est.fit(train_df, y_train, groups=group_labels(train_df), booster=booster)
     train_s = time.perf_counter() - t0
-    log(f"      trained on {len(train_df)} rows in {train_s:.1f}s; conformal log margin "
-        f"{est.conformal_log_margin_:.4f} (x{np.exp(est.conformal_log_margin_):.3f})")
+    log(
+        f"      trained on {len(train_df)} rows in {train_s:.1f}s; conformal log margin "
+        f"{est.conformal_log_margin_:.4f} (x{np.exp(est.conformal_log_margin_):.3f})"
+    )
 
     curve_est = make_curve().fit(train_df, y_train, groups=group_labels(train_df), provisional=est)
     coefficients = None
@@ -293,9 +326,11 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
         t0 = time.perf_counter()
         coefficients = make_coefficients().fit(entries)
         curve_est.coefficients_ = coefficients
-        log(f"      learned coefficients: {sum(len(b) for b in coefficients.boosters_.values())} boosters "
+        log(
+            f"      learned coefficients: {sum(len(b) for b in coefficients.boosters_.values())} boosters "
             f"({len(coefficients.boosters_)} targets x {len(coefficients.objectives)} objectives) on {coefficients.n_entries_} "
-            f"traced terms entries in {time.perf_counter() - t0:.1f}s")
+            f"traced terms entries in {time.perf_counter() - t0:.1f}s"
+        )
     log(f"      bound margins per path: {curve_est.margins_}")
 
     log("[5/6] comparing with the current model on the gate rows")
@@ -303,21 +338,45 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
     new_gate = metrics(y_gate, *curve_est.predict_both(gate_df)) if len(gate_df) else metrics([], [], [])
     current = _load_current(registry, gate_df, log, terms)
     promote, reason = promotion_decision(new_gate, current["metrics"] if current["status"] == "loaded" else None)
-    log(f"      new gate MAPE {new_gate['mape_pct']:.3f}% coverage {new_gate['coverage']:.3f}; current "
+    log(
+        f"      new gate MAPE {new_gate['mape_pct']:.3f}% coverage {new_gate['coverage']:.3f}; current "
         f"{current['version'] or 'none'} ({current['status']}); "
-        f"{'promote' if promote else 'keep current'}: {reason}")
-    summary.update(current=current["version"], current_status=current["status"], gate_mape_pct=new_gate["mape_pct"],
-                   gate_coverage=new_gate["coverage"], promote=promote, reason=reason)
+        f"{'promote' if promote else 'keep current'}: {reason}"
+    )
+    summary.update(
+        current=current["version"],
+        current_status=current["status"],
+        gate_mape_pct=new_gate["mape_pct"],
+        gate_coverage=new_gate["coverage"],
+        promote=promote,
+        reason=reason,
+    )
 
-    results["data"] = {"input_rows": at["n_input"], "valid_rows": len(df), "rejected": len(rejected),
-                       "oom_dropped": at["n_oom_dropped"], "duplicates": at["n_duplicates"],
-                       "architectures": len(set(groups)), "sources": at["sources"],
-                       "data_fingerprint": fingerprint(train_df)}
-    results["gate"] = {"rows": len(gate_df), "new": new_gate, "current_version": current["version"],
-                       "current_status": current["status"], "current": current["metrics"]}
-    results["training"] = {"engine": a.engine, "rows": len(train_df), "seconds": round(train_s, 2),
-                           "params": est.get_params(), "conformal_log_margin": est.conformal_log_margin_,
-                           "calibration_coverage": est.calibration_coverage_}
+    results["data"] = {
+        "input_rows": at["n_input"],
+        "valid_rows": len(df),
+        "rejected": len(rejected),
+        "oom_dropped": at["n_oom_dropped"],
+        "duplicates": at["n_duplicates"],
+        "architectures": len(set(groups)),
+        "sources": at["sources"],
+        "data_fingerprint": fingerprint(train_df),
+    }
+    results["gate"] = {
+        "rows": len(gate_df),
+        "new": new_gate,
+        "current_version": current["version"],
+        "current_status": current["status"],
+        "current": current["metrics"],
+    }
+    results["training"] = {
+        "engine": a.engine,
+        "rows": len(train_df),
+        "seconds": round(train_s, 2),
+        "params": est.get_params(),
+        "conformal_log_margin": est.conformal_log_margin_,
+        "calibration_coverage": est.calibration_coverage_,
+    }
 
     if a.dry_run:
         results["promotion"] = {"dry_run": True, "would_promote": promote, "reason": reason}
@@ -328,20 +387,34 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
         return EXIT_OK
 
     version = registry.register(
-        est, data_fingerprint=fingerprint(train_df),
-        metrics=json_safe({s: {k: results[s][k] for k in ("metrics", "oracle", "baselines", "skipped")
-                               if k in results[s]} for s in SPLITS} | {"gate": new_gate}),
-        extra={"training": {"engine": a.engine, "rows": len(train_df), "gate_rows": len(gate_df),
-                            "architectures": sorted(set(group_labels(train_df))), "sources": at["sources"]},
-               # the service warns when a request goes beyond what the telemetry covered
-               "telemetry_range": {f"max_{c}": float(train_df[c].max())
-                                   for c in ("total_params", "seq_len", "micro_batch_size")},
-               # relative bound margin per curve path (model.curve), calibrated on held-out architectures
-               "bound_margins": curve_est.margins_},
-        coefficients=coefficients)
+        est,
+        data_fingerprint=fingerprint(train_df),
+        metrics=json_safe(
+            {
+                s: {k: results[s][k] for k in ("metrics", "oracle", "baselines", "skipped") if k in results[s]}
+                for s in SPLITS
+            }
+            | {"gate": new_gate}
+        ),
+        extra={
+            "training": {
+                "engine": a.engine,
+                "rows": len(train_df),
+                "gate_rows": len(gate_df),
+                "architectures": sorted(set(group_labels(train_df))),
+                "sources": at["sources"],
+            },
+            # the service warns when a request goes beyond what the telemetry covered
+            "telemetry_range": {
+                f"max_{c}": float(train_df[c].max()) for c in ("total_params", "seq_len", "micro_batch_size")
+            },
+            # relative bound margin per curve path (model.curve), calibrated on held-out architectures
+            "bound_margins": curve_est.margins_,
+        },
+        coefficients=coefficients,
+    )
     summary["version"] = version
-    results["promotion"] = {"version": version, "promoted": promote, "reason": reason,
-                            "previous": current["version"]}
+    results["promotion"] = {"version": version, "promoted": promote, "reason": reason, "previous": current["version"]}
     report_dir = Path(a.report_dir) if a.report_dir else registry.root / version / "report"
     log(f"[6/6] registered {version}; writing the report to {report_dir}")
     write_report(report_dir, results, df, *oof)

@@ -93,9 +93,14 @@ class Family:
 
 
 #: Family fields added later, with their defaults
-_ADDED_FIELDS: dict[str, Any] = {"optimizer_in_backward": False, "quantization": "none",
-                                 "tensor_parallel_size": 1, "sequence_parallel": False, "offload_optimizer": "none",
-                                 "gradient_accumulation_steps": 1}
+_ADDED_FIELDS: dict[str, Any] = {
+    "optimizer_in_backward": False,
+    "quantization": "none",
+    "tensor_parallel_size": 1,
+    "sequence_parallel": False,
+    "offload_optimizer": "none",
+    "gradient_accumulation_steps": 1,
+}
 
 
 def k_values(num_layers: int, max_points: int) -> list[int]:
@@ -131,9 +136,16 @@ class SweepGrid:
     precision_weights: list[float] = field(default_factory=lambda: [4, 2, 1, 1, 1])
     optimizers: list[str] = field(default_factory=lambda: ["adamw_foreach", "adamw_fused", "sgd_momentum", "adafactor"])
     optimizer_weights: list[float] = field(default_factory=lambda: [5, 2, 1, 1])
-    shardings: list[tuple[str, list[int]]] = field(default_factory=lambda: [
-        ("none", [1]), ("fsdp_full_shard", [2, 4, 8, 16, 32, 64]), ("zero3", [8, 64]),
-        ("fsdp_shard_grad_op", [2, 8, 32]), ("zero2", [4, 16]), ("zero1", [2, 8, 64])])
+    shardings: list[tuple[str, list[int]]] = field(
+        default_factory=lambda: [
+            ("none", [1]),
+            ("fsdp_full_shard", [2, 4, 8, 16, 32, 64]),
+            ("zero3", [8, 64]),
+            ("fsdp_shard_grad_op", [2, 8, 32]),
+            ("zero2", [4, 16]),
+            ("zero1", [2, 8, 64]),
+        ]
+    )
     sharding_weights: list[float] = field(default_factory=lambda: [8, 3, 1, 1, 1, 1])
     attentions: list[str] = field(default_factory=lambda: ["sdpa", "eager"])
     attention_weights: list[float] = field(default_factory=lambda: [4, 1])
@@ -159,8 +171,13 @@ class SweepGrid:
         out: list[Family] = list(self.fixed)
         for name in self.models:
             layers = catalog.spec(name).num_layers
-            n = (self.families_per_model if layers <= self.small_model_layers
-                 else self.mid_families_per_model if layers <= self.big_model_layers else self.big_families_per_model)
+            n = (
+                self.families_per_model
+                if layers <= self.small_model_layers
+                else self.mid_families_per_model
+                if layers <= self.big_model_layers
+                else self.big_families_per_model
+            )
             for _ in range(n):
                 sharding, dps = rng.choices(self.shardings, self.sharding_weights)[0]
                 finetune = rng.choices(["full", "lora", "frozen"], self.finetune_weights)[0]
@@ -171,18 +188,28 @@ class SweepGrid:
                 # eager attention materialises b*a*s^2 scores: keep it to the sequence lengths people use it at
                 attention = rng.choices(self.attentions, self.attention_weights)[0] if seq <= 4096 else "sdpa"
                 drawn = {k: rng.choice(v) for k, v in sorted(self.extras.items())}
-                out.append(Family(
-                    model=name, micro_batch_size=rng.choice(self.micro_batches), seq_len=seq,
-                    precision=rng.choices(self.precisions, self.precision_weights)[0],
-                    optimizer=rng.choices(self.optimizers, self.optimizer_weights)[0],
-                    sharding=sharding, data_parallel_size=rng.choice(dps), attention=attention, finetune=finetune,
-                    lora_rank=rng.choice(self.lora_ranks) if finetune == "lora" else None,
-                    frozen_layers=max(1, layers // 4) if finetune == "frozen" else 0,
-                    extra=tuple((k, v) for k, v in drawn.items() if k not in defaults or v != defaults[k]),
-                    # drawn only when there is a choice, so the grids without offload sample as before
-                    offload_optimizer=(rng.choice(self.offload_optimizers) if len(self.offload_optimizers) > 1
-                                       else self.offload_optimizers[0]),
-                ))
+                out.append(
+                    Family(
+                        model=name,
+                        micro_batch_size=rng.choice(self.micro_batches),
+                        seq_len=seq,
+                        precision=rng.choices(self.precisions, self.precision_weights)[0],
+                        optimizer=rng.choices(self.optimizers, self.optimizer_weights)[0],
+                        sharding=sharding,
+                        data_parallel_size=rng.choice(dps),
+                        attention=attention,
+                        finetune=finetune,
+                        lora_rank=rng.choice(self.lora_ranks) if finetune == "lora" else None,
+                        frozen_layers=max(1, layers // 4) if finetune == "frozen" else 0,
+                        extra=tuple((k, v) for k, v in drawn.items() if k not in defaults or v != defaults[k]),
+                        # drawn only when there is a choice, so the grids without offload sample as before
+                        offload_optimizer=(
+                            rng.choice(self.offload_optimizers)
+                            if len(self.offload_optimizers) > 1
+                            else self.offload_optimizers[0]
+                        ),
+                    )
+                )
                 if out[-1].optimizer == "adafactor" and sharding not in ("none", "zero1"):
                     # torch's Adafactor cannot step FSDP2 DTensors (see training/collect.py)
                     out[-1] = replace(out[-1], optimizer="adamw_foreach")
@@ -196,8 +223,9 @@ class SweepGrid:
         return order_for_early_stop(fams, set(self.fixed), rng)
 
 
-def order_for_early_stop(fams: list[Family], fixed: set[Family], rng: random.Random,
-                         coverage_rounds: int = 2) -> list[Family]:
+def order_for_early_stop(
+    fams: list[Family], fixed: set[Family], rng: random.Random, coverage_rounds: int = 2
+) -> list[Family]:
     """``fixed`` families first, then ``coverage_rounds`` rounds of one family per model (cheapest model first), then
     the rest by tracing cost (layers; shuffled within equal cost), so a sweep stopped on a budget has
     covered every model and measured as many rows as the time allowed."""
@@ -232,17 +260,42 @@ def optim_qlora_families() -> list[Family]:
     backward, and QLoRA bases (nf4, nf4 + double quantization, int8) under LoRA, in bf16 and amp_bf16."""
     out = []
     for model in ("pythia-160m", "gpt2"):
-        for i, (opt, fused) in enumerate([("adamw_8bit", False), ("paged_adamw_8bit", False), ("lion", False),
-                                          ("adamw_8bit", True), ("adamw_foreach", True), ("paged_adamw_8bit", True)]):
+        for i, (opt, fused) in enumerate(
+            [
+                ("adamw_8bit", False),
+                ("paged_adamw_8bit", False),
+                ("lion", False),
+                ("adamw_8bit", True),
+                ("adamw_foreach", True),
+                ("paged_adamw_8bit", True),
+            ]
+        ):
             precision = ("bf16", "amp_bf16")[i % 2]
-            out.append(Family(model=model, micro_batch_size=2, seq_len=512, precision=precision, optimizer=opt,
-                              optimizer_in_backward=fused))
+            out.append(
+                Family(
+                    model=model,
+                    micro_batch_size=2,
+                    seq_len=512,
+                    precision=precision,
+                    optimizer=opt,
+                    optimizer_in_backward=fused,
+                )
+            )
     # GPT-2's attention and MLP are Conv1D, which bitsandbytes does not quantize
     for model, settings in (("pythia-160m", (("bf16", 8), ("amp_bf16", 16))), ("qwen2.5-0.5b", (("bf16", 8),))):
         for i, q in enumerate(("nf4", "nf4_double_quant", "int8")):
             for precision, rank in settings:
-                out.append(Family(model=model, micro_batch_size=1 + i % 2, seq_len=512, precision=precision,
-                                  finetune="lora", lora_rank=rank, quantization=q))
+                out.append(
+                    Family(
+                        model=model,
+                        micro_batch_size=1 + i % 2,
+                        seq_len=512,
+                        precision=precision,
+                        finetune="lora",
+                        lora_rank=rank,
+                        quantization=q,
+                    )
+                )
     return out
 
 
@@ -250,8 +303,12 @@ def _parallel_families() -> list[Family]:
     """Tensor-parallel families (+ sequence parallel) on the small Llama-style catalog models: the
     ``parallel`` grid, measured with DTensor over a fake process group."""
     fams = []
-    for model, tps in (("llama-3.2-1b", (2, 4, 8)), ("tinyllama-1.1b", (2, 4)), ("qwen2.5-0.5b", (2,)),
-                       ("smollm2-135m", (3,))):
+    for model, tps in (
+        ("llama-3.2-1b", (2, 4, 8)),
+        ("tinyllama-1.1b", (2, 4)),
+        ("qwen2.5-0.5b", (2,)),
+        ("smollm2-135m", (3,)),
+    ):
         for tp in tps:
             for sp in (False, True):
                 for mb, seq in ((1, 2048), (2, 512)):
@@ -264,18 +321,32 @@ def _parallel_families() -> list[Family]:
 GRIDS: dict[str, Any] = {
     "optim_qlora": lambda: SweepGrid(models=[], fixed=optim_qlora_families(), k_points=3),
     "parallel": lambda: SweepGrid(models=[], fixed=_parallel_families(), k_points=5),
-    "smoke": lambda: SweepGrid(models=["gpt2"], families_per_model=2, seq_lens=[128, 256], micro_batches=[1, 2],
-                               k_points=3, shardings=[("none", [1]), ("fsdp_full_shard", [2])],
-                               sharding_weights=[1, 1]),
-    "small": lambda: SweepGrid(models=["gpt2", "qwen2.5-0.5b"], families_per_model=3, seq_lens=[128, 512],
-                               micro_batches=[1, 2], k_points=4),
+    "smoke": lambda: SweepGrid(
+        models=["gpt2"],
+        families_per_model=2,
+        seq_lens=[128, 256],
+        micro_batches=[1, 2],
+        k_points=3,
+        shardings=[("none", [1]), ("fsdp_full_shard", [2])],
+        sharding_weights=[1, 1],
+    ),
+    "small": lambda: SweepGrid(
+        models=["gpt2", "qwen2.5-0.5b"], families_per_model=3, seq_lens=[128, 512], micro_batches=[1, 2], k_points=4
+    ),
     "default": lambda: SweepGrid(models=_catalog_names(), fixed=_acceptance_families()),
     # optimizer CPU offload (ZeRO-Offload through training.collect.HostOffloadOptimizer): device and host bytes
-    "offload": lambda: SweepGrid(models=["gpt2", "qwen2.5-0.5b", "llama-3.2-1b"], families_per_model=4,
-                                 mid_families_per_model=4, seq_lens=[128, 512, 1024], micro_batches=[1, 2],
-                                 k_points=4, offload_optimizers=["cpu"],
-                                 shardings=[("none", [1]), ("zero2", [2, 4]), ("fsdp_full_shard", [2, 8])],
-                                 sharding_weights=[3, 1, 1], finetune_weights=[3, 1, 0]),
+    "offload": lambda: SweepGrid(
+        models=["gpt2", "qwen2.5-0.5b", "llama-3.2-1b"],
+        families_per_model=4,
+        mid_families_per_model=4,
+        seq_lens=[128, 512, 1024],
+        micro_batches=[1, 2],
+        k_points=4,
+        offload_optimizers=["cpu"],
+        shardings=[("none", [1]), ("zero2", [2, 4]), ("fsdp_full_shard", [2, 8])],
+        sharding_weights=[3, 1, 1],
+        finetune_weights=[3, 1, 0],
+    ),
 }
 
 
@@ -418,8 +489,16 @@ def load_spec(path: str | Path) -> SweepPlan:
 
     spec = tomllib.loads(Path(path).read_text())
     head = spec.get("sweep", {})
-    unknown = set(head) - {"seed", "k_points", "coverage_rounds", "row_s_base", "row_s_per_layer", "description",
-                           "target_rows", "target_architectures"}
+    unknown = set(head) - {
+        "seed",
+        "k_points",
+        "coverage_rounds",
+        "row_s_base",
+        "row_s_per_layer",
+        "description",
+        "target_rows",
+        "target_architectures",
+    }
     if unknown:
         raise ValueError(f"[sweep]: unknown keys {sorted(unknown)}")
     seed, k_points = int(head.get("seed", 0)), int(head.get("k_points", 13))
@@ -430,8 +509,10 @@ def load_spec(path: str | Path) -> SweepPlan:
         name = part.get("name", f"part {i}")
         extra_keys = set(part) - _GRID_KEYS - {"name", "models", "requires_fields", "description"}
         if extra_keys:
-            raise ValueError(f"part {name!r}: unknown keys {sorted(extra_keys)}; allowed: "
-                             f"{sorted(_GRID_KEYS | {'name', 'models', 'requires_fields', 'description'})}")
+            raise ValueError(
+                f"part {name!r}: unknown keys {sorted(extra_keys)}; allowed: "
+                f"{sorted(_GRID_KEYS | {'name', 'models', 'requires_fields', 'description'})}"
+            )
         report: dict[str, Any] = {"name": name, "families": 0, "rows": 0, "skipped": None, "dropped": 0, "why": None}
         parts.append(report)
         missing = sorted((set(part.get("requires_fields", [])) | set(part.get("extras", {}))) - fields)
@@ -447,8 +528,12 @@ def load_spec(path: str | Path) -> SweepPlan:
                 fam.training()
             except ValidationError as err:
                 report["dropped"] += 1
-                report["why"] = report["why"] or "; ".join(
-                    ": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"]))) for e in err.errors())[:300]
+                report["why"] = (
+                    report["why"]
+                    or "; ".join(
+                        ": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"]))) for e in err.errors()
+                    )[:300]
+                )
                 continue
             fams.append(fam)
             report["families"] += 1
@@ -457,8 +542,9 @@ def load_spec(path: str | Path) -> SweepPlan:
             report["skipped"] = f"the schema refuses every family: {report['why']}"
     unique = list(dict.fromkeys(fams))
     ordered = order_for_early_stop(unique, set(), random.Random(seed), int(head.get("coverage_rounds", 2)))
-    return SweepPlan(ordered, k_points, parts,
-                     float(head.get("row_s_base", 0.0)), float(head.get("row_s_per_layer", 0.0)))
+    return SweepPlan(
+        ordered, k_points, parts, float(head.get("row_s_base", 0.0)), float(head.get("row_s_per_layer", 0.0))
+    )
 
 
 # -- execution ------------------------------------------------------------------------------------
@@ -486,8 +572,18 @@ def measure_family_records(fam: Family, ks: list[int], device: str = "fake") -> 
     try:
         plans = [list(range(k)) for k in ks]
         recs = []
-        for k, rec in zip(ks, measure_family(catalog.get(fam.model)["hf_config"], fam.training(), plans,
-                                             model_name=fam.model, device=device, steps=1, prime=True)):
+        for k, rec in zip(
+            ks,
+            measure_family(
+                catalog.get(fam.model)["hf_config"],
+                fam.training(),
+                plans,
+                model_name=fam.model,
+                device=device,
+                steps=1,
+                prime=True,
+            ),
+        ):
             recs.append(rec.model_copy(update={"record_id": fam.record_id(k, device)}).model_dump(mode="json"))
         return FamilyResult(fam, recs, None, time.perf_counter() - t0)
     except Exception as err:  # noqa: BLE001 - a failed family is reported, never silently dropped
@@ -498,8 +594,9 @@ def _measure_packed(args: tuple[Family, list[int], str]) -> FamilyResult:
     return measure_family_records(*args)
 
 
-def _local_results(todo: list[tuple[Family, list[int], str]], workers: int,
-                   deadline: float | None) -> Iterator[FamilyResult]:
+def _local_results(
+    todo: list[tuple[Family, list[int], str]], workers: int, deadline: float | None
+) -> Iterator[FamilyResult]:
     """Results from a spawn-context process pool (or in-process with one worker), as they complete."""
     if workers <= 1:
         for args in todo:
@@ -525,8 +622,13 @@ def _local_results(todo: list[tuple[Family, list[int], str]], workers: int,
 _DASK_BATCH = 32
 
 
-def _dask_results(todo: list[tuple[Family, list[int], str]], workers: int, scheduler: str | None,
-                  deadline: float | None, drain_s: float = 0.0) -> Iterator[FamilyResult]:
+def _dask_results(
+    todo: list[tuple[Family, list[int], str]],
+    workers: int,
+    scheduler: str | None,
+    deadline: float | None,
+    drain_s: float = 0.0,
+) -> Iterator[FamilyResult]:
     """Results from Dask ``distributed`` workers, as they complete.
 
     With ``scheduler`` (``tcp://host:8786``) the sweep uses that cluster's workers; without it a
@@ -545,8 +647,9 @@ def _dask_results(todo: list[tuple[Family, list[int], str]], workers: int, sched
     else:
         # memory_limit=0: no nanny memory management (fake-tensor traces allocate no tensor memory, and a
         # paused or restarted worker would only lose families)
-        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, memory_limit=0,
-                               dashboard_address=None)
+        cluster = LocalCluster(
+            n_workers=workers, threads_per_worker=1, processes=True, memory_limit=0, dashboard_address=None
+        )
         client = Client(cluster)
     pending: set = set()
     try:
@@ -554,9 +657,15 @@ def _dask_results(todo: list[tuple[Family, list[int], str]], workers: int, sched
         # batches get the higher priority, so the sweep's order holds batch by batch
         futures = []
         for start in range(0, len(todo), _DASK_BATCH):
-            batch = todo[start:start + _DASK_BATCH]
-            futures += client.map(measure_family_records, [t[0] for t in batch], [t[1] for t in batch],
-                                  [t[2] for t in batch], pure=False, priority=len(todo) - start)
+            batch = todo[start : start + _DASK_BATCH]
+            futures += client.map(
+                measure_family_records,
+                [t[0] for t in batch],
+                [t[1] for t in batch],
+                [t[2] for t in batch],
+                pure=False,
+                priority=len(todo) - start,
+            )
         family_of = {fut.key: fam for fut, (fam, _ks, _dev) in zip(futures, todo)}
         pending = set(futures)
         draining = False
@@ -569,8 +678,10 @@ def _dask_results(todo: list[tuple[Family, list[int], str]], workers: int, sched
                 queued = [f for f in pending if f.key not in on_workers]
                 client.cancel(queued)
                 pending -= set(queued)
-                print(f"budget spent: {len(queued)} families cancelled, {len(pending)} running get {drain_s:g} s",
-                      file=sys.stderr)
+                print(
+                    f"budget spent: {len(queued)} families cancelled, {len(pending)} running get {drain_s:g} s",
+                    file=sys.stderr,
+                )
                 draining, deadline = True, time.perf_counter() + drain_s
                 continue
             try:
@@ -645,10 +756,21 @@ def _complete_lines(text: str) -> list[str]:
     return text.split("\n")[:-1]
 
 
-def run_sweep(families: list[Family], *, store, device: str = "fake", workers: int = 1, k_points: int = 13,
-              progress: bool = True, engine: str = "local", scheduler: str | None = None,
-              budget_s: float | None = None, drain_s: float = 0.0, jsonl: JsonlSink | None = None,
-              skip_ids: set[str] | None = None) -> dict[str, Any]:
+def run_sweep(
+    families: list[Family],
+    *,
+    store,
+    device: str = "fake",
+    workers: int = 1,
+    k_points: int = 13,
+    progress: bool = True,
+    engine: str = "local",
+    scheduler: str | None = None,
+    budget_s: float | None = None,
+    drain_s: float = 0.0,
+    jsonl: JsonlSink | None = None,
+    skip_ids: set[str] | None = None,
+) -> dict[str, Any]:
     """Measure all families not yet in ``store`` (nor in ``jsonl``); returns counts and failures.
 
     Args:
@@ -679,17 +801,30 @@ def run_sweep(families: list[Family], *, store, device: str = "fake", workers: i
         ks = k_values(catalog.spec(fam.model).num_layers, k_points)
         if any(fam.record_id(k, device) not in have for k in ks):
             todo.append((fam, ks, device))
-    summary: dict[str, Any] = {"families": len(families), "to_run": len(todo), "done": 0, "stored": 0,
-                               "duplicates": 0, "rejected": [], "quarantined": [], "failed": [],
-                               "stopped_on_budget": False, "family_seconds": 0.0}
+    summary: dict[str, Any] = {
+        "families": len(families),
+        "to_run": len(todo),
+        "done": 0,
+        "stored": 0,
+        "duplicates": 0,
+        "rejected": [],
+        "quarantined": [],
+        "failed": [],
+        "stopped_on_budget": False,
+        "family_seconds": 0.0,
+    }
     t0 = time.perf_counter()
     deadline = None if budget_s is None else t0 + budget_s
     if drain_s < 0:
         raise ValueError(f"drain_s must be >= 0, got {drain_s}")
     bar = tqdm(total=len(todo), unit="family", disable=not progress, file=sys.stderr)
-    results = (iter(()) if not todo  # nothing to do: start no pool or cluster
-               else _dask_results(todo, workers, scheduler, deadline, drain_s) if engine == "dask"
-               else _local_results(todo, workers, None if deadline is None else deadline + drain_s))
+    results = (
+        iter(())
+        if not todo  # nothing to do: start no pool or cluster
+        else _dask_results(todo, workers, scheduler, deadline, drain_s)
+        if engine == "dask"
+        else _local_results(todo, workers, None if deadline is None else deadline + drain_s)
+    )
     try:
         for res in results:
             summary["done"] += 1
@@ -731,23 +866,42 @@ def _print_plan(plan: SweepPlan, workers: int, skip_ids: set[str], budget_s: flo
         print(f"part {p['name']}: {state}{dropped}")
     models = {f.model for f in plan.families}
     moe = sum(catalog.spec(m).num_experts is not None for m in models)
-    left = SweepPlan([f for f in plan.families
-                      if any(f.record_id(k, "fake") not in skip_ids
-                             for k in k_values(catalog.spec(f.model).num_layers, plan.k_points))],
-                     plan.k_points, plan.parts, plan.row_s_base, plan.row_s_per_layer)
+    left = SweepPlan(
+        [
+            f
+            for f in plan.families
+            if any(
+                f.record_id(k, "fake") not in skip_ids
+                for k in k_values(catalog.spec(f.model).num_layers, plan.k_points)
+            )
+        ],
+        plan.k_points,
+        plan.parts,
+        plan.row_s_base,
+        plan.row_s_per_layer,
+    )
     secs = left.worker_seconds()
-    print(json.dumps({"families": len(plan.families), "rows": plan.rows(), "architectures": len(models),
-                      "moe_architectures": moe, "families_to_run": len(left.families), "rows_to_run": left.rows(),
-                      "estimated_worker_s": round(secs),
-                      f"estimated_wall_s_on_{workers}_workers": round(secs / max(workers, 1)),
-                      **({"estimated_rows_in_budget": left.rows_within(budget_s * workers)} if budget_s else {})}))
+    print(
+        json.dumps(
+            {
+                "families": len(plan.families),
+                "rows": plan.rows(),
+                "architectures": len(models),
+                "moe_architectures": moe,
+                "families_to_run": len(left.families),
+                "rows_to_run": left.rows(),
+                "estimated_worker_s": round(secs),
+                f"estimated_wall_s_on_{workers}_workers": round(secs / max(workers, 1)),
+                **({"estimated_rows_in_budget": left.rows_within(budget_s * workers)} if budget_s else {}),
+            }
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", choices=sorted(GRIDS), default="small", help="embedded grid (default: small)")
-    p.add_argument("--spec", type=Path, help="sweep specification file (TOML, see training/sweeps/); "
-                                             "replaces --grid")
+    p.add_argument("--spec", type=Path, help="sweep specification file (TOML, see training/sweeps/); replaces --grid")
     p.add_argument("--plan", action="store_true", help="print the families' counts and time estimate, run nothing")
     p.add_argument("--models", help="comma-separated catalog names (overrides the grid's models)")
     p.add_argument("--micro-batches", type=_ints)
@@ -759,14 +913,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scheduler", help="Dask scheduler address (tcp://host:8786); default: a LocalCluster")
     p.add_argument("--workers", type=int, default=1, help="pool processes, or LocalCluster workers")
     p.add_argument("--budget-s", type=float, help="stop cleanly after this many seconds (resumable)")
-    p.add_argument("--drain-s", type=float, default=0.0,
-                   help="after --budget-s, give the families already running this many seconds to finish")
+    p.add_argument(
+        "--drain-s",
+        type=float,
+        default=0.0,
+        help="after --budget-s, give the families already running this many seconds to finish",
+    )
     p.add_argument("--device", choices=["fake", "cpu", "cuda"], default="fake")
     p.add_argument("--db", help="SQLAlchemy URL of the telemetry store (default sqlite:///data/telemetry.db)")
     p.add_argument("--jsonl", type=Path, help="also append the records to this JSON-lines file (resumes from it)")
-    p.add_argument("--skip-ids-in", type=Path, action="append", default=[], metavar="PATH",
-                   help="families whose record ids are all in this .parquet/.csv/.jsonl are not measured "
-                        "(repeatable; e.g. the shipped dataset on a fresh machine)")
+    p.add_argument(
+        "--skip-ids-in",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="families whose record ids are all in this .parquet/.csv/.jsonl are not measured "
+        "(repeatable; e.g. the shipped dataset on a fresh machine)",
+    )
     p.add_argument("--export", help="write the whole store to this .parquet/.csv afterwards")
     p.add_argument("--seed", type=int)
     p.add_argument("--quiet", action="store_true")
@@ -822,10 +986,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     store = TelemetryStore(a.db)
     sink = JsonlSink(a.jsonl) if a.jsonl else None
-    summary = run_sweep(families, store=store, device=a.device, workers=a.workers, k_points=k_points,
-                        progress=not a.quiet, engine=a.engine, scheduler=a.scheduler, budget_s=a.budget_s,
-                        drain_s=a.drain_s,
-                        jsonl=sink, skip_ids=skip)
+    summary = run_sweep(
+        families,
+        store=store,
+        device=a.device,
+        workers=a.workers,
+        k_points=k_points,
+        progress=not a.quiet,
+        engine=a.engine,
+        scheduler=a.scheduler,
+        budget_s=a.budget_s,
+        drain_s=a.drain_s,
+        jsonl=sink,
+        skip_ids=skip,
+    )
     summary["rows_in_store"] = store.count()
     if sink is not None:
         summary["rows_in_jsonl"] = len(sink.ids)

@@ -85,19 +85,37 @@ def traced_training(model: ModelSpec, training: TrainingConfig, hf_config: dict[
 PUBLIC_CASE_JOBS = [
     # the README's and the main job's example request (llama-3-8b, ZeRO-3 over 8 GPUs, seq 8192, mb 2)
     ("llama-3-8b", TrainingConfig(micro_batch_size=2, seq_len=8192, sharding="zero3", data_parallel_size=8)),
-    ("llama-2-7b", TrainingConfig(micro_batch_size=2, seq_len=512, precision=Precision.BF16,
-                                  sharding="fsdp_full_shard", data_parallel_size=4)),
+    (
+        "llama-2-7b",
+        TrainingConfig(
+            micro_batch_size=2, seq_len=512, precision=Precision.BF16, sharding="fsdp_full_shard", data_parallel_size=4
+        ),
+    ),
     # issue 9: Qwen2.5-72B, tensor parallel 8 inside each of 8 ZeRO-3 data-parallel replicas (2-D mesh)
-    ("qwen2.5-72b", TrainingConfig(micro_batch_size=1, seq_len=4096, sharding="zero3", data_parallel_size=8,
-                                   tensor_parallel_size=8)),
+    (
+        "qwen2.5-72b",
+        TrainingConfig(
+            micro_batch_size=1, seq_len=4096, sharding="zero3", data_parallel_size=8, tensor_parallel_size=8
+        ),
+    ),
 ]
 
 #: MoE public cases (tests/test_cases_moe.py); traced with balanced routing, written to data/terms/moe.jsonl
 MOE_CASE_JOBS = [
     # Mixtral-8x7B, LoRA r16 on q,k,v,o, FSDP full shard over 2 GPUs, pure bf16, AdamW
-    ("mixtral-8x7b", TrainingConfig(micro_batch_size=4, seq_len=4096, precision=Precision.BF16, finetune=FineTune.LORA,
-                                    lora_rank=16, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                    sharding="fsdp_full_shard", data_parallel_size=2)),
+    (
+        "mixtral-8x7b",
+        TrainingConfig(
+            micro_batch_size=4,
+            seq_len=4096,
+            precision=Precision.BF16,
+            finetune=FineTune.LORA,
+            lora_rank=16,
+            lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            sharding="fsdp_full_shard",
+            data_parallel_size=2,
+        ),
+    ),
 ]
 
 
@@ -136,8 +154,17 @@ def run(jobs: list[tuple[str, TrainingConfig]], out: Path) -> dict[str, Any]:
                 print(f"FAILED {name}: {err}", flush=True)
                 continue
             dt = time.perf_counter() - t0
-            fh.write(json.dumps({"key": key, "model_name": name, "training": training_key_fields(training),
-                                 "terms": terms.to_json()}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "key": key,
+                        "model_name": name,
+                        "training": training_key_fields(training),
+                        "terms": terms.to_json(),
+                    }
+                )
+                + "\n"
+            )
             fh.flush()
             done.add(key)
             stats["traced"] += 1
@@ -167,9 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--telemetry", type=Path, help="trace every key of this telemetry Parquet file")
     p.add_argument("--defaults", action="store_true", help="trace every catalog model under the default settings")
     p.add_argument("--out", type=Path, default=Path("data/terms/catalog.jsonl"))
-    p.add_argument("--shard", type=shard_spec, default=(0, 1), help="I/N: trace every N-th job from the I-th "
-                                                                    "(parallel workers, each with its own --out in "
-                                                                    "the same folder)")
+    p.add_argument(
+        "--shard",
+        type=shard_spec,
+        default=(0, 1),
+        help="I/N: trace every N-th job from the I-th (parallel workers, each with its own --out in the same folder)",
+    )
     args = p.parse_args(argv)
     i, n = args.shard
     jobs = (default_jobs() if args.defaults else []) + (jobs_from_telemetry(args.telemetry) if args.telemetry else [])

@@ -55,8 +55,9 @@ def stale_reason(entry: dict[str, Any]) -> str | None:
     return None
 
 
-def retrace(path: Path, out_dir: Path, shard: tuple[int, int] = (0, 1), models: set[str] | None = None
-            ) -> dict[str, Any]:
+def retrace(
+    path: Path, out_dir: Path, shard: tuple[int, int] = (0, 1), models: set[str] | None = None
+) -> dict[str, Any]:
     """Re-trace every stale entry of ``path`` (:func:`stale_reason`; of ``models`` only, when given; this
     shard's share); returns counts.
 
@@ -91,7 +92,9 @@ def retrace(path: Path, out_dir: Path, shard: tuple[int, int] = (0, 1), models: 
             fh.write(json.dumps({**e, "terms": terms.to_json()}) + "\n")
             fh.flush()
             stats["traced"] += 1
-            print(f"{stats['traced']:4d}/{len(todo)} {e['model_name']:24s} {time.perf_counter() - t0:5.1f}s", flush=True)
+            print(
+                f"{stats['traced']:4d}/{len(todo)} {e['model_name']:24s} {time.perf_counter() - t0:5.1f}s", flush=True
+            )
     return stats
 
 

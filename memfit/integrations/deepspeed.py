@@ -28,7 +28,7 @@ import logging
 import types
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 from memfit.checkpointing import AppliedCheckpointing, CheckpointPlan, MemfitWarning, _counting
 
@@ -60,8 +60,10 @@ def checkpointing_module() -> types.ModuleType:
         deepspeed = importlib.import_module("deepspeed")
         return deepspeed.checkpointing
     except (ImportError, AttributeError) as err:
-        raise ImportError("deepspeed is not installed: pip install deepspeed, or pass module=... (e.g. "
-                          "memfit.integrations.deepspeed.standin_checkpointing() for a CPU test)") from err
+        raise ImportError(
+            "deepspeed is not installed: pip install deepspeed, or pass module=... (e.g. "
+            "memfit.integrations.deepspeed.standin_checkpointing() for a CPU test)"
+        ) from err
 
 
 class DeepSpeedCheckpointPatch:
@@ -72,8 +74,14 @@ class DeepSpeedCheckpointPatch:
     fills with the call positions seen in the first forward.
     """
 
-    def __init__(self, module: Any, plan: AppliedCheckpointing, layer_index: Callable[..., int | None] | None,
-                 layers: Sequence[Any] | None, every_layer: bool = False) -> None:
+    def __init__(
+        self,
+        module: Any,
+        plan: AppliedCheckpointing,
+        layer_index: Callable[..., int | None] | None,
+        layers: Sequence[Any] | None,
+        every_layer: bool = False,
+    ) -> None:
         self.module, self.plan = module, plan
         self.original = module.checkpoint
         self.calls = 0
@@ -117,17 +125,22 @@ class DeepSpeedCheckpointPatch:
         if self.module.checkpoint == self._checkpoint:  # bound methods compare equal, never identical
             self.module.checkpoint = self.original
 
-    def __enter__(self) -> DeepSpeedCheckpointPatch:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.undo()
 
 
-def patch_deepspeed_checkpointing(rec: Any, *, num_layers: int | None = None, module: Any = None,
-                                  layers: Sequence[Any] | None = None,
-                                  layer_index: Callable[..., int | None] | None = None,
-                                  strict: bool = False) -> DeepSpeedCheckpointPatch:
+def patch_deepspeed_checkpointing(
+    rec: Any,
+    *,
+    num_layers: int | None = None,
+    module: Any = None,
+    layers: Sequence[Any] | None = None,
+    layer_index: Callable[..., int | None] | None = None,
+    strict: bool = False,
+) -> DeepSpeedCheckpointPatch:
     """Make ``module.checkpoint`` (default ``deepspeed.checkpointing.checkpoint``) recompute only the
     recommended layers; see the module docstring for the call convention.
 
@@ -160,8 +173,12 @@ def patch_deepspeed_checkpointing(rec: Any, *, num_layers: int | None = None, mo
     else:
         chosen = plan.indices(L)
     applied = AppliedCheckpointing(chosen, L or 0, "deepspeed_patch", use_reentrant=True, source=plan.source)
-    log.info("memfit: deepspeed checkpoint patched: %s of %s layers %s recompute", applied.k if L else "every",
-             L or "?", chosen if L else "(all)")
+    log.info(
+        "memfit: deepspeed checkpoint patched: %s of %s layers %s recompute",
+        applied.k if L else "every",
+        L or "?",
+        chosen if L else "(all)",
+    )
     return DeepSpeedCheckpointPatch(module, applied, layer_index, layers, every_layer=plan.every_layer and not L)
 
 
@@ -177,9 +194,16 @@ def deepspeed_activation_checkpointing_config(rec: Any, *, num_layers: int | Non
     """
     plan = CheckpointPlan.from_recommendation(rec if not isinstance(rec, int) else range(rec), num_layers=num_layers)
     k = plan.k(num_layers)
-    return {"activation_checkpointing": {
-        "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
-        "number_checkpoints": k, "synchronize_checkpoint_boundary": False, "profile": False}}
+    return {
+        "activation_checkpointing": {
+            "partition_activations": False,
+            "cpu_checkpointing": False,
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": k,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        }
+    }
 
 
 def _is_hf_model(model: Any) -> bool:
@@ -193,8 +217,9 @@ def _is_hf_model(model: Any) -> bool:
             return True
     except ImportError:
         pass
-    return hasattr(base, "config") and (hasattr(base, "activation_checkpointing_enable")
-                                        or hasattr(base, "gradient_checkpointing_enable"))
+    return hasattr(base, "config") and (
+        hasattr(base, "activation_checkpointing_enable") or hasattr(base, "gradient_checkpointing_enable")
+    )
 
 
 def check_deepspeed_config(ds_config: dict[str, Any], model: Any) -> list[str]:
@@ -208,9 +233,11 @@ def check_deepspeed_config(ds_config: dict[str, Any], model: Any) -> list[str]:
     block = (ds_config or {}).get("activation_checkpointing")
     if isinstance(block, dict) and block and _is_hf_model(model):
         keys = ", ".join(sorted(block))
-        out.append(f"DeepSpeed activation_checkpointing ({keys}) has no effect on a HF transformers model: it "
-                   "never calls deepspeed.checkpointing.checkpoint. Use memfit.apply(model, recommendation) "
-                   "(or MemfitTrainerCallback with the HF Trainer) to choose the checkpointed layers.")
+        out.append(
+            f"DeepSpeed activation_checkpointing ({keys}) has no effect on a HF transformers model: it "
+            "never calls deepspeed.checkpointing.checkpoint. Use memfit.apply(model, recommendation) "
+            "(or MemfitTrainerCallback with the HF Trainer) to choose the checkpointed layers."
+        )
     for msg in out:
         warnings.warn(msg, MemfitWarning, stacklevel=2)
     return out

@@ -21,8 +21,11 @@ log = logging.getLogger("memfit")
 
 
 def _use_reentrant(args: Any) -> bool:
-    kw = (getattr(args, "activation_checkpointing_kwargs", None)
-          or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    kw = (
+        getattr(args, "activation_checkpointing_kwargs", None)
+        or getattr(args, "gradient_checkpointing_kwargs", None)
+        or {}
+    )
     return bool(kw.get("use_reentrant", False)) if isinstance(kw, dict) else False
 
 
@@ -40,8 +43,14 @@ class MemfitTrainerCallback(TrainerCallback):
         verified: result of the verification after the first step (None before).
     """
 
-    def __init__(self, recommendation: Any, *, strict: bool = False, use_reentrant: bool | None = None,
-                 deepspeed_config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        recommendation: Any,
+        *,
+        strict: bool = False,
+        use_reentrant: bool | None = None,
+        deepspeed_config: dict[str, Any] | None = None,
+    ) -> None:
         self.recommendation, self.strict, self.use_reentrant = recommendation, strict, use_reentrant
         self.deepspeed_config = deepspeed_config
         self.plan: AppliedCheckpointing | None = None
@@ -52,8 +61,13 @@ class MemfitTrainerCallback(TrainerCallback):
             log.warning("memfit: Trainer passed no model to on_train_begin; checkpointing plan not applied")
             return
         reentrant = self.use_reentrant if self.use_reentrant is not None else _use_reentrant(args)
-        self.plan = apply(model, self.recommendation, strict=self.strict, use_reentrant=reentrant,
-                          deepspeed_config=self.deepspeed_config)
+        self.plan = apply(
+            model,
+            self.recommendation,
+            strict=self.strict,
+            use_reentrant=reentrant,
+            deepspeed_config=self.deepspeed_config,
+        )
         self.verified = None
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -85,9 +99,20 @@ class MemfitReporterCallback(TrainerCallback):
         result: the :class:`memfit.reporter.ReportResult` once reported.
     """
 
-    def __init__(self, client_or_url: Any, plan: Any = None, *, steps: int = 2, seq_len: int | None = None,
-                 request: Any = None, peak_fn: Any = None, spool_path: Any = None, token: str | None = None,
-                 all_ranks: bool = False, **describe_kwargs: Any) -> None:
+    def __init__(
+        self,
+        client_or_url: Any,
+        plan: Any = None,
+        *,
+        steps: int = 2,
+        seq_len: int | None = None,
+        request: Any = None,
+        peak_fn: Any = None,
+        spool_path: Any = None,
+        token: str | None = None,
+        all_ranks: bool = False,
+        **describe_kwargs: Any,
+    ) -> None:
         if steps < 1:
             raise ValueError(f"steps={steps} must be >= 1")
         self.client_or_url, self.plan, self.steps, self.seq_len = client_or_url, plan, steps, seq_len
@@ -129,9 +154,18 @@ class MemfitReporterCallback(TrainerCallback):
             kw = dict(self.describe_kwargs)
             if self.request is None:
                 kw.update(seq_len=self.seq_len, training_args=args)
-            self.result = report_peak(self.client_or_url, model, plan, request=self.request, steps=self.steps,
-                                      peak_allocated_bytes=peak, step_time_s=min(self._times) if self._times else None,
-                                      spool_path=self.spool_path, token=self.token, **kw)
-        except Exception as err:  # never break training
+            self.result = report_peak(
+                self.client_or_url,
+                model,
+                plan,
+                request=self.request,
+                steps=self.steps,
+                peak_allocated_bytes=peak,
+                step_time_s=min(self._times) if self._times else None,
+                spool_path=self.spool_path,
+                token=self.token,
+                **kw,
+            )
+        except Exception as err:  # noqa: BLE001 - never break training
             _log_once("callback-error", "memfit: telemetry callback failed: %s: %s", type(err).__name__, err)
             self.result = ReportResult("error", None, f"{type(err).__name__}: {err}")

@@ -21,8 +21,11 @@ from typing import Any
 from memfit.checkpointing import CheckpointPlan
 
 NO_RECOMPUTE: dict[str, Any] = {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
-EVERY_LAYER: dict[str, Any] = {"recompute_granularity": "full", "recompute_method": "uniform",
-                               "recompute_num_layers": 1}
+EVERY_LAYER: dict[str, Any] = {
+    "recompute_granularity": "full",
+    "recompute_method": "uniform",
+    "recompute_num_layers": 1,
+}
 
 
 def _stages(rec: Any, pipeline_parallel_size: int | None) -> int:
@@ -32,8 +35,9 @@ def _stages(rec: Any, pipeline_parallel_size: int | None) -> int:
     return int(training.get("pipeline_parallel_size", 1)) if isinstance(training, dict) else 1
 
 
-def megatron_recompute_config(rec: Any, *, pipeline_parallel_size: int | None = None,
-                              num_layers: int | None = None, strict: bool = False) -> list[dict[str, Any]]:
+def megatron_recompute_config(
+    rec: Any, *, pipeline_parallel_size: int | None = None, num_layers: int | None = None, strict: bool = False
+) -> list[dict[str, Any]]:
     """``TransformerConfig`` recompute fields for each pipeline stage (index = pipeline rank).
 
     Args:
@@ -71,11 +75,16 @@ def megatron_recompute_config(rec: Any, *, pipeline_parallel_size: int | None = 
     for s in range(stages):
         mine = sorted(i - s * per_stage for i in chosen if s * per_stage <= i < (s + 1) * per_stage)
         if mine != list(range(len(mine))):
-            raise ValueError(f"stage {s} checkpoints layers {[i + s * per_stage for i in mine]}, not its first "
-                             f"{len(mine)} (layout 'even'?): Megatron's block method checkpoints the first layers "
-                             "of each stage; ask for layout='block'")
-        out.append({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": len(mine)}
-                   if mine else dict(NO_RECOMPUTE))
+            raise ValueError(
+                f"stage {s} checkpoints layers {[i + s * per_stage for i in mine]}, not its first "
+                f"{len(mine)} (layout 'even'?): Megatron's block method checkpoints the first layers "
+                "of each stage; ask for layout='block'"
+            )
+        out.append(
+            {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": len(mine)}
+            if mine
+            else dict(NO_RECOMPUTE)
+        )
     return out
 
 
@@ -94,5 +103,11 @@ def megatron_flags(rec: Any, *, pipeline_parallel_size: int | None = None, num_l
     if not active:
         return []
     widest = max(active, key=lambda s: s["recompute_num_layers"])
-    return ["--recompute-granularity", "full", "--recompute-method", widest["recompute_method"],
-            "--recompute-num-layers", str(widest["recompute_num_layers"])]
+    return [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        widest["recompute_method"],
+        "--recompute-num-layers",
+        str(widest["recompute_num_layers"]),
+    ]

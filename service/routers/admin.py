@@ -26,16 +26,23 @@ def models(holder: Annotated[ModelHolder, Depends(get_holder)]) -> dict[str, Any
             versions.append({"version": v, "created_at": meta.get("created_at"), "metrics": meta.get("metrics")})
         except (OSError, ValueError) as err:
             versions.append({"version": v, "error": f"unreadable meta.json: {type(err).__name__}"})
-    return {"current": reg.current(), "serving": holder.recommender.version if holder.recommender else None,
-            "last_error": holder.last_error, "versions": versions}
+    return {
+        "current": reg.current(),
+        "serving": holder.recommender.version if holder.recommender else None,
+        "last_error": holder.last_error,
+        "versions": versions,
+    }
 
 
 @router.post("/models/reload", dependencies=[Depends(require_token)])
 def reload(holder: Annotated[ModelHolder, Depends(get_holder)]) -> dict[str, Any]:
     """Load the registry's current version now (it is refused, and the serving one kept, if it fails a check)."""
     swapped = holder.refresh(force=True)
-    return {"serving": holder.recommender.version if holder.recommender else None, "swapped": swapped,
-            "last_error": holder.last_error}
+    return {
+        "serving": holder.recommender.version if holder.recommender else None,
+        "swapped": swapped,
+        "last_error": holder.last_error,
+    }
 
 
 @router.get("/v2/health/live")
@@ -44,8 +51,11 @@ def live() -> dict[str, str]:
 
 
 @router.get("/v2/health/ready", responses=problem_responses(503))
-def ready(request: Request, holder: Annotated[ModelHolder, Depends(get_holder)],
-          store: Annotated[TelemetryStore | None, Depends(get_store)]):
+def ready(
+    request: Request,
+    holder: Annotated[ModelHolder, Depends(get_holder)],
+    store: Annotated[TelemetryStore | None, Depends(get_store)],
+):
     """200 while a model serves (read-only servers included); details name a refused model version."""
     holder.refresh()
     details: dict[str, Any] = {"model": holder.status(), "warmed_up": request.app.state.warmed_up.is_set()}
@@ -57,7 +67,12 @@ def ready(request: Request, holder: Annotated[ModelHolder, Depends(get_holder)],
     else:
         try:
             n = store.count()
-        except Exception as err:  # the store is down: not ready
+        except Exception as err:  # noqa: BLE001 - the store is down: not ready
             return problem(503, f"telemetry store: {type(err).__name__}", details=details)
-    return {"status": "ready", "model_version": holder.recommender.version, "telemetry_records": n,
-            "read_only": store is None, "details": details}
+    return {
+        "status": "ready",
+        "model_version": holder.recommender.version,
+        "telemetry_records": n,
+        "read_only": store is None,
+        "details": details,
+    }

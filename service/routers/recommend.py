@@ -15,10 +15,16 @@ from service.recommender import Recommender
 
 router = APIRouter(tags=["recommend"])
 
-RECOMMENDED_K = Histogram("memfit_recommended_k", "Recommended number of checkpointed layers",
-                          buckets=(0, 1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128))
-PREDICTED_PEAK_GIB = Histogram("memfit_predicted_peak_gib", "Predicted peak allocated memory at the recommended k",
-                               buckets=(1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 141, 192, 256, 512))
+RECOMMENDED_K = Histogram(
+    "memfit_recommended_k",
+    "Recommended number of checkpointed layers",
+    buckets=(0, 1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128),
+)
+PREDICTED_PEAK_GIB = Histogram(
+    "memfit_predicted_peak_gib",
+    "Predicted peak allocated memory at the recommended k",
+    buckets=(1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 80, 96, 141, 192, 256, 512),
+)
 
 
 def _json(answer) -> Response:
@@ -39,5 +45,8 @@ def recommend(req: RecommendRequest, rec: Annotated[Recommender, Depends(get_rec
 @router.post("/predict", response_model=PredictResponse, responses=problem_responses(503))
 def predict(req: PredictRequest, rec: Annotated[Recommender, Depends(get_recommender)]) -> Response:
     """Peak, bound and breakdown for fully specified configurations (one booster call for the batch)."""
-    return _json(PredictResponse(predictions=[rec.predict(item, i) for i, item in enumerate(req.items)],
-                                 model_version=rec.version))
+    return _json(
+        PredictResponse(
+            predictions=[rec.predict(item, i) for i, item in enumerate(req.items)], model_version=rec.version
+        )
+    )

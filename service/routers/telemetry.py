@@ -24,9 +24,17 @@ router = APIRouter(tags=["telemetry"], dependencies=[Depends(require_token)])
 
 #: one posted record: documented as a :class:`TelemetryRecord` (or a flat row), checked as a plain object
 #: here and validated by the store on the write executor, so a large batch never holds the event loop
-TelemetryIn = Annotated[dict[str, Any], WithJsonSchema({"anyOf": [
-    {"$ref": "#/components/schemas/TelemetryRecord"},  # in the schema through KeptTelemetry
-    {"type": "object", "description": "a flat row: the columns of TelemetryRecord.to_row"}]})]
+TelemetryIn = Annotated[
+    dict[str, Any],
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"$ref": "#/components/schemas/TelemetryRecord"},  # in the schema through KeptTelemetry
+                {"type": "object", "description": "a flat row: the columns of TelemetryRecord.to_row"},
+            ]
+        }
+    ),
+]
 
 #: the record id as the schema defines it (length and characters), for the path parameter
 RecordId = Annotated[str, *TelemetryRecord.model_fields["record_id"].metadata]
@@ -37,7 +45,8 @@ class IngestResponse(BaseModel):
     duplicates: list[str]
     rejected: list[dict[str, Any]] = Field(description="{index, record_id, reason} per invalid record")
     quarantined: list[dict[str, Any]] = Field(
-        [], description="{index, record_id, reason} per implausible or conflicting record: kept, never trained on")
+        [], description="{index, record_id, reason} per implausible or conflicting record: kept, never trained on"
+    )
 
 
 class QuarantinedCopy(BaseModel):
@@ -48,8 +57,9 @@ class QuarantinedCopy(BaseModel):
 
 class KeptTelemetry(BaseModel):
     record_id: str
-    record: TelemetryRecord | None = Field(description="the stored record (the retraining job reads it); "
-                                                       "null when only quarantined copies exist")
+    record: TelemetryRecord | None = Field(
+        description="the stored record (the retraining job reads it); null when only quarantined copies exist"
+    )
     quarantined: list[QuarantinedCopy] = Field(description="quarantined copies under this id, oldest first")
 
 
@@ -57,30 +67,52 @@ READ_OPERATION = "read_telemetry_record"
 
 
 def _link(pointer: str, what: str) -> dict[str, Any]:
-    return {"operationId": READ_OPERATION, "parameters": {"record_id": f"$response.body#{pointer}"},
-            "description": f"read back the first {what} record"}
+    return {
+        "operationId": READ_OPERATION,
+        "parameters": {"record_id": f"$response.body#{pointer}"},
+        "description": f"read back the first {what} record",
+    }
 
 
-@router.post("/telemetry", response_model=IngestResponse, responses={200: {"links": {
-    "ReadStored": _link("/stored/0", "stored"),
-    "ReadDuplicate": _link("/duplicates/0", "duplicate"),
-    "ReadQuarantined": _link("/quarantined/0/record_id", "quarantined")}}, **problem_responses(503)})
-async def ingest(records: list[TelemetryIn], settings: Annotated[Settings, Depends(get_settings)],
-                 store: Annotated[TelemetryStore, Depends(writable_store)],
-                 writes: Annotated[WriteQueue, Depends(get_write_queue)]) -> IngestResponse:
+@router.post(
+    "/telemetry",
+    response_model=IngestResponse,
+    responses={
+        200: {
+            "links": {
+                "ReadStored": _link("/stored/0", "stored"),
+                "ReadDuplicate": _link("/duplicates/0", "duplicate"),
+                "ReadQuarantined": _link("/quarantined/0/record_id", "quarantined"),
+            }
+        },
+        **problem_responses(503),
+    },
+)
+async def ingest(
+    records: list[TelemetryIn],
+    settings: Annotated[Settings, Depends(get_settings)],
+    store: Annotated[TelemetryStore, Depends(writable_store)],
+    writes: Annotated[WriteQueue, Depends(get_write_queue)],
+) -> IngestResponse:
     """Store records (nested :class:`TelemetryRecord` objects or flat rows); every input index comes
     back in exactly one list. An invalid record is rejected with its reason, not the whole request."""
     if len(records) > settings.max_records_per_request:
         raise HTTPException(413, f"at most {settings.max_records_per_request} records per request, got {len(records)}")
     rep = await writes.run(store.add, records)
-    return IngestResponse(stored=rep.stored, duplicates=rep.duplicates, rejected=rep.rejected,
-                          quarantined=rep.quarantined)
+    return IngestResponse(
+        stored=rep.stored, duplicates=rep.duplicates, rejected=rep.rejected, quarantined=rep.quarantined
+    )
 
 
-@router.get("/telemetry/{record_id}", response_model=KeptTelemetry, operation_id=READ_OPERATION,
-            responses=problem_responses(404, 503, s404="nothing is kept under this id (never received, or rejected)"))
-def read(record_id: Annotated[RecordId, Path()],
-         store: Annotated[TelemetryStore, Depends(readable_store)]) -> KeptTelemetry:
+@router.get(
+    "/telemetry/{record_id}",
+    response_model=KeptTelemetry,
+    operation_id=READ_OPERATION,
+    responses=problem_responses(404, 503, s404="nothing is kept under this id (never received, or rejected)"),
+)
+def read(
+    record_id: Annotated[RecordId, Path()], store: Annotated[TelemetryStore, Depends(readable_store)]
+) -> KeptTelemetry:
     """The stored record under ``record_id`` and any quarantined copies; 404 when there is neither."""
     stored, held = store.lookup(record_id)
     if stored is None and not held:
