@@ -53,9 +53,16 @@ from typing import Any
 
 import numpy as np
 
-from memfit.schema import GIB, CheckpointImpl, FineTune, ModelSpec, Sharding, TrainingConfig
+from memfit.schema import GIB, CheckpointImpl, FineTune, ModelSpec, Offload, Sharding, TrainingConfig
 from model.analytic import ModelStates, model_state_bytes, optimizer_state_bytes_per_param
 from model.compose import PEAK_PHASES, compose, compose_terms
+from model.deepspeed_zero import (
+    deepspeed_stage2,
+    persistent_parameter_elements,
+    stage2_note,
+    stage2_phases,
+    stage3_offload_buffer_bytes,
+)
 from model.parallel import ParallelCurve, compose_pipeline, pipeline_stages
 from model.terms import TermsCache, not_traceable_reason, terms_key
 
@@ -368,6 +375,13 @@ class MemoryPredictor:
             base, ratio = self.estimator.predict_matrix(curve_matrix(model, training))
             raw, phases = np.exp(base + ratio), [None] * (L + 1)
         notes = []
+        if training.sharding is Sharding.ZERO2:  # DeepSpeed's stage 2 on the FSDP2 SHARD_GRAD_OP step
+            composed_stage2 = deepspeed_stage2(training) and pipe is None
+            if composed_stage2:
+                phase_bytes, raw = stage2_phases(phase_bytes, raw, rank_model, training)
+                if phase_bytes is not None:
+                    phases = [PEAK_PHASES[i] for i in phase_bytes.argmax(axis=1)]
+            notes.append(stage2_note(training, composed_stage2))
         if training.accumulates_gradients:
             if accumulation_composed:
                 notes.append(
@@ -536,6 +550,14 @@ class MemoryPredictor:
             raw = np.asarray(base.raw_bytes, dtype=np.float64) * np.asarray(ratio)
             phases = [None] * (L + 1)
             notes.append("offload: the learned curve without offload scaled by the analytic offloaded/not ratio")
+        if training.offload_parameters is Offload.CPU and training.sharding is Sharding.ZERO3:
+            buffers = stage3_offload_buffer_bytes(model, persistent_parameter_elements(hf_config, model))
+            raw = raw + buffers
+            notes.append(
+                f"DeepSpeed stage 3's device buffers at its defaults added ({buffers / GIB:.2f} GiB: reduce bucket "
+                "5e8 and prefetch bucket 5e7 16-bit elements, parameters below 1e5 elements with their gradients; "
+                "model.deepspeed_zero)"
+            )
         if training.gradient_accumulation_steps > 1:
             notes.append(
                 f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches: the "
