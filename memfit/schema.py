@@ -123,7 +123,12 @@ class Sharding(StrEnum):
 
     ``zero1`` shards optimizer states, ``zero2`` also gradients, ``zero3`` also parameters
     (arXiv 1910.02054). ``fsdp_full_shard`` re-shards parameters after forward (ZeRO-3-like);
-    ``fsdp_shard_grad_op`` keeps them gathered between forward and backward (ZeRO-2-like).
+    ``fsdp_shard_grad_op`` keeps them gathered between forward and backward and re-shards them after
+    backward (FSDP's behaviour: the optimizer step holds 1/N of the weights). ``zero2`` is DeepSpeed's
+    stage 2 (``deepspeed/runtime/zero/stage_1_and_2.py``): with ``bf16_fp32_master`` every 16-bit weight
+    stays on the device through the step, which adds the flat 16-bit copy and the fp32 partition of the gradients, and
+    backward holds the reduce bucket (:mod:`model.deepspeed_zero`); with other precisions it is answered
+    like ``fsdp_shard_grad_op``. ``zero3`` with parameter offload adds DeepSpeed stage 3's device buffers.
     """
 
     NONE = "none"
