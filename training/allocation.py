@@ -1,0 +1,173 @@
+"""The allocation stream of a training step, recorded with the fake-tensor tracker.
+
+:func:`step_allocations` runs exactly what the GPU validation runs on CUDA
+(:func:`training.collect.measure_family` with one warm-up step and one measured step), under
+``FakeTensorMode`` on the CPU, and records every storage allocation and free in order: the model build,
+the warm-up step, ``reset_peak_memory_stats`` (the stream's ``measured_from``) and the measured step.
+:mod:`model.allocator` replays the stream through a model of PyTorch's caching allocator.
+
+The fake device path of the collector is used unchanged, so SDPA takes the kernels CUDA takes and
+transformers 5 builds no ``(b, 1, s, s)`` packed-sequence mask (``training.collect._cuda_sdpa_kernels``).
+
+CUDA allocates through the caching allocator what a CPU trace never sees: cuBLAS keeps one workspace per
+(handle, stream) (``aten/src/ATen/cuda/CublasHandlePool.cpp``), and the autograd engine runs the backward
+on its own thread with its own handle, so a step holds two. Their size on Hopper is 32 MiB (cuBLAS docs,
+``cublasSetWorkspace``: 32 MiB recommended for sm90; PyTorch's default for sm90). The stream gets them at
+the first forward and the first backward, never freed: :data:`SM90_WORKSPACES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+from memfit.schema import Phase, TrainingConfig
+from model.allocator import MIB, AllocationStream
+from training.tracker import LiveStorageTracker
+
+#: cuBLAS workspaces allocated at the first entry of a phase (bytes): one per autograd thread, on sm90.
+SM90_WORKSPACES: Mapping[str, int] = {str(Phase.FORWARD): 32 * MIB, str(Phase.BACKWARD): 32 * MIB}
+
+_CREATED: list[RecordingTracker] = []
+
+
+class RecordingTracker(LiveStorageTracker):
+    """:class:`~training.tracker.LiveStorageTracker` that also records each allocation and free in order.
+
+    Attributes:
+        handles / sizes: the events (see :class:`model.allocator.AllocationStream`); sizes are the storages'
+            bytes before rounding.
+        measured_from: the event index at the last :meth:`reset_peak`.
+        marks: ``(event index, phase)`` at each phase change.
+        workspaces: bytes allocated (never freed) the first time a phase is entered.
+    """
+
+    def __init__(self, workspaces: Mapping[str, int] | None = None) -> None:
+        self.handles: list[int] = []
+        self.sizes: list[int] = []
+        self.marks: list[tuple[int, str]] = []
+        self.measured_from = 0
+        self.workspaces = dict(SM90_WORKSPACES if workspaces is None else workspaces)
+        self._entered: set[str] = set()
+        self._handle: dict[int, int] = {}  # id(storage) -> handle of its current allocation
+        self._next = 1
+        super().__init__()
+        _CREATED.append(self)
+
+    @property
+    def phase(self):
+        return self._phase_value
+
+    @phase.setter
+    def phase(self, value) -> None:
+        self._phase_value = value
+        name = str(value)
+        if self.marks and self.marks[-1][1] == name:
+            return
+        self.marks.append((len(self.sizes), name))
+        if name not in self._entered:
+            self._entered.add(name)
+            extra = self.workspaces.get(name, 0)
+            if extra:
+                self._alloc(extra)
+
+    def _alloc(self, nbytes: int) -> int:
+        h = self._next
+        self._next += 1
+        self.handles.append(h)
+        self.sizes.append(nbytes)
+        return h
+
+    def _free(self, h: int) -> None:
+        self.handles.append(h)
+        self.sizes.append(0)
+
+    def track_storage(self, st) -> None:
+        key = id(st)
+        ref = self._refs.get(key)
+        known = ref is not None and ref() is st
+        old = self._bytes.get(key, 0) if known else 0
+        super().track_storage(st)
+        if key in self._untracked:
+            return
+        new = self._bytes.get(key, 0)
+        if known and old == new:
+            return
+        before = self._handle.pop(key, None) if known else None
+        if new:
+            self._handle[key] = self._alloc(st.nbytes())  # a resize allocates the new buffer first
+        if before is not None:
+            self._free(before)
+
+    def _freed(self, key: int) -> None:
+        super()._freed(key)
+        h = self._handle.pop(key, None)
+        if h is not None:
+            self._free(h)
+
+    def untrack(self, t) -> None:
+        super().untrack(t)
+        h = self._handle.pop(id(t.untyped_storage()), None)
+        if h is not None:
+            self._free(h)
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        self.measured_from = len(self.sizes)
+
+    def stream(self, meta: dict[str, Any] | None = None) -> AllocationStream:
+        """The events recorded so far."""
+        return AllocationStream(list(self.handles), list(self.sizes), self.measured_from, list(self.marks),
+                                dict(meta or {}))
+
+
+@contextlib.contextmanager
+def _recording_tracker(workspaces: Mapping[str, int] | None):
+    """Make the collector build a :class:`RecordingTracker`; yields the list it is appended to."""
+    import training.collect as collect
+
+    original = collect.LiveStorageTracker
+    collect.LiveStorageTracker = lambda: RecordingTracker(workspaces)
+    _CREATED.clear()
+    try:
+        yield _CREATED
+    finally:
+        collect.LiveStorageTracker = original
+
+
+def step_allocations(hf_config: dict[str, Any], training: TrainingConfig, *, model_name: str | None = None,
+                     warmup: int = 1, workspaces: Mapping[str, int] | None = None) -> AllocationStream:
+    """Record the allocation stream of one measured training step, as the GPU validation runs it.
+
+    Builds the model of ``hf_config`` for ``training`` (checkpointing ``training.checkpoint_layers``) under
+    fake tensors, runs ``warmup`` steps, resets the peak and runs one step.
+
+    Args:
+        hf_config: the HF ``config.json`` dict.
+        training: the configuration (as :func:`training.collect.measure_family` accepts it).
+        warmup: steps before the measured one (>= 0).
+        workspaces: bytes allocated at a phase's first entry (default :data:`SM90_WORKSPACES`; ``{}`` for none).
+
+    Returns:
+        The stream; ``meta`` holds the model name, the training configuration and the tracker's peak bytes.
+
+    Raises:
+        ValueError: what :func:`training.collect.measure_family` raises for an unsupported configuration,
+            or ``warmup`` < 0.
+    """
+    from training.collect import measure_family
+
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    with _recording_tracker(workspaces) as created:
+        records = measure_family(hf_config, training, [list(training.checkpoint_layers)], model_name=model_name,
+                                 device="fake", steps=1, warmup=warmup)
+        record = next(iter(records))
+        tracker = created[-1]
+        meta = {"model": model_name, "training": training.model_dump(mode="json"),
+                "tracker_peak_bytes": record.measurement.peak_allocated_bytes,
+                "workspaces": {k: int(v) for k, v in tracker.workspaces.items()}}
+        stream = tracker.stream(meta)
+        records.close()
+    return stream
