@@ -40,8 +40,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 KIB = 1 << 10
@@ -56,10 +55,23 @@ ROUND_LARGE_BYTES = 2 * MIB  # kRoundLarge
 ROUNDUP_POWER2_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB
 UNLIMITED = (1 << 64) - 1  # std::numeric_limits<size_t>::max()
 
-_BOOL_KEYS = ("expandable_segments", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
-              "pinned_use_cuda_host_register", "pinned_use_hip_host_register", "pinned_use_background_threads")
-KNOWN_KEYS = ("backend", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
-              "roundup_power2_divisions", "pinned_num_register_threads", *_BOOL_KEYS)
+_BOOL_KEYS = (
+    "expandable_segments",
+    "release_lock_on_cudamalloc",
+    "release_lock_on_hipmalloc",
+    "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register",
+    "pinned_use_background_threads",
+)
+KNOWN_KEYS = (
+    "backend",
+    "max_split_size_mb",
+    "max_non_split_rounding_mb",
+    "garbage_collection_threshold",
+    "roundup_power2_divisions",
+    "pinned_num_register_threads",
+    *_BOOL_KEYS,
+)
 
 
 class AllocatorConfError(ValueError):
@@ -108,8 +120,9 @@ class AllocatorSettings:
         while i < len(tokens):
             key = tokens[i]
             if key not in KNOWN_KEYS:
-                raise AllocatorConfError(f"PYTORCH_CUDA_ALLOC_CONF: unknown option {key!r}; "
-                                         f"allowed: {', '.join(KNOWN_KEYS)}")
+                raise AllocatorConfError(
+                    f"PYTORCH_CUDA_ALLOC_CONF: unknown option {key!r}; allowed: {', '.join(KNOWN_KEYS)}"
+                )
             if i + 1 >= len(tokens) or tokens[i + 1] != ":":
                 raise AllocatorConfError(f"PYTORCH_CUDA_ALLOC_CONF: {key} needs ':' and a value")
             i += 2
@@ -122,13 +135,13 @@ class AllocatorSettings:
                 i += 1
             if i < len(tokens):
                 if tokens[i] != ",":
-                    raise AllocatorConfError(f"PYTORCH_CUDA_ALLOC_CONF: expected ',' after the value of {key}, "
-                                             f"got {tokens[i]!r}")
+                    raise AllocatorConfError(
+                        f"PYTORCH_CUDA_ALLOC_CONF: expected ',' after the value of {key}, got {tokens[i]!r}"
+                    )
                 i += 1
         return cls(
             expandable_segments=bool(values.get("expandable_segments", False)),
-            max_split_size_bytes=int(values["max_split_size_mb"]) * MIB if "max_split_size_mb" in values
-            else UNLIMITED,
+            max_split_size_bytes=int(values["max_split_size_mb"]) * MIB if "max_split_size_mb" in values else UNLIMITED,
             max_non_split_rounding_bytes=int(values.get("max_non_split_rounding_mb", 20)) * MIB,
             garbage_collection_threshold=float(values.get("garbage_collection_threshold", 0.0)),
             roundup_power2_divisions=values.get("roundup_power2_divisions", (0,) * ROUNDUP_POWER2_INTERVALS),
@@ -189,29 +202,34 @@ def _parse_value(key: str, text: str) -> object:
     if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
         mb = _int(key, text)
         if mb < LARGE_BUFFER_BYTES // MIB:
-            raise AllocatorConfError(f"PYTORCH_CUDA_ALLOC_CONF: {key} too small, must be >= "
-                                     f"{LARGE_BUFFER_BYTES // MIB}; got {mb}")
+            raise AllocatorConfError(
+                f"PYTORCH_CUDA_ALLOC_CONF: {key} too small, must be >= {LARGE_BUFFER_BYTES // MIB}; got {mb}"
+            )
         return mb
     if key == "garbage_collection_threshold":
         try:
             val = float(text)
         except ValueError:
-            raise AllocatorConfError(f"PYTORCH_CUDA_ALLOC_CONF: garbage_collection_threshold must be a number "
-                                     f"in (0.0, 1.0), got {text!r}") from None
+            raise AllocatorConfError(
+                f"PYTORCH_CUDA_ALLOC_CONF: garbage_collection_threshold must be a number in (0.0, 1.0), got {text!r}"
+            ) from None
         if not 0.0 < val < 1.0:
-            raise AllocatorConfError(f"PYTORCH_CUDA_ALLOC_CONF: garbage_collection_threshold must be in "
-                                     f"(0.0, 1.0), got {val}")
+            raise AllocatorConfError(
+                f"PYTORCH_CUDA_ALLOC_CONF: garbage_collection_threshold must be in (0.0, 1.0), got {val}"
+            )
         return val
     if key == "backend":
         if text not in ("native", "cudaMallocAsync"):
-            raise AllocatorConfError(f"PYTORCH_CUDA_ALLOC_CONF: backend must be native or cudaMallocAsync, "
-                                     f"got {text!r}")
+            raise AllocatorConfError(
+                f"PYTORCH_CUDA_ALLOC_CONF: backend must be native or cudaMallocAsync, got {text!r}"
+            )
         return text
     if key == "pinned_num_register_threads":
         n = _int(key, text)
         if not _is_pow2(n) or n > 128:
-            raise AllocatorConfError(f"PYTORCH_CUDA_ALLOC_CONF: pinned_num_register_threads must be a power "
-                                     f"of 2 up to 128, got {n}")
+            raise AllocatorConfError(
+                f"PYTORCH_CUDA_ALLOC_CONF: pinned_num_register_threads must be a power of 2 up to 128, got {n}"
+            )
         return n
     raise AssertionError(key)  # every known key is handled above
 
@@ -241,8 +259,9 @@ def _parse_divisions(tokens: list[str], i: int) -> tuple[tuple[int, ...], int]:
         else:
             size_mb = _int(key, left)
             if not _is_pow2(size_mb):
-                raise AllocatorConfError(f"PYTORCH_CUDA_ALLOC_CONF: {key} interval sizes must be powers of 2 "
-                                         f"(MiB), got {size_mb}")
+                raise AllocatorConfError(
+                    f"PYTORCH_CUDA_ALLOC_CONF: {key} interval sizes must be powers of 2 (MiB), got {size_mb}"
+                )
             index = min(size_mb.bit_length() - 1, ROUNDUP_POWER2_INTERVALS - 1)
             if first:
                 divs[:index] = [val] * index
@@ -269,8 +288,10 @@ class SimulatedOutOfMemory(Exception):
     """
 
     def __init__(self, request_bytes: int, allocated_bytes: int, reserved_bytes: int) -> None:
-        super().__init__(f"out of memory: tried to allocate {request_bytes / GIB:.2f} GiB with "
-                         f"{allocated_bytes / GIB:.2f} GiB allocated and {reserved_bytes / GIB:.2f} GiB reserved")
+        super().__init__(
+            f"out of memory: tried to allocate {request_bytes / GIB:.2f} GiB with "
+            f"{allocated_bytes / GIB:.2f} GiB allocated and {reserved_bytes / GIB:.2f} GiB reserved"
+        )
         self.request_bytes = request_bytes
         self.allocated_bytes = allocated_bytes
         self.reserved_bytes = reserved_bytes
@@ -279,7 +300,7 @@ class SimulatedOutOfMemory(Exception):
 class _Segment:
     """An expandable segment: a reserved address range mapped page by page (``ExpandableSegment``)."""
 
-    __slots__ = ("base", "size", "page")
+    __slots__ = ("base", "page", "size")
 
     def __init__(self, base: int, size: int, page: int) -> None:
         self.base, self.size, self.page = base, size, page
@@ -288,7 +309,7 @@ class _Segment:
 class Block:
     """A block of a segment (``Block``): ``addr``/``size`` in bytes, neighbours in the same segment."""
 
-    __slots__ = ("addr", "size", "small", "prev", "next", "allocated", "mapped", "seg", "gc_base")
+    __slots__ = ("addr", "allocated", "gc_base", "mapped", "next", "prev", "seg", "size", "small")
 
     def __init__(self, addr: int, size: int, small: bool, seg: _Segment | None = None) -> None:
         self.addr, self.size, self.small, self.seg = addr, size, small, seg
@@ -305,7 +326,7 @@ class Block:
 class _Pool:
     """``BlockPool``: free mapped blocks ordered by (size, address), unmapped ones by address."""
 
-    __slots__ = ("small", "free", "unmapped", "calls")
+    __slots__ = ("calls", "free", "small", "unmapped")
 
     def __init__(self, small: bool) -> None:
         self.small = small
@@ -349,8 +370,14 @@ class CachingAllocatorModel:
     :meth:`reset_peak`, ``num_alloc_retries``, ``num_ooms``.
     """
 
-    def __init__(self, settings: AllocatorSettings | None = None, capacity_bytes: int | None = None, *,
-                 cap: str = "fraction", device_total_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        settings: AllocatorSettings | None = None,
+        capacity_bytes: int | None = None,
+        *,
+        cap: str = "fraction",
+        device_total_bytes: int | None = None,
+    ) -> None:
         self.settings = settings = settings or AllocatorSettings()
         if settings.backend != "native":
             raise ValueError(f"backend={settings.backend} is not modelled: only the native caching allocator")
@@ -388,9 +415,9 @@ class CachingAllocatorModel:
         if block is None:
             if self._gc:
                 self._garbage_collect()
-            block = (self._alloc_block(pool, size, alloc_size)
-                     or (self._release_available_cached_blocks(pool, size)
-                         and self._alloc_block(pool, size, alloc_size)))
+            block = self._alloc_block(pool, size, alloc_size) or (
+                self._release_available_cached_blocks(pool, size) and self._alloc_block(pool, size, alloc_size)
+            )
             if not block:
                 self._release_cached_blocks()
                 self.num_alloc_retries += 1
@@ -417,8 +444,7 @@ class CachingAllocatorModel:
             pool.insert(rest)
         block.allocated = True
         self.allocated_bytes += block.size
-        if self.allocated_bytes > self.peak_allocated_bytes:
-            self.peak_allocated_bytes = self.allocated_bytes
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
         return block
 
     def free(self, block: Block) -> None:
@@ -523,8 +549,7 @@ class CachingAllocatorModel:
 
     def _reserve(self, nbytes: int) -> None:
         self.reserved_bytes += nbytes
-        if self.reserved_bytes > self.peak_reserved_bytes:
-            self.peak_reserved_bytes = self.reserved_bytes
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
 
     def _merge(self, dst: Block, src: Block | None, pool: _Pool) -> int:
         """``try_merge_blocks``: absorb a free neighbour of the same mapping state; returns its size or 0."""
@@ -785,7 +810,7 @@ class AllocationStream:
         if times < 1:
             raise ValueError(f"times must be >= 1, got {times}")
         handles, sizes = list(self.handles), list(self.sizes)
-        step_h, step_s = self.handles[self.measured_from:], self.sizes[self.measured_from:]
+        step_h, step_s = self.handles[self.measured_from :], self.sizes[self.measured_from :]
         inside = {h for h, n in zip(step_h, step_s) if n}
         next_handle = max(self.handles, default=0) + 1
         prev_map: dict[int, int] = {h: h for h in inside}
@@ -818,12 +843,15 @@ class AllocationStream:
 
         import numpy as np
 
-        np.savez_compressed(path, handles=np.asarray(self.handles, dtype=np.int64),
-                            sizes=np.asarray(self.sizes, dtype=np.int64),
-                            measured_from=np.int64(self.measured_from),
-                            phase_at=np.asarray([at for at, _ in self.phases], dtype=np.int64),
-                            phase_names=np.asarray(json.dumps([n for _, n in self.phases])),
-                            meta=np.asarray(json.dumps(self.meta, sort_keys=True)))
+        np.savez_compressed(
+            path,
+            handles=np.asarray(self.handles, dtype=np.int64),
+            sizes=np.asarray(self.sizes, dtype=np.int64),
+            measured_from=np.int64(self.measured_from),
+            phase_at=np.asarray([at for at, _ in self.phases], dtype=np.int64),
+            phase_names=np.asarray(json.dumps([n for _, n in self.phases])),
+            meta=np.asarray(json.dumps(self.meta, sort_keys=True)),
+        )
 
     @classmethod
     def load(cls, path) -> AllocationStream:
@@ -834,8 +862,13 @@ class AllocationStream:
 
         with np.load(path, allow_pickle=False) as z:
             names = json.loads(str(z["phase_names"]))
-            return cls(z["handles"].tolist(), z["sizes"].tolist(), int(z["measured_from"]),
-                       list(zip(z["phase_at"].tolist(), names)), json.loads(str(z["meta"])))
+            return cls(
+                z["handles"].tolist(),
+                z["sizes"].tolist(),
+                int(z["measured_from"]),
+                list(zip(z["phase_at"].tolist(), names)),
+                json.loads(str(z["meta"])),
+            )
 
 
 def _live_after(handles: Sequence[int], sizes: Sequence[int]) -> list[int]:
@@ -876,8 +909,14 @@ class ReplayResult:
     settings: str
 
 
-def _run_events(alloc: CachingAllocatorModel, blocks: dict[int, Block], stream: AllocationStream, lo: int,
-                hi: int, reset_at: int | None = None) -> int | None:
+def _run_events(
+    alloc: CachingAllocatorModel,
+    blocks: dict[int, Block],
+    stream: AllocationStream,
+    lo: int,
+    hi: int,
+    reset_at: int | None = None,
+) -> int | None:
     """Apply events ``lo..hi-1``; return the index of the one that ran out of memory, or None."""
     malloc, free, handles, sizes = alloc.malloc, alloc.free, stream.handles, stream.sizes
     for i in range(lo, hi):
@@ -897,22 +936,47 @@ def _run_events(alloc: CachingAllocatorModel, blocks: dict[int, Block], stream: 
     return None
 
 
-def _result(alloc: CachingAllocatorModel, stream: AllocationStream, failed: int | None,
-            oom: SimulatedOutOfMemory | None) -> ReplayResult:
+def _result(
+    alloc: CachingAllocatorModel, stream: AllocationStream, failed: int | None, oom: SimulatedOutOfMemory | None
+) -> ReplayResult:
     if failed is None:
-        return ReplayResult(alloc.peak_allocated_bytes, alloc.peak_reserved_bytes, False, None, None, None, None,
-                            None, alloc.num_alloc_retries, alloc.settings.describe())
-    return ReplayResult(alloc.peak_allocated_bytes, alloc.peak_reserved_bytes, True, oom.request_bytes, failed,
-                        stream.phase_at(failed), oom.allocated_bytes, oom.reserved_bytes, alloc.num_alloc_retries,
-                        alloc.settings.describe())
+        return ReplayResult(
+            alloc.peak_allocated_bytes,
+            alloc.peak_reserved_bytes,
+            False,
+            None,
+            None,
+            None,
+            None,
+            None,
+            alloc.num_alloc_retries,
+            alloc.settings.describe(),
+        )
+    return ReplayResult(
+        alloc.peak_allocated_bytes,
+        alloc.peak_reserved_bytes,
+        True,
+        oom.request_bytes,
+        failed,
+        stream.phase_at(failed),
+        oom.allocated_bytes,
+        oom.reserved_bytes,
+        alloc.num_alloc_retries,
+        alloc.settings.describe(),
+    )
 
 
 def _settings(settings: AllocatorSettings | str | None) -> AllocatorSettings:
     return settings if isinstance(settings, AllocatorSettings) else AllocatorSettings.from_conf(settings)
 
 
-def replay(stream: AllocationStream, settings: AllocatorSettings | str | None = None,
-           capacity_bytes: int | None = None, *, cap: str = "fraction") -> ReplayResult:
+def replay(
+    stream: AllocationStream,
+    settings: AllocatorSettings | str | None = None,
+    capacity_bytes: int | None = None,
+    *,
+    cap: str = "fraction",
+) -> ReplayResult:
     """Run a stream through a fresh :class:`CachingAllocatorModel`.
 
     Args:
@@ -934,8 +998,13 @@ def replay(stream: AllocationStream, settings: AllocatorSettings | str | None = 
     return _result(alloc, stream, failed, alloc.last_oom)
 
 
-def smallest_capacity(stream: AllocationStream, settings: AllocatorSettings | str | None = None, *,
-                      resolution_bytes: int = 32 * MIB, capped_steps: int = 2) -> int:
+def smallest_capacity(
+    stream: AllocationStream,
+    settings: AllocatorSettings | str | None = None,
+    *,
+    resolution_bytes: int = 32 * MIB,
+    capped_steps: int = 2,
+) -> int:
     """The smallest cap (``set_per_process_memory_fraction``) under which the measured step runs, as
     ``training/gpu_pressure.py`` measures it: the stream runs uncapped, then the cache is emptied, the cap
     set, and the measured step runs ``capped_steps`` more times. Bisection between the step's allocated

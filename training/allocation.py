@@ -118,14 +118,15 @@ class RecordingTracker(LiveStorageTracker):
 
     def stream(self, meta: dict[str, Any] | None = None) -> AllocationStream:
         """The events recorded so far."""
-        return AllocationStream(list(self.handles), list(self.sizes), self.measured_from, list(self.marks),
-                                dict(meta or {}))
+        return AllocationStream(
+            list(self.handles), list(self.sizes), self.measured_from, list(self.marks), dict(meta or {})
+        )
 
 
 @contextlib.contextmanager
 def _recording_tracker(workspaces: Mapping[str, int] | None):
     """Make the collector build a :class:`RecordingTracker`; yields the list it is appended to."""
-    import training.collect as collect
+    from training import collect
 
     original = collect.LiveStorageTracker
     collect.LiveStorageTracker = lambda: RecordingTracker(workspaces)
@@ -136,8 +137,14 @@ def _recording_tracker(workspaces: Mapping[str, int] | None):
         collect.LiveStorageTracker = original
 
 
-def step_allocations(hf_config: dict[str, Any], training: TrainingConfig, *, model_name: str | None = None,
-                     warmup: int = 1, workspaces: Mapping[str, int] | None = None) -> AllocationStream:
+def step_allocations(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    *,
+    model_name: str | None = None,
+    warmup: int = 1,
+    workspaces: Mapping[str, int] | None = None,
+) -> AllocationStream:
     """Record the allocation stream of one measured training step, as the GPU validation runs it.
 
     Builds the model of ``hf_config`` for ``training`` (checkpointing ``training.checkpoint_layers``) under
@@ -161,13 +168,23 @@ def step_allocations(hf_config: dict[str, Any], training: TrainingConfig, *, mod
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     with _recording_tracker(workspaces) as created:
-        records = measure_family(hf_config, training, [list(training.checkpoint_layers)], model_name=model_name,
-                                 device="fake", steps=1, warmup=warmup)
+        records = measure_family(
+            hf_config,
+            training,
+            [list(training.checkpoint_layers)],
+            model_name=model_name,
+            device="fake",
+            steps=1,
+            warmup=warmup,
+        )
         record = next(iter(records))
         tracker = created[-1]
-        meta = {"model": model_name, "training": training.model_dump(mode="json"),
-                "tracker_peak_bytes": record.measurement.peak_allocated_bytes,
-                "workspaces": {k: int(v) for k, v in tracker.workspaces.items()}}
+        meta = {
+            "model": model_name,
+            "training": training.model_dump(mode="json"),
+            "tracker_peak_bytes": record.measurement.peak_allocated_bytes,
+            "workspaces": {k: int(v) for k, v in tracker.workspaces.items()},
+        }
         stream = tracker.stream(meta)
         records.close()
     return stream
