@@ -395,6 +395,7 @@ class CachingAllocatorModel:
         self.peak_allocated_bytes = self.peak_reserved_bytes = 0
         self.num_alloc_retries = self.num_ooms = 0
         self.last_oom: SimulatedOutOfMemory | None = None
+        self.active: set[Block] = set()  # active_blocks
         self._next_addr = 1 << 40
         self._max_split = settings.max_split_size_bytes
         self._expandable = settings.expandable_segments
@@ -443,6 +444,7 @@ class CachingAllocatorModel:
             rest.size -= size
             pool.insert(rest)
         block.allocated = True
+        self.active.add(block)
         self.allocated_bytes += block.size
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
         return block
@@ -450,6 +452,7 @@ class CachingAllocatorModel:
     def free(self, block: Block) -> None:
         """Return a block to its pool, merging it with free neighbours (``free`` / ``free_block``)."""
         block.allocated = False
+        self.active.discard(block)
         self.allocated_bytes -= block.size
         pool = self.small_pool if block.small else self.large_pool
         self._merge(block, block.prev, pool)
@@ -487,7 +490,7 @@ class CachingAllocatorModel:
 
     def segments(self) -> list[list[Block]]:
         """Every segment's blocks in address order (mapped and unmapped), for inspection and tests."""
-        heads, seen = [], set()
+        heads, seen = list(self.active), set()
         for pool in (self.small_pool, self.large_pool):
             for entry in pool.free:
                 heads.append(entry[2])

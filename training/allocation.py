@@ -19,7 +19,11 @@ the first forward and the first backward, never freed: :data:`SM90_WORKSPACES`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from memfit.schema import Phase, TrainingConfig
@@ -144,6 +148,7 @@ def step_allocations(
     model_name: str | None = None,
     warmup: int = 1,
     workspaces: Mapping[str, int] | None = None,
+    step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> AllocationStream:
     """Record the allocation stream of one measured training step, as the GPU validation runs it.
 
@@ -155,6 +160,7 @@ def step_allocations(
         training: the configuration (as :func:`training.collect.measure_family` accepts it).
         warmup: steps before the measured one (>= 0).
         workspaces: bytes allocated at a phase's first entry (default :data:`SM90_WORKSPACES`; ``{}`` for none).
+        step_context: a factory of a context the trace runs in (e.g. a CUDA-semantics policy), or None.
 
     Returns:
         The stream; ``meta`` holds the model name, the training configuration and the tracker's peak bytes.
@@ -167,7 +173,7 @@ def step_allocations(
 
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
-    with _recording_tracker(workspaces) as created:
+    with _recording_tracker(workspaces) as created, (step_context or contextlib.nullcontext)():
         records = measure_family(
             hf_config,
             training,
@@ -187,4 +193,52 @@ def step_allocations(
         }
         stream = tracker.stream(meta)
         records.close()
+    return stream
+
+
+def stream_cache_dir() -> Path:
+    """``$MEMFIT_STREAM_CACHE`` or ``~/.cache/memfit/allocation_streams``."""
+    return Path(os.environ.get("MEMFIT_STREAM_CACHE") or "~/.cache/memfit/allocation_streams").expanduser()
+
+
+def cached_step_allocations(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    *,
+    model_name: str | None = None,
+    warmup: int = 1,
+    workspaces: Mapping[str, int] | None = None,
+    step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    context_name: str = "",
+) -> AllocationStream:
+    """:func:`step_allocations`, kept in :func:`stream_cache_dir` under a key of everything that shapes the
+    stream: the config, the training configuration, the warm-up, the workspaces, ``context_name`` (name the
+    ``step_context``), the torch and transformers versions and this module's source."""
+    import torch
+    import transformers
+
+    key = json.dumps(
+        {
+            "hf_config": hf_config,
+            "training": training.model_dump(mode="json"),
+            "warmup": warmup,
+            "workspaces": dict(SM90_WORKSPACES if workspaces is None else workspaces),
+            "context": context_name,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    path = stream_cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
+    if path.exists():
+        return AllocationStream.load(path)
+    stream = step_allocations(
+        hf_config, training, model_name=model_name, warmup=warmup, workspaces=workspaces, step_context=step_context
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    stream.save(tmp)
+    tmp.replace(path)
     return stream
