@@ -14,6 +14,14 @@ CUDA allocates through the caching allocator what a CPU trace never sees: cuBLAS
 on its own thread with its own handle, so a step holds two. Their size on Hopper is 32 MiB (cuBLAS docs,
 ``cublasSetWorkspace``: 32 MiB recommended for sm90; PyTorch's default for sm90). The stream gets them at
 the first forward and the first backward, never freed: :data:`SM90_WORKSPACES`.
+
+Kernels also allocate scratch memory through the caching allocator that no traced op returns. The one that
+matters at training sizes is the attention backward: FlashAttention-2's ``mha_bwd`` (PyTorch
+``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``) allocates, after the gradients it
+returns, an fp32 ``softmax_d`` (B, H, S_q rounded to 128), an fp32 ``dq_accum`` (B, S_q rounded, H, D rounded
+to 32) and, for grouped-query attention, ``dk_expanded``/``dv_expanded`` (B, S_k, H, D) in the inputs' dtype,
+all freed when it returns. :func:`flash_backward_scratch` gives those sizes; the recorder allocates and frees
+them right after each fused attention backward of the trace (``kernel_scratch``).
 """
 
 from __future__ import annotations
@@ -33,7 +41,44 @@ from training.tracker import LiveStorageTracker
 #: cuBLAS workspaces allocated at the first entry of a phase (bytes): one per autograd thread, on sm90.
 SM90_WORKSPACES: Mapping[str, int] = {str(Phase.FORWARD): 32 * MIB, str(Phase.BACKWARD): 32 * MIB}
 
+#: Bump when the recording changes what a stream holds (the cache key includes it).
+STREAM_FORMAT = 2
+
 _CREATED: list[RecordingTracker] = []
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def flash_backward_scratch(query_shape, key_shape, itemsize: int) -> list[int]:
+    """Bytes of the scratch tensors FlashAttention-2's backward allocates besides its outputs (``mha_bwd``).
+
+    Args:
+        query_shape / key_shape: ``(B, H_q, S_q, D)`` and ``(B, H_k, S_k, D)`` as SDPA takes them.
+        itemsize: bytes per element of q, k, v.
+
+    Returns:
+        ``[softmax_d, dq_accum]`` plus ``[dk_expanded, dv_expanded]`` when ``H_k != H_q``.
+    """
+    b, h, s_q, d = (int(x) for x in query_shape)
+    h_k, s_k = int(key_shape[1]), int(key_shape[2])
+    s_round = _round_up(s_q, 128)
+    d_round = _round_up(d, 32 if d <= 128 else 64)
+    out = [b * h * s_round * 4, b * s_round * h * d_round * 4]
+    if h_k != h:
+        out += [b * s_k * h * d * itemsize] * 2
+    return out
+
+
+def _attention_backward_ops() -> tuple:
+    import torch
+
+    ops = torch.ops.aten
+    return (
+        ops._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        ops._scaled_dot_product_flash_attention_backward.default,
+    )
 
 
 class RecordingTracker(LiveStorageTracker):
@@ -45,9 +90,12 @@ class RecordingTracker(LiveStorageTracker):
         measured_from: the event index at the last :meth:`reset_peak`.
         marks: ``(event index, phase)`` at each phase change.
         workspaces: bytes allocated (never freed) the first time a phase is entered.
+        kernel_scratch: whether fused attention backwards get FlashAttention-2's scratch allocations.
     """
 
-    def __init__(self, workspaces: Mapping[str, int] | None = None) -> None:
+    def __init__(self, workspaces: Mapping[str, int] | None = None, kernel_scratch: bool = True) -> None:
+        self.kernel_scratch = kernel_scratch
+        self._attn_bwd = _attention_backward_ops() if kernel_scratch else ()
         self.handles: list[int] = []
         self.sizes: list[int] = []
         self.marks: list[tuple[int, str]] = []
@@ -116,6 +164,15 @@ class RecordingTracker(LiveStorageTracker):
         if h is not None:
             self._free(h)
 
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in self._attn_bwd and not self._in_sharding_prop and not self._host_depth:
+            q, k = args[1], args[2]
+            handles = [self._alloc(n) for n in flash_backward_scratch(q.shape, k.shape, q.element_size())]
+            for h in handles:
+                self._free(h)
+        return out
+
     def reset_peak(self) -> None:
         super().reset_peak()
         self.measured_from = len(self.sizes)
@@ -128,12 +185,12 @@ class RecordingTracker(LiveStorageTracker):
 
 
 @contextlib.contextmanager
-def _recording_tracker(workspaces: Mapping[str, int] | None):
+def _recording_tracker(workspaces: Mapping[str, int] | None, kernel_scratch: bool = True):
     """Make the collector build a :class:`RecordingTracker`; yields the list it is appended to."""
     from training import collect
 
     original = collect.LiveStorageTracker
-    collect.LiveStorageTracker = lambda: RecordingTracker(workspaces)
+    collect.LiveStorageTracker = lambda: RecordingTracker(workspaces, kernel_scratch)
     _CREATED.clear()
     try:
         yield _CREATED
@@ -149,6 +206,7 @@ def step_allocations(
     warmup: int = 1,
     workspaces: Mapping[str, int] | None = None,
     step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    kernel_scratch: bool = True,
 ) -> AllocationStream:
     """Record the allocation stream of one measured training step, as the GPU validation runs it.
 
@@ -161,6 +219,7 @@ def step_allocations(
         warmup: steps before the measured one (>= 0).
         workspaces: bytes allocated at a phase's first entry (default :data:`SM90_WORKSPACES`; ``{}`` for none).
         step_context: a factory of a context the trace runs in (e.g. a CUDA-semantics policy), or None.
+        kernel_scratch: add the attention backward's scratch allocations (:func:`flash_backward_scratch`).
 
     Returns:
         The stream; ``meta`` holds the model name, the training configuration and the tracker's peak bytes.
@@ -173,7 +232,7 @@ def step_allocations(
 
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
-    with _recording_tracker(workspaces) as created, (step_context or contextlib.nullcontext)():
+    with _recording_tracker(workspaces, kernel_scratch) as created, (step_context or contextlib.nullcontext)():
         records = measure_family(
             hf_config,
             training,
@@ -190,6 +249,7 @@ def step_allocations(
             "training": training.model_dump(mode="json"),
             "tracker_peak_bytes": record.measurement.peak_allocated_bytes,
             "workspaces": {k: int(v) for k, v in tracker.workspaces.items()},
+            "kernel_scratch": kernel_scratch,
         }
         stream = tracker.stream(meta)
         records.close()
@@ -210,10 +270,11 @@ def cached_step_allocations(
     workspaces: Mapping[str, int] | None = None,
     step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     context_name: str = "",
+    kernel_scratch: bool = True,
 ) -> AllocationStream:
     """:func:`step_allocations`, kept in :func:`stream_cache_dir` under a key of everything that shapes the
     stream: the config, the training configuration, the warm-up, the workspaces, ``context_name`` (name the
-    ``step_context``), the torch and transformers versions and this module's source."""
+    ``step_context``), the torch and transformers versions and :data:`STREAM_FORMAT`."""
     import torch
     import transformers
 
@@ -226,7 +287,8 @@ def cached_step_allocations(
             "context": context_name,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+            "format": STREAM_FORMAT,
+            "kernel_scratch": kernel_scratch,
         },
         sort_keys=True,
         default=str,
@@ -235,7 +297,13 @@ def cached_step_allocations(
     if path.exists():
         return AllocationStream.load(path)
     stream = step_allocations(
-        hf_config, training, model_name=model_name, warmup=warmup, workspaces=workspaces, step_context=step_context
+        hf_config,
+        training,
+        model_name=model_name,
+        warmup=warmup,
+        workspaces=workspaces,
+        step_context=step_context,
+        kernel_scratch=kernel_scratch,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npz")
