@@ -144,15 +144,16 @@ def _run_k(job: Job, k: int) -> dict[str, Any]:
     row.update(
         num_alloc_retries=stats.get("num_alloc_retries"),
         peak_allocated_any_bytes=torch.cuda.max_memory_allocated(),
+        peak_reserved_any_bytes=torch.cuda.max_memory_reserved(),
         seconds=round(time.perf_counter() - t0, 1),
     )
     torch.cuda.empty_cache()
     return row
 
 
-def run_setting(setting: str, jobs: list[Job], budget_s: float) -> list[dict[str, Any]]:
+def run_setting(setting: str, jobs: list[Job], budget_s: float, out: Path | None = None) -> list[dict[str, Any]]:
     """In this process (its ``PYTORCH_CUDA_ALLOC_CONF`` already set): every job from memfit's k down to the
-    first out-of-memory error."""
+    first out-of-memory error. Each row is appended to ``out`` as soon as it is measured."""
     import torch
 
     from memfit.api import GPUS
@@ -160,7 +161,7 @@ def run_setting(setting: str, jobs: list[Job], budget_s: float) -> list[dict[str
     torch.cuda.init()
     torch.empty(1, device="cuda")  # the CUDA context exists from here on
     free, total = torch.cuda.mem_get_info()
-    held = total - free
+    held = total - free - torch.cuda.memory_reserved()  # the CUDA context, not PyTorch's own 2 MiB segment
     t_start = time.perf_counter()
     rows = []
     for job in jobs:
@@ -181,6 +182,9 @@ def run_setting(setting: str, jobs: list[Job], budget_s: float) -> list[dict[str
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if out is not None:
+                with out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
             if row["oom"]:
                 break
         torch.cuda.set_per_process_memory_fraction(1.0)
@@ -196,8 +200,9 @@ def smallest_k_that_ran(rows: list[dict[str, Any]], job: str, setting: str) -> i
 def _gpu(out: Path, jobs: list[Job], budget_s: float) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    per_setting = budget_s / len(SETTINGS)
-    for setting, conf in SETTINGS.items():
+    deadline = time.monotonic() + budget_s
+    for i, (setting, conf) in enumerate(SETTINGS.items()):
+        share = (deadline - time.monotonic()) / (len(SETTINGS) - i)  # what is left, split over the settings left
         env = dict(os.environ)
         env.pop("PYTORCH_ALLOC_CONF", None)
         env["PYTORCH_CUDA_ALLOC_CONF"] = conf
@@ -211,7 +216,7 @@ def _gpu(out: Path, jobs: list[Job], budget_s: float) -> int:
             "--child-out",
             str(part),
             "--budget-s",
-            str(per_setting),
+            str(max(0.0, share)),
             "--jobs",
             ",".join(j.name for j in jobs),
         ]
@@ -325,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA device; use --simulate for the CPU model", file=sys.stderr)
         return 2
     if a.child:
-        rows = run_setting(a.child, jobs, a.budget_s)
-        a.child_out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        a.child_out.write_text("")
+        run_setting(a.child, jobs, a.budget_s, a.child_out)
         return 0
     if a.out is None:
         p.error("--out is required on a GPU")
