@@ -46,15 +46,6 @@ def record_files() -> list[Path]:
     return files
 
 
-def step_context():
-    """(name, factory) of the CUDA-semantics trace policy when this tree has one, else ("", None)."""
-    try:
-        from training.cuda_policy import cuda_step_semantics
-    except ImportError:
-        return "", None
-    return "cuda_step_semantics(sm90)", lambda: cuda_step_semantics("sm90")
-
-
 def stream_for(model_name: str, training, context):
     from data import catalog
     from training.allocation import cached_step_allocations
@@ -215,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pressure", action="store_true", help="skip the smallest-cap comparison")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    context = step_context()
+    from training.allocation import cuda_trace_policy
+
+    context = cuda_trace_policy()
     rows = reserved_rows(context)
     pressure = [] if a.no_pressure else pressure_rows(context)
     text = render(rows, pressure, context[0], time.perf_counter() - t0)

@@ -256,6 +256,16 @@ def step_allocations(
     return stream
 
 
+def cuda_trace_policy(generation: str = "sm90"):
+    """(name, factory) of the CUDA-semantics trace policy (``training.cuda_policy.cuda_step_semantics``: CUDA's
+    autocast lists, fused dropout, SDPA backend) where this tree has it, else ``("", None)``."""
+    try:
+        from training.cuda_policy import cuda_step_semantics
+    except ImportError:
+        return "", None
+    return f"cuda_step_semantics({generation})", lambda: cuda_step_semantics(generation)
+
+
 def stream_cache_dir() -> Path:
     """``$MEMFIT_STREAM_CACHE`` or ``~/.cache/memfit/allocation_streams``."""
     return Path(os.environ.get("MEMFIT_STREAM_CACHE") or "~/.cache/memfit/allocation_streams").expanduser()

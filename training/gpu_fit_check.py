@@ -264,8 +264,9 @@ def simulate(jobs: list[Job], out: Path = SIMULATED) -> list[dict[str, Any]]:
     from data import catalog
     from model.allocator import GIB as _GIB
     from model.allocator import replay
-    from training.allocation import cached_step_allocations
+    from training.allocation import cached_step_allocations, cuda_trace_policy
 
+    policy, factory = cuda_trace_policy()
     rows: list[dict[str, Any]] = []
     for job in jobs:
         cap = int(job.issue_cap_gib * _GIB)
@@ -273,7 +274,9 @@ def simulate(jobs: list[Job], out: Path = SIMULATED) -> list[dict[str, Any]]:
         for setting, conf in SETTINGS.items():
             for k in range(job.start_k, -1, -1):
                 t0 = time.perf_counter()
-                stream = cached_step_allocations(cfg, job.training_config(k), model_name=job.model)
+                stream = cached_step_allocations(
+                    cfg, job.training_config(k), model_name=job.model, step_context=factory, context_name=policy
+                )
                 r = replay(stream, conf, cap)
                 row = {
                     "job": job.name,
@@ -288,6 +291,7 @@ def simulate(jobs: list[Job], out: Path = SIMULATED) -> list[dict[str, Any]]:
                     "num_alloc_retries": r.num_alloc_retries,
                     "uncapped_reserved_bytes": replay(stream, conf).peak_reserved_bytes,
                     "events": len(stream),
+                    "trace_policy": policy or None,
                     "seconds": round(time.perf_counter() - t0, 2),
                 }
                 rows.append(row)
