@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 KIB = 1 << 10
@@ -872,6 +872,50 @@ class AllocationStream:
                 list(zip(z["phase_at"].tolist(), names)),
                 json.loads(str(z["meta"])),
             )
+
+
+def stream_from_cuda_trace(entries: Iterable[Sequence], meta: dict | None = None) -> AllocationStream:
+    """An :class:`AllocationStream` from a real run's allocator trace (``torch.cuda.memory._snapshot()``
+    ``["device_traces"][0]`` after ``torch.cuda.memory._record_memory_history()``), one stream.
+
+    Args:
+        entries: ``(action, addr, size)`` triples in trace order. ``alloc`` (size = the requested bytes)
+            and ``free_requested`` make the events; the first ``snapshot`` marks ``measured_from`` (call
+            ``_snapshot()`` right after ``reset_peak_memory_stats()``); the first ``oom`` (size = the rounded
+            request) becomes an allocation at ``meta["oom_event"]``, so a replay meets the request the GPU could
+            not serve; segment actions are counted in ``meta`` and otherwise ignored.
+
+    Raises:
+        ValueError: a free of an address the trace never allocated (the trace lost its beginning).
+    """
+    handles: list[int] = []
+    sizes: list[int] = []
+    live: dict[int, int] = {}
+    measured_from = None
+    info = dict(meta or {})
+    counts: dict[str, int] = {}
+    for action, addr, size in entries:
+        counts[action] = counts.get(action, 0) + 1
+        if action == "alloc":
+            h = len(handles) + 1
+            live[int(addr)] = h
+            handles.append(h)
+            sizes.append(int(size))
+        elif action == "free_requested":
+            h = live.pop(int(addr), None)
+            if h is None:
+                raise ValueError(f"the trace frees address {addr:#x}, which it never allocated")
+            handles.append(h)
+            sizes.append(0)
+        elif action == "snapshot" and measured_from is None:
+            measured_from = len(sizes)
+        elif action == "oom" and "oom_event" not in info:
+            info["oom_event"] = len(sizes)  # the failed request, kept as the stream's next allocation
+            info["oom_request_bytes"] = int(size)
+            handles.append(len(handles) + 1)
+            sizes.append(int(size))
+    info["actions"] = counts
+    return AllocationStream(handles, sizes, measured_from or 0, [], info)
 
 
 def _live_after(handles: Sequence[int], sizes: Sequence[int]) -> list[int]:

@@ -90,3 +90,34 @@ def test_simulate_a_small_job(tmp_path, monkeypatch):
             min(r["k"] for r in steps if not r["oom"]) if any(not r["oom"] for r in steps) else None
         )
         assert all(r["reserved_bytes"] >= r["allocated_bytes"] for r in steps)
+
+
+def test_cuda_trace_becomes_a_stream_and_replays(tmp_path):
+    """An allocator trace as torch.cuda.memory._snapshot() gives it: the model replays the GPU's own allocations
+    at the run's cap and fails where the GPU failed."""
+    import gzip
+
+    from model.allocator import MIB, replay, stream_from_cuda_trace
+
+    entries = [
+        ["segment_alloc", 0x1000, 100 * MIB],
+        ["alloc", 0x1000, 100 * MIB],
+        ["free_requested", 0x1000, 100 * MIB],
+        ["free_completed", 0x1000, 100 * MIB],
+        ["snapshot", 0, 0],
+        ["alloc", 0x1000, 40 * MIB],
+        ["oom", 0, 120 * MIB],
+    ]
+    stream = stream_from_cuda_trace(entries)
+    assert (stream.sizes, stream.measured_from) == ([100 * MIB, 0, 40 * MIB, 120 * MIB], 2)
+    assert stream.handles[0] == stream.handles[1] != stream.handles[2]
+    assert stream.meta["oom_event"] == 3 and stream.meta["actions"]["alloc"] == 2
+    with pytest.raises(ValueError, match="never allocated"):
+        stream_from_cuda_trace([["free_requested", 0x2000, 512]])
+    row = {"job": "j", "setting": "default", "k": 3, "oom": True, "cap_bytes": 200 * MIB}
+    path = tmp_path / "trace_j_default_k3.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"row": row, "entries": entries}, f)
+    (res,) = fc.replay_traces([path])
+    assert res["gpu_oom"] and res["model_oom"] and res["model_oom_event"] == 3
+    assert not replay(stream, "expandable_segments:True", 200 * MIB).oom

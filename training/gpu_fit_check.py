@@ -12,8 +12,12 @@ be set before CUDA starts), each k on its own model build after ``torch.cuda.emp
     python -m training.gpu_fit_check --simulate             # on the CPU: the same jobs through model.allocator
 
 Outputs: ``--out``/``gpu_fit_check.jsonl`` (one row per job, setting and k: allocated and reserved peaks,
-out-of-memory and the size it tried to allocate, step time) and a summary per job and setting (the smallest
-k that ran). ``--simulate`` traces each k's step on fake tensors (:mod:`training.allocation`, cached), replays
+out-of-memory and the size it tried to allocate, step time), a summary per job and setting (the smallest
+k that ran), and the allocator's own trace (``torch.cuda.memory._record_memory_history``) of the first k that
+ran out of memory and of the k before it, ``trace_<job>_<setting>_k<k>.json.gz``;
+``python -m training.gpu_fit_check --replay-traces FILE...`` replays those through :mod:`model.allocator` on
+the CPU, which separates errors of the allocator model from differences between the traced and the real
+allocation stream. ``--simulate`` traces each k's step on fake tensors (:mod:`training.allocation`, cached), replays
 it through :mod:`model.allocator` with the same cap and settings, and writes
 ``benchmarks/results/gpu_fit_check_simulated.jsonl``.
 """
@@ -108,8 +112,32 @@ def _tried(message: str) -> float | None:
 # -- on a GPU ---------------------------------------------------------------------------------------------
 
 
-def _run_k(job: Job, k: int) -> dict[str, Any]:
-    """Build, checkpoint the first k layers, one warm-up and one measured step under the process's cap."""
+def _history(torch, on: bool) -> bool:
+    """Start (after clearing) or stop the allocator's trace (``torch.cuda.memory._record_memory_history``)."""
+    try:
+        torch.cuda.memory._record_memory_history(enabled=None)  # stops recording and clears the trace
+        if on:
+            torch.cuda.memory._record_memory_history(
+                enabled="all", context=None, stacks="python", max_entries=20_000_000
+            )
+        return True
+    except (RuntimeError, TypeError, AttributeError) as err:  # an older torch: run without the trace
+        print(f"memory history unavailable: {err}", file=sys.stderr)
+        return False
+
+
+def _trace_entries(torch) -> list[list]:
+    """``(action, addr, size)`` of the allocator trace recorded so far (device 0)."""
+    traces = torch.cuda.memory._snapshot().get("device_traces") or [[]]
+    return [[e["action"], int(e["addr"]), int(e["size"])] for e in traces[0]]
+
+
+def _run_k(job: Job, k: int, trace: list | None = None) -> dict[str, Any]:
+    """Build, checkpoint the first k layers, one warm-up and one measured step under the process's cap.
+
+    With ``trace`` (a list), the allocator's trace of the whole run is recorded and appended to it:
+    ``(action, addr, size)`` triples, a ``snapshot`` entry where the measured step starts.
+    """
     import torch
 
     from data import catalog
@@ -121,6 +149,7 @@ def _run_k(job: Job, k: int) -> dict[str, Any]:
     gc.collect()  # the previous k's model and optimizer, cycles included
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    recording = trace is not None and _history(torch, True)
     t0 = time.perf_counter()
     try:
         with prepared_model(catalog.get(job.model)["hf_config"], training, model_name=job.model, device="cuda") as run:
@@ -130,6 +159,8 @@ def _run_k(job: Job, k: int) -> dict[str, Any]:
             _run_steps(run.model, opt, ids, 1, None, run.use_autocast, run.on, run.amp_dtype, run.live)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            if recording:
+                torch.cuda.memory._snapshot()  # leaves a 'snapshot' entry: the measured step starts here
             _, times = _run_steps(run.model, opt, ids, 1, None, run.use_autocast, run.on, run.amp_dtype, run.live)
             row.update(
                 allocated_bytes=torch.cuda.max_memory_allocated(),
@@ -140,6 +171,9 @@ def _run_k(job: Job, k: int) -> dict[str, Any]:
             del opt
     except torch.OutOfMemoryError as err:
         row.update(oom=True, tried_gib=_tried(str(err)), message=str(err)[:300])
+    if recording:
+        trace.extend(_trace_entries(torch))
+        _history(torch, False)
     stats = torch.cuda.memory_stats()
     row.update(
         num_alloc_retries=stats.get("num_alloc_retries"),
@@ -167,10 +201,12 @@ def run_setting(setting: str, jobs: list[Job], budget_s: float, out: Path | None
     for job in jobs:
         cap = GPUS[job.card] - held
         torch.cuda.set_per_process_memory_fraction(cap / total)
+        ran: tuple[dict, list] | None = None
         for k in range(job.start_k, -1, -1):
             if time.perf_counter() - t_start > budget_s:
                 rows.append({"job": job.name, "setting": setting, "k": k, "skipped": "time budget"})
                 break
+            trace: list = []
             row = {
                 "setting": setting,
                 "cap_bytes": cap,
@@ -178,7 +214,7 @@ def run_setting(setting: str, jobs: list[Job], budget_s: float, out: Path | None
                 "device": torch.cuda.get_device_name(0),
                 "torch": torch.__version__,
                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                **_run_k(job, k),
+                **_run_k(job, k, trace),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -186,9 +222,57 @@ def run_setting(setting: str, jobs: list[Job], budget_s: float, out: Path | None
                 with out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
             if row["oom"]:
+                if out is not None:  # the allocator traces at the boundary: the first OOM and the k before it
+                    _write_trace(out.parent, row, trace)
+                    if ran is not None:
+                        _write_trace(out.parent, *ran)
                 break
+            ran = (row, trace)
         torch.cuda.set_per_process_memory_fraction(1.0)
     return rows
+
+
+def _write_trace(folder: Path, row: dict[str, Any], entries: list) -> None:
+    import gzip
+
+    if not entries:
+        return
+    path = folder / f"trace_{row['job']}_{row['setting']}_k{row['k']}.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"row": row, "entries": entries}, f)
+
+
+def replay_traces(paths: list[Path]) -> list[dict[str, Any]]:
+    """Replay recorded allocator traces (``trace_*.json.gz`` of a GPU run) through :mod:`model.allocator` at
+    the run's cap and settings: does the model fail where the GPU failed, given the GPU's own allocations?"""
+    import gzip
+
+    from model.allocator import replay, stream_from_cuda_trace
+
+    out = []
+    for path in paths:
+        with gzip.open(path, "rt") as f:
+            doc = json.load(f)
+        row = doc["row"]
+        stream = stream_from_cuda_trace(doc["entries"])
+        r = replay(stream, SETTINGS[row["setting"]], row["cap_bytes"])
+        res = {
+            "trace": path.name,
+            "job": row["job"],
+            "setting": row["setting"],
+            "k": row["k"],
+            "gpu_oom": row["oom"],
+            "model_oom": r.oom,
+            "gpu_reserved_bytes": row.get("reserved_bytes"),
+            "model_reserved_bytes": r.peak_reserved_bytes,
+            "gpu_oom_event": stream.meta.get("oom_event"),
+            "model_oom_event": r.oom_event,
+            "events": len(stream),
+            "actions": stream.meta.get("actions"),
+        }
+        out.append(res)
+        print(json.dumps(res), flush=True)
+    return out
 
 
 def smallest_k_that_ran(rows: list[dict[str, Any]], job: str, setting: str) -> int | None:
@@ -311,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-out", type=Path, default=SIMULATED, help="--simulate output file")
     p.add_argument("--jobs", default=",".join(j.name for j in JOBS), help="comma-separated job names")
     p.add_argument("--budget-s", type=float, default=270.0, help="stop starting new k after this long (GPU)")
+    p.add_argument("--replay-traces", type=Path, nargs="+", help="replay trace_*.json.gz of a GPU run (CPU)")
     p.add_argument("--child", choices=sorted(SETTINGS), help=argparse.SUPPRESS)
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -320,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--jobs: unknown {unknown}; allowed: {sorted(by_name)}")
     jobs = [by_name[n] for n in names]
+    if a.replay_traces:
+        replay_traces(a.replay_traces)
+        return 0
     if a.simulate:
         rows = simulate(jobs, a.sim_out)
         for s in (r for r in rows if r.get("summary")):
