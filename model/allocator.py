@@ -43,7 +43,6 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 MIN_BLOCK_BYTES = 512  # kMinBlockSize
