@@ -1,0 +1,322 @@
+"""The allocation stream of a training step, recorded with the fake-tensor tracker.
+
+:func:`step_allocations` runs exactly what the GPU validation runs on CUDA
+(:func:`training.collect.measure_family` with one warm-up step and one measured step), under
+``FakeTensorMode`` on the CPU, and records every storage allocation and free in order: the model build,
+the warm-up step, ``reset_peak_memory_stats`` (the stream's ``measured_from``) and the measured step.
+:mod:`model.allocator` replays the stream through a model of PyTorch's caching allocator.
+
+The fake device path of the collector is used unchanged, so SDPA takes the kernels CUDA takes and
+transformers 5 builds no ``(b, 1, s, s)`` packed-sequence mask (``training.collect._cuda_sdpa_kernels``).
+
+CUDA allocates through the caching allocator what a CPU trace never sees: cuBLAS keeps one workspace per
+(handle, stream) (``aten/src/ATen/cuda/CublasHandlePool.cpp``), and the autograd engine runs the backward
+on its own thread with its own handle, so a step holds two. Their size on Hopper is 32 MiB (cuBLAS docs,
+``cublasSetWorkspace``: 32 MiB recommended for sm90; PyTorch's default for sm90). The stream gets them at
+the first forward and the first backward, never freed: :data:`SM90_WORKSPACES`.
+
+Kernels also allocate scratch memory through the caching allocator that no traced op returns. The one that
+matters at training sizes is the attention backward: FlashAttention-2's ``mha_bwd`` (PyTorch
+``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``) allocates, after the gradients it
+returns, an fp32 ``softmax_d`` (B, H, S_q rounded to 128), an fp32 ``dq_accum`` (B, S_q rounded, H, D rounded
+to 32) and, for grouped-query attention, ``dk_expanded``/``dv_expanded`` (B, S_k, H, D) in the inputs' dtype,
+all freed when it returns. :func:`flash_backward_scratch` gives those sizes; the recorder allocates and frees
+them right after each fused attention backward of the trace (``kernel_scratch``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from memfit.schema import Phase, TrainingConfig
+from model.allocator import MIB, AllocationStream
+from training.tracker import LiveStorageTracker
+
+#: cuBLAS workspaces allocated at the first entry of a phase (bytes): one per autograd thread, on sm90.
+SM90_WORKSPACES: Mapping[str, int] = {str(Phase.FORWARD): 32 * MIB, str(Phase.BACKWARD): 32 * MIB}
+
+#: Bump when the recording changes what a stream holds (the cache key includes it).
+STREAM_FORMAT = 2
+
+_CREATED: list[RecordingTracker] = []
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def flash_backward_scratch(query_shape, key_shape, itemsize: int) -> list[int]:
+    """Bytes of the scratch tensors FlashAttention-2's backward allocates besides its outputs (``mha_bwd``).
+
+    Args:
+        query_shape / key_shape: ``(B, H_q, S_q, D)`` and ``(B, H_k, S_k, D)`` as SDPA takes them.
+        itemsize: bytes per element of q, k, v.
+
+    Returns:
+        ``[softmax_d, dq_accum]`` plus ``[dk_expanded, dv_expanded]`` when ``H_k != H_q``.
+    """
+    b, h, s_q, d = (int(x) for x in query_shape)
+    h_k, s_k = int(key_shape[1]), int(key_shape[2])
+    s_round = _round_up(s_q, 128)
+    d_round = _round_up(d, 32 if d <= 128 else 64)
+    out = [b * h * s_round * 4, b * s_round * h * d_round * 4]
+    if h_k != h:
+        out += [b * s_k * h * d * itemsize] * 2
+    return out
+
+
+def _attention_backward_ops() -> tuple:
+    import torch
+
+    ops = torch.ops.aten
+    return (
+        ops._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        ops._scaled_dot_product_flash_attention_backward.default,
+    )
+
+
+class RecordingTracker(LiveStorageTracker):
+    """:class:`~training.tracker.LiveStorageTracker` that also records each allocation and free in order.
+
+    Attributes:
+        handles / sizes: the events (see :class:`model.allocator.AllocationStream`); sizes are the storages'
+            bytes before rounding.
+        measured_from: the event index at the last :meth:`reset_peak`.
+        marks: ``(event index, phase)`` at each phase change.
+        workspaces: bytes allocated (never freed) the first time a phase is entered.
+        kernel_scratch: whether fused attention backwards get FlashAttention-2's scratch allocations.
+    """
+
+    def __init__(self, workspaces: Mapping[str, int] | None = None, kernel_scratch: bool = True) -> None:
+        self.kernel_scratch = kernel_scratch
+        self._attn_bwd = _attention_backward_ops() if kernel_scratch else ()
+        self.handles: list[int] = []
+        self.sizes: list[int] = []
+        self.marks: list[tuple[int, str]] = []
+        self.measured_from = 0
+        self.workspaces = dict(SM90_WORKSPACES if workspaces is None else workspaces)
+        self._entered: set[str] = set()
+        self._handle: dict[int, int] = {}  # id(storage) -> handle of its current allocation
+        self._next = 1
+        super().__init__()
+        _CREATED.append(self)
+
+    @property
+    def phase(self):
+        return self._phase_value
+
+    @phase.setter
+    def phase(self, value) -> None:
+        self._phase_value = value
+        name = str(value)
+        if self.marks and self.marks[-1][1] == name:
+            return
+        self.marks.append((len(self.sizes), name))
+        if name not in self._entered:
+            self._entered.add(name)
+            extra = self.workspaces.get(name, 0)
+            if extra:
+                self._alloc(extra)
+
+    def _alloc(self, nbytes: int) -> int:
+        h = self._next
+        self._next += 1
+        self.handles.append(h)
+        self.sizes.append(nbytes)
+        return h
+
+    def _free(self, h: int) -> None:
+        self.handles.append(h)
+        self.sizes.append(0)
+
+    def track_storage(self, st) -> None:
+        key = id(st)
+        ref = self._refs.get(key)
+        known = ref is not None and ref() is st
+        old = self._bytes.get(key, 0) if known else 0
+        super().track_storage(st)
+        if key in self._untracked:
+            return
+        new = self._bytes.get(key, 0)
+        if known and old == new:
+            return
+        before = self._handle.pop(key, None) if known else None
+        if new:
+            self._handle[key] = self._alloc(st.nbytes())  # a resize allocates the new buffer first
+        if before is not None:
+            self._free(before)
+
+    def _freed(self, key: int) -> None:
+        super()._freed(key)
+        h = self._handle.pop(key, None)
+        if h is not None:
+            self._free(h)
+
+    def untrack(self, t) -> None:
+        super().untrack(t)
+        h = self._handle.pop(id(t.untyped_storage()), None)
+        if h is not None:
+            self._free(h)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in self._attn_bwd and not self._in_sharding_prop and not self._host_depth:
+            q, k = args[1], args[2]
+            handles = [self._alloc(n) for n in flash_backward_scratch(q.shape, k.shape, q.element_size())]
+            for h in handles:
+                self._free(h)
+        return out
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        self.measured_from = len(self.sizes)
+
+    def stream(self, meta: dict[str, Any] | None = None) -> AllocationStream:
+        """The events recorded so far."""
+        return AllocationStream(
+            list(self.handles), list(self.sizes), self.measured_from, list(self.marks), dict(meta or {})
+        )
+
+
+@contextlib.contextmanager
+def _recording_tracker(workspaces: Mapping[str, int] | None, kernel_scratch: bool = True):
+    """Make the collector build a :class:`RecordingTracker`; yields the list it is appended to."""
+    from training import collect
+
+    original = collect.LiveStorageTracker
+    collect.LiveStorageTracker = lambda: RecordingTracker(workspaces, kernel_scratch)
+    _CREATED.clear()
+    try:
+        yield _CREATED
+    finally:
+        collect.LiveStorageTracker = original
+
+
+def step_allocations(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    *,
+    model_name: str | None = None,
+    warmup: int = 1,
+    workspaces: Mapping[str, int] | None = None,
+    step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    kernel_scratch: bool = True,
+) -> AllocationStream:
+    """Record the allocation stream of one measured training step, as the GPU validation runs it.
+
+    Builds the model of ``hf_config`` for ``training`` (checkpointing ``training.checkpoint_layers``) under
+    fake tensors, runs ``warmup`` steps, resets the peak and runs one step.
+
+    Args:
+        hf_config: the HF ``config.json`` dict.
+        training: the configuration (as :func:`training.collect.measure_family` accepts it).
+        warmup: steps before the measured one (>= 0).
+        workspaces: bytes allocated at a phase's first entry (default :data:`SM90_WORKSPACES`; ``{}`` for none).
+        step_context: a factory of a context the trace runs in (e.g. a CUDA-semantics policy), or None.
+        kernel_scratch: add the attention backward's scratch allocations (:func:`flash_backward_scratch`).
+
+    Returns:
+        The stream; ``meta`` holds the model name, the training configuration and the tracker's peak bytes.
+
+    Raises:
+        ValueError: what :func:`training.collect.measure_family` raises for an unsupported configuration,
+            or ``warmup`` < 0.
+    """
+    from training.collect import measure_family
+
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    with _recording_tracker(workspaces, kernel_scratch) as created, (step_context or contextlib.nullcontext)():
+        records = measure_family(
+            hf_config,
+            training,
+            [list(training.checkpoint_layers)],
+            model_name=model_name,
+            device="fake",
+            steps=1,
+            warmup=warmup,
+        )
+        record = next(iter(records))
+        tracker = created[-1]
+        meta = {
+            "model": model_name,
+            "training": training.model_dump(mode="json"),
+            "tracker_peak_bytes": record.measurement.peak_allocated_bytes,
+            "workspaces": {k: int(v) for k, v in tracker.workspaces.items()},
+            "kernel_scratch": kernel_scratch,
+        }
+        stream = tracker.stream(meta)
+        records.close()
+    return stream
+
+
+def cuda_trace_policy(generation: str = "sm90"):
+    """(name, factory) of the CUDA-semantics trace policy (``training.cuda_policy.cuda_step_semantics``: CUDA's
+    autocast lists, fused dropout, SDPA backend) where this tree has it, else ``("", None)``."""
+    try:
+        from training.cuda_policy import cuda_step_semantics
+    except ImportError:
+        return "", None
+    return f"cuda_step_semantics({generation})", lambda: cuda_step_semantics(generation)
+
+
+def stream_cache_dir() -> Path:
+    """``$MEMFIT_STREAM_CACHE`` or ``~/.cache/memfit/allocation_streams``."""
+    return Path(os.environ.get("MEMFIT_STREAM_CACHE") or "~/.cache/memfit/allocation_streams").expanduser()
+
+
+def cached_step_allocations(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    *,
+    model_name: str | None = None,
+    warmup: int = 1,
+    workspaces: Mapping[str, int] | None = None,
+    step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    context_name: str = "",
+    kernel_scratch: bool = True,
+) -> AllocationStream:
+    """:func:`step_allocations`, kept in :func:`stream_cache_dir` under a key of everything that shapes the
+    stream: the config, the training configuration, the warm-up, the workspaces, ``context_name`` (name the
+    ``step_context``), the torch and transformers versions and :data:`STREAM_FORMAT`."""
+    import torch
+    import transformers
+
+    key = json.dumps(
+        {
+            "hf_config": hf_config,
+            "training": training.model_dump(mode="json"),
+            "warmup": warmup,
+            "workspaces": dict(SM90_WORKSPACES if workspaces is None else workspaces),
+            "context": context_name,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "format": STREAM_FORMAT,
+            "kernel_scratch": kernel_scratch,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    path = stream_cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
+    if path.exists():
+        return AllocationStream.load(path)
+    stream = step_allocations(
+        hf_config,
+        training,
+        model_name=model_name,
+        warmup=warmup,
+        workspaces=workspaces,
+        step_context=step_context,
+        kernel_scratch=kernel_scratch,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    stream.save(tmp)
+    tmp.replace(path)
+    return stream
