@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from memfit.hf import build_causal_lm
 from memfit.schema import ModelSpec, Precision, Sharding, TrainingConfig
 from model.analytic import optimizer_state_bytes_per_param
 from model.compose import PEAK_PHASES
@@ -170,12 +171,9 @@ def persistent_parameter_elements(hf_config: dict[str, Any] | None, model: Model
 @functools.lru_cache(maxsize=256)
 def _persistent_elements(hf_config_json: str) -> int:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = json.loads(hf_config_json)
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(config)
+        m = build_causal_lm(json.loads(hf_config_json))
     return sum(p.numel() for p in m.parameters() if p.numel() < PERSISTENCE_THRESHOLD_ELEMENTS)
 
 
