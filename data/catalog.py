@@ -12,6 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from data.reduced_moe import REDUCED_MOE
 from memfit.errors import UnknownModel, close_names
 from memfit.schema import ModelSpec
 
@@ -72,3 +73,14 @@ def spec(name_or_config: str | dict[str, Any]) -> ModelSpec:
         n = int(entry["published_params"])
         return ModelSpec(**fields, model_name=entry["name"], total_params=n, trainable_params=n)
     return model_spec(name_or_config)
+
+
+def hf_config_of(model_name: str | None) -> dict[str, Any] | None:
+    """The HF config of a telemetry row's model: the catalog's, else the reduced-width MoE model's the row was
+    collected on (:data:`data.reduced_moe.REDUCED_MOE`), else None (a user upload of another model)."""
+    if model_name is None:
+        return None
+    try:
+        return get(model_name)["hf_config"]
+    except UnknownModel:
+        return REDUCED_MOE.get(model_name)

@@ -239,8 +239,7 @@ def _meta_counts(cfg: dict[str, Any]) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=1024)
 def _parameter_split(config_json: str) -> ParameterSplit | None:
-    from memfit.hf import quiet_transformers
-    from training.phases import small_config
+    from memfit.hf import quiet_transformers, small_config
 
     cfg = json.loads(config_json)
     try:
@@ -273,11 +272,11 @@ def parameter_split(hf_config: dict[str, Any] | None) -> ParameterSplit | None:
 
 def rank_hf_config(hf_config: dict[str, Any] | None, training: TrainingConfig) -> dict[str, Any] | None:
     """The HF config of what one expert-parallel rank builds: ``hf_config`` with ``num_experts /
-    expert_parallel_size`` routed experts (:func:`training.moe.local_expert_config`, the tracer's shard); ``hf_config``
+    expert_parallel_size`` routed experts (:func:`memfit.hf.local_expert_config`, the tracer's shard); ``hf_config``
     itself without expert parallelism, and None when there is no config or its experts do not split that way."""
     if not hf_config or training.expert_parallel_size == 1:
         return hf_config
-    from training.moe import local_expert_config
+    from memfit.hf import local_expert_config
 
     try:
         return local_expert_config(hf_config, training.expert_parallel_size)
@@ -444,16 +443,16 @@ def shipped_entries(directory: str | Path | None = None) -> list[dict[str, Any]]
 
 def entry_configuration(entry: dict[str, Any]) -> tuple[ModelSpec, TrainingConfig, dict[str, Any]]:
     """(ModelSpec, TrainingConfig, HF config) of a shipped terms entry, by ``model_name``: a catalog
-    architecture (published parameter count) or a reduced MoE model (:func:`training.terms.hf_config_of`,
+    architecture (published parameter count) or a reduced MoE model (:func:`data.catalog.hf_config_of`,
     counted on a meta build).
 
     Raises:
         LookupError: ``model_name`` is neither.
     """
     from data import catalog
+    from data.catalog import hf_config_of
     from memfit.errors import UnknownModel
     from memfit.hf import model_spec
-    from training.terms import hf_config_of
 
     name = entry["model_name"]
     hf = hf_config_of(name)

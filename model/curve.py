@@ -219,7 +219,7 @@ def expert_parallel_rank(model: ModelSpec, training: TrainingConfig, hf_config: 
         from model.parallel import expert_parallel_rank_spec
 
         return expert_parallel_rank_spec(model, training)  # from the shapes
-    from training.moe import local_expert_config
+    from memfit.hf import local_expert_config
 
     local = _param_count(json.dumps(local_expert_config(hf_config, ep), sort_keys=True))
     extra = model.total_params - _param_count(json.dumps(hf_config, sort_keys=True))  # LoRA adapters in model

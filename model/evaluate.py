@@ -388,10 +388,10 @@ def cross_evaluate(df: pd.DataFrame, make_estimator: Callable[[], Any], split: s
 def row_configuration(row: dict[str, Any]):
     """(ModelSpec, TrainingConfig with k = 0, HF config or None) of one flat telemetry row
     (:func:`model.features.row_specs`, plus the HF config of the row's ``model_name``:
-    :func:`training.terms.hf_config_of`)."""
+    :func:`data.catalog.hf_config_of`)."""
+    from data.catalog import hf_config_of
     from memfit.schema import ModelSpec, TrainingConfig
     from model.features import row_specs
-    from training.terms import hf_config_of
 
     spec, training = row_specs({k: v for k, v in row.items() if not (isinstance(v, float) and v != v)})
     # validated copies: Parquet hands integer columns with gaps back as floats (lora_rank 16.0), and the
