@@ -14,13 +14,10 @@ from typing import Any
 
 from data.reduced_moe import REDUCED_MOE
 from memfit.errors import UnknownModel, close_names
+from memfit.hf import catalog_name_key
 from memfit.schema import ModelSpec
 
 ARCH_DIR = Path(__file__).parent / "architectures"
-
-
-def _norm(name: str) -> str:
-    return name.strip().lower().replace("_", "-").replace(" ", "-")
 
 
 @lru_cache(maxsize=1)
@@ -30,7 +27,7 @@ def load_catalog() -> dict[str, dict[str, Any]]:
     for path in sorted(ARCH_DIR.glob("*.json")):
         entry = json.loads(path.read_text())
         for key in [entry["name"], *entry.get("aliases", [])]:
-            k = _norm(key)
+            k = catalog_name_key(key)
             if k in entries and entries[k]["name"] != entry["name"]:
                 raise ValueError(f"catalog name clash on {key!r} in {path.name}")
             entries[k] = entry
@@ -49,7 +46,7 @@ def get(name: str) -> dict[str, Any]:
         memfit.errors.UnknownModel: unknown name (a ``KeyError``); the message lists close matches.
     """
     cat = load_catalog()
-    k = _norm(name)
+    k = catalog_name_key(name)
     if k not in cat:
         # names and aliases are matched, each model suggested once by its catalog name
         close = list(dict.fromkeys(cat[c]["name"] for c in close_names(k, cat, n=len(cat))))[:4]

@@ -638,3 +638,24 @@ def _module_to_via_set_data():
         yield
     finally:
         torch.nn.Module.to = orig
+
+
+def catalog_name_key(name: str) -> str:
+    """The form catalog names and aliases are looked up by: lower case, ``_`` and spaces as ``-``."""
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+#: decoder layers of every catalog model by :func:`catalog_name_key` of its name and aliases, a snapshot of
+#: ``data/architectures`` (``scripts/catalog_layers.py`` writes it; ``tests/test_catalog.py`` checks it against the
+#: catalog): the client answers its fallback plan without the server-side ``data`` package
+CATALOG_LAYERS_PATH = Path(__file__).with_name("catalog_layers.json")
+
+
+@functools.cache
+def _catalog_layers_snapshot() -> dict[str, int]:
+    return json.loads(CATALOG_LAYERS_PATH.read_text())["num_layers"]
+
+
+def catalog_num_layers(name: str) -> int | None:
+    """Decoder layers of the catalog model ``name`` (a name or alias, any case), None when the catalog has none."""
+    return _catalog_layers_snapshot().get(catalog_name_key(name))
