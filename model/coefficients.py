@@ -32,7 +32,7 @@ the dimensionless value from dimensionless config features (:func:`config_featur
   precision (they were 3 with 16-bit and 1 in fp32 over heads × activation bytes, the fp32/adamw_fused and
   fp32/sgd_momentum leave-architecture-out losses of session 6); ``f0``/``c0``: the fp32 softmax alone.
 
-Constants are per tensor-parallel rank (:func:`model.parallel.tensor_parallel_rank_spec`).
+Constants are per tensor-parallel rank (:func:`model.analytic.tensor_parallel_rank_spec`).
 
 Token coefficients are clipped at 0 after prediction, so every composed phase is non-decreasing in
 micro-batch and sequence length by construction.
@@ -72,7 +72,7 @@ from model.analytic import (
 )
 from model.compose import PHASES, VARIANTS, layer_values
 from model.features import CATEGORIES
-from model.parallel import expert_parallel_rank_spec, tensor_parallel_rank_spec
+from model.analytic import expert_parallel_rank_spec, tensor_parallel_rank_spec
 
 #: the composition's quantities per phase, each a function of the small models' live bytes
 QUANTITIES = ("f0", "dF", "c0", "dC")

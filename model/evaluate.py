@@ -591,7 +591,7 @@ def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
     row is ``traced`` where its unsharded base is (:mod:`model.zero1` composes its curve from the base's terms), a
     frozen fine-tune composed from its full fine-tune base (:mod:`model.frozen`) where that base is."""
     from memfit.schema import Sharding
-    from model.frozen import base_terms_key
+    from model.terms import base_terms_key
     from model.terms import not_traceable_reason, terms_key
     from model.zero1 import base_training, not_composable_reason
 

@@ -226,16 +226,6 @@ def step_temporary_bytes_per_param(training: TrainingConfig) -> int:
     return 2 if training.precision is Precision.BF16 else 4
 
 
-def base_terms_key(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> str | None:
-    """The traced-terms key (:func:`model.terms.terms_key`) a frozen configuration is composed from: the full
-    fine-tune of the same HF config (its terms compose any depth); None when not frozen or not composable."""
-    if not frozen(training) or not_composable_reason(model, training, hf_config) is not None:
-        return None
-    from model.terms import terms_key
-
-    return terms_key(hf_config, base_training(training))
-
-
 def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, training: TrainingConfig):
     """The frozen configuration's live bytes per phase from its base's composed phases.
 

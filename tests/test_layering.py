@@ -56,3 +56,38 @@ def test_importing_every_module_loads_no_higher_package(package):
     loaded = set(json.loads(done.stdout.splitlines()[-1]))
     assert len(modules) > 3
     assert (loaded & PROJECT) - ALLOWED[package] == set()
+
+
+def _module_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` its import statements name (an ``from a import b`` names ``a.b`` when
+    that is a module of the package, else ``a``)."""
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / package).rglob("*.py")}
+    graph = {}
+    for module, path in files.items():
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+        graph[module] = {n for n in names if n in files and n != module and not module.startswith(n + ".")}
+    return graph
+
+
+@pytest.mark.parametrize("package", ["memfit", "model"])
+def test_no_import_circle_inside_the_package(package):
+    graph = _module_graph(package)
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                if nxt == goal:
+                    return True
+                seen.add(nxt)
+                todo.append(nxt)
+        return False
+
+    circles = sorted(f"{a} -> {b}" for a in graph for b in graph[a] if reaches(b, a))
+    assert circles == []

@@ -10,10 +10,8 @@ from memfit.api import TrainingIn
 from memfit.errors import InvalidConfiguration
 from memfit.hf import model_spec
 from memfit.schema import TrainingConfig
-from model.parallel import (
-    compose_stage, micro_batches_in_flight, pipeline_stages, ring_attention_bytes, stage_layer_counts,
-    tensor_parallel_rank_spec,
-)
+from model.analytic import tensor_parallel_rank_spec
+from model.parallel import compose_stage, micro_batches_in_flight, pipeline_stages, ring_attention_bytes, stage_layer_counts
 
 TINY = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 256, "num_attention_heads": 8,
         "num_key_value_heads": 4, "intermediate_size": 512, "vocab_size": 2048, "tie_word_embeddings": False}

@@ -20,7 +20,7 @@ from typing import Any
 from data import catalog
 from data.catalog import hf_config_of
 from memfit.schema import FineTune, ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
-from model.terms import entry_key, not_traceable_reason, shipped_keys, terms_key, training_key_fields
+from model.terms import base_terms_key, entry_key, not_traceable_reason, shipped_keys, terms_key, training_key_fields
 
 #: the settings a request gets when it says nothing (memfit.api defaults), traced for every catalog model
 DEFAULT_SETTINGS = [
@@ -60,7 +60,7 @@ def traced_training(model: ModelSpec, training: TrainingConfig, hf_config: dict[
 
     if not_traceable_reason(model, training, hf_config) is None:
         return training
-    if frozen.base_terms_key(model, training, hf_config) is not None:
+    if base_terms_key(model, training, hf_config) is not None:
         return frozen.base_training(training)
     if training.sharding is Sharding.ZERO1 and zero1.not_composable_reason(training) is None:
         base = zero1.base_training(training)
