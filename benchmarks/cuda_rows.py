@@ -216,10 +216,10 @@ def trace_rows(generation: str = "sm90", families: set[tuple[str, str, str]] | N
     traced bytes before and after."""
     import contextlib
 
+    from data.catalog import hf_config_of
     from memfit.schema import TrainingConfig
     from training.collect import measure_family
     from training.cuda_policy import cuda_step_semantics
-    from training.terms import hf_config_of
 
     families = families if families is not None else set(KNOWN_GAPS) | CONTROL_FAMILIES
     groups: dict[str, list[dict[str, Any]]] = {}

@@ -47,7 +47,8 @@ def machine_speed_s() -> float:
 def main() -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from training.phases import layer_period, trace_terms
+    from memfit.hf import layer_period
+    from training.phases import trace_terms
 
     cache = TermsCache()
     print(f"{len(cache)} shipped term sets; this machine: 10^7 Python additions in {machine_speed_s():.2f} s")

@@ -12,14 +12,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from data.reduced_moe import REDUCED_MOE
 from memfit.errors import UnknownModel, close_names
+from memfit.hf import catalog_name_key
 from memfit.schema import ModelSpec
 
 ARCH_DIR = Path(__file__).parent / "architectures"
-
-
-def _norm(name: str) -> str:
-    return name.strip().lower().replace("_", "-").replace(" ", "-")
 
 
 @lru_cache(maxsize=1)
@@ -29,7 +27,7 @@ def load_catalog() -> dict[str, dict[str, Any]]:
     for path in sorted(ARCH_DIR.glob("*.json")):
         entry = json.loads(path.read_text())
         for key in [entry["name"], *entry.get("aliases", [])]:
-            k = _norm(key)
+            k = catalog_name_key(key)
             if k in entries and entries[k]["name"] != entry["name"]:
                 raise ValueError(f"catalog name clash on {key!r} in {path.name}")
             entries[k] = entry
@@ -48,7 +46,7 @@ def get(name: str) -> dict[str, Any]:
         memfit.errors.UnknownModel: unknown name (a ``KeyError``); the message lists close matches.
     """
     cat = load_catalog()
-    k = _norm(name)
+    k = catalog_name_key(name)
     if k not in cat:
         # names and aliases are matched, each model suggested once by its catalog name
         close = list(dict.fromkeys(cat[c]["name"] for c in close_names(k, cat, n=len(cat))))[:4]
@@ -77,3 +75,14 @@ def spec(name_or_config: str | dict[str, Any]) -> ModelSpec:
         n = int(entry["published_params"])
         return ModelSpec(**fields, model_name=entry["name"], total_params=n, trainable_params=n)
     return model_spec(name_or_config)
+
+
+def hf_config_of(model_name: str | None) -> dict[str, Any] | None:
+    """The HF config of a telemetry row's model: the catalog's, else the reduced-width MoE model's the row was
+    collected on (:data:`data.reduced_moe.REDUCED_MOE`), else None (a user upload of another model)."""
+    if model_name is None:
+        return None
+    try:
+        return get(model_name)["hf_config"]
+    except UnknownModel:
+        return REDUCED_MOE.get(model_name)

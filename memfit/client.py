@@ -98,18 +98,13 @@ class FallbackRecommendation(Recommendation):
 
 def _layer_count(model: Any) -> int:
     """Layers of the requested model: from the request itself, or the catalog entry of a name (read
-    from the ``data/architectures`` files installed with memfit); 0 when unknown."""
+    from the snapshot of ``data/architectures`` shipped with memfit, :data:`memfit.hf.CATALOG_LAYERS_PATH`); 0 when unknown."""
     if isinstance(model, ArchitectureIn):
         return model.num_layers
     if isinstance(model, str):
-        try:
-            from data.catalog import get
-        except ImportError:
-            return 0
-        try:
-            model = get(model)["hf_config"]
-        except KeyError:
-            return 0
+        from memfit.hf import catalog_num_layers
+
+        return catalog_num_layers(model) or 0
     if isinstance(model, dict):
         for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
             if isinstance(model.get(key), int) and model[key] > 0:

@@ -11,13 +11,26 @@ the memory-relevant shapes; the record's ``architecture`` keeps the original fam
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.errors import InvalidConfiguration
-from memfit.schema import MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, ModelSpec, Quantization
+from memfit.schema import (
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    FineTune,
+    ModelSpec,
+    Precision,
+    Quantization,
+    TrainingConfig,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 # HF config key aliases across families -> our field name
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -569,3 +582,149 @@ def quantization_from_hf(quantization_config: Any, *, field: str = "quantization
     if get("load_in_8bit", False):
         return Quantization.INT8
     return Quantization.NONE
+
+
+def small_config(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The same config with ``num_layers`` decoder layers: per-layer lists such as ``layer_types`` cut, or
+    repeated cyclically where the small model is deeper than the model itself (a 2-layer model traced at 3)."""
+    L = spec_fields_from_hf_config(hf_config)["num_layers"]
+    out = copy.deepcopy(hf_config)
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+        if key in out:
+            out[key] = num_layers
+    for key, value in hf_config.items():
+        if isinstance(value, list) and len(value) == L and key != "architectures":
+            out[key] = [value[i % L] for i in range(num_layers)]
+    if isinstance(hf_config.get("attention_types"), list):  # GPT-Neo: [[pattern, repeats], ...]
+        per_layer = [t for pattern, repeats in hf_config["attention_types"] for _ in range(repeats) for t in pattern]
+        out["attention_types"] = [[[per_layer[i % len(per_layer)]], 1] for i in range(num_layers)]
+    return out
+
+
+def layer_period(hf_config: dict[str, Any]) -> int:
+    """Length of the repeating pattern of decoder-layer types (1 when all layers are alike).
+
+    Read from the built HF config's ``layer_types`` (Gemma-2/3, Qwen2 sliding-window, ...) or
+    ``attention_layers`` (GPT-Neo); capped at 4.
+    """
+    conf = _hf_config(hf_config)
+    types = getattr(conf, "layer_types", None) or getattr(conf, "attention_layers", None)
+    if not types or len(set(types)) == 1:
+        return 1
+    for p in range(1, 5):
+        if all(t == types[i % p] for i, t in enumerate(types)):
+            return p
+    return 4
+
+
+#: HF config keys holding the number of routed experts, per family (Mixtral; Qwen-MoE/OLMoE; DeepSeek)
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def num_routed_experts(hf_config: dict[str, Any]) -> int | None:
+    """Routed experts per MoE layer from a HF config dict (None for a dense model)."""
+    for key in EXPERT_COUNT_KEYS:
+        v = hf_config.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def local_expert_config(hf_config: dict[str, Any], expert_parallel_size: int) -> dict[str, Any]:
+    """The config of one expert-parallel rank's shard: ``num_experts / expert_parallel_size`` experts.
+
+    Raises:
+        ValueError: a dense config, or ``expert_parallel_size`` not dividing the experts, or a local shard
+            with fewer experts than the top-k.
+    """
+    E = num_routed_experts(hf_config)
+    if E is None:
+        raise ValueError("expert_parallel_size > 1 needs an MoE model (num_experts)")
+    if E % expert_parallel_size:
+        raise ValueError(f"expert_parallel_size={expert_parallel_size} must divide num_experts={E}")
+    out = copy.deepcopy(hf_config)
+    for key in EXPERT_COUNT_KEYS:
+        if key in out:
+            out[key] = E // expert_parallel_size
+    return out
+
+
+def param_dtype(precision: Precision) -> torch.dtype:
+    """dtype the model's parameters are stored in."""
+    import torch
+
+    return torch.bfloat16 if precision in (Precision.BF16, Precision.BF16_FP32_MASTER) else torch.float32
+
+
+def apply_finetune(model, training: TrainingConfig, layers) -> Any:
+    if training.finetune is FineTune.LORA:
+        from peft import LoraConfig, get_peft_model
+
+        # PEFT's default targets, passed explicitly: PEFT 0.21 under transformers 5 leaves them an empty set for
+        # Mixtral (NoMatchingPeftModuleError) though its mapping has q_proj, v_proj; for the other families the
+        # explicit list adapts the same modules
+        targets = training.lora_target_modules or peft_default_lora_targets(model.config.model_type)
+        cfg = LoraConfig(
+            r=training.lora_rank,
+            lora_alpha=2 * training.lora_rank,
+            lora_dropout=0.0,
+            target_modules=targets,
+            task_type="CAUSAL_LM",
+        )
+        with _module_to_via_set_data():
+            return get_peft_model(model, cfg)
+    if training.finetune is FineTune.FROZEN:
+        model.get_input_embeddings().requires_grad_(False)
+        for layer in list(layers)[: training.frozen_layers]:
+            layer.requires_grad_(False)
+    return model
+
+
+@contextlib.contextmanager
+def _module_to_via_set_data():
+    """Make ``nn.Module.to`` convert parameters through ``.data`` assignment.
+
+    ``Module._apply`` swaps fake parameters with ``torch.utils.swap_tensors``, which refuses tensors
+    that have weak references (the fake mode keeps some), so PEFT's ``module.to(device, dtype)`` of new
+    adapters fails under ``FakeTensorMode``. Assigning ``.data`` keeps the same Parameter objects and
+    allocates what the real conversion would.
+    """
+    import torch
+
+    orig = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
+        with torch.no_grad():
+            for t in [*self.parameters(), *self.buffers()]:
+                want = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else t.dtype
+                if (device is not None and t.device != device) or want != t.dtype:
+                    t.data = t.data.to(device or t.device, want)
+        return self
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = orig
+
+
+def catalog_name_key(name: str) -> str:
+    """The form catalog names and aliases are looked up by: lower case, ``_`` and spaces as ``-``."""
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+#: decoder layers of every catalog model by :func:`catalog_name_key` of its name and aliases, a snapshot of
+#: ``data/architectures`` (``scripts/catalog_layers.py`` writes it; ``tests/test_catalog.py`` checks it against the
+#: catalog): the client answers its fallback plan without the server-side ``data`` package
+CATALOG_LAYERS_PATH = Path(__file__).with_name("catalog_layers.json")
+
+
+@functools.cache
+def _catalog_layers_snapshot() -> dict[str, int]:
+    return json.loads(CATALOG_LAYERS_PATH.read_text())["num_layers"]
+
+
+def catalog_num_layers(name: str) -> int | None:
+    """Decoder layers of the catalog model ``name`` (a name or alias, any case), None when the catalog has none."""
+    return _catalog_layers_snapshot().get(catalog_name_key(name))

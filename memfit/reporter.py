@@ -11,8 +11,7 @@ When the service is unreachable the record is appended to a JSONL spool (default
 ``~/.cache/memfit/spool.jsonl``, or ``$MEMFIT_SPOOL``); :func:`flush_spool` sends it later.
 Nothing here raises into the training loop: every failure is logged once and returned as a status.
 
-``MemfitReporterCallback`` (HF ``Trainer``) lives in :mod:`memfit.integrations.hf` and is importable
-from here (loaded on first access, so this module does not import transformers).
+``MemfitReporterCallback`` (HF ``Trainer``) lives in :mod:`memfit.integrations.hf` (``memfit.MemfitReporterCallback``).
 """
 
 from __future__ import annotations
@@ -378,11 +377,3 @@ def flush_spool(
         _log_once("flush-io", "memfit: cannot rewrite the spool %s: %s", p, err)
     log.info("memfit: flushed %d spooled record(s), %d kept, %d quarantined", sent, len(keep), len(held))
     return sent
-
-
-def __getattr__(name: str) -> Any:
-    if name == "MemfitReporterCallback":
-        from memfit.integrations.hf import MemfitReporterCallback
-
-        return MemfitReporterCallback
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

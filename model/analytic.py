@@ -13,7 +13,7 @@ bitsandbytes 0.50.2, read from its source and checked against it in ``tests/test
 Offload (:class:`memfit.schema.Offload`) moves states off the device: with ``offload_optimizer='cpu'``
 the device holds no optimizer states (master weights included) and runs no optimizer step; with
 ``offload_parameters='cpu'`` it holds no resident weights or gradients either, only the layers in
-flight (:func:`model.offload.in_flight_bytes`). What the host holds is :func:`model.offload.host_memory_bytes`.
+flight (:func:`in_flight_bytes`). What the host holds is :func:`model.offload.host_memory_bytes`.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def routed_expert_params(model: ModelSpec, num_experts: int) -> int:
 
 def routed_expert_share(model: ModelSpec, training: TrainingConfig) -> float:
     """The fraction of the parameters one expert-parallel rank holds (``model``: that rank's counts,
-    :func:`model.parallel.expert_parallel_rank_spec`) that are its ``num_experts / expert_parallel_size`` routed
+    :func:`expert_parallel_rank_spec`) that are its ``num_experts / expert_parallel_size`` routed
     experts (:func:`routed_expert_params`); 0 without expert parallelism."""
     ep = training.expert_parallel_size
     if ep == 1 or not model.num_experts or model.total_params <= 0:
@@ -304,6 +304,83 @@ def logits_bytes(model: ModelSpec, training: TrainingConfig) -> int:
     return (activation_dtype_bytes(training.precision) + 8) * sbv
 
 
+#: layers whose parameters are gathered at once under parameter offload: the one computing and the one
+#: prefetched (FSDP2's default forward/backward prefetch of one module)
+LAYERS_IN_FLIGHT = 2
+
+
+def largest_unit_params(model: ModelSpec) -> int:
+    """Parameters of the largest unit gathered at once: a decoder layer or the embedding table.
+
+    A decoder layer is counted as (total − embeddings and untied head) / layers; DeepSpeed's
+    ``model_to_params`` takes the largest module's parameters the same way.
+    """
+    emb = model.vocab_size * model.hidden_size
+    outside = emb * (1 if model.tie_word_embeddings else 2)
+    layer = max(0, model.total_params - outside) // model.num_layers
+    return max(emb, layer)
+
+
+def in_flight_bytes(model: ModelSpec, training: TrainingConfig) -> int:
+    """Device bytes of gathered parameters and their gradients under parameter offload (0 otherwise):
+    :data:`LAYERS_IN_FLIGHT` units' half-precision weights plus one unit's gradients
+    (DeepSpeed's ``largest_layer_memory = 4 × largest_layer_params`` counts one unit's fp16 weights +
+    gradients; prefetching holds the next one too)."""
+    if training.offload_parameters is not Offload.CPU:
+        return 0
+    half = 4 if training.precision is Precision.FP32 else 2
+    return (LAYERS_IN_FLIGHT + 1) * largest_unit_params(model) * half
+
+
+def replicated_params(model: ModelSpec) -> int:
+    """Parameters every tensor-parallel rank holds whole: the norm weights, two per decoder layer plus
+    the final norm, ``hidden_size`` each (Llama-style RMSNorm)."""
+    return (2 * model.num_layers + 1) * model.hidden_size
+
+
+def tensor_parallel_rank_spec(model: ModelSpec, training: TrainingConfig) -> ModelSpec:
+    """``model`` with the parameter counts one tensor-parallel rank holds (the spec itself when tp = 1).
+
+    The decoder linears count as the rank's Megatron shards (:func:`model.analytic.decoder_linear_shapes`: q/k/v
+    and gate/up split by output, o/down by input, at least one KV head per rank, so replicated KV heads are
+    counted on every rank); :func:`replicated_params` (the norms) are held whole; everything else (embedding and
+    head by vocabulary, biases, further experts) is split over the ``tp`` ranks, rank 0 holding the ceiling.
+    Trainable parameters split in the same proportion as the total.
+    """
+    tp = training.tensor_parallel_size
+    if tp == 1:
+        return model
+    L = model.num_layers
+    full = sum(o * i for o, i in decoder_linear_shapes(model)) * L
+    shard = sum(o * i for o, i in decoder_linear_shapes(model, tp)) * L
+    rep = min(replicated_params(model), model.total_params)
+    if full > model.total_params - rep:  # shapes beyond the spec's own count (a hand-written spec): split evenly
+        full = shard = 0
+    total = rep + shard + -(-(model.total_params - rep - full) // tp)
+    trainable = min(total, -(-model.trainable_params * total // model.total_params))
+    return model.model_copy(update={"total_params": total, "trainable_params": trainable})
+
+
+def expert_parallel_rank_spec(model: ModelSpec, training: TrainingConfig) -> ModelSpec:
+    """``model`` with the parameter counts one expert-parallel rank holds, from the shapes alone (the spec
+    itself without experts or with ``expert_parallel_size`` 1).
+
+    A rank holds ``num_layers · num_experts / P`` routed experts (:func:`model.analytic.routed_expert_params`)
+    plus everything else; trainable parameters shrink in
+    proportion under full fine-tuning and stay as given otherwise (LoRA adapters are not on the experts by
+    default). :func:`model.curve.expert_parallel_rank` counts the same thing exactly on a meta build when the
+    HF config is known.
+    """
+    ep = training.expert_parallel_size
+    if ep == 1 or not model.num_experts:
+        return model
+    experts = routed_expert_params(model, model.num_experts)
+    total = model.total_params - experts + -(-experts // ep)
+    full = model.trainable_params >= model.total_params
+    trainable = total if full else min(model.trainable_params, total)
+    return model.model_copy(update={"total_params": total, "trainable_params": trainable})
+
+
 @dataclass(frozen=True)
 class AnalyticEstimate:
     """Our analytic peak, per device, with its parts (bytes)."""
@@ -354,13 +431,10 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     decoder linear dequantized to 16 bits (``gemm_4bit``'s dequantize-then-``F.linear`` path).
 
     Per tensor- and expert-parallel rank: the states and optimizer temporaries of the parameters one rank
-    holds (:func:`model.parallel.tensor_parallel_rank_spec`, :func:`model.parallel.expert_parallel_rank_spec`), activations and logits divided by the
+    holds (:func:`tensor_parallel_rank_spec`, :func:`expert_parallel_rank_spec`), activations and logits divided by the
     tensor-parallel size (Korthikanti et al. 2022, arXiv 2205.05198, Sec. 4.2, with sequence parallelism;
     an upper-side simplification without it).
     """
-    from model.offload import in_flight_bytes
-    from model.parallel import expert_parallel_rank_spec, tensor_parallel_rank_spec
-
     # the spec itself when tp = ep = 1
     full, model = model, tensor_parallel_rank_spec(expert_parallel_rank_spec(model, training), training)
     states = model_state_bytes(model, training)

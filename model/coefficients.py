@@ -32,7 +32,7 @@ the dimensionless value from dimensionless config features (:func:`config_featur
   precision (they were 3 with 16-bit and 1 in fp32 over heads × activation bytes, the fp32/adamw_fused and
   fp32/sgd_momentum leave-architecture-out losses of session 6); ``f0``/``c0``: the fp32 softmax alone.
 
-Constants are per tensor-parallel rank (:func:`model.parallel.tensor_parallel_rank_spec`).
+Constants are per tensor-parallel rank (:func:`model.analytic.tensor_parallel_rank_spec`).
 
 Token coefficients are clipped at 0 after prediction, so every composed phase is non-decreasing in
 micro-batch and sequence length by construction.
@@ -67,12 +67,13 @@ from model.analytic import (
     GATED_MLP_FAMILIES,
     activation_bytes_per_layer,
     activation_dtype_bytes,
+    expert_parallel_rank_spec,
     logits_bytes,
     model_state_bytes,
+    tensor_parallel_rank_spec,
 )
 from model.compose import PHASES, VARIANTS, layer_values
 from model.features import CATEGORIES
-from model.parallel import expert_parallel_rank_spec, tensor_parallel_rank_spec
 
 #: the composition's quantities per phase, each a function of the small models' live bytes
 QUANTITIES = ("f0", "dF", "c0", "dC")
@@ -307,8 +308,7 @@ def _meta_counts(cfg: dict[str, Any]) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=1024)
 def _parameter_split(config_json: str) -> ParameterSplit | None:
-    from memfit.hf import quiet_transformers
-    from training.phases import small_config
+    from memfit.hf import quiet_transformers, small_config
 
     cfg = json.loads(config_json)
     try:
@@ -341,11 +341,11 @@ def parameter_split(hf_config: dict[str, Any] | None) -> ParameterSplit | None:
 
 def rank_hf_config(hf_config: dict[str, Any] | None, training: TrainingConfig) -> dict[str, Any] | None:
     """The HF config of what one expert-parallel rank builds: ``hf_config`` with ``num_experts /
-    expert_parallel_size`` routed experts (:func:`training.moe.local_expert_config`, the tracer's shard); ``hf_config``
+    expert_parallel_size`` routed experts (:func:`memfit.hf.local_expert_config`, the tracer's shard); ``hf_config``
     itself without expert parallelism, and None when there is no config or its experts do not split that way."""
     if not hf_config or training.expert_parallel_size == 1:
         return hf_config
-    from training.moe import local_expert_config
+    from memfit.hf import local_expert_config
 
     try:
         return local_expert_config(hf_config, training.expert_parallel_size)
@@ -538,16 +538,16 @@ def shipped_entries(directory: str | Path | None = None) -> list[dict[str, Any]]
 
 def entry_configuration(entry: dict[str, Any]) -> tuple[ModelSpec, TrainingConfig, dict[str, Any]]:
     """(ModelSpec, TrainingConfig, HF config) of a shipped terms entry, by ``model_name``: a catalog
-    architecture (published parameter count) or a reduced MoE model (:func:`training.terms.hf_config_of`,
+    architecture (published parameter count) or a reduced MoE model (:func:`data.catalog.hf_config_of`,
     counted on a meta build).
 
     Raises:
         LookupError: ``model_name`` is neither.
     """
     from data import catalog
+    from data.catalog import hf_config_of
     from memfit.errors import UnknownModel
     from memfit.hf import model_spec
-    from training.terms import hf_config_of
 
     name = entry["model_name"]
     hf = hf_config_of(name)

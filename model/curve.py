@@ -225,7 +225,7 @@ def breakdown(
 def expert_parallel_rank(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> ModelSpec:
     """The part of ``model`` one expert-parallel rank holds: its parameter counts with num_experts / P
     routed experts (counted on a meta build of that shard's config; from the shapes,
-    :func:`model.parallel.expert_parallel_rank_spec`, when no HF config is given); ``model`` itself when P = 1.
+    :func:`model.analytic.expert_parallel_rank_spec`, when no HF config is given); ``model`` itself when P = 1.
 
     Full fine-tuning trains every parameter of the shard; otherwise (LoRA) the trainable count stays.
     """
@@ -233,10 +233,10 @@ def expert_parallel_rank(model: ModelSpec, training: TrainingConfig, hf_config: 
     if ep == 1 or model.num_experts is None:
         return model
     if hf_config is None:
-        from model.parallel import expert_parallel_rank_spec
+        from model.analytic import expert_parallel_rank_spec
 
         return expert_parallel_rank_spec(model, training)  # from the shapes
-    from training.moe import local_expert_config
+    from memfit.hf import local_expert_config
 
     local = _param_count(json.dumps(local_expert_config(hf_config, ep), sort_keys=True))
     extra = model.total_params - _param_count(json.dumps(hf_config, sort_keys=True))  # LoRA adapters in model

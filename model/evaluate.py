@@ -472,10 +472,10 @@ def cross_evaluate(
 def row_configuration(row: dict[str, Any]):
     """(ModelSpec, TrainingConfig with k = 0, HF config or None) of one flat telemetry row
     (:func:`model.features.row_specs`, plus the HF config of the row's ``model_name``:
-    :func:`training.terms.hf_config_of`)."""
+    :func:`data.catalog.hf_config_of`)."""
+    from data.catalog import hf_config_of
     from memfit.schema import ModelSpec, TrainingConfig
     from model.features import row_specs
-    from training.terms import hf_config_of
 
     spec, training = row_specs({k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))})
     # validated copies: Parquet hands integer columns with gaps back as floats (lora_rank 16.0), and the
@@ -690,8 +690,7 @@ def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
     row is ``traced`` where its unsharded base is (:mod:`model.zero1` composes its curve from the base's terms), a
     frozen fine-tune composed from its full fine-tune base (:mod:`model.frozen`) where that base is."""
     from memfit.schema import Sharding
-    from model.frozen import base_terms_key
-    from model.terms import not_traceable_reason, terms_key
+    from model.terms import base_terms_key, not_traceable_reason, terms_key
     from model.zero1 import base_training, not_composable_reason
 
     cols = [c for c in FAMILY_COLUMNS if c in df.columns]

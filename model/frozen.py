@@ -1,6 +1,6 @@
 """Frozen fine-tuning (``finetune='frozen'``): the curve composed from the full fine-tune of the layers above.
 
-``training.collect._apply_finetune`` freezes the input embeddings (``get_input_embeddings()``; with tied
+``memfit.hf.apply_finetune`` freezes the input embeddings (``get_input_embeddings()``; with tied
 embeddings that tensor is also the LM head, so the head is frozen too) and the first N =
 ``frozen_layers`` decoder layers; k checkpoints the first k decoder layers. Where nothing trainable runs
 below layer N (the embedding output is the only input of the decoder stack), nothing below layer N needs
@@ -72,6 +72,7 @@ from typing import Any
 
 import numpy as np
 
+from memfit.hf import layer_period
 from memfit.schema import FineTune, ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
 
 #: phases from which the base holds the (tied) input embeddings' gradient (model.compose.PEAK_PHASES names)
@@ -119,7 +120,7 @@ def frozen_layer_params(model: ModelSpec) -> int:
 
 def trainable_params(model: ModelSpec, frozen_layers: int, hf_config: dict[str, Any] | None = None) -> int:
     """Trainable parameters with the input embeddings and the first ``frozen_layers`` decoder layers frozen
-    (as ``training.collect._apply_finetune`` freezes them): counted on a meta build of ``hf_config`` when
+    (as ``memfit.hf.apply_finetune`` freezes them): counted on a meta build of ``hf_config`` when
     given, else from the shapes (a decoder layer = (total − embeddings − untied head) / layers)."""
     if hf_config is not None:
         try:
@@ -180,8 +181,6 @@ def not_composable_reason(model: ModelSpec, training: TrainingConfig, hf_config:
         )
     if model.num_experts is not None:
         return "frozen fine-tuning of MoE models is not composed"
-    from training.phases import layer_period
-
     if training.frozen_layers % layer_period(hf_config):
         return "frozen layers do not keep the layer-type pattern of the trainable layers in phase"
     name = _runs_trainable_before_layers(json.dumps(hf_config, sort_keys=True))
@@ -229,16 +228,6 @@ def step_temporary_bytes_per_param(training: TrainingConfig) -> int:
     if training.optimizer_in_backward or training.optimizer not in (Optimizer.ADAMW_FOREACH, Optimizer.ADAFACTOR):
         return 0
     return 2 if training.precision is Precision.BF16 else 4
-
-
-def base_terms_key(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> str | None:
-    """The traced-terms key (:func:`model.terms.terms_key`) a frozen configuration is composed from: the full
-    fine-tune of the same HF config (its terms compose any depth); None when not frozen or not composable."""
-    if not frozen(training) or not_composable_reason(model, training, hf_config) is not None:
-        return None
-    from model.terms import terms_key
-
-    return terms_key(hf_config, base_training(training))
 
 
 def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, training: TrainingConfig):

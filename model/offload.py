@@ -61,14 +61,12 @@ from __future__ import annotations
 import math
 
 from memfit.schema import ModelSpec, Offload, Precision, Sharding, TrainingConfig
+from model.analytic import _BNB_STATE_BYTES, _STATES, model_state_bytes
 
 #: DeepSpeed's ``additional_buffer_factor`` default in both estimators (pinned buffers, fragmentation)
 HOST_BUFFER_FACTOR = 1.5
 #: data-parallel ranks of the FSDP2 full-shard trace that stands for parameter offload on fewer ranks
 PARAMETER_OFFLOAD_TRACE_RANKS = 8
-#: layers whose parameters are gathered at once under parameter offload: the one computing and the one
-#: prefetched (FSDP2's default forward/backward prefetch of one module)
-LAYERS_IN_FLIGHT = 2
 
 
 def offloaded(training: TrainingConfig) -> bool:
@@ -95,29 +93,6 @@ def traced_base(training: TrainingConfig) -> TrainingConfig:
     return base
 
 
-def largest_unit_params(model: ModelSpec) -> int:
-    """Parameters of the largest unit gathered at once: a decoder layer or the embedding table.
-
-    A decoder layer is counted as (total − embeddings and untied head) / layers; DeepSpeed's
-    ``model_to_params`` takes the largest module's parameters the same way.
-    """
-    emb = model.vocab_size * model.hidden_size
-    outside = emb * (1 if model.tie_word_embeddings else 2)
-    layer = max(0, model.total_params - outside) // model.num_layers
-    return max(emb, layer)
-
-
-def in_flight_bytes(model: ModelSpec, training: TrainingConfig) -> int:
-    """Device bytes of gathered parameters and their gradients under parameter offload (0 otherwise):
-    :data:`LAYERS_IN_FLIGHT` units' half-precision weights plus one unit's gradients
-    (DeepSpeed's ``largest_layer_memory = 4 × largest_layer_params`` counts one unit's fp16 weights +
-    gradients; prefetching holds the next one too)."""
-    if training.offload_parameters is not Offload.CPU:
-        return 0
-    half = 4 if training.precision is Precision.FP32 else 2
-    return (LAYERS_IN_FLIGHT + 1) * largest_unit_params(model) * half
-
-
 def host_bytes_per_rank(model: ModelSpec, training: TrainingConfig) -> int:
     """Host bytes of the model states one rank offloads (no buffer factor): see the module docstring.
 
@@ -130,8 +105,6 @@ def host_bytes_per_rank(model: ModelSpec, training: TrainingConfig) -> int:
     fp32 training where the fp32 copy is those weights. Sharded over the data-parallel ranks under any
     ZeRO/FSDP sharding.
     """
-    from model.analytic import _BNB_STATE_BYTES, _STATES
-
     if not offloaded(training):
         return 0
     opt_dtype = 2 if training.precision is Precision.BF16 else 4
@@ -184,8 +157,6 @@ def offload_device_phases(phase_bytes, phase_names: list[str], model: ModelSpec,
         float array of the same shape: the device's live bytes per phase (rules in the module docstring).
     """
     import numpy as np
-
-    from model.analytic import model_state_bytes
 
     base = traced_base(training)
     resident = model_state_bytes(model, base)

@@ -5,7 +5,7 @@ What is measured and what is composed:
 * **Tensor (+ sequence) parallelism is measured**: :mod:`training.parallel` runs DTensor
   ``parallelize_module`` over a fake process group while the small models are traced, so the traced
   terms are rank 0's (:func:`model.terms.terms_key` includes the TP size). Here only the model-state
-  floor needs the per-rank parameter count (:func:`tensor_parallel_rank_spec`).
+  floor needs the per-rank parameter count (:func:`model.analytic.tensor_parallel_rank_spec`).
 * **Pipeline parallelism is composed** (:func:`compose_pipeline`) from the same traced terms, stage by
   stage: a stage of ``Ls`` layers is the traced composition of an ``Ls``-layer model, minus the
   embedding's states when it is not the first stage and minus the head (its states, and its
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import FineTune, ModelSpec, PipelineSchedule, TrainingConfig
-from model.analytic import activation_dtype_bytes, decoder_linear_shapes, model_state_bytes, routed_expert_params
+from model.analytic import activation_dtype_bytes, model_state_bytes, tensor_parallel_rank_spec
 from model.compose import PEAK_PHASES, compose, layer_values
 
 #: model families whose decoder layers follow the Llama-style tensor-parallel plan of
@@ -55,55 +55,6 @@ _HEAD_GRAD_PHASES = ("bwd.head", "bwd.layers", "bwd.emb", "opt")
 _GRAD_ACCUM_PHASES = ("fwd.layers", "fwd.head", "bwd.head", "bwd.layers")
 #: phases in which the embedding's gradient exists in a traced step
 _EMB_GRAD_PHASES = ("bwd.emb", "opt")
-
-
-def replicated_params(model: ModelSpec) -> int:
-    """Parameters every tensor-parallel rank holds whole: the norm weights, two per decoder layer plus
-    the final norm, ``hidden_size`` each (Llama-style RMSNorm)."""
-    return (2 * model.num_layers + 1) * model.hidden_size
-
-
-def tensor_parallel_rank_spec(model: ModelSpec, training: TrainingConfig) -> ModelSpec:
-    """``model`` with the parameter counts one tensor-parallel rank holds (the spec itself when tp = 1).
-
-    The decoder linears count as the rank's Megatron shards (:func:`model.analytic.decoder_linear_shapes`: q/k/v
-    and gate/up split by output, o/down by input, at least one KV head per rank, so replicated KV heads are
-    counted on every rank); :func:`replicated_params` (the norms) are held whole; everything else (embedding and
-    head by vocabulary, biases, further experts) is split over the ``tp`` ranks, rank 0 holding the ceiling.
-    Trainable parameters split in the same proportion as the total.
-    """
-    tp = training.tensor_parallel_size
-    if tp == 1:
-        return model
-    L = model.num_layers
-    full = sum(o * i for o, i in decoder_linear_shapes(model)) * L
-    shard = sum(o * i for o, i in decoder_linear_shapes(model, tp)) * L
-    rep = min(replicated_params(model), model.total_params)
-    if full > model.total_params - rep:  # shapes beyond the spec's own count (a hand-written spec): split evenly
-        full = shard = 0
-    total = rep + shard + -(-(model.total_params - rep - full) // tp)
-    trainable = min(total, -(-model.trainable_params * total // model.total_params))
-    return model.model_copy(update={"total_params": total, "trainable_params": trainable})
-
-
-def expert_parallel_rank_spec(model: ModelSpec, training: TrainingConfig) -> ModelSpec:
-    """``model`` with the parameter counts one expert-parallel rank holds, from the shapes alone (the spec
-    itself without experts or with ``expert_parallel_size`` 1).
-
-    A rank holds ``num_layers · num_experts / P`` routed experts (:func:`model.analytic.routed_expert_params`)
-    plus everything else; trainable parameters shrink in
-    proportion under full fine-tuning and stay as given otherwise (LoRA adapters are not on the experts by
-    default). :func:`model.curve.expert_parallel_rank` counts the same thing exactly on a meta build when the
-    HF config is known.
-    """
-    ep = training.expert_parallel_size
-    if ep == 1 or not model.num_experts:
-        return model
-    experts = routed_expert_params(model, model.num_experts)
-    total = model.total_params - experts + -(-experts // ep)
-    full = model.trainable_params >= model.total_params
-    trainable = total if full else min(model.trainable_params, total)
-    return model.model_copy(update={"total_params": total, "trainable_params": trainable})
 
 
 def stage_layer_counts(num_layers: int, pipeline_parallel_size: int) -> list[int]:

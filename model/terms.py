@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit.schema import Attention, FineTune, ModelSpec, Optimizer, Quantization, Sharding, TrainingConfig
+from model.frozen import base_training, frozen
+from model.frozen import not_composable_reason as frozen_not_composable_reason
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "terms"
 #: ``{"keys": {stored key: terms_key}}`` for the shipped lines keyed before the config was canonicalised
@@ -89,9 +91,7 @@ def not_traceable_reason(
         if ep > 1 and model.num_experts // ep < (model.num_experts_per_token or 1):
             return "expert parallelism with fewer local experts than the top-k is not traced"
     if training.finetune is FineTune.FROZEN:  # not traced itself: composed from its full fine-tune base
-        from model.frozen import not_composable_reason
-
-        return not_composable_reason(model, training, hf_config) or (
+        return frozen_not_composable_reason(model, training, hf_config) or (
             "frozen fine-tuning is composed from the traced full fine-tune of its trainable layers "
             "(model.frozen), which has no composed phases here (not traced yet)"
         )
@@ -282,3 +282,11 @@ class TermsCache:
                 except sa.exc.IntegrityError:
                     return False
         return True
+
+
+def base_terms_key(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> str | None:
+    """The traced-terms key (:func:`model.terms.terms_key`) a frozen configuration is composed from: the full
+    fine-tune of the same HF config (its terms compose any depth); None when not frozen or not composable."""
+    if not frozen(training) or frozen_not_composable_reason(model, training, hf_config) is not None:
+        return None
+    return terms_key(hf_config, base_training(training))

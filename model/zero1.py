@@ -126,14 +126,13 @@ class TrainableParameters:
 def _trainable_parameters(hf_config_json: str, training_json: str) -> TrainableParameters:
     import torch
 
-    from memfit.hf import build_causal_lm, decoder_layers, quiet_transformers
-    from training.collect import _apply_finetune, param_dtype
+    from memfit.hf import apply_finetune, build_causal_lm, decoder_layers, param_dtype, quiet_transformers
 
     hf_config = json.loads(hf_config_json)
     training = TrainingConfig.model_validate_json(training_json)
     with quiet_transformers(), torch.device("meta"):
         model = build_causal_lm(hf_config, dtype=param_dtype(training.precision))
-        model = _apply_finetune(model, training, decoder_layers(model))
+        model = apply_finetune(model, training, decoder_layers(model))
     master = training.precision is Precision.BF16_FP32_MASTER
     params = [p for p in model.parameters() if p.requires_grad]
     return TrainableParameters(
@@ -144,7 +143,7 @@ def _trainable_parameters(hf_config_json: str, training_json: str) -> TrainableP
 
 def trainable_parameters(hf_config: dict[str, Any], training: TrainingConfig) -> TrainableParameters:
     """The trainable parameters of ``hf_config`` under ``training``'s fine-tuning (LoRA adapters from PEFT,
-    frozen layers) from a meta-device build as the collector builds it (``training.collect._apply_finetune``);
+    frozen layers) from a meta-device build as the collector builds it (``memfit.hf.apply_finetune``);
     memoised per (config, fine-tuning, precision)."""
     key = TrainingConfig.model_validate(
         {

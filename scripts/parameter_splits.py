@@ -11,9 +11,9 @@ import json
 from importlib.metadata import version
 
 from data import catalog
+from data.reduced_moe import REDUCED_MOE
+from memfit.hf import local_expert_config, num_routed_experts
 from model.coefficients import PARAMETER_SPLITS_PATH, _parameter_split, parameter_split_key
-from training.moe import local_expert_config, num_routed_experts
-from training.moe_telemetry import REDUCED_MOE
 
 if __name__ == "__main__":
     configs = [catalog.get(name)["hf_config"] for name in catalog.names()] + list(REDUCED_MOE.values())

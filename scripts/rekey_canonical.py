@@ -5,7 +5,7 @@ given, less a few provenance keys, so a model given as its published ``config.js
 serialised in full (``memfit.describe()``) had different keys. :func:`model.terms.canonical_config` now keys on
 :func:`memfit.hf.canonical_hf_config`. This script:
 
-* recomputes every shipped terms line's key from its model's config (:func:`training.terms.hf_config_of` of its
+* recomputes every shipped terms line's key from its model's config (:func:`data.catalog.hf_config_of` of its
   ``model_name``) and its ``training`` fields, and writes the stored key -> new key map
   ``data/terms/canonical_keys.json`` (the lines themselves are left as they are: rewriting them would rewrite
   about 4 MB for 64 characters a line);
@@ -28,10 +28,10 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+from data.catalog import hf_config_of
 from memfit.schema import TrainingConfig
 from model.coefficients import PARAMETER_SPLITS_PATH, parameter_split_key
 from model.terms import CANONICAL_KEYS_NAME, SHIPPED_DIR, TermsCache, entry_key, key_training_fields, terms_key
-from training.terms import hf_config_of
 
 TESTS_DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 #: the keys the pre-canonical key dropped (model/terms.py before issue 28.6), to find the old parameter-split keys
@@ -72,8 +72,8 @@ def _legacy_split_key(cfg: dict) -> str:
 def write_canonical_configs() -> int:
     """Write the snapshot of the catalog's and the reduced MoE models' canonical configs; returns its entries."""
     from data import catalog
+    from data.reduced_moe import REDUCED_MOE
     from memfit.hf import CANONICAL_CONFIGS_PATH, canonical_snapshot_entry
-    from training.moe_telemetry import REDUCED_MOE
 
     configs = [catalog.get(name)["hf_config"] for name in catalog.names()] + list(REDUCED_MOE.values())
     entries = dict(canonical_snapshot_entry(c) for c in configs)
@@ -118,8 +118,8 @@ def rekey_terms() -> tuple[int, int]:
 def rekey_splits() -> int:
     """Re-key the parameter-split snapshot; returns the entries re-keyed."""
     from data import catalog
-    from training.moe import local_expert_config, num_routed_experts
-    from training.moe_telemetry import REDUCED_MOE
+    from data.reduced_moe import REDUCED_MOE
+    from memfit.hf import local_expert_config, num_routed_experts
 
     snapshot = json.loads(PARAMETER_SPLITS_PATH.read_text())
     configs = [catalog.get(name)["hf_config"] for name in catalog.names()] + list(REDUCED_MOE.values())

@@ -147,8 +147,7 @@ def test_expert_parallel_with_zero3_shards_the_experts_only_over_their_replicas(
     nothing fits; over 8 GPUs the experts are sharded in two."""
     from data import catalog
     from memfit.schema import TrainingConfig
-    from model.analytic import model_state_bytes
-    from model.parallel import expert_parallel_rank_spec
+    from model.analytic import expert_parallel_rank_spec, model_state_bytes
 
     spec = catalog.spec("mixtral-8x7b")
     experts = 32 * 8 * 3 * 4096 * 14336

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from memfit.api import RecommendRequest
-from model.parallel import replicated_params
+from model.analytic import replicated_params
 from model.registry import Registry
 from service.recommender import Recommender, resolve_model
 

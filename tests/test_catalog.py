@@ -142,6 +142,18 @@ def test_peft_lora_target_snapshot_is_peft_mapping():
     assert peft_default_lora_targets("no-such-model-type") is None
 
 
+def test_catalog_layers_snapshot_matches_the_catalog():
+    # the client's fallback plan reads layer counts from memfit/catalog_layers.json (the wheel ships no data/); it
+    # must be the catalog's: after changing data/architectures, run `python scripts/catalog_layers.py`
+    from memfit.hf import CATALOG_LAYERS_PATH, catalog_num_layers
+    from scripts.catalog_layers import snapshot
+
+    assert json.loads(CATALOG_LAYERS_PATH.read_text()) == snapshot()
+    assert len(snapshot()["num_layers"]) == len(catalog.load_catalog()) == 196
+    assert catalog_num_layers("llama-3-8b") == 32 and catalog_num_layers("Meta-Llama/Meta-Llama-3-8B") == 32
+    assert catalog_num_layers("gpt2") == 12 and catalog_num_layers("my-private-model") is None
+
+
 def test_lora_target_shapes_snapshot_matches_meta_builds():
     # memfit reads the LoRA matrices' shapes of catalog architectures from a snapshot (the meta build imports
     # transformers' model code: ~4 s of a 16 s CLI answer); it must be this transformers' build: after a transformers

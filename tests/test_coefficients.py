@@ -393,8 +393,8 @@ def test_parameter_split_snapshot_covers_the_catalog_and_matches_meta_builds():
     snapshot = _parameter_splits_snapshot()
     names = catalog.names()
     assert all(parameter_split_key(catalog.get(n)["hf_config"]) in snapshot for n in names)
-    from training.moe import local_expert_config
-    from training.moe_telemetry import REDUCED_MOE
+    from data.reduced_moe import REDUCED_MOE
+    from memfit.hf import local_expert_config
 
     assert all(parameter_split_key(local_expert_config(cfg, 4)) in snapshot for cfg in REDUCED_MOE.values())
     misses = _parameter_split.cache_info().misses

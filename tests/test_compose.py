@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from data import catalog
+from data.catalog import hf_config_of
 from model.compose import compose, compose_terms
 from model.terms import SHIPPED_DIR
-from training.terms import hf_config_of
 
 
 def _entries() -> list[dict]:

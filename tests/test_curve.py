@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 
 from data import catalog
+from data.catalog import hf_config_of
 from memfit.api import PredictItem, RecommendRequest
 from memfit.errors import UnknownModel
 from memfit.schema import FineTune, TrainingConfig
-from model.analytic import model_state_bytes
+from model.analytic import model_state_bytes, tensor_parallel_rank_spec
 from model.curve import PROVISIONAL, TRACED, MemoryPredictor
-from model.parallel import tensor_parallel_rank_spec
 from model.terms import SHIPPED_DIR, TermsCache, key_training_fields, terms_key
 from service.recommender import Recommender, lora_trainable_params
-from training.terms import hf_config_of
 
 GIB = 1 << 30
 

@@ -9,8 +9,7 @@ import pandas as pd
 import pytest
 
 from memfit.schema import TelemetryRecord
-from model.analytic import model_state_bytes
-from model.parallel import tensor_parallel_rank_spec
+from model.analytic import model_state_bytes, tensor_parallel_rank_spec
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
 GIB = 1 << 30

@@ -12,12 +12,13 @@ pytest.importorskip("transformers")
 import torch
 
 from memfit.errors import InvalidConfiguration
+from memfit.hf import local_expert_config
 from memfit.schema import TrainingConfig, check_moe_settings
 from model.compose import compose
 from model.terms import not_traceable_reason
 from tests.moe_configs import TINY_MOE
 from training.collect import measure, measure_family
-from training.moe import balanced_expert_index, local_expert_config, received_token_rows
+from training.moe import balanced_expert_index, received_token_rows
 from training.phases import trace_terms
 
 

@@ -10,13 +10,13 @@ from memfit.api import TrainingIn
 from memfit.errors import InvalidConfiguration
 from memfit.hf import model_spec
 from memfit.schema import TrainingConfig
+from model.analytic import tensor_parallel_rank_spec
 from model.parallel import (
     compose_stage,
     micro_batches_in_flight,
     pipeline_stages,
     ring_attention_bytes,
     stage_layer_counts,
-    tensor_parallel_rank_spec,
 )
 
 TINY = {

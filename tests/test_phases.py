@@ -13,6 +13,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from data import catalog
+from memfit.hf import small_config
 from memfit.schema import TrainingConfig
 from model.compose import PEAK_PHASES, compose, compose_terms
 from training.collect import measure_family
@@ -21,7 +22,6 @@ from training.phases import (
     envelope_pieces,
     linear_token_points,
     micro_batch_one_on_fit,
-    small_config,
     timeline_on_fit,
     token_points,
     trace_terms,
@@ -338,7 +338,7 @@ def test_small_config_cuts_per_layer_lists():
 
 
 def test_layer_period():
-    from training.phases import layer_period
+    from memfit.hf import layer_period
 
     assert layer_period(small_width("llama-3-8b")) == 1
     assert layer_period(small_width("gemma-2-2b")) == 2

@@ -12,8 +12,12 @@ import pytest
 
 from memfit.api import RecommendRequest
 from memfit.schema import ModelSpec, Quantization, TrainingConfig
-from model.analytic import decoder_linear_shapes, quantized_base_bytes, quantized_linear_bytes
-from model.parallel import tensor_parallel_rank_spec
+from model.analytic import (
+    decoder_linear_shapes,
+    quantized_base_bytes,
+    quantized_linear_bytes,
+    tensor_parallel_rank_spec,
+)
 from model.registry import Registry
 from service.recommender import Recommender, resolve_model
 

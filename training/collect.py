@@ -51,12 +51,20 @@ from typing import Any
 import torch
 
 from memfit.checkpointing import apply_activation_checkpointing
-from memfit.hf import build_causal_lm, decoder_layers, model_spec, peft_default_lora_targets, quiet_transformers
+from memfit.hf import (
+    apply_finetune,
+    build_causal_lm,
+    decoder_layers,
+    local_expert_config,
+    model_spec,
+    num_routed_experts,
+    param_dtype,
+    quiet_transformers,
+)
 from memfit.schema import (
     Attention,
     CheckpointImpl,
     ClusterSpec,
-    FineTune,
     Measurement,
     Method,
     Offload,
@@ -79,11 +87,6 @@ _FSDP_RESHARD = {
     Sharding.ZERO2: False,
     Sharding.FSDP_SHARD_GRAD_OP: False,
 }
-
-
-def param_dtype(precision: Precision) -> torch.dtype:
-    """dtype the model's parameters are stored in."""
-    return torch.bfloat16 if precision in (Precision.BF16, Precision.BF16_FP32_MASTER) else torch.float32
 
 
 class MasterWeightsOptimizer:
@@ -211,57 +214,6 @@ def _mesh_bookkeeping_outside_modes():
         yield
     finally:
         DeviceMesh._concatenate = staticmethod(original)
-
-
-def _apply_finetune(model, training: TrainingConfig, layers) -> Any:
-    if training.finetune is FineTune.LORA:
-        from peft import LoraConfig, get_peft_model
-
-        # PEFT's default targets, passed explicitly: PEFT 0.21 under transformers 5 leaves them an empty set for
-        # Mixtral (NoMatchingPeftModuleError) though its mapping has q_proj, v_proj; for the other families the
-        # explicit list adapts the same modules
-        targets = training.lora_target_modules or peft_default_lora_targets(model.config.model_type)
-        cfg = LoraConfig(
-            r=training.lora_rank,
-            lora_alpha=2 * training.lora_rank,
-            lora_dropout=0.0,
-            target_modules=targets,
-            task_type="CAUSAL_LM",
-        )
-        with _module_to_via_set_data():
-            return get_peft_model(model, cfg)
-    if training.finetune is FineTune.FROZEN:
-        model.get_input_embeddings().requires_grad_(False)
-        for layer in list(layers)[: training.frozen_layers]:
-            layer.requires_grad_(False)
-    return model
-
-
-@contextlib.contextmanager
-def _module_to_via_set_data():
-    """Make ``nn.Module.to`` convert parameters through ``.data`` assignment.
-
-    ``Module._apply`` swaps fake parameters with ``torch.utils.swap_tensors``, which refuses tensors
-    that have weak references (the fake mode keeps some), so PEFT's ``module.to(device, dtype)`` of new
-    adapters fails under ``FakeTensorMode``. Assigning ``.data`` keeps the same Parameter objects and
-    allocates what the real conversion would.
-    """
-    orig = torch.nn.Module.to
-
-    def to(self, *args, **kwargs):
-        device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
-        with torch.no_grad():
-            for t in [*self.parameters(), *self.buffers()]:
-                want = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else t.dtype
-                if (device is not None and t.device != device) or want != t.dtype:
-                    t.data = t.data.to(device or t.device, want)
-        return self
-
-    torch.nn.Module.to = to
-    try:
-        yield
-    finally:
-        torch.nn.Module.to = orig
 
 
 def checkpoint_as_applied(model, layers, chosen: list[int], use_reentrant: bool):
@@ -548,7 +500,7 @@ def prepared_model(
         raise ValueError(
             f"seq_len={training.seq_len} exceeds this model's learned position embeddings: allowed 1..{limit}"
         )
-    from training.moe import balanced_routing, local_expert_config, num_routed_experts
+    from training.moe import balanced_routing
 
     num_experts = num_routed_experts(hf_config)
     ep = training.expert_parallel_size
@@ -599,7 +551,7 @@ def prepared_model(
             half = _HALF.get(training.precision, param_dtype(training.precision))
             quantize_base_linears(model, training.quantization, storage_dtype=half, compute_dtype=half)
         layers = decoder_layers(model)
-        model = _apply_finetune(model, training, layers)
+        model = apply_finetune(model, training, layers)
         spec = model_spec(built_config, model, name=model_name)  # counts include LoRA adapters
         if ep > 1:  # the record describes the whole model (all experts), as a user would give it
             from memfit.hf import count_params_from_config

@@ -22,14 +22,10 @@ all-to-all dispatch delivers to the hottest rank are stood in for by a gather of
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from typing import Any
 
 import torch
-
-#: HF config keys holding the number of routed experts, per family (Mixtral; Qwen-MoE/OLMoE; DeepSeek)
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def expert_modules(model) -> list[torch.nn.Module]:
@@ -89,34 +85,6 @@ def received_token_rows(
     the per-expert token counts of the rank's local experts.
     """
     return math.ceil(num_tokens * (1 + (imbalance_factor - 1) * expert_parallel_size / num_experts) - 1e-9)
-
-
-def num_routed_experts(hf_config: dict[str, Any]) -> int | None:
-    """Routed experts per MoE layer from a HF config dict (None for a dense model)."""
-    for key in EXPERT_COUNT_KEYS:
-        v = hf_config.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
-
-
-def local_expert_config(hf_config: dict[str, Any], expert_parallel_size: int) -> dict[str, Any]:
-    """The config of one expert-parallel rank's shard: ``num_experts / expert_parallel_size`` experts.
-
-    Raises:
-        ValueError: a dense config, or ``expert_parallel_size`` not dividing the experts, or a local shard
-            with fewer experts than the top-k.
-    """
-    E = num_routed_experts(hf_config)
-    if E is None:
-        raise ValueError("expert_parallel_size > 1 needs an MoE model (num_experts)")
-    if E % expert_parallel_size:
-        raise ValueError(f"expert_parallel_size={expert_parallel_size} must divide num_experts={E}")
-    out = copy.deepcopy(hf_config)
-    for key in EXPERT_COUNT_KEYS:
-        if key in out:
-            out[key] = E // expert_parallel_size
-    return out
 
 
 @contextlib.contextmanager

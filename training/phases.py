@@ -31,7 +31,6 @@ explicit mask takes three steps per variant instead of five (:func:`linear_token
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import json
 import logging
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit.hf import layer_period, small_config
 from memfit.schema import CheckpointImpl, Offload, Sharding, TrainingConfig
 from model.compose import BASIS_NAMES, PHASES, token_basis
 from training.collect import _prime_optimizer, checkpoint_as_applied, close_optimizer, max_seq_len, prepared_model
@@ -179,43 +179,6 @@ def micro_batch_one_on_fit(
     folded = np.zeros((theta.shape[0], len(kept)))
     folded[0], folded[2], folded[4] = theta[0, kept], theta[1, kept] + theta[2, kept], theta[3, kept] + theta[4, kept]
     return folded
-
-
-def small_config(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """The same config with ``num_layers`` decoder layers: per-layer lists such as ``layer_types`` cut, or
-    repeated cyclically where the small model is deeper than the model itself (a 2-layer model traced at 3)."""
-    from memfit.hf import spec_fields_from_hf_config
-
-    L = spec_fields_from_hf_config(hf_config)["num_layers"]
-    out = copy.deepcopy(hf_config)
-    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
-        if key in out:
-            out[key] = num_layers
-    for key, value in hf_config.items():
-        if isinstance(value, list) and len(value) == L and key != "architectures":
-            out[key] = [value[i % L] for i in range(num_layers)]
-    if isinstance(hf_config.get("attention_types"), list):  # GPT-Neo: [[pattern, repeats], ...]
-        per_layer = [t for pattern, repeats in hf_config["attention_types"] for _ in range(repeats) for t in pattern]
-        out["attention_types"] = [[[per_layer[i % len(per_layer)]], 1] for i in range(num_layers)]
-    return out
-
-
-def layer_period(hf_config: dict[str, Any]) -> int:
-    """Length of the repeating pattern of decoder-layer types (1 when all layers are alike).
-
-    Read from the built HF config's ``layer_types`` (Gemma-2/3, Qwen2 sliding-window, ...) or
-    ``attention_layers`` (GPT-Neo); capped at 4.
-    """
-    from memfit.hf import _hf_config
-
-    conf = _hf_config(hf_config)
-    types = getattr(conf, "layer_types", None) or getattr(conf, "attention_layers", None)
-    if not types or len(set(types)) == 1:
-        return 1
-    for p in range(1, 5):
-        if all(t == types[i % p] for i, t in enumerate(types)):
-            return p
-    return 4
 
 
 #: the fewest decoder layers of the smaller traced model: the bottom layer is not like the others, so the

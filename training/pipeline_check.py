@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from memfit.checkpointing import apply_activation_checkpointing
-from memfit.hf import build_causal_lm, decoder_layers
+from memfit.hf import build_causal_lm, decoder_layers, param_dtype
 from memfit.schema import TrainingConfig
 from model.parallel import pipeline_stages
-from training.collect import make_optimizer, param_dtype
+from training.collect import make_optimizer
 from training.tracker import LiveStorageTracker
 
 

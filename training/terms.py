@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from data import catalog
-from memfit.errors import UnknownModel
+from data.catalog import hf_config_of
 from memfit.schema import FineTune, ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
-from model.terms import entry_key, not_traceable_reason, shipped_keys, terms_key, training_key_fields
+from model.terms import base_terms_key, entry_key, not_traceable_reason, shipped_keys, terms_key, training_key_fields
 
 #: the settings a request gets when it says nothing (memfit.api defaults), traced for every catalog model
 DEFAULT_SETTINGS = [
@@ -28,19 +28,6 @@ DEFAULT_SETTINGS = [
     {"precision": Precision.BF16, "optimizer": Optimizer.ADAMW_FOREACH},
     {"precision": Precision.AMP_BF16, "optimizer": Optimizer.ADAMW_FUSED},
 ]
-
-
-def hf_config_of(model_name: str | None) -> dict[str, Any] | None:
-    """The HF config of a telemetry row's model: the catalog's, else the reduced-width MoE model's the row was
-    collected on (:data:`training.moe_telemetry.REDUCED_MOE`), else None (a user upload of another model)."""
-    if model_name is None:
-        return None
-    try:
-        return catalog.get(model_name)["hf_config"]
-    except UnknownModel:
-        from training.moe_telemetry import REDUCED_MOE
-
-        return REDUCED_MOE.get(model_name)
 
 
 def jobs_from_telemetry(path: str | Path) -> list[tuple[str, TrainingConfig]]:
@@ -73,7 +60,7 @@ def traced_training(model: ModelSpec, training: TrainingConfig, hf_config: dict[
 
     if not_traceable_reason(model, training, hf_config) is None:
         return training
-    if frozen.base_terms_key(model, training, hf_config) is not None:
+    if base_terms_key(model, training, hf_config) is not None:
         return frozen.base_training(training)
     if training.sharding is Sharding.ZERO1 and zero1.not_composable_reason(training) is None:
         base = zero1.base_training(training)

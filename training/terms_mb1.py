@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from data.catalog import hf_config_of
 from memfit.schema import TrainingConfig
 from model.terms import entry_key, key_training_fields, shipped_keys, terms_key
-from training.terms import hf_config_of, shard_spec
+from training.terms import shard_spec
 
 
 def entry_training(entry: dict[str, Any]) -> TrainingConfig:
