@@ -22,7 +22,7 @@ import json
 import math
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -108,8 +108,10 @@ def implausibility(rec: TelemetryRecord) -> str | None:
     * a ``cuda`` reserved peak below the allocated peak (the caching allocator reserves what it allocates);
     * a non-finite number anywhere (``step_time_s`` of Infinity, NaN);
     * a parameter count more than 2x outside :func:`parameter_bounds` of the shapes;
-    * a broken physics rule of :func:`model.plausibility.physics_violation` (a peak below the resident
-      weights or the init/forward snapshots, ``recomputed_layers`` above L, a step time of 0).
+    The physics rules (a peak below the resident weights or the init/forward snapshots, ``recomputed_layers``
+    above L, a step time of 0) need the predictor's model-state count, a layer above this one: the store applies
+    them through its ``physics`` argument (:func:`model.plausibility.telemetry_store` passes
+    :func:`model.plausibility.physics_violation`).
     """
     m, dev = rec.measurement, rec.cluster.device_memory_bytes
     lower, upper = parameter_bounds(rec)
@@ -135,9 +137,7 @@ def implausibility(rec: TelemetryRecord) -> str | None:
                 f"peak_reserved_bytes={m.peak_reserved_bytes} is below peak_allocated_bytes="
                 f"{m.peak_allocated_bytes}: the caching allocator reserves at least what it allocates"
             )
-    from model.plausibility import physics_violation
-
-    return physics_violation(rec)
+    return None
 
 
 @dataclass
@@ -161,13 +161,24 @@ class TelemetryStore:
         url: SQLAlchemy URL; default ``sqlite:///data/telemetry.db``. SQLite gets WAL journaling.
         busy_timeout_s: how long a write waits for a locked SQLite database before
             :class:`memfit.errors.StoreBusy`.
+        physics: further rules a record must obey before it is stored, after :func:`implausibility`: the
+            reason it breaks one, or None (quarantined like an implausible record). Every writer opens the store
+            through :func:`model.plausibility.telemetry_store`, which passes the physics rules; None here
+            (readers) checks only the rules of :func:`implausibility`.
 
     Raises:
         OSError / sqlalchemy.exc.OperationalError: the database cannot be created or opened for writing.
     """
 
-    def __init__(self, url: str | None = None, *, busy_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        busy_timeout_s: float = 2.0,
+        physics: Callable[[TelemetryRecord], str | None] | None = None,
+    ) -> None:
         self.url = url or DEFAULT_URL
+        self.physics = physics
         self.busy_timeout_s = busy_timeout_s
         if self.url.startswith("sqlite:///") and self.url != "sqlite:///:memory:":
             Path(self.url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -235,7 +246,7 @@ class TelemetryStore:
                 rid = item.get("record_id") if isinstance(item, dict) else None
                 report.rejected.append({"index": index, "record_id": rid, "reason": _reason(err)})
                 continue
-            why = implausibility(rec)
+            why = implausibility(rec) or (self.physics(rec) if self.physics is not None else None)
             if why is not None:
                 held.append((index, rec, why))
                 continue

@@ -1,5 +1,5 @@
 """Physics a telemetry record must obey before it is stored (issue 30): a measurement that breaks one of
-these rules cannot be real and is quarantined with the reason by :func:`data.store.implausibility`.
+these rules cannot be real and is quarantined with the reason by the store :func:`telemetry_store` opens.
 
 Rules (``rec`` a :class:`memfit.schema.TelemetryRecord`, bytes per device):
 
@@ -15,6 +15,7 @@ Rules (``rec`` a :class:`memfit.schema.TelemetryRecord`, bytes per device):
 
 from __future__ import annotations
 
+from data.store import TelemetryStore
 from memfit.schema import TelemetryRecord
 
 FLOOR_SLACK = 0.9  # shipped rows: lowest peak is 1.087x the estimate; 10 % slack (tied embeddings, shape overcount)
@@ -48,3 +49,13 @@ def physics_violation(rec: TelemetryRecord) -> str | None:
                 "window that holds that moment"
             )
     return None
+
+
+def telemetry_store(url: str | None = None, **kwargs) -> TelemetryStore:
+    """The telemetry store every writer opens: :class:`data.store.TelemetryStore` at ``url`` (its default when
+    None) with :func:`physics_violation` as its ``physics`` rules; ``kwargs`` go to the store (``busy_timeout_s``).
+
+    Raises:
+        OSError / sqlalchemy.exc.OperationalError: as :class:`data.store.TelemetryStore`.
+    """
+    return TelemetryStore(url, physics=physics_violation, **kwargs)

@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from prometheus_fastapi_instrumentator import Instrumentator
 
 from data.store import TelemetryStore
+from model.plausibility import telemetry_store
 from model.registry import Registry
 from model.terms import TermsCache
 from service import errors
@@ -48,7 +49,7 @@ def open_store(settings: Settings) -> tuple[TelemetryStore | None, str | None]:
         if not os.access(where, os.W_OK) or (path.exists() and not os.access(path.parent, os.W_OK)):
             return None, "the data directory is not writable"
     try:
-        return TelemetryStore(url, busy_timeout_s=settings.sqlite_busy_timeout_s), None
+        return telemetry_store(url, busy_timeout_s=settings.sqlite_busy_timeout_s), None
     except Exception as err:  # noqa: BLE001 - any failure to open for writing means read-only, not a crash
         log.error("telemetry store unavailable, serving read-only: %s: %s", type(err).__name__, err)
         return None, f"the telemetry store cannot be opened ({type(err).__name__})"

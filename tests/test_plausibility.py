@@ -9,8 +9,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from data.store import TelemetryStore, implausibility
+from data.store import implausibility
 from memfit.schema import TelemetryRecord
+from model.plausibility import physics_violation, telemetry_store
 
 PARQUET = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
 GB = 10**9
@@ -66,7 +67,7 @@ CASES = {  # the 15 implausible method=cuda records of issue 30: changes to a re
 
 
 def test_fifteen_implausible_cuda_records_are_quarantined_with_reasons(real_1b, tmp_path):
-    store = TelemetryStore(f"sqlite:///{tmp_path}/t.db")
+    store = telemetry_store(f"sqlite:///{tmp_path}/t.db")
     bad = [{**real_1b, **change, "record_id": f"bad{i:02d}xxx"} for i, (change, _) in enumerate(CASES.values())]
     rep = store.add([real_1b, *bad])
     assert rep.stored == [real_1b["record_id"]] and not rep.rejected
@@ -87,13 +88,14 @@ def test_oom_row_may_exceed_nothing_but_is_exempt_from_the_floor(real_1b):
             "oom": True,
         }
     )
-    assert implausibility(rec) is None
+    assert implausibility(rec) is None and physics_violation(rec) is None
 
 
 def test_shipped_telemetry_passes(shipped):
     """All 15,168 shipped rows (about 1.5 s)."""
     for row in _rows(shipped):
-        assert implausibility(TelemetryRecord.from_row(row)) is None, row["record_id"]
+        rec = TelemetryRecord.from_row(row)
+        assert implausibility(rec) is None and physics_violation(rec) is None, row["record_id"]
 
 
 def test_long_rope_models_say_why_they_are_not_traced():

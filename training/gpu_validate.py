@@ -155,13 +155,13 @@ def ingest(in_dir: Path, db: str | None = None) -> dict[str, int]:
     Raises:
         FileNotFoundError: the folder holds none of :data:`CUDA_RECORD_FILES`.
     """
-    from data.store import TelemetryStore
+    from model.plausibility import telemetry_store
 
     paths = [in_dir / name for name in CUDA_RECORD_FILES if (in_dir / name).is_file()]
     if not paths:
         raise FileNotFoundError(f"{in_dir}: none of {', '.join(CUDA_RECORD_FILES)}")
     lines = [line for path in paths for line in path.read_text().splitlines()]
-    rep = TelemetryStore(db).add(json.loads(line) for line in lines if line.strip())
+    rep = telemetry_store(db).add(json.loads(line) for line in lines if line.strip())
     for r in rep.rejected:
         print(f"rejected: {r}", file=sys.stderr)
     # a re-measurement of the same (family, k) has the same record id and other figures: quarantined as a conflict

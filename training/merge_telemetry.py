@@ -36,10 +36,10 @@ def merge(into: Path, inputs: list[Path], *, write: bool = True, allow_held: boo
         ValueError: an input with an unsupported suffix or a malformed JSON line (from
             :func:`data.store.read_rows`).
     """
-    from data.store import TelemetryStore
+    from model.plausibility import telemetry_store
 
     with tempfile.TemporaryDirectory() as tmp:
-        store = TelemetryStore(f"sqlite:///{Path(tmp) / 'merge.db'}")
+        store = telemetry_store(f"sqlite:///{Path(tmp) / 'merge.db'}")
         base = store.import_file(into) if into.exists() else None
         if base is not None and (base.rejected or base.quarantined):
             raise ValueError(

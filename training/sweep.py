@@ -937,7 +937,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     from data import catalog
-    from data.store import TelemetryStore
+    from model.plausibility import telemetry_store
 
     if a.workers < 1:
         print("error: --workers must be >= 1", file=sys.stderr)
@@ -984,7 +984,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.plan:
         _print_plan(plan, a.workers, skip, a.budget_s)
         return 0
-    store = TelemetryStore(a.db)
+    store = telemetry_store(a.db)
     sink = JsonlSink(a.jsonl) if a.jsonl else None
     summary = run_sweep(
         families,
