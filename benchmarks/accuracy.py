@@ -185,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.jobs < 1:
         p.error(f"--jobs must be >= 1, got {a.jobs}")
 
-    from model.coefficients import CoefficientModel, shipped_entries
+    from model.coefficients import CoefficientModel
     from model.estimator import PeakMemoryRegressor
-    from model.terms import TermsCache
+    from model.terms import TermsCache, shipped_entries
 
     try:
         params = json.loads(a.params)

@@ -525,17 +525,6 @@ def pieces_to_coef(pieces: np.ndarray) -> dict[str, dict[str, list[list[float]]]
     return coef
 
 
-def shipped_entries(directory: str | Path | None = None) -> list[dict[str, Any]]:
-    """The shipped terms entries (``data/terms/*.jsonl``, one JSON object per line with ``key``,
-    ``model_name``, ``training`` and ``terms``), in file order."""
-    from model.terms import SHIPPED_DIR
-
-    out = []
-    for path in sorted(Path(directory or SHIPPED_DIR).glob("*.jsonl")):
-        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return out
-
-
 def entry_configuration(entry: dict[str, Any]) -> tuple[ModelSpec, TrainingConfig, dict[str, Any]]:
     """(ModelSpec, TrainingConfig, HF config) of a shipped terms entry, by ``model_name``: a catalog
     architecture (published parameter count) or a reduced MoE model (:func:`data.catalog.hf_config_of`,

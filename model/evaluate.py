@@ -643,7 +643,7 @@ class CurveEstimator:
 
     def _entries(self) -> Sequence[dict[str, Any]]:
         if self.coefficient_entries is None:
-            from model.coefficients import shipped_entries
+            from model.terms import shipped_entries
 
             self.coefficient_entries = shipped_entries()
         return self.coefficient_entries

@@ -216,6 +216,37 @@ def entry_key(entry: dict[str, Any], keys: dict[str, str]) -> str:
     return keys.get(entry["key"], entry["key"])
 
 
+def shipped_entries(folder: Path | None = SHIPPED_DIR) -> list[dict[str, Any]]:
+    """Every line of the shipped terms files (``folder/*.jsonl``: ``key``, ``model_name``, ``training``,
+    ``terms``), files in name order, each line once; ``key`` is read through :func:`shipped_keys`.
+
+    A file's name says what it holds; no file takes precedence over another, so a key must not be shipped twice
+    with different terms.
+
+    Raises:
+        ValueError: two lines share a key and disagree on the terms (names both files).
+    """
+    if not folder or not Path(folder).is_dir():
+        return []
+    keys, seen, out = shipped_keys(folder), {}, []
+    for path in sorted(Path(folder).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            entry = json.loads(line)
+            key = entry["key"] = entry_key(entry, keys)
+            if key in seen:
+                first_path, first_terms = seen[key]
+                if first_terms != entry["terms"]:
+                    raise ValueError(
+                        f"terms key {key} is shipped twice with different terms: {first_path.name} and {path.name}"
+                    )
+                continue
+            seen[key] = (path, entry["terms"])
+            out.append(entry)
+    return out
+
+
 class TermsCache:
     """Traced terms by :func:`terms_key`: shipped JSONL files plus an optional database table.
 
@@ -228,12 +259,8 @@ class TermsCache:
 
     def __init__(self, url: str | None = None, shipped_dir: Path | None = SHIPPED_DIR) -> None:
         self._mem: dict[str, dict[str, Any]] = {}
-        keys = shipped_keys(shipped_dir)
-        for path in sorted(Path(shipped_dir).glob("*.jsonl")) if shipped_dir and Path(shipped_dir).is_dir() else []:
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    entry = json.loads(line)
-                    self._mem.setdefault(entry_key(entry, keys), entry["terms"])
+        for entry in shipped_entries(shipped_dir):
+            self._mem[entry["key"]] = entry["terms"]
         self._engine = self._table = None
         if url is not None:
             import sqlalchemy as sa

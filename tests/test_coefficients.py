@@ -20,11 +20,10 @@ from model.coefficients import (
     entry_configuration,
     fitted_pieces,
     pieces_to_coef,
-    shipped_entries,
 )
 from model.compose import compose
 from model.curve import PROVISIONAL, PROVISIONAL_COEFFICIENTS, MemoryPredictor, margin_group
-from model.terms import TermsCache
+from model.terms import TermsCache, shipped_entries
 
 ROOT = Path(__file__).resolve().parent.parent
 #: held out of the coefficient model's training set in the accuracy test: three families' members whose

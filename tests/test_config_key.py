@@ -14,7 +14,7 @@ from memfit.schema import TrainingConfig
 from model.coefficients import PARAMETER_SPLITS_PATH, parameter_split_key
 from model.curve import TRACED, MemoryPredictor
 from model.registry import Registry
-from model.terms import TermsCache, terms_key
+from model.terms import SHIPPED_DIR, TermsCache, shipped_entries, terms_key
 
 GIB = 1 << 30
 
@@ -152,3 +152,16 @@ def test_the_catalogs_canonical_configs_are_read_without_importing_transformers(
         "assert config_assumptions(cfg); assert 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_shipped_terms_files_hold_each_key_once_and_a_conflict_names_both_files(tmp_path):
+    entries = shipped_entries()
+    assert len(entries) == len({e["key"] for e in entries}) == 1021  # every shipped line, keyed canonically
+    assert {p.name for p in SHIPPED_DIR.glob("*.jsonl")} >= {"catalog.jsonl", "telemetry_sweeps.jsonl"}
+    line = json.dumps({"key": "k1", "model_name": "gpt2", "training": {}, "terms": {"coef": {}}})
+    (tmp_path / "a.jsonl").write_text(line + "\n")
+    (tmp_path / "b.jsonl").write_text(line + "\n")  # the same line twice: read once
+    assert [e["key"] for e in shipped_entries(tmp_path)] == ["k1"]
+    (tmp_path / "b.jsonl").write_text(line.replace('{"coef": {}}', '{"coef": {"1,0": {}}}') + "\n")
+    with pytest.raises(ValueError, match=r"k1 is shipped twice with different terms: a.jsonl and b.jsonl"):
+        shipped_entries(tmp_path)

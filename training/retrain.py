@@ -257,7 +257,8 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
 
     make_coefficients = entries = None
     if a.coefficients:
-        from model.coefficients import CoefficientModel, shipped_entries
+        from model.coefficients import CoefficientModel
+        from model.terms import shipped_entries
 
         if a.coefficient_estimators is not None and a.coefficient_estimators < 1:
             raise BadInput("--coefficient-estimators must be >= 1")
