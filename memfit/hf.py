@@ -728,3 +728,51 @@ def _catalog_layers_snapshot() -> dict[str, int]:
 def catalog_num_layers(name: str) -> int | None:
     """Decoder layers of the catalog model ``name`` (a name or alias, any case), None when the catalog has none."""
     return _catalog_layers_snapshot().get(catalog_name_key(name))
+
+
+@functools.lru_cache(maxsize=256)
+def _lora_shapes(cfg_json: str, targets: tuple[str, ...] | None):
+    try:
+        return lora_target_shapes(json.loads(cfg_json), list(targets) if targets else None)
+    except InvalidConfiguration as err:
+        raise err.within("training") from err
+
+
+def lora_trainable_params(
+    spec: ModelSpec, rank: int, target_modules: list[str] | None = None, hf_config: dict[str, Any] | None = None
+) -> int:
+    """Trainable parameters of LoRA: ``rank × (in + out)`` per adapted matrix (Hu et al. 2021,
+    arXiv 2106.09685, Sec. 4).
+
+    With ``hf_config`` the adapted matrices are those of the real model that PEFT would match
+    (:func:`memfit.hf.lora_target_shapes`; ``None`` targets mean PEFT's default for the family). Without
+    it, ``target_modules`` are Llama-style projection names (None: query and value projections).
+
+    Raises:
+        InvalidConfiguration: a target name matches no linear module of the model's decoder layers
+            (field ``training.lora_target_modules``, allowed: the model's module names).
+    """
+    if hf_config is not None:
+        shapes, names = _lora_shapes(json.dumps(hf_config, sort_keys=True), tuple(target_modules or ()) or None)
+        missing = [t for t, found in shapes.items() if not found]
+        if missing:
+            raise InvalidConfiguration(
+                "training.lora_target_modules",
+                f"names of linear modules in this model's decoder layers: {names}",
+                missing,
+            )
+        return rank * sum(i + o for found in shapes.values() for i, o in found)
+    h, f = spec.hidden_size, spec.intermediate_size
+    d = spec.head_dim or h // spec.num_attention_heads
+    q_out, kv_out = spec.num_attention_heads * d, spec.num_key_value_heads * d
+    dims = {
+        "q_proj": (h, q_out),
+        "k_proj": (h, kv_out),
+        "v_proj": (h, kv_out),
+        "o_proj": (q_out, h),
+        "gate_proj": (h, f),
+        "up_proj": (h, f),
+        "down_proj": (f, h),
+    }
+    targets = target_modules or ["q_proj", "v_proj"]
+    return spec.num_layers * rank * sum(sum(dims.get(t, (h, h))) for t in targets)

@@ -27,6 +27,7 @@ from typing import Any
 from memfit.api import ArchitectureIn, RecommendRequest
 from memfit.client import Client, ServiceError
 from memfit.schema import (
+    DEFAULT_LORA_RANK,
     CheckpointImpl,
     ClusterSpec,
     FineTune,
@@ -142,7 +143,7 @@ def build_record(
     fields = t.model_dump(exclude={"trainable_params", "data_parallel_size"})
     fields["quantization"] = t.resolved_quantization()
     if t.finetune is FineTune.LORA:
-        fields["lora_rank"] = t.lora_rank or 8
+        fields["lora_rank"] = t.lora_rank or DEFAULT_LORA_RANK
         fields["lora_target_modules"] = _lora_targets(model)
     if getattr(plan, "use_reentrant", None) is not None:
         fields["checkpoint_impl"] = CheckpointImpl.REENTRANT if plan.use_reentrant else CheckpointImpl.NON_REENTRANT

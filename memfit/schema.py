@@ -458,6 +458,11 @@ class TrainingConfig(_Part):
         return self.num_micro_batches or self.pipeline_parallel_size
 
 
+#: the LoRA rank a request or a reported job without one is taken to use: PEFT's ``LoraConfig.r`` default
+#: (``peft/tuners/lora/config.py``, peft 0.21)
+DEFAULT_LORA_RANK = 8
+
+
 def default_data_parallel_size(
     gpu_count: int,
     tensor_parallel_size: int = 1,

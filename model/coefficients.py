@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 import lightgbm as lgb
 import numpy as np
 
+from memfit.hf import lora_trainable_params
 from memfit.schema import (
     Attention,
     FineTune,
@@ -553,22 +554,12 @@ def entry_configuration(entry: dict[str, Any]) -> tuple[ModelSpec, TrainingConfi
     fields["data_parallel_size"] = max(fields.get("data_parallel_size", 1), fields.get("expert_parallel_size", 1))
     training = TrainingConfig.model_validate({"micro_batch_size": 1, "seq_len": 1024, **fields})
     if training.finetune is FineTune.LORA:
-        spec = spec.model_copy(update={"trainable_params": _lora_trainable(hf, training, spec.num_layers)})
+        spec = spec.model_copy(
+            update={
+                "trainable_params": lora_trainable_params(spec, training.lora_rank, training.lora_target_modules, hf)
+            }
+        )
     return spec, training, hf
-
-
-def _lora_trainable(hf: dict[str, Any], training: TrainingConfig, num_layers: int) -> int:
-    """LoRA adapter parameters: r × (in + out) of every adapted matrix (shapes from a meta build)."""
-    from memfit.hf import lora_target_shapes
-
-    key = (json.dumps(hf, sort_keys=True), tuple(training.lora_target_modules or ()) or None)
-    if key not in _LORA_CACHE:
-        shapes, _ = lora_target_shapes(hf, list(key[1]) if key[1] else None)
-        _LORA_CACHE[key] = sum(i + o for v in shapes.values() for i, o in v)
-    return int(training.lora_rank or 0) * _LORA_CACHE[key]
-
-
-_LORA_CACHE: dict[Any, int] = {}
 
 
 #: the constants of the phases that hold model states only (at rest, the optimizer step): per training setting they are

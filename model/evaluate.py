@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from sklearn.metrics import mean_absolute_percentage_error
 from sklearn.model_selection import GroupKFold
 
-from memfit.schema import GIB, Precision, TelemetryRecord
+from memfit.schema import GIB, Precision, Sharding, Source, TelemetryRecord
 from model.analytic import model_state_bytes
 
 #: flat columns identifying a configuration family: everything but k (the checkpointed-layer count)
@@ -82,6 +82,18 @@ _ADAM_WEIGHT_BYTES = {
 
 
 # -- data -------------------------------------------------------------------------------------------
+def as_measured(record: TelemetryRecord) -> TelemetryRecord:
+    """``record`` with the sharding it was measured with. The collector (``training/collect.py``) runs ``zero2`` as
+    FSDP2 ``fully_shard(reshard_after_forward=False)``, which is ``fsdp_shard_grad_op`` now that ``zero2`` means
+    DeepSpeed's stage 2 (:mod:`model.deepspeed_zero`), so a collector record labelled ``zero2`` is read as
+    ``fsdp_shard_grad_op``; the stored telemetry keeps its labels (nothing is rewritten), and users' jobs keep theirs.
+    """
+    if record.training.sharding is Sharding.ZERO2 and record.measurement.source is Source.COLLECTOR:
+        training = record.training.model_copy(update={"sharding": Sharding.FSDP_SHARD_GRAD_OP})
+        return record.model_copy(update={"training": training})
+    return record
+
+
 def load_rows(
     db_url: str | None = None, files: Iterable[str] = (), *, use_store: bool | None = None
 ) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
@@ -92,7 +104,7 @@ def load_rows(
         files: ``.parquet``/``.csv`` files written by ``TelemetryStore.export`` (same flat columns).
         use_store: read the store; default: when ``db_url`` is given or no files are.
 
-    Every row goes through :meth:`TelemetryRecord.from_row`; invalid ones, ones with a non-positive
+    Every row goes through :meth:`TelemetryRecord.from_row` and :func:`as_measured`; invalid ones, ones with a non-positive
     peak (cannot be fitted in log space) and ones whose ``record_id`` was already seen with other
     content are rejected with a reason. Rows measured as out of memory (``oom``) are right-censored —
     the true peak is unknown — and are dropped and counted. Exact duplicates (same id and content;
@@ -133,7 +145,7 @@ def load_rows(
             n_input += 1
             rid = row.get("record_id")
             try:
-                rec = TelemetryRecord.from_row(row)
+                rec = as_measured(TelemetryRecord.from_row(row))
             except (ValidationError, ValueError, TypeError) as err:
                 rejected.append({"record_id": rid, "reason": _reason(err), "source": source})
                 continue

@@ -140,12 +140,18 @@ def canonical_config(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def training_key_fields(training: TrainingConfig) -> dict[str, Any]:
-    """Training fields the traced terms depend on (micro-batch, sequence length, k are composed)."""
+    """Training fields the traced terms depend on (micro-batch, sequence length, k are composed).
+
+    ``zero2`` and ``fsdp_shard_grad_op`` share one key: the tracer runs both as FSDP2
+    ``fully_shard(reshard_after_forward=False)`` (``training/collect.py``), and DeepSpeed's stage 2 is composed
+    on that trace (:mod:`model.deepspeed_zero`); shipped lines traced as ``zero2`` are found under it through
+    :data:`CANONICAL_KEYS_NAME`."""
     attention = Attention.SDPA if training.attention is Attention.FLASH else training.attention
+    sharding = Sharding.FSDP_SHARD_GRAD_OP if training.sharding is Sharding.ZERO2 else training.sharding
     return {
         "precision": training.precision.value,
         "optimizer": training.optimizer.value,
-        "sharding": training.sharding.value,
+        "sharding": sharding.value,
         # the ranks the states are sharded over: context-parallel ranks join them (TrainingConfig.sharding_group_size)
         "data_parallel_size": training.sharding_group_size if training.sharding is not Sharding.NONE else 1,
         "attention": attention.value,

@@ -88,7 +88,7 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 @functools.cache
 def _qlora_point(rank: int, gradient_accumulation_steps: int = 16):
-    from service.recommender import lora_trainable_params
+    from memfit.hf import lora_trainable_params
 
     training = TrainingConfig(
         micro_batch_size=1,

@@ -13,11 +13,12 @@ from data import catalog
 from data.catalog import hf_config_of
 from memfit.api import PredictItem, RecommendRequest
 from memfit.errors import UnknownModel
+from memfit.hf import lora_trainable_params
 from memfit.schema import FineTune, TrainingConfig
 from model.analytic import model_state_bytes, tensor_parallel_rank_spec
 from model.curve import PROVISIONAL, TRACED, MemoryPredictor
 from model.terms import SHIPPED_DIR, TermsCache, key_training_fields, terms_key
-from service.recommender import Recommender, lora_trainable_params
+from service.recommender import Recommender
 
 GIB = 1 << 30
 

@@ -6,8 +6,8 @@ from fastapi.testclient import TestClient
 
 from data import catalog
 from memfit.errors import InvalidConfiguration
+from memfit.hf import lora_trainable_params
 from service.app import create_app
-from service.recommender import lora_trainable_params
 from service.settings import Settings
 
 
