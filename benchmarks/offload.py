@@ -1,8 +1,8 @@
 """Agreement of the composed offload curve and host-memory rule with measured offload rows.
 
-    python -m benchmarks.offload [data/telemetry/incoming/offload.jsonl]
+    python -m benchmarks.offload [FILE]   # default: the shipped telemetry's offload rows
 
-For every measured row (``python -m training.sweep --grid offload --jsonl ...``: the collector ran the
+For every measured offload row of FILE (.parquet/.csv/.jsonl; default ``data/telemetry/telemetry.parquet``) (``python -m training.sweep --grid offload --jsonl ...``: the collector ran the
 step with the optimizer on the host, :class:`training.collect.HostOffloadOptimizer`), the device peak at
 its k is predicted by :meth:`model.curve.MemoryPredictor.curve` on the traced path — the base terms
 (the configuration without offload, :func:`model.offload.traced_base`) are taken from the shipped cache
@@ -18,19 +18,23 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "incoming" / "offload.jsonl"
+
+def offloaded(record) -> bool:
+    """The shipped rows this benchmark scores: optimizer or parameter offload (``training.sweep --grid offload``)."""
+    t = record.training
+    return t.offload_optimizer.value != "none" or t.offload_parameters.value != "none"
 
 
 def main(argv: list[str] | None = None) -> int:
     from data import catalog
-    from memfit.schema import TelemetryRecord
+    from data.store import SHIPPED_TELEMETRY, read_records
     from model.curve import TRACED, MemoryPredictor
     from model.offload import host_bytes_per_rank, traced_base
     from model.terms import TermsCache, terms_key
     from training.phases import trace_terms
 
-    path = Path((argv or sys.argv[1:] or [str(DEFAULT)])[0])
-    rows = [TelemetryRecord.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
+    path = Path((argv or sys.argv[1:] or [str(SHIPPED_TELEMETRY)])[0])
+    rows = read_records(path, offloaded)
     predictor = MemoryPredictor(None, TermsCache())
     errors: list[float] = []
     host: dict[str, list[float]] = collections.defaultdict(list)

@@ -1,6 +1,6 @@
 """Accuracy of the one curve on the issue-9 optimizer and QLoRA slices, against measured full-model rows.
 
-    python -m benchmarks.optim_qlora                     # rows of data/telemetry/incoming/optim_qlora.jsonl
+    python -m benchmarks.optim_qlora                     # the slices' rows of data/telemetry/telemetry.parquet
     python -m benchmarks.optim_qlora --trace             # first trace and ship the rows' missing phase terms
 
 The rows are full-depth models measured by the collector (``python -m training.sweep --grid optim_qlora``).
@@ -24,14 +24,23 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_ROWS = Path("data/telemetry/incoming/optim_qlora.jsonl")
 TERMS_OUT = Path("data/terms/optim_qlora.jsonl")
+#: bitsandbytes optimizers (training/bnb.py)
+BITSANDBYTES_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "lion")
 
 
-def load_records(path: Path):
-    from memfit.schema import TelemetryRecord
+def in_slices(record) -> bool:
+    """Whether a row belongs to the benchmark's slices: a bitsandbytes optimizer, a quantized base or the optimizer
+    step in backward (``python -m training.sweep --grid optim_qlora``)."""
+    t = record.training
+    return t.optimizer.value in BITSANDBYTES_OPTIMIZERS or t.quantization.value != "none" or t.optimizer_in_backward
 
-    return [TelemetryRecord.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
+
+def load_records(path: Path | None = None):
+    """The slices' rows of a telemetry file (default: the shipped telemetry, :data:`data.store.SHIPPED_TELEMETRY`)."""
+    from data.store import SHIPPED_TELEMETRY, read_records
+
+    return read_records(path or SHIPPED_TELEMETRY, in_slices)
 
 
 def slice_of(training) -> str:
@@ -90,16 +99,16 @@ def evaluate(records) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.optim_qlora", description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=Path, default=DEFAULT_ROWS)
+    p.add_argument("--rows", type=Path, default=None, help="telemetry file (default: the shipped telemetry)")
     p.add_argument("--trace", action="store_true", help="trace and ship the rows' missing phase terms first")
     p.add_argument("--json", type=Path, help="also write the figures here")
     a = p.parse_args(argv)
-    if not a.rows.is_file():
+    if a.rows is not None and not a.rows.is_file():
         print(f"error: no rows at {a.rows}", file=sys.stderr)
         return 2
     records = load_records(a.rows)
     if not records:
-        print(f"error: {a.rows} holds no rows", file=sys.stderr)
+        print(f"error: {a.rows or 'the shipped telemetry'} holds no rows of the slices", file=sys.stderr)
         return 2
     if a.trace:
         print(json.dumps(trace_missing(records)))

@@ -1,6 +1,6 @@
 """Accuracy of the one curve on model-parallel telemetry: per-slice MAPE against measured rows.
 
-Reads ``data/telemetry/incoming/parallel.jsonl`` (tensor-parallel rows measured with DTensor over a fake
+Reads the tensor-parallel rows of the shipped telemetry (``data/telemetry/telemetry.parquet``, or ``--jsonl PATH``; rows measured with DTensor over a fake
 process group: ``python -m training.sweep --grid parallel --jsonl ...``), answers each row's k with
 :meth:`model.curve.MemoryPredictor.curve` (terms traced once per configuration key, in a subprocess)
 and prints MAPE, worst error and the share answered on the traced path per slice
@@ -16,12 +16,12 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from memfit.schema import TelemetryRecord
+from data.store import SHIPPED_TELEMETRY, read_records
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.parallel_accuracy")
-    p.add_argument("--jsonl", type=Path, default=Path("data/telemetry/incoming/parallel.jsonl"))
+    p.add_argument("--jsonl", type=Path, default=None, help="telemetry file (default: the shipped telemetry)")
     a = p.parse_args(argv)
 
     from data import catalog
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from model.terms import TermsCache
     from service.tracing import InlineTracer
 
-    rows = [TelemetryRecord.model_validate_json(line) for line in a.jsonl.read_text().splitlines() if line.strip()]
+    rows = read_records(a.jsonl or SHIPPED_TELEMETRY, lambda r: r.training.tensor_parallel_size > 1)
     cache = TermsCache()
     predictor = MemoryPredictor(terms=cache, tracer=InlineTracer(cache))
     errs: dict[str, list[float]] = defaultdict(list)

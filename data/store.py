@@ -413,6 +413,25 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return df.to_dict("records")
 
 
+#: the telemetry shipped with memfit: every merged collection (``python -m training.merge_telemetry``)
+SHIPPED_TELEMETRY = Path(__file__).resolve().parent / "telemetry" / "telemetry.parquet"
+
+
+def read_records(path: str | Path = SHIPPED_TELEMETRY, keep: Callable[[TelemetryRecord], bool] | None = None):
+    """The :class:`TelemetryRecord` of every row of a telemetry file (:func:`read_rows`; default the shipped
+    telemetry) for which ``keep`` is true (all when None), in file order.
+
+    Raises:
+        ValueError / pydantic.ValidationError: as :func:`read_rows`; a row that is not a valid record (names it).
+    """
+    out = []
+    for row in read_rows(path):
+        rec = TelemetryRecord.model_validate(row) if "model" in row else TelemetryRecord.from_row(row)
+        if keep is None or keep(rec):
+            out.append(rec)
+    return out
+
+
 def _utc(moment: datetime) -> datetime:
     """``moment`` in UTC. Timestamps are written in UTC, because SQLite keeps no offset; a naive value
     (written by SQLite, or sent without an offset) is therefore UTC."""

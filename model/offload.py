@@ -31,7 +31,7 @@ What is measured and what is composed:
 * measured: optimizer offload runs in the collector (:class:`training.collect.HostOffloadOptimizer`, the
   step on host tensors counted apart by :meth:`training.tracker.LiveStorageTracker.on_host`), under fake
   tensors and on real CPU tensors; ``python -m training.sweep --grid offload`` collected 48 rows
-  (``data/telemetry/incoming/offload.jsonl``: gpt2, qwen2.5-0.5b, llama-3.2-1b; none / ZeRO-2 / FSDP
+  (in ``data/telemetry/telemetry.parquet``; ``python -m benchmarks.offload``: gpt2, qwen2.5-0.5b, llama-3.2-1b; none / ZeRO-2 / FSDP
   sharding; full and LoRA; five optimizers and precisions);
 * composed: the optimizer-offload device curve from the traced terms without offload. Against those 48
   measured rows: MAPE 0.05 %, worst −0.53 % (gpt2, FSDP over 8 ranks, LoRA), 44 of 48 within ±0.1 %;

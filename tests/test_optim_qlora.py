@@ -285,14 +285,13 @@ def test_service_answers_422_naming_the_field(tmp_path, small_registry):
 
 
 def test_shipped_rows_answered_by_the_traced_curve():
-    """The collected rows (data/telemetry/incoming/optim_qlora.jsonl, full-depth models) are answered by the
+    """The collected rows (the slices' 47 rows of the shipped telemetry, full-depth models) are answered by the
     one curve from the shipped terms (data/terms/optim_qlora.jsonl) to within 0.01 %
     (benchmarks/results/optim_qlora.txt: MAPE <= 0.001 % per slice)."""
-    from pathlib import Path
+    from benchmarks.optim_qlora import evaluate, load_records
 
-    from benchmarks.optim_qlora import DEFAULT_ROWS, evaluate, load_records
-
-    records = load_records(Path(__file__).resolve().parent.parent / DEFAULT_ROWS)
+    records = load_records()
+    assert len(records) == 47
     res = evaluate(records)
     assert set(res) == {
         "adamw_8bit",

@@ -26,7 +26,8 @@ import socket
 import sys
 from pathlib import Path
 
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
+from data.store import SHIPPED_TELEMETRY as SHIPPED
+
 CURL_BODY = {
     "model": "llama-3-8b",
     "training": {"micro_batch_size": 2, "seq_len": 8192, "sharding": "zero3"},

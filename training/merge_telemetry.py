@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
+from data.store import SHIPPED_TELEMETRY as SHIPPED
 
 
 def merge(into: Path, inputs: list[Path], *, write: bool = True, allow_held: bool = False) -> dict:
