@@ -59,7 +59,8 @@ def _line(name: str, y, pred, upper, df, sel) -> tuple[str, dict]:
 
 
 def setting_slices(df) -> dict[str, np.ndarray]:
-    """Boolean row masks of the settings issue 9 added (columns missing from older files select nothing)."""
+    """Boolean row masks of the optimizer, quantization, offload, parallel, MoE and accumulation settings (columns
+    missing from older files select nothing)."""
 
     def col(name, default):
         return df[name] if name in df.columns else np.full(len(df), default)

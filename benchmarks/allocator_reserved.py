@@ -7,7 +7,7 @@ For every shipped CUDA row whose reserved figure is clean (each configuration on
 allocation stream is traced on fake tensors (:func:`training.allocation.step_allocations`: build, warm-up,
 measured step; cached in :func:`training.allocation.stream_cache_dir`) and replayed through
 :mod:`model.allocator` with PyTorch's default settings. The table compares the measured step's peak reserved
-and allocated bytes; a row passes within 2 % or 256 MiB, whichever is larger (issue 27).
+and allocated bytes; a row passes within 2 % or 256 MiB, whichever is larger.
 
 The 2026-11-30 pressure runs (``gpu_pressure_{default,expandable}.json``: the smallest
 ``set_per_process_memory_fraction`` cap under which two more steps ran, bisected to 32 MiB, and the

@@ -10,7 +10,7 @@ without a learned model, so only the traced path answers; no cluster, so the ans
 the row's model, training and k. Out-of-memory rows (their peak is the device capacity) are left out.
 
 Error is ``(predicted - measured) / measured``. :data:`KNOWN_GAPS` names the rows where CUDA runs kernels or
-dtypes the CPU trace does not (issue 26); every other row is a same-kernel row.
+dtypes the CPU trace does not; every other row is a same-kernel row.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Accuracy of the one curve on the issue-9 optimizer and QLoRA slices, against measured full-model rows.
+"""Accuracy of the one curve on the optimizer and QLoRA slices, against measured full-model rows.
 
     python -m benchmarks.optim_qlora                     # the slices' rows of data/telemetry/telemetry.parquet
     python -m benchmarks.optim_qlora --trace             # first trace and ship the rows' missing phase terms

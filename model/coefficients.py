@@ -29,8 +29,8 @@ the dimensionless value from dimensionless config features (:func:`config_featur
 * ``γ`` (bytes per token × sequence, eager attention scores): per head, the fp32 softmax HF's
   ``eager_attention_forward`` makes (``softmax(..., dtype=torch.float32)``) plus, for ``dF``/``dC``, its saved cast
   back to 16-bit activations (none in fp32): the traced per-layer score bytes over this are 1.0 in every
-  precision (they were 3 with 16-bit and 1 in fp32 over heads × activation bytes, the fp32/adamw_fused and
-  fp32/sgd_momentum leave-architecture-out losses of session 6); ``f0``/``c0``: the fp32 softmax alone.
+  precision (over heads × activation bytes alone: 3 with 16-bit, 1 in fp32; ``benchmarks/results/design_choices.md``);
+  ``f0``/``c0``: the fp32 softmax alone.
 
 Constants are per tensor-parallel rank (:func:`model.analytic.tensor_parallel_rank_spec`).
 
@@ -87,11 +87,10 @@ _BASIS_INDEX = (0, 1, 3)
 #: 1e-3 of a layer's activations or of its model states moves no composed peak measurably, and each learned
 #: target is a booster in the artifact
 NEGLIGIBLE = 1e-3
-#: artifact format; 2: eager-score, tensor-parallel and MoE scales (session 7); 3: constants scaled by the exact
-#: parameters outside and inside one decoder layer (:func:`parameter_split`, session 13);
-#: 4: an expert-parallel rank's constants scaled by its own experts (:func:`rank_hf_config`, session 14);
-#: 5: shared state constants as (count, fixed bytes) pairs (:func:`shared_state_constants`, session 15), the
-#: parameter-split snapshot with one layer's parameter tensors.
+#: artifact format: eager-score, tensor-parallel and MoE scales; constants scaled by the exact parameters outside
+#: and inside one decoder layer (:func:`parameter_split`), an expert-parallel rank's by its own experts
+#: (:func:`rank_hf_config`); shared state constants as (count, fixed bytes) pairs (:func:`shared_state_constants`);
+#: the parameter-split snapshot with one layer's parameter tensors.
 #: Boosters fitted on the scales of an older format would predict other bytes, and :meth:`CoefficientModel.load`
 #: refuses them
 FORMAT = "memfit-coefficients-5"
@@ -328,7 +327,7 @@ def parameter_split(hf_config: dict[str, Any] | None) -> ParameterSplit | None:
 
     Outside the layers are the token embeddings and head, and what a vocabulary-times-hidden count misses:
     learned position tables (OPT-125m, GPT-Neo-125m: 1.6 M, 3.9 % of their embeddings), the input and output
-    projections of OPT-350m (its embeddings are 512 wide, not 1,024: the count was 78 % high) and final norms.
+    projections of OPT-350m (its embeddings are 512 wide, not 1,024: the count is 78 % high) and final norms.
     Catalog architectures are read from the shipped snapshot (:data:`PARAMETER_SPLITS_PATH`).
     """
     if not hf_config:
@@ -362,17 +361,16 @@ def small_model_states(
     Parameters are split into those outside the decoder layers and one decoder layer's as the model's code has
     them (:func:`parameter_split` of ``hf_config``), else, without a config that builds, into embeddings
     (vocab × hidden, twice when untied) and equal decoder layers of the published total. With that formula split
-    for every entry, the constants learned leaving OPT-125m out were 0.12 of their scale off on average (0.02 with
-    the exact split), OPT-350m's 0.22 (0.01), GPT-Neo-125m's 0.072 (0.067), Llama-3.2-1B's 0.041 (0.038) (mean
-    absolute error over each model's terms entries, session 13).
+    for every entry, the constants learned leaving one model out are further off their scale than with the exact
+    split (OPT-350m: 0.22 against 0.01 mean absolute error; ``benchmarks/results/design_choices.md``).
     Trainable parameters (LoRA adapters) are spread evenly over the layers. With sharded training the
     unsharded weights and gradients are added: a rank holds its shard of the states, but the gathered
     weights (FSDP full shard, ZeRO-3) and the full gradients before their reduce-scatter (every sharding)
     of the unit being computed — measured on the shipped traced terms, the embeddings' live bytes over their
     sharded states alone reach 70 over 64 ranks, where over this scale they stay near 1.
     With expert parallelism a rank holds ``num_experts / expert_parallel_size`` experts of each MoE layer
-    (:func:`rank_hf_config`), as the tracer builds it: counting every expert put the held-out MoE models with four
-    expert-parallel ranks 113-202 % high (session 13).
+    (:func:`rank_hf_config`), as the tracer builds it (counting every expert puts the held-out MoE models with four
+    expert-parallel ranks 113-202 % high).
     """
     L = model.num_layers
     split = parameter_split(rank_hf_config(hf_config, training))
@@ -651,25 +649,18 @@ class CoefficientModel:
 
     Args:
         n_estimators, learning_rate, num_leaves, min_child_samples: LightGBM parameters (per target and objective).
-        objectives: one booster per objective and target, their predictions averaged. The absolute-error
-            objective alone (``("l1",)``, up to session 10): a few traced entries fit one piece badly, and they do
-            not pull the others, but it predicts medians of skewed per-layer coefficients; Huber's (squared error
-            below LightGBM's ``alpha`` 0.9, absolute above) predicts closer to their means. Their errors differ in
-            sign often enough that the average beats both. Leave-architecture-out test folds over the 1,014 term
-            sets (14,298 rows, :mod:`benchmarks.accuracy`'s folds, learned path only, session 11; chosen there):
-            ``l1`` MAPE 2.48 %, saving median error 4.75 %; ``huber`` 2.74 / 3.19 %; ``l2`` 2.80 / 3.51 %; ``l1``
-            and ``huber`` averaged 2.39 / 2.87 %. Small-to-large (not used to choose; 182 rows, 10 families):
-            ``l1`` 2.34 / 2.89 %, ``huber`` 2.40 / 3.83 %, averaged 2.03 / 2.66 %. Measured and left out:
-            ``min_child_samples`` 10 (session 10: saving 5.20 -> 4.07 % but the bound's coverage 95.6 -> 94.6 %),
-            8, 15, 20; ``num_leaves`` 7; 600 rounds at half the learning rate; Huber for the token coefficients
-            only; Huber's ``alpha`` 0.3.
+        objectives: one booster per objective and target, their predictions averaged. The default, absolute
+            error (``l1``) and Huber (squared error below LightGBM's ``alpha`` 0.9, absolute above), averaged,
+            has the lowest error on :mod:`benchmarks.accuracy`'s leave-architecture-out folds of the learned path:
+            MAPE 2.39 %, saving median error 2.87 % (``l1`` alone 2.48 / 4.75 %). The objectives and LightGBM
+            settings measured and left out are in ``benchmarks/results/design_choices.md``.
 
     The constants of the state-only phases are not learned where the training setting's traced architectures
     share them (:func:`shared_state_constants`): those values are counts (states and step temporaries over the
     states), and a setting seen on three or more architectures gives them exactly, where the trees' average of two
     objectives was 0.1-0.5 % off (small-to-large, Llama-2-70B, amp_fp16 foreach AdamW: the optimizer step's layer
     constant 1.2493 for 1.25, the whole curve 0.23 % low). Measured on the shipped terms in four
-    architecture-held-out folds (session 14): the setting's shared value covers 59 % of these constants, with a
+    architecture-held-out folds: the setting's shared value covers 59 % of these constants, with a
     median relative error of 0.002 % (the trees: 0.37 %).
 
     Attributes (after :meth:`fit` or :meth:`load`): ``boosters_`` (target index -> one ``lightgbm.Booster`` per
@@ -859,7 +850,7 @@ class CoefficientModel:
         if meta.get("feature_names") != FEATURE_NAMES or meta.get("targets") != ["|".join(t) for t in TARGETS]:
             raise ValueError(f"{d / 'coefficients.json'}: written for other features or targets; refit it")
         params = dict(meta["params"])
-        if "objective" in params:  # written before session 11: one objective
+        if "objective" in params:  # coefficients.json of a single-objective model: one ``objective`` parameter
             params["objectives"] = (params.pop("objective"),)
         self = cls(**params)
         self.constants_ = {int(j): float(c) for j, c in meta["constants"].items()}

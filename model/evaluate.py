@@ -52,7 +52,7 @@ FAMILY_COLUMNS: list[str] = [
     "frozen_layers",
     "checkpoint_impl",
     "method",
-    # issue-9 settings: present in rows merged since (a family differs in any of them)
+    # optimizer, quantization, offload and parallel settings (absent from older rows; a family differs in any)
     "optimizer_in_backward",
     "quantization",
     "offload_optimizer",
@@ -622,13 +622,9 @@ class CurveEstimator:
         """Relative residuals ``y / pred − 1`` of the learned-coefficient path per margin group, every training row
         answered by a coefficient model fitted without its architecture (cross-conformal over
         :data:`CROSS_CONFORMAL_FOLDS` architecture folds; Vovk 2015, "Cross-conformal predictors", Ann. Math.
-        Artif. Intell. 74). One 30 % split of ~40 architectures left the margin to a handful of them: coverage
-        ranged 84–97 % over the leave-architecture-out folds (benchmarks/results/accuracy.txt, session 6).
-
-        Two refinements were measured on the same held-out rows and left out (14,298 rows, 1,014 term sets, the
-        benchmark's folds): a margin per precision regime (Mondrian conformal) gave 94.6 % coverage and 9.7 % mean
-        excess against 95.4 % and 8.6 % for one margin per group; a score normalized by the learned part of the
-        peak (the point less the model states) gave 95.0 % and 16.1 %."""
+        Artif. Intell. 74): every architecture calibrates the margin, where one split of ~40 would leave it to a
+        handful. One margin per group: 95.4 % coverage, 8.6 % mean excess on the benchmark's held-out rows; the
+        split and the refinements measured and left out are in ``benchmarks/results/design_choices.md``."""
         from sklearn.model_selection import GroupKFold
 
         from model.curve import PROVISIONAL_COEFFICIENTS, PROVISIONAL_COEFFICIENTS_SHARDED

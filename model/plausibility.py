@@ -1,4 +1,4 @@
-"""Physics a telemetry record must obey before it is stored (issue 30): a measurement that breaks one of
+"""Physics a telemetry record must obey before it is stored: a measurement that breaks one of
 these rules cannot be real and is quarantined with the reason by the store :func:`telemetry_store` opens.
 
 Rules (``rec`` a :class:`memfit.schema.TelemetryRecord`, bytes per device):

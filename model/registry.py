@@ -210,7 +210,7 @@ def check_canary(got: dict[str, dict[str, int]], stored: dict[str, dict[str, int
 def _parse_in_child(model_text: bytes, meta: dict[str, Any]) -> Callable[[], dict[str, dict[str, int]]]:
     """Start parsing ``model_text`` and running the canary in a child process; returns a function that waits for
     the child and returns its canary predictions. The caller works meanwhile (:meth:`Registry.load` checks and
-    parses the coefficient files), so the child's imports and parsing (~4 s on 2 cores) no longer add to them.
+    parses the coefficient files), so the child's imports and parsing (~4 s on 2 cores) do not add to them.
 
     Raises (the returned function):
         IncompatibleArtifact: the child crashed (e.g. a LightGBM segfault), timed out or refused.

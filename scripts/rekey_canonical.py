@@ -1,4 +1,4 @@
-"""Map the shipped traced terms and parameter splits to the canonical config key (issue 28.6).
+"""Map the shipped traced terms and parameter splits to the canonical config key.
 
 The keys of ``data/terms/*.jsonl`` and ``data/parameter_splits.json`` were SHA-256 hashes of the config dict as
 given, less a few provenance keys, so a model given as its published ``config.json`` fields and the same model
@@ -34,7 +34,7 @@ from model.coefficients import PARAMETER_SPLITS_PATH, parameter_split_key
 from model.terms import CANONICAL_KEYS_NAME, SHIPPED_DIR, TermsCache, entry_key, key_training_fields, terms_key
 
 TESTS_DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
-#: the keys the pre-canonical key dropped (model/terms.py before issue 28.6), to find the old parameter-split keys
+#: the keys the pre-canonical key (a hash of the config as given) dropped, to find the old parameter-split keys
 _LEGACY_IGNORED = frozenset(
     {
         "_name_or_path",

@@ -1005,8 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def internal_error(err: BaseException) -> int:
     """Tell a fault of memfit as one (exit code 4): ``memfit: internal error: <type>: <message>`` and where it was
-    raised, never as bad input (issue 28: Qwen2.5-72B with --tensor-parallel 8 printed "error: math domain error"
-    with exit 2, as if a flag were wrong)."""
+    raised, never as bad input (exit code 2, which would blame a flag for memfit's own fault)."""
     import traceback
 
     where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None

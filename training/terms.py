@@ -78,7 +78,7 @@ PUBLIC_CASE_JOBS = [
             micro_batch_size=2, seq_len=512, precision=Precision.BF16, sharding="fsdp_full_shard", data_parallel_size=4
         ),
     ),
-    # issue 9: Qwen2.5-72B, tensor parallel 8 inside each of 8 ZeRO-3 data-parallel replicas (2-D mesh)
+    # Qwen2.5-72B, tensor parallel 8 inside each of 8 ZeRO-3 data-parallel replicas (2-D mesh)
     (
         "qwen2.5-72b",
         TrainingConfig(
