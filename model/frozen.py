@@ -74,6 +74,8 @@ import numpy as np
 
 from memfit.hf import layer_period
 from memfit.schema import FineTune, ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
+from model.compose import PEAK_PHASES
+from model.derivation import PROVISIONAL, Draft, Request, peak_phases
 
 #: phases from which the base holds the (tied) input embeddings' gradient (model.compose.PEAK_PHASES names)
 _GRAD_PHASES_UNTIED = ("bwd.emb", "opt")
@@ -269,3 +271,45 @@ def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, tr
     emb_col, layers_col = phase_names.index("bwd.emb"), phase_names.index("bwd.layers")
     out[:, emb_col] = np.minimum(out[:, emb_col], out[:, layers_col])
     return out
+
+
+class FrozenLayersDerivation:
+    """The :class:`model.derivation.Derivation` of frozen fine-tunes that compose (:func:`not_composable_reason`):
+    the curve from the phases of the full fine-tune of the layers above (:func:`base_model`, :func:`base_training`,
+    :func:`device_phases`) on the base's path; no answer (the next step answers) when the base has no phases."""
+
+    def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
+        model, training, hf_config = request.model, request.training, request.hf_config
+        if draft is not None or not frozen(training) or not_composable_reason(model, training, hf_config) is not None:
+            return draft
+        base = predictor.curve(base_model(model, training), base_training(training), hf_config)
+        if base.phase_bytes is None:
+            return None
+        dev = device_phases(base.phase_bytes, list(PEAK_PHASES), model, training)
+        raw, phases = peak_phases(dev, PEAK_PHASES)
+        composed = (
+            f"frozen fine-tuning composed from the full fine-tune of the {base_model(model, training).num_layers}"
+            f" layers above the {training.frozen_layers} frozen ones (model.frozen)"
+        )
+        notes = [n for n in base.notes if not n.startswith("provisional answer")] + [composed]
+        if base.path == PROVISIONAL:
+            notes.append(
+                f"provisional answer (learned phase coefficients of the base, composed per phase): {base.reason}"
+            )
+        from model.analytic import model_state_bytes
+
+        return Draft(
+            path=base.path,
+            raw=raw,
+            phases=phases,
+            phase_bytes=dev,
+            states=model_state_bytes(model, training),
+            terms_key=base.terms_key,
+            reason=base.reason,
+            notes=notes,
+            learned=base.learned_coefficients,
+            composed_from="frozen",
+            margin_sharding=training.sharding,
+            report_group=False,
+            gradients_live=training.accumulates_gradients,
+        )

@@ -62,6 +62,8 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
+from model.compose import PEAK_PHASES
+from model.derivation import Draft, Request, peak_phases
 
 #: the allocator's block (``model.analytic.BLOCK_BYTES``, ``training.tracker.BLOCK_BYTES``)
 BLOCK_BYTES = 512
@@ -274,3 +276,48 @@ def device_phases(base_phase_bytes, phase_names: list[str], split: Zero1Split) -
     out = np.array(base_phase_bytes, dtype=np.float64, copy=True) - split.other_state_bytes
     out[:, phase_names.index("opt")] -= split.other_temporary_bytes
     return np.maximum(out, 0.0)
+
+
+class Zero1Derivation:
+    """The :class:`model.derivation.Derivation` of ZeRO-1 requests with an HF config: rank 0's curve from the
+    phases of its unsharded base (:func:`base_training`, :func:`device_phases`, :func:`rank0_states`) on the
+    base's path and margin group; no answer (the next step answers) where not composable
+    (:func:`not_composable_reason`, or the base not traceable) or the base has no phases."""
+
+    def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
+        from model.terms import not_traceable_reason
+
+        model, training, hf_config = request.model, request.training, request.hf_config
+        if draft is not None or training.sharding is not Sharding.ZERO1 or hf_config is None:
+            return draft
+        base_training_ = base_training(training)
+        if not_composable_reason(training) or not_traceable_reason(model, base_training_, hf_config):
+            return None
+        base = predictor.curve(model, base_training_, hf_config)  # asks the tracer for the base's key
+        if base.phase_bytes is None:
+            return None
+        split = zero1_split(hf_config, training)
+        dev = device_phases(base.phase_bytes, list(PEAK_PHASES), split)
+        peak, phases = peak_phases(dev, PEAK_PHASES)
+        # what the base added on top of its phases (the learned path's gradient-accumulation buffer) stays
+        raw = peak + (np.asarray(base.raw_bytes, dtype=np.float64) - base.phase_bytes.max(axis=1))
+        note = (
+            f"ZeRO-1 over {training.data_parallel_size} ranks composed from the phases without "
+            f"sharding (model.zero1): rank 0 steps {split.rank0_params:,} of "
+            f"{model.trainable_params:,} trainable parameters (ZeroRedundancyOptimizer's "
+            "whole-parameter partition)"
+        )
+        return Draft(
+            path=base.path,
+            raw=raw,
+            phases=phases,
+            phase_bytes=dev,
+            states=rank0_states(model, training, split),
+            terms_key=base.terms_key,
+            reason=base.reason,
+            notes=[*base.notes, note],
+            learned=base.learned_coefficients,
+            composed_from="zero1",
+            margin_sharding=base_training_.sharding,
+            gradients_live=training.accumulates_gradients,
+        )
