@@ -47,6 +47,35 @@ def _blocks(nbytes: float) -> int:
     return -(-int(nbytes) // BLOCK_BYTES) * BLOCK_BYTES
 
 
+def state_dtype_bytes(precision: Precision) -> int:
+    """Bytes per element of a torch optimizer's states and of the tensors it steps: 2 in pure ``bf16`` (bf16
+    parameters, no master copy), 4 otherwise (fp32 parameters, or the fp32 masters of ``bf16_fp32_master``)."""
+    return 2 if precision is Precision.BF16 else 4
+
+
+#: optimizers whose step builds one whole-list temporary in the states' dtype (module docstring of
+#: :func:`step_temporary_bytes_per_param`)
+_STEP_TEMPORARY_OPTIMIZERS = (Optimizer.ADAMW_FOREACH, Optimizer.ADAFACTOR)
+
+
+def step_temporary_bytes_per_param(training: TrainingConfig, dtype_bytes: int | None = None) -> int:
+    """Bytes per stepped parameter the optimizer step allocates at once beyond the states (the ``opt`` phase): the
+    one step-temporary formula of memfit (analytic estimate, frozen layers, ZeRO-1, DeepSpeed stage 2).
+
+    One copy in the states' dtype (``dtype_bytes``; default :func:`state_dtype_bytes`: 4, 2 in pure bf16) for the
+    steps that build a whole-list temporary: foreach AdamW (``torch/optim/adamw.py`` ``_multi_tensor_adamw``:
+    ``torch._foreach_sqrt`` of the variances) and Adafactor (``torch/optim/_adafactor.py``: the squared
+    gradients); none for fused AdamW, SGD with momentum and the bitsandbytes optimizers (one kernel per tensor, in
+    place) and for a step in backward (one parameter at a time). As the traced terms show it
+    (``tests/test_step_temporaries.py``: the ``opt`` phase of each shipped configuration against the same one with
+    fused AdamW, less the states' difference, per trainable parameter): foreach AdamW 4.000 (2.000 in pure bf16),
+    Adafactor 4.00-4.01 (2.00), SGD, 8-bit AdamW, Lion 0.00.
+    """
+    if training.optimizer_in_backward or training.optimizer not in _STEP_TEMPORARY_OPTIMIZERS:
+        return 0
+    return state_dtype_bytes(training.precision) if dtype_bytes is None else dtype_bytes
+
+
 def optimizer_state_bytes_per_param(training: TrainingConfig) -> tuple[float, float]:
     """(device, paged) optimizer-state bytes per trainable parameter, fp32 master copy included.
 
@@ -58,8 +87,7 @@ def optimizer_state_bytes_per_param(training: TrainingConfig) -> tuple[float, fl
     if training.optimizer in _BNB_STATE_BYTES:
         paged = _PAGED_STATE_BYTES.get(training.optimizer, 0.0)
         return _BNB_STATE_BYTES[training.optimizer] - paged + master, paged
-    state_dtype = 2 if training.precision is Precision.BF16 else 4
-    return float(_STATES[training.optimizer] * state_dtype + master), 0.0
+    return float(_STATES[training.optimizer] * state_dtype_bytes(training.precision) + master), 0.0
 
 
 def quantized_linear_bytes(out_features: int, in_features: int, quantization: Quantization) -> int:
@@ -423,11 +451,8 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     """Peak = max(backward, optimizer step) of model states + activations + logits (bytes per device).
 
     The k checkpointed layers each keep only their input ``s·b·h`` (activation dtype); in backward
-    one of them is re-materialised at a time (Chen et al. 2016, arXiv 1604.06174, Sec. 3). A foreach
-    AdamW step allocates about one fp32 copy of the trainable parameters in temporaries
-    (``torch/optim/adamw.py``, ``_multi_tensor_adamw``: ``_foreach_sqrt`` of the variance, etc.);
-    bitsandbytes optimizers update in place in one fused kernel (no temporaries), and a step fused into
-    backward holds one parameter's temporaries at a time (counted 0). A quantized base adds the largest
+    one of them is re-materialised at a time (Chen et al. 2016, arXiv 1604.06174, Sec. 3). The optimizer
+    step's temporaries are :func:`step_temporary_bytes_per_param` per trainable parameter. A quantized base adds the largest
     decoder linear dequantized to 16 bits (``gemm_4bit``'s dequantize-then-``F.linear`` path).
 
     Per tensor- and expert-parallel rank: the states and optimizer temporaries of the parameters one rank
@@ -443,11 +468,7 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     per_layer = activation_bytes_per_layer(full, training)  # already divided by the tensor-parallel size
     sbh = training.seq_len * training.micro_batch_size * model.hidden_size * activation_dtype_bytes(training.precision)
     n = training.sharding_group_size if training.sharding is not Sharding.NONE else 1
-    temp_per_param = {Optimizer.ADAMW_FOREACH: 4, Optimizer.SGD_MOMENTUM: 4, Optimizer.ADAFACTOR: 4}.get(
-        training.optimizer, 0
-    )
-    if training.optimizer_in_backward:
-        temp_per_param = 0
+    temp_per_param = step_temporary_bytes_per_param(training)
     dequant = 0
     if training.quantization is not Quantization.NONE and training.finetune is FineTune.LORA:
         dequant = max(o * i for o, i in decoder_linear_shapes(model, training.tensor_parallel_size)) * 2
@@ -460,9 +481,7 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
         # bf16 + fp32 master: the optimizer step also holds fp32 copies of the gradients (4 B/param)
         optimizer_temp_bytes=0
         if training.offload_optimizer is Offload.CPU
-        else model.trainable_params
-        * (temp_per_param + (4 if training.precision is Precision.BF16_FP32_MASTER else 0))
-        // n,
+        else model.trainable_params * (temp_per_param + _MASTER_BYTES.get(training.precision, 0)) // n,
         dequant_bytes=dequant,
         in_flight_bytes=in_flight_bytes(model, training),
     )

@@ -29,7 +29,7 @@ So on top of the traced phases, :func:`stage2_phases` charges
     partitions, ``grads_in_partition``, its flat 16-bit copy, the fp32 gradient partition);
   - optimizer step: ``w·Ψ + Ψ_t/N · (master + states + 4 + temporaries)`` (the flat copy deleted and the 16-bit
     partition gradients released, ``free_grad_in_param_list``; the step's temporaries per
-    :func:`model.frozen.step_temporary_bytes_per_param`).
+    :func:`model.analytic.step_temporary_bytes_per_param`).
 
 Ψ is the rank's parameter count, Ψ_t its trainable count, N :attr:`memfit.schema.TrainingConfig.sharding_group_size`,
 ``w`` 2 bytes (DeepSpeed's 16-bit model). Only ``bf16_fp32_master`` is DeepSpeed's mixed precision (its
@@ -54,10 +54,9 @@ import numpy as np
 
 from memfit.hf import build_causal_lm
 from memfit.schema import GIB, ModelSpec, Offload, Precision, Sharding, TrainingConfig
-from model.analytic import optimizer_state_bytes_per_param
+from model.analytic import optimizer_state_bytes_per_param, step_temporary_bytes_per_param
 from model.compose import PEAK_PHASES
 from model.derivation import Draft, Request, peak_phases
-from model.frozen import step_temporary_bytes_per_param
 
 #: DeepSpeed's ``reduce_bucket_size`` default, elements (``deepspeed/runtime/zero/config.py``,
 #: ``DeepSpeedZeroConfig.reduce_bucket_size``)

@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import ModelSpec, Offload, Precision, Sharding, TrainingConfig
-from model.analytic import _BNB_STATE_BYTES, _STATES, analytic_estimate, model_state_bytes
+from model.analytic import _BNB_STATE_BYTES, _STATES, analytic_estimate, model_state_bytes, state_dtype_bytes
 from model.compose import PEAK_PHASES
 from model.derivation import Draft, Request, peak_phases
 
@@ -112,7 +112,7 @@ def host_bytes_per_rank(model: ModelSpec, training: TrainingConfig) -> int:
     """
     if not offloaded(training):
         return 0
-    opt_dtype = 2 if training.precision is Precision.BF16 else 4
+    opt_dtype = state_dtype_bytes(training.precision)
     # bitsandbytes optimizers keep their states in their own layout whatever the dtype (paged ones included:
     # offloaded, all of it is on the host)
     states = _BNB_STATE_BYTES.get(training.optimizer)
