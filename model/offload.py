@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import ModelSpec, Offload, Precision, Sharding, TrainingConfig
-from model.analytic import _BNB_STATE_BYTES, _STATES, analytic_estimate, model_state_bytes, state_dtype_bytes
+from model.analytic import _BNB_STATE_BYTES, _STATES, analytic_estimates, model_state_bytes, state_dtype_bytes
 from model.compose import PEAK_PHASES
 from model.derivation import Draft, Request, peak_phases
 
@@ -197,12 +197,8 @@ class OffloadDerivation:
             )
             notes.append("offload composed from the traced phases without offload (model.offload)")
         else:
-            ratio = []
-            for k in range(model.num_layers + 1):
-                layers = list(range(k))
-                off = analytic_estimate(model, training.model_copy(update={"checkpoint_layers": layers})).peak_bytes
-                on = analytic_estimate(model, base_training.model_copy(update={"checkpoint_layers": layers})).peak_bytes
-                ratio.append(off / on)
+            pairs = zip(analytic_estimates(model, training), analytic_estimates(model, base_training))
+            ratio = [off.peak_bytes / on.peak_bytes for off, on in pairs]  # per k
             raw = np.asarray(base.raw_bytes, dtype=np.float64) * np.asarray(ratio)
             phases = [None] * (model.num_layers + 1)
             notes.append("offload: the learned curve without offload scaled by the analytic offloaded/not ratio")
