@@ -41,6 +41,12 @@ ZeRO-1 (:mod:`model.zero1`) is answered the same way from its unsharded base, le
 step temporaries) of the parameters ``ZeroRedundancyOptimizer`` gives other ranks.
 Frozen fine-tunes (embeddings and the first N layers frozen) are answered the same way from the curve of
 their base, the full fine-tune of the L − N layers above (:mod:`model.frozen`), where that applies.
+
+Each of these ways is one :class:`model.derivation.Derivation` object; :meth:`MemoryPredictor.curve` applies
+:data:`DERIVATIONS` in order (offload, frozen layers, ZeRO-1, the traced terms, gradient accumulation from one
+micro-batch's terms, the learned coefficients, the learned ratio model, DeepSpeed stage 3's offload buffers,
+DeepSpeed stage 2, gradient accumulation) and makes the last :class:`model.derivation.Draft` a :class:`Curve`.
+A new way to derive a curve is one more object in that tuple.
 """
 
 from __future__ import annotations
