@@ -220,7 +220,7 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
     t = training
     key = (
         zero1_lower_bound,
-        *model.__dict__.values(),  # every ModelSpec field is a hashable scalar
+        *model.__dict__.items(),  # every ModelSpec field, by name: hashable scalars
         # the training fields read below (and by quantized_base_bytes, routed_expert_share)
         t.precision,
         t.optimizer,

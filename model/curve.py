@@ -591,7 +591,7 @@ class GradientAccumulation:
 DERIVATIONS: tuple[Derivation, ...] = (
     OffloadDerivation(),
     FrozenLayersDerivation(),
-    Zero1Derivation(),
+    Zero1Derivation(not_traceable_reason),
     TracedTerms(),
     AccumulatedTerms(),
     LearnedCoefficients(),

@@ -284,16 +284,22 @@ class Zero1Derivation:
     """The :class:`model.derivation.Derivation` of ZeRO-1 requests with an HF config: rank 0's curve from the
     phases of its unsharded base (:func:`base_training`, :func:`device_phases`, :func:`rank0_states`) on the
     base's path and margin group; no answer (the next step answers) where not composable
-    (:func:`not_composable_reason`, or the base not traceable) or the base has no phases."""
+    (:func:`not_composable_reason`, or the base not traceable) or the base has no phases.
+
+    Args:
+        not_traceable_reason: ``(spec, training, hf_config) -> str | None``, why a configuration cannot be traced
+            (:func:`model.terms.not_traceable_reason`; given, not imported: model.terms reads this module).
+    """
+
+    def __init__(self, not_traceable_reason: Any) -> None:
+        self.not_traceable_reason = not_traceable_reason
 
     def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
-        from model.terms import not_traceable_reason
-
         model, training, hf_config = request.model, request.training, request.hf_config
         if draft is not None or training.sharding is not Sharding.ZERO1 or hf_config is None:
             return draft
         base_training_ = base_training(training)
-        if not_composable_reason(training) or not_traceable_reason(model, base_training_, hf_config):
+        if not_composable_reason(training) or self.not_traceable_reason(model, base_training_, hf_config):
             return None
         base = predictor.curve(model, base_training_, hf_config)  # asks the tracer for the base's key
         if base.phase_bytes is None:
