@@ -18,7 +18,9 @@ flight (:func:`in_flight_bytes`). What the host holds is :func:`model.offload.ho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from memfit.schema import FineTune, ModelSpec, Offload, Optimizer, Precision, Quantization, Sharding, TrainingConfig
 
@@ -47,6 +49,35 @@ def _blocks(nbytes: float) -> int:
     return -(-int(nbytes) // BLOCK_BYTES) * BLOCK_BYTES
 
 
+def state_dtype_bytes(precision: Precision) -> int:
+    """Bytes per element of a torch optimizer's states and of the tensors it steps: 2 in pure ``bf16`` (bf16
+    parameters, no master copy), 4 otherwise (fp32 parameters, or the fp32 masters of ``bf16_fp32_master``)."""
+    return 2 if precision is Precision.BF16 else 4
+
+
+#: optimizers whose step builds one whole-list temporary in the states' dtype (module docstring of
+#: :func:`step_temporary_bytes_per_param`)
+_STEP_TEMPORARY_OPTIMIZERS = (Optimizer.ADAMW_FOREACH, Optimizer.ADAFACTOR)
+
+
+def step_temporary_bytes_per_param(training: TrainingConfig, dtype_bytes: int | None = None) -> int:
+    """Bytes per stepped parameter the optimizer step allocates at once beyond the states (the ``opt`` phase): the
+    one step-temporary formula of memfit (analytic estimate, frozen layers, ZeRO-1, DeepSpeed stage 2).
+
+    One copy in the states' dtype (``dtype_bytes``; default :func:`state_dtype_bytes`: 4, 2 in pure bf16) for the
+    steps that build a whole-list temporary: foreach AdamW (``torch/optim/adamw.py`` ``_multi_tensor_adamw``:
+    ``torch._foreach_sqrt`` of the variances) and Adafactor (``torch/optim/_adafactor.py``: the squared
+    gradients); none for fused AdamW, SGD with momentum and the bitsandbytes optimizers (one kernel per tensor, in
+    place) and for a step in backward (one parameter at a time). As the traced terms show it
+    (``tests/test_step_temporaries.py``: the ``opt`` phase of each shipped configuration against the same one with
+    fused AdamW, less the states' difference, per trainable parameter): foreach AdamW 4.000 (2.000 in pure bf16),
+    Adafactor 4.00-4.01 (2.00), SGD, 8-bit AdamW, Lion 0.00.
+    """
+    if training.optimizer_in_backward or training.optimizer not in _STEP_TEMPORARY_OPTIMIZERS:
+        return 0
+    return state_dtype_bytes(training.precision) if dtype_bytes is None else dtype_bytes
+
+
 def optimizer_state_bytes_per_param(training: TrainingConfig) -> tuple[float, float]:
     """(device, paged) optimizer-state bytes per trainable parameter, fp32 master copy included.
 
@@ -58,8 +89,7 @@ def optimizer_state_bytes_per_param(training: TrainingConfig) -> tuple[float, fl
     if training.optimizer in _BNB_STATE_BYTES:
         paged = _PAGED_STATE_BYTES.get(training.optimizer, 0.0)
         return _BNB_STATE_BYTES[training.optimizer] - paged + master, paged
-    state_dtype = 2 if training.precision is Precision.BF16 else 4
-    return float(_STATES[training.optimizer] * state_dtype + master), 0.0
+    return float(_STATES[training.optimizer] * state_dtype_bytes(training.precision) + master), 0.0
 
 
 def quantized_linear_bytes(out_features: int, in_features: int, quantization: Quantization) -> int:
@@ -122,22 +152,30 @@ def quantized_base_bytes(
 ) -> tuple[int, int]:
     """(weights quantized, their device bytes) over all decoder layers of one tensor-parallel rank
     (:func:`decoder_linear_shapes`, :func:`quantized_linear_bytes`)."""
-    shapes = decoder_linear_shapes(model, tensor_parallel_size)
-    n = sum(o * i for o, i in shapes) * model.num_layers
-    return n, sum(quantized_linear_bytes(o, i, quantization) for o, i in shapes) * model.num_layers
+    return _quantized_layers_bytes(
+        tuple(decoder_linear_shapes(model, tensor_parallel_size)), model.num_layers, quantization
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _quantized_layers_bytes(
+    shapes: tuple[tuple[int, int], ...], layers: int, quantization: Quantization
+) -> tuple[int, int]:
+    n = sum(o * i for o, i in shapes) * layers
+    return n, sum(quantized_linear_bytes(o, i, quantization) for o, i in shapes) * layers
 
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Per-device bytes of weights, gradients and optimizer states (master weights included)."""
+    """Per-device bytes of weights, gradients and optimizer states (master weights included), and their sum."""
 
     weights_bytes: int
     gradients_bytes: int
     optimizer_bytes: int
+    total_bytes: int = field(init=False)
 
-    @property
-    def total_bytes(self) -> int:
-        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_bytes", self.weights_bytes + self.gradients_bytes + self.optimizer_bytes)
 
 
 def routed_expert_params(model: ModelSpec, num_experts: int) -> int:
@@ -176,8 +214,39 @@ def model_state_bytes(model: ModelSpec, training: TrainingConfig, *, zero1_lower
         (:func:`optimizer_state_bytes_per_param`; paged states are not device memory and not counted).
         With ``optimizer_in_backward`` no gradient outlives its parameter's step: gradients count 0.
         A quantized base counts its decoder linears by :func:`quantized_base_bytes` and the LoRA adapters
-        in fp32 (PEFT does not cast adapters to a uint8 base weight's dtype).
+        in fp32 (PEFT does not cast adapters to a uint8 base weight's dtype). Memoised per spec and the training
+        fields it reads: one request asks for the same states many times.
     """
+    t = training
+    key = (
+        zero1_lower_bound,
+        *model.__dict__.items(),  # every ModelSpec field, by name: hashable scalars
+        # the training fields read below (and by quantized_base_bytes, routed_expert_share)
+        t.precision,
+        t.optimizer,
+        t.quantization,
+        t.finetune,
+        t.tensor_parallel_size,
+        t.optimizer_in_backward,
+        t.sharding,
+        t.sharding_group_size,
+        t.expert_parallel_size,
+        t.offload_optimizer,
+        t.offload_parameters,
+    )
+    states = _STATES_MEMO.get(key)
+    if states is None:
+        if len(_STATES_MEMO) >= _STATES_MEMO_SIZE:
+            _STATES_MEMO.clear()
+        states = _STATES_MEMO[key] = _model_state_bytes(model, training, zero1_lower_bound)
+    return states
+
+
+_STATES_MEMO: dict[tuple, ModelStates] = {}
+_STATES_MEMO_SIZE = 4096
+
+
+def _model_state_bytes(model: ModelSpec, training: TrainingConfig, zero1_lower_bound: bool) -> ModelStates:
     total, trainable = model.total_params, model.trainable_params
     w = _WEIGHT_BYTES[training.precision]
     states_per_param, _paged = optimizer_state_bytes_per_param(training)
@@ -383,52 +452,43 @@ def expert_parallel_rank_spec(model: ModelSpec, training: TrainingConfig) -> Mod
 
 @dataclass(frozen=True)
 class AnalyticEstimate:
-    """Our analytic peak, per device, with its parts (bytes)."""
+    """Our analytic peak, per device, with its parts (bytes); made by :func:`analytic_estimates`.
+
+    ``backward_peak_bytes``: the start of backward, every saved activation and the logits alive. A checkpointed
+    layer is re-materialised later, after the layers above it have freed theirs, so ``recompute_bytes`` (one
+    layer) only matters when it exceeds what those layers held — never for k < L. ``optimizer_peak_bytes``: the
+    model states and the step's temporaries. ``peak_bytes``: the larger of the two.
+    """
 
     states: ModelStates
     activations_bytes: int  # non-checkpointed layers' saved activations
     checkpoint_inputs_bytes: int  # the k checkpointed layers' saved inputs
     recompute_bytes: int  # one layer re-materialised in backward (k > 0)
     logits_bytes: int
-    optimizer_temp_bytes: int  # foreach optimizer temporaries in the step
-    dequant_bytes: int = 0  # one quantized linear's weight dequantized for its matmul (QLoRA)
-    in_flight_bytes: int = 0  # parameter offload: gathered layer parameters and gradients on the device
-
-    @property
-    def backward_peak_bytes(self) -> int:
-        """Start of backward: every saved activation and the logits are alive. A checkpointed layer is
-        re-materialised later, after the layers above it have freed theirs, so ``recompute_bytes``
-        (one layer) only matters when it exceeds what those layers held — never for k < L."""
-        saved = self.activations_bytes + self.checkpoint_inputs_bytes
-        return (
-            self.states.weights_bytes
-            + self.states.optimizer_bytes
-            + self.states.gradients_bytes
-            + max(saved, self.checkpoint_inputs_bytes + self.recompute_bytes)
-            + self.logits_bytes
-            + self.dequant_bytes
-            + self.in_flight_bytes
-        )
-
-    @property
-    def optimizer_peak_bytes(self) -> int:
-        return self.states.total_bytes + self.optimizer_temp_bytes
-
-    @property
-    def peak_bytes(self) -> int:
-        return max(self.backward_peak_bytes, self.optimizer_peak_bytes)
+    optimizer_temp_bytes: int  # the optimizer step's temporaries (step_temporary_bytes_per_param)
+    dequant_bytes: int  # one quantized linear's weight dequantized for its matmul (QLoRA)
+    in_flight_bytes: int  # parameter offload: gathered layer parameters and gradients on the device
+    backward_peak_bytes: int
+    optimizer_peak_bytes: int
+    peak_bytes: int
 
 
 def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEstimate:
-    """Peak = max(backward, optimizer step) of model states + activations + logits (bytes per device).
+    """:func:`analytic_estimates` at ``training``'s own k (its ``checkpoint_layers``)."""
+    return analytic_estimates(model, training, (training.num_checkpointed_layers,))[0]
+
+
+def analytic_estimates(
+    model: ModelSpec, training: TrainingConfig, ks: Iterable[int] | None = None
+) -> list[AnalyticEstimate]:
+    """Peak = max(backward, optimizer step) of model states + activations + logits (bytes per device), for each
+    k of ``ks`` (the first k layers checkpointed; default 0..L; ``training.checkpoint_layers`` ignored). What does
+    not depend on k is computed once.
 
     The k checkpointed layers each keep only their input ``s·b·h`` (activation dtype); in backward
-    one of them is re-materialised at a time (Chen et al. 2016, arXiv 1604.06174, Sec. 3). A foreach
-    AdamW step allocates about one fp32 copy of the trainable parameters in temporaries
-    (``torch/optim/adamw.py``, ``_multi_tensor_adamw``: ``_foreach_sqrt`` of the variance, etc.);
-    bitsandbytes optimizers update in place in one fused kernel (no temporaries), and a step fused into
-    backward holds one parameter's temporaries at a time (counted 0). A quantized base adds the largest
-    decoder linear dequantized to 16 bits (``gemm_4bit``'s dequantize-then-``F.linear`` path).
+    one of them is re-materialised at a time (Chen et al. 2016, arXiv 1604.06174, Sec. 3). The optimizer
+    step's temporaries are :func:`step_temporary_bytes_per_param` per trainable parameter. A quantized base adds
+    the largest decoder linear dequantized to 16 bits (``gemm_4bit``'s dequantize-then-``F.linear`` path).
 
     Per tensor- and expert-parallel rank: the states and optimizer temporaries of the parameters one rank
     holds (:func:`tensor_parallel_rank_spec`, :func:`expert_parallel_rank_spec`), activations and logits divided by the
@@ -438,31 +498,43 @@ def analytic_estimate(model: ModelSpec, training: TrainingConfig) -> AnalyticEst
     # the spec itself when tp = ep = 1
     full, model = model, tensor_parallel_rank_spec(expert_parallel_rank_spec(model, training), training)
     states = model_state_bytes(model, training)
-    k = training.num_checkpointed_layers
     L = model.num_layers
+    tp = training.tensor_parallel_size
     per_layer = activation_bytes_per_layer(full, training)  # already divided by the tensor-parallel size
     sbh = training.seq_len * training.micro_batch_size * model.hidden_size * activation_dtype_bytes(training.precision)
     n = training.sharding_group_size if training.sharding is not Sharding.NONE else 1
-    temp_per_param = {Optimizer.ADAMW_FOREACH: 4, Optimizer.SGD_MOMENTUM: 4, Optimizer.ADAFACTOR: 4}.get(
-        training.optimizer, 0
-    )
-    if training.optimizer_in_backward:
-        temp_per_param = 0
     dequant = 0
     if training.quantization is not Quantization.NONE and training.finetune is FineTune.LORA:
-        dequant = max(o * i for o, i in decoder_linear_shapes(model, training.tensor_parallel_size)) * 2
-    return AnalyticEstimate(
-        states=states,
-        activations_bytes=(L - k) * per_layer,
-        checkpoint_inputs_bytes=k * sbh // training.tensor_parallel_size,
-        recompute_bytes=per_layer if k else 0,
-        logits_bytes=logits_bytes(model, training),
-        # bf16 + fp32 master: the optimizer step also holds fp32 copies of the gradients (4 B/param)
-        optimizer_temp_bytes=0
+        dequant = max(o * i for o, i in decoder_linear_shapes(model, tp)) * 2
+    logits = logits_bytes(model, training)
+    in_flight = in_flight_bytes(model, training)
+    # bf16 + fp32 master: the optimizer step also holds fp32 copies of the gradients (4 B/param)
+    temp = (
+        0
         if training.offload_optimizer is Offload.CPU
         else model.trainable_params
-        * (temp_per_param + (4 if training.precision is Precision.BF16_FP32_MASTER else 0))
-        // n,
-        dequant_bytes=dequant,
-        in_flight_bytes=in_flight_bytes(model, training),
+        * (step_temporary_bytes_per_param(training) + _MASTER_BYTES.get(training.precision, 0))
+        // n
     )
+    resident = states.weights_bytes + states.optimizer_bytes + states.gradients_bytes
+    optimizer_peak = resident + temp
+    out = []
+    for k in range(L + 1) if ks is None else ks:
+        activations, inputs, recompute = (L - k) * per_layer, k * sbh // tp, per_layer if k else 0
+        backward = resident + max(activations + inputs, inputs + recompute) + logits + dequant + in_flight
+        out.append(
+            AnalyticEstimate(
+                states=states,
+                activations_bytes=activations,
+                checkpoint_inputs_bytes=inputs,
+                recompute_bytes=recompute,
+                logits_bytes=logits,
+                optimizer_temp_bytes=temp,
+                dequant_bytes=dequant,
+                in_flight_bytes=in_flight,
+                backward_peak_bytes=backward,
+                optimizer_peak_bytes=optimizer_peak,
+                peak_bytes=max(backward, optimizer_peak),
+            )
+        )
+    return out

@@ -41,6 +41,12 @@ ZeRO-1 (:mod:`model.zero1`) is answered the same way from its unsharded base, le
 step temporaries) of the parameters ``ZeroRedundancyOptimizer`` gives other ranks.
 Frozen fine-tunes (embeddings and the first N layers frozen) are answered the same way from the curve of
 their base, the full fine-tune of the L − N layers above (:mod:`model.frozen`), where that applies.
+
+Each of these ways is one :class:`model.derivation.Derivation` object; :meth:`MemoryPredictor.curve` applies
+:data:`DERIVATIONS` in order (offload, frozen layers, ZeRO-1, the traced terms, gradient accumulation from one
+micro-batch's terms, the learned coefficients, the learned ratio model, DeepSpeed stage 3's offload buffers,
+DeepSpeed stage 2, gradient accumulation) and makes the last :class:`model.derivation.Draft` a :class:`Curve`.
+A new way to derive a curve is one more object in that tuple.
 """
 
 from __future__ import annotations
@@ -53,20 +59,17 @@ from typing import Any
 
 import numpy as np
 
-from memfit.schema import GIB, CheckpointImpl, FineTune, ModelSpec, Offload, Sharding, TrainingConfig
+from memfit.schema import GIB, CheckpointImpl, FineTune, ModelSpec, Sharding, TrainingConfig
 from model.analytic import ModelStates, model_state_bytes, optimizer_state_bytes_per_param
 from model.compose import PEAK_PHASES, compose, compose_terms
-from model.deepspeed_zero import (
-    deepspeed_stage2,
-    persistent_parameter_elements,
-    stage2_note,
-    stage2_phases,
-    stage3_offload_buffer_bytes,
-)
+from model.deepspeed_zero import DeepSpeedStage2Derivation, DeepSpeedStage3BuffersDerivation
+from model.derivation import PROVISIONAL, TRACED, Derivation, Draft, Request, peak_phases
+from model.frozen import FrozenLayersDerivation
+from model.offload import OffloadDerivation
 from model.parallel import ParallelCurve, compose_pipeline, pipeline_stages
 from model.terms import TermsCache, not_traceable_reason, terms_key
+from model.zero1 import Zero1Derivation
 
-TRACED, PROVISIONAL = "traced", "provisional"
 #: margin group of traced answers for sharded training (FSDP / ZeRO-2/3 traced over a fake process group)
 TRACED_SHARDED = "traced_sharded"
 #: margin group of provisional answers composed from learned phase coefficients (:mod:`model.coefficients`),
@@ -281,9 +284,12 @@ class MemoryPredictor:
         self.terms = terms if terms is not None else TermsCache()
         self.margins = {**DEFAULT_MARGINS, **(margins or {})}
         self.tracer = tracer
+        #: the steps :meth:`curve` applies in order (:data:`DERIVATIONS`)
+        self.derivations: tuple[Derivation, ...] = DERIVATIONS
 
     def curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None) -> Curve:
-        """The whole curve over k = 0..``model.num_layers`` for one configuration (bytes per device).
+        """The whole curve over k = 0..``model.num_layers`` for one configuration (bytes per device): the
+        :attr:`derivations` applied in order (:mod:`model.derivation`), the last draft made a :class:`Curve`.
 
         Args:
             model: the architecture with its total and trainable parameter counts.
@@ -293,123 +299,41 @@ class MemoryPredictor:
         Raises:
             ValueError: no path can answer (no terms and no provisional estimator).
         """
-        from model.offload import offloaded
-
-        if offloaded(training):
-            return self._offload_curve(model, training, hf_config)
-        from model.frozen import frozen, not_composable_reason
-
-        if frozen(training) and not_composable_reason(model, training, hf_config) is None:
-            composed = self._frozen_curve(model, training, hf_config)
-            if composed is not None:
-                return composed
-        if training.sharding is Sharding.ZERO1 and hf_config is not None:
-            composed = self._zero1_curve(model, training, hf_config)
-            if composed is not None:
-                return composed
-        L = model.num_layers
-        pp_or_cp = training.pipeline_parallel_size > 1 or training.context_parallel_size > 1
-        rank_model = expert_parallel_rank(model, training, hf_config)  # MoE: one rank's share of the experts
-        stage_states = [model_state_bytes(st.spec, training) for st in pipeline_stages(rank_model, training)]
-        states = max(stage_states, key=lambda x: x.total_bytes)  # per rank: TP-sharded, the fullest stage
-        floor = states.total_bytes
-        pipe = None
-        reason = not_traceable_reason(model, training, hf_config)
-        key = None
-        raw = phases = phase_bytes = None
-        period = None  # layer-type period of the traced terms
-        accumulation_composed = False
-        if reason is None and hf_config is not None:
-            key = terms_key(hf_config, training)
-            terms = self.terms.get(key)
-            if terms is None and self.tracer is not None:
-                status = self.tracer(key, hf_config, training)
-                terms = self.terms.get(key)  # a synchronous tracer has stored them already
-                if terms is None:
-                    reason = f"this configuration has not been traced yet: {status}"
-            elif terms is None:
-                reason = "this configuration has not been traced yet"
-            if terms is None and training.accumulates_gradients and not pp_or_cp:
-                # until accumulation itself is traced: the traced phases of one micro-batch per step, with the
-                # gradient buffer added where it is not live already
-                single = self.terms.get(
-                    terms_key(hf_config, training.model_copy(update={"gradient_accumulation_steps": 1}))
-                )
-                if single is not None:
-                    period = single.get("period", 1)
-                    c = compose_terms(single, L, training.micro_batch_size, training.seq_len)
-                    phase_bytes = accumulation_phases(c.phase_bytes, states.gradients_bytes)
-                    raw = phase_bytes.max(axis=1)
-                    phases = [PEAK_PHASES[i] for i in phase_bytes.argmax(axis=1)]
-                    accumulation_composed = True
-            if terms is not None:
-                period = terms.get("period", 1)
-                if pp_or_cp:
-                    long = terms.get("long")
-                    coef = long["coef"] if long and training.seq_len >= long["min_seq_len"] else terms["coef"]
-                    p = terms.get("period", 1)
-                    depths = tuple(terms.get("depths", (p, 2 * p)))
-                    pipe = compose_pipeline(coef, depths, model, training)
-                    raw, phases = pipe.peak_bytes.astype(np.float64), pipe.phase
-                else:
-                    c = compose_terms(terms, L, training.micro_batch_size, training.seq_len)
-                    raw, phases, phase_bytes = c.peak_bytes.astype(np.float64), c.phase, c.phase_bytes
-        elif reason is None:
-            reason = "no HF config to trace"
-        path = TRACED if raw is not None else PROVISIONAL
-        learned = False
-        if (
-            raw is None
-            and self.coefficients is not None
-            and not pp_or_cp
-            and self.coefficients.covers(rank_model, training, hf_config)
-        ):
-            coef = self.coefficients.predict_coef(rank_model, training, hf_config)
-            c = compose(coef, L, training.micro_batch_size, training.seq_len)
-            raw, phases, phase_bytes, learned = c.peak_bytes.astype(np.float64), c.phase, c.phase_bytes, True
-        if raw is None:
-            if self.estimator is None:
-                raise ValueError(f"no traced terms for this configuration ({reason}) and no provisional model loaded")
-            from model.features import curve_matrix
-
-            base, ratio = self.estimator.predict_matrix(curve_matrix(model, training))
-            raw, phases = np.exp(base + ratio), [None] * (L + 1)
-        notes = []
-        if training.sharding is Sharding.ZERO2:  # DeepSpeed's stage 2 on the FSDP2 SHARD_GRAD_OP step
-            composed_stage2 = deepspeed_stage2(training) and pipe is None
-            if composed_stage2:
-                phase_bytes, raw = stage2_phases(phase_bytes, raw, rank_model, training)
-                if phase_bytes is not None:
-                    phases = [PEAK_PHASES[i] for i in phase_bytes.argmax(axis=1)]
-            notes.append(stage2_note(training, composed_stage2))
-        if training.accumulates_gradients:
-            if accumulation_composed:
-                notes.append(
-                    f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches "
-                    "composed from the traced phases of one micro-batch per step, the gradient buffer added "
-                    "to every phase before the end of backward (an upper bound until it is traced: "
-                    f"{reason})"
-                )
-            elif path == TRACED:
-                notes.append(
-                    f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches "
-                    "traced: a later micro-batch runs with every gradient live"
-                )
-            else:  # the learned paths know steps of one micro-batch: add the whole gradient buffer (an upper bound)
-                raw = raw + states.gradients_bytes
-                notes.append(
-                    f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches: "
-                    "the learned answer for one micro-batch plus the whole gradient buffer (an upper bound)"
-                )
-        group = margin_group(
-            path, training.sharding, learned, uniform=period is not None and uniform_configuration(training, period)
+        request, draft = Request(model, training, hf_config), None
+        for step in self.derivations:
+            draft = step.derive(self, request, draft)
+        if draft.composed_from is None:  # the request's own composition: its group, and notes on the configuration
+            period = draft.period
+            uniform = period is not None and uniform_configuration(training, period)
+            group = margin_group(draft.path, training.sharding, draft.learned, uniform=uniform)
+        else:  # composed from a base: the base's path and learned flag, the derivation's sharding
+            group = margin_group(draft.path, draft.margin_sharding, draft.learned)
+        pipe, margin = draft.pipeline, self.margins[group]
+        held = None if pipe is None else (lambda at: draft.stage_states[pipe.bottleneck(at)])
+        points = self._points(draft.path, draft.raw, draft.phases, draft.states, margin, held, draft.gradients_live)
+        own = draft.composed_from is None
+        return Curve(
+            path=draft.path,
+            points=points,
+            floor_bytes=draft.states.total_bytes,
+            terms_key=draft.terms_key,
+            reason=draft.reason if draft.path == PROVISIONAL or not own else None,
+            notes=draft.notes + (self._configuration_notes(request, draft, group) if own else []),
+            pipeline=pipe,
+            raw_bytes=draft.raw,
+            phase_bytes=draft.phase_bytes,
+            host_memory_bytes=draft.host_memory_bytes,
+            learned_coefficients=draft.learned,
+            margin_group=group if draft.report_group else None,
         )
-        margin = self.margins[group]
-        held = None if pipe is None else (lambda at: stage_states[pipe.bottleneck(at)])
-        points = self._points(path, raw, phases, states, margin, held, training.accumulates_gradients)
+
+    def _configuration_notes(self, request: Request, draft: Draft, group: str) -> list[str]:
+        """What the answer of the request's own composition says about its path and configuration."""
+        model, training, hf_config = request.model, request.training, request.hf_config
+        path, notes = draft.path, []
         if path == PROVISIONAL:
-            how = "learned phase coefficients, composed per phase" if learned else "learned model"
-            notes.append(f"provisional answer ({how}): {reason}")
+            how = "learned phase coefficients, composed per phase" if draft.learned else "learned model"
+            notes.append(f"provisional answer ({how}): {draft.reason}")
         if model.num_experts is not None and path == TRACED:
             notes.append(
                 f"MoE traced with balanced routing (hottest expert at {training.moe_imbalance_factor:g}x its "
@@ -452,8 +376,8 @@ class MemoryPredictor:
             )
         if group == TRACED_SHARDED:  # a new user saw an 8x wider bound at micro-batch 1 than at 2, unexplained
             notes.append(
-                f"bound {100 * margin:.1f} % above the point: sharded steps at micro-batch 1, with LoRA or "
-                f"frozen layers, or with a layer-type pattern are composed less exactly than the others "
+                f"bound {100 * self.margins[group]:.1f} % above the point: sharded steps at micro-batch 1, with LoRA "
+                f"or frozen layers, or with a layer-type pattern are composed less exactly than the others "
                 f"({100 * self.margins[TRACED_SHARDED_UNIFORM]:.1f} %)"
             )
         if training.checkpoint_impl is CheckpointImpl.REENTRANT and training.finetune is not FineTune.FULL:
@@ -476,19 +400,7 @@ class MemoryPredictor:
                 "unified memory (cudaMallocManaged), outside PyTorch's allocator: not in the peak allocated "
                 "bytes; the driver pages them to host RAM when the device is full"
             )
-        return Curve(
-            path=path,
-            points=points,
-            floor_bytes=floor,
-            terms_key=key,
-            reason=reason if path == PROVISIONAL else None,
-            notes=notes,
-            pipeline=pipe,
-            raw_bytes=raw,
-            phase_bytes=phase_bytes,
-            learned_coefficients=learned,
-            margin_group=group,
-        )
+        return notes
 
     def _points(
         self,
@@ -522,134 +434,169 @@ class MemoryPredictor:
             )
         return points
 
-    def _offload_curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> Curve:
-        """The device curve of an offloaded configuration from its traced base (:mod:`model.offload`)."""
-        from model.analytic import analytic_estimate
-        from model.offload import host_memory_bytes, offload_device_phases, traced_base
 
-        base_training = traced_base(training)
-        base = self.curve(model, base_training, hf_config)
-        states = model_state_bytes(model, training)
-        L = model.num_layers
-        # the stand-in FSDP trace of parameter offload on one rank is not the user's sharding: don't say it is
-        notes = [n for n in base.notes if base_training.sharding is training.sharding or not n.startswith("sharding")]
-        # offloaded optimizer states live in host memory, not in CUDA unified memory: drop the paged-states note
-        notes = [n for n in notes if "unified memory" not in n]
-        if base.phase_bytes is not None:
-            dev = offload_device_phases(base.phase_bytes, list(PEAK_PHASES), model, training)
-            raw = dev.max(axis=1)
-            phases: list[str | None] = [PEAK_PHASES[i] for i in dev.argmax(axis=1)]
-            notes.append("offload composed from the traced phases without offload (model.offload)")
+class TracedTerms:
+    """The :class:`model.derivation.Derivation` that starts the request's own composition: the model states per
+    rank (one expert-parallel rank's share, the fullest pipeline stage) and, where the configuration is traceable
+    and its terms are in the cache (or the tracer stores them at once), the composed curve
+    (:func:`model.compose.compose_terms`; per pipeline stage with pipeline or context parallelism). Asks the
+    tracer for a missing key and records why the curve stays provisional."""
+
+    def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
+        if draft is not None:
+            return draft
+        model, training, hf_config = request.model, request.training, request.hf_config
+        rank_model = expert_parallel_rank(model, training, hf_config)  # MoE: one rank's share of the experts
+        stage_states = [model_state_bytes(st.spec, training) for st in pipeline_stages(rank_model, training)]
+        d = Draft(
+            states=max(stage_states, key=lambda x: x.total_bytes),  # per rank: TP-sharded, the fullest stage
+            reason=not_traceable_reason(model, training, hf_config),
+            rank_model=rank_model,
+            stage_states=stage_states,
+        )
+        if d.reason is None and hf_config is None:
+            d.reason = "no HF config to trace"
+        if d.reason is not None:
+            return d
+        d.terms_key = key = terms_key(hf_config, training)
+        terms = predictor.terms.get(key)
+        if terms is None and predictor.tracer is not None:
+            status = predictor.tracer(key, hf_config, training)
+            terms = predictor.terms.get(key)  # a synchronous tracer has stored them already
+            if terms is None:
+                d.reason = f"this configuration has not been traced yet: {status}"
+        elif terms is None:
+            d.reason = "this configuration has not been traced yet"
+        if terms is None:
+            return d
+        d.path, d.period = TRACED, terms.get("period", 1)
+        if _pipeline_or_context(training):
+            long = terms.get("long")
+            coef = long["coef"] if long and training.seq_len >= long["min_seq_len"] else terms["coef"]
+            p = terms.get("period", 1)
+            depths = tuple(terms.get("depths", (p, 2 * p)))
+            d.pipeline = compose_pipeline(coef, depths, model, training)
+            d.raw, d.phases = d.pipeline.peak_bytes.astype(np.float64), d.pipeline.phase
         else:
-            ratio = []
-            for k in range(L + 1):
-                layers = list(range(k))
-                off = analytic_estimate(model, training.model_copy(update={"checkpoint_layers": layers})).peak_bytes
-                on = analytic_estimate(model, base_training.model_copy(update={"checkpoint_layers": layers})).peak_bytes
-                ratio.append(off / on)
-            raw = np.asarray(base.raw_bytes, dtype=np.float64) * np.asarray(ratio)
-            phases = [None] * (L + 1)
-            notes.append("offload: the learned curve without offload scaled by the analytic offloaded/not ratio")
-        if training.offload_parameters is Offload.CPU and training.sharding is Sharding.ZERO3:
-            buffers = stage3_offload_buffer_bytes(model, persistent_parameter_elements(hf_config, model))
-            raw = raw + buffers
-            notes.append(
-                f"DeepSpeed stage 3's device buffers at its defaults added ({buffers / GIB:.2f} GiB: reduce bucket "
-                "5e8 and prefetch bucket 5e7 16-bit elements, parameters below 1e5 elements with their gradients; "
-                "model.deepspeed_zero)"
-            )
-        if training.gradient_accumulation_steps > 1:
-            notes.append(
-                f"gradient accumulation over {training.gradient_accumulation_steps} micro-batches: the "
+            c = compose_terms(terms, model.num_layers, training.micro_batch_size, training.seq_len)
+            d.raw, d.phases, d.phase_bytes = c.peak_bytes.astype(np.float64), c.phase, c.phase_bytes
+        return d
+
+
+def _pipeline_or_context(training: TrainingConfig) -> bool:
+    return training.pipeline_parallel_size > 1 or training.context_parallel_size > 1
+
+
+class AccumulatedTerms:
+    """The :class:`model.derivation.Derivation` answering gradient accumulation that is not traced itself from
+    the traced terms of one micro-batch per step, the gradient buffer added where it is not live already
+    (:func:`accumulation_phases`; not with pipeline or context parallelism)."""
+
+    def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
+        training, hf_config = request.training, request.hf_config
+        if draft.raw is not None or draft.terms_key is None or not training.accumulates_gradients:
+            return draft
+        if _pipeline_or_context(training):
+            return draft
+        single = predictor.terms.get(
+            terms_key(hf_config, training.model_copy(update={"gradient_accumulation_steps": 1}))
+        )
+        if single is None:
+            return draft
+        draft.path, draft.period, draft.accumulation_composed = TRACED, single.get("period", 1), True
+        c = compose_terms(single, request.model.num_layers, training.micro_batch_size, training.seq_len)
+        draft.phase_bytes = accumulation_phases(c.phase_bytes, draft.states.gradients_bytes)
+        draft.raw, draft.phases = peak_phases(draft.phase_bytes, PEAK_PHASES)
+        return draft
+
+
+class LearnedCoefficients:
+    """The :class:`model.derivation.Derivation` answering an untraced request the learned phase coefficients
+    cover (:class:`model.coefficients.CoefficientModel`), composed per phase as traced terms are."""
+
+    def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
+        model, training, hf_config = request.model, request.training, request.hf_config
+        if draft.raw is not None or predictor.coefficients is None or _pipeline_or_context(training):
+            return draft
+        if not predictor.coefficients.covers(draft.rank_model, training, hf_config):
+            return draft
+        coef = predictor.coefficients.predict_coef(draft.rank_model, training, hf_config)
+        c = compose(coef, model.num_layers, training.micro_batch_size, training.seq_len)
+        draft.path, draft.learned = PROVISIONAL, True
+        draft.raw, draft.phases, draft.phase_bytes = c.peak_bytes.astype(np.float64), c.phase, c.phase_bytes
+        return draft
+
+
+class LearnedRatio:
+    """The :class:`model.derivation.Derivation` answering what nothing else did: the LightGBM ratio model
+    (:class:`model.estimator.PeakMemoryRegressor`) over the analytic estimate, no phases.
+
+    Raises:
+        ValueError: no provisional model loaded.
+    """
+
+    def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
+        if draft.raw is not None:
+            return draft
+        if draft.path is None:
+            draft.path = PROVISIONAL
+        if predictor.estimator is None:
+            raise ValueError(f"no traced terms for this configuration ({draft.reason}) and no provisional model loaded")
+        from model.features import curve_matrix
+
+        base, ratio = predictor.estimator.predict_matrix(curve_matrix(request.model, request.training))
+        draft.raw, draft.phases = np.exp(base + ratio), [None] * (request.model.num_layers + 1)
+        return draft
+
+
+class GradientAccumulation:
+    """The :class:`model.derivation.Derivation` of gradient accumulation on a finished composition: what the
+    answer says, and on the learned paths (steps of one micro-batch) the whole gradient buffer added to every k
+    (an upper bound). Offloaded gradients accumulate in host memory: the device curve stays one micro-batch's.
+    Curves composed from a frozen or ZeRO-1 base carry it from the base."""
+
+    def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
+        training = request.training
+        steps = training.gradient_accumulation_steps
+        if draft.composed_from == "offload" and steps > 1:
+            draft.notes.append(
+                f"gradient accumulation over {steps} micro-batches: the "
                 "offloaded gradients accumulate in host memory, the device holds one micro-batch's peak"
             )
-        margin = self.margins[margin_group(base.path, base_training.sharding, base.learned_coefficients)]
-        return Curve(
-            path=base.path,
-            points=self._points(base.path, raw, phases, states, margin),
-            floor_bytes=states.total_bytes,
-            terms_key=base.terms_key,
-            reason=base.reason,
-            notes=notes,
-            raw_bytes=raw,
-            phase_bytes=None,
-            host_memory_bytes=host_memory_bytes(model, training),
-            learned_coefficients=base.learned_coefficients,
-        )
-
-    def _zero1_curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]) -> Curve | None:
-        """Rank 0's ZeRO-1 curve from its unsharded base's phases (:mod:`model.zero1`), on the base's path and
-        margin group; None (the provisional path answers) where not composable or the base has no phases."""
-        from model.zero1 import base_training, device_phases, not_composable_reason, rank0_states, zero1_split
-
-        base_training_ = base_training(training)
-        if not_composable_reason(training) or not_traceable_reason(model, base_training_, hf_config):
-            return None
-        base = self.curve(model, base_training_, hf_config)  # asks the tracer for the base's key
-        if base.phase_bytes is None:
-            return None
-        split = zero1_split(hf_config, training)
-        dev = device_phases(base.phase_bytes, list(PEAK_PHASES), split)
-        # what the base added on top of its phases (the learned path's gradient-accumulation buffer) stays
-        raw = dev.max(axis=1) + (np.asarray(base.raw_bytes, dtype=np.float64) - base.phase_bytes.max(axis=1))
-        phases: list[str | None] = [PEAK_PHASES[i] for i in dev.argmax(axis=1)]
-        states = rank0_states(model, training, split)
-        notes = base.notes + [
-            (
-                f"ZeRO-1 over {training.data_parallel_size} ranks composed from the phases without "
-                f"sharding (model.zero1): rank 0 steps {split.rank0_params:,} of "
-                f"{model.trainable_params:,} trainable parameters (ZeroRedundancyOptimizer's "
-                "whole-parameter partition)"
+        if draft.composed_from is not None or not training.accumulates_gradients:
+            return draft
+        draft.gradients_live = True
+        if draft.accumulation_composed:
+            draft.notes.append(
+                f"gradient accumulation over {steps} micro-batches "
+                "composed from the traced phases of one micro-batch per step, the gradient buffer added "
+                "to every phase before the end of backward (an upper bound until it is traced: "
+                f"{draft.reason})"
             )
-        ]
-        group = margin_group(base.path, base_training_.sharding, base.learned_coefficients)
-        return Curve(
-            path=base.path,
-            points=self._points(
-                base.path, raw, phases, states, self.margins[group], None, training.accumulates_gradients
-            ),
-            floor_bytes=states.total_bytes,
-            terms_key=base.terms_key,
-            reason=base.reason,
-            notes=notes,
-            raw_bytes=raw,
-            phase_bytes=dev,
-            learned_coefficients=base.learned_coefficients,
-            margin_group=group,
-        )
-
-    def _frozen_curve(
-        self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None
-    ) -> Curve | None:
-        """The curve of a frozen fine-tune composed from its base's phases (:mod:`model.frozen`), on the base's
-        path; None when the base has no phases (the ratio model answers it): the caller answers as before."""
-        from model.frozen import base_model, base_training, device_phases
-
-        base = self.curve(base_model(model, training), base_training(training), hf_config)
-        if base.phase_bytes is None:
-            return None
-        states = model_state_bytes(model, training)
-        dev = device_phases(base.phase_bytes, list(PEAK_PHASES), model, training)
-        raw = dev.max(axis=1)
-        phases: list[str | None] = [PEAK_PHASES[i] for i in dev.argmax(axis=1)]
-        composed = (
-            f"frozen fine-tuning composed from the full fine-tune of the {base_model(model, training).num_layers}"
-            f" layers above the {training.frozen_layers} frozen ones (model.frozen)"
-        )
-        notes = [n for n in base.notes if not n.startswith("provisional answer")] + [composed]
-        if base.path == PROVISIONAL:
-            notes.append(
-                f"provisional answer (learned phase coefficients of the base, composed per phase): {base.reason}"
+        elif draft.path == TRACED:
+            draft.notes.append(
+                f"gradient accumulation over {steps} micro-batches traced: a later micro-batch runs with every "
+                "gradient live"
             )
-        margin = self.margins[margin_group(base.path, training.sharding, base.learned_coefficients)]
-        return Curve(
-            path=base.path,
-            points=self._points(base.path, raw, phases, states, margin, None, training.accumulates_gradients),
-            floor_bytes=states.total_bytes,
-            terms_key=base.terms_key,
-            reason=base.reason,
-            notes=notes,
-            raw_bytes=raw,
-            phase_bytes=dev,
-            learned_coefficients=base.learned_coefficients,
-        )
+        else:  # the learned paths know steps of one micro-batch: add the whole gradient buffer (an upper bound)
+            draft.raw = draft.raw + draft.states.gradients_bytes
+            draft.notes.append(
+                f"gradient accumulation over {steps} micro-batches: "
+                "the learned answer for one micro-batch plus the whole gradient buffer (an upper bound)"
+            )
+        return draft
+
+
+#: the steps :meth:`MemoryPredictor.curve` applies, in order (:mod:`model.derivation`)
+DERIVATIONS: tuple[Derivation, ...] = (
+    OffloadDerivation(),
+    FrozenLayersDerivation(),
+    Zero1Derivation(not_traceable_reason),
+    TracedTerms(),
+    AccumulatedTerms(),
+    LearnedCoefficients(),
+    LearnedRatio(),
+    DeepSpeedStage3BuffersDerivation(),
+    DeepSpeedStage2Derivation(),
+    GradientAccumulation(),
+)

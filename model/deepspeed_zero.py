@@ -29,7 +29,7 @@ So on top of the traced phases, :func:`stage2_phases` charges
     partitions, ``grads_in_partition``, its flat 16-bit copy, the fp32 gradient partition);
   - optimizer step: ``w·Ψ + Ψ_t/N · (master + states + 4 + temporaries)`` (the flat copy deleted and the 16-bit
     partition gradients released, ``free_grad_in_param_list``; the step's temporaries per
-    :func:`model.frozen.step_temporary_bytes_per_param`).
+    :func:`model.analytic.step_temporary_bytes_per_param`).
 
 Ψ is the rank's parameter count, Ψ_t its trainable count, N :attr:`memfit.schema.TrainingConfig.sharding_group_size`,
 ``w`` 2 bytes (DeepSpeed's 16-bit model). Only ``bf16_fp32_master`` is DeepSpeed's mixed precision (its
@@ -53,10 +53,10 @@ from typing import Any
 import numpy as np
 
 from memfit.hf import build_causal_lm
-from memfit.schema import ModelSpec, Precision, Sharding, TrainingConfig
-from model.analytic import optimizer_state_bytes_per_param
+from memfit.schema import GIB, ModelSpec, Offload, Precision, Sharding, TrainingConfig
+from model.analytic import optimizer_state_bytes_per_param, step_temporary_bytes_per_param
 from model.compose import PEAK_PHASES
-from model.frozen import step_temporary_bytes_per_param
+from model.derivation import Draft, Request, peak_phases
 
 #: DeepSpeed's ``reduce_bucket_size`` default, elements (``deepspeed/runtime/zero/config.py``,
 #: ``DeepSpeedZeroConfig.reduce_bucket_size``)
@@ -185,3 +185,41 @@ def stage3_offload_buffer_bytes(model: ModelSpec, persistent_elements: int) -> i
     bucket = min(REDUCE_BUCKET_ELEMENTS, model.trainable_params) * HALF_BYTES
     prefetch = min(PREFETCH_BUCKET_ELEMENTS, model.total_params) * HALF_BYTES
     return bucket + prefetch + 2 * persistent_elements * HALF_BYTES
+
+
+class DeepSpeedStage2Derivation:
+    """The :class:`model.derivation.Derivation` of ``zero2`` on the request's own composition: DeepSpeed's stage 2
+    (:func:`stage2_phases`) where :func:`deepspeed_stage2` holds and there is no pipeline split, and the note that
+    says which (:func:`stage2_note`). Curves composed from a base already carry it from the base."""
+
+    def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
+        training = request.training
+        if draft is None or draft.composed_from is not None or training.sharding is not Sharding.ZERO2:
+            return draft
+        composed = deepspeed_stage2(training) and draft.pipeline is None
+        if composed:
+            draft.phase_bytes, draft.raw = stage2_phases(draft.phase_bytes, draft.raw, draft.rank_model, training)
+            if draft.phase_bytes is not None:
+                draft.phases = peak_phases(draft.phase_bytes, PEAK_PHASES)[1]
+        draft.notes.append(stage2_note(training, composed))
+        return draft
+
+
+class DeepSpeedStage3BuffersDerivation:
+    """The :class:`model.derivation.Derivation` of ZeRO-3 with parameters offloaded: DeepSpeed stage 3's device
+    buffers at its defaults (:func:`stage3_offload_buffer_bytes`) added to every k of the offloaded curve."""
+
+    def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
+        model, training = request.model, request.training
+        if draft is None or draft.composed_from != "offload":
+            return draft
+        if training.offload_parameters is not Offload.CPU or training.sharding is not Sharding.ZERO3:
+            return draft
+        buffers = stage3_offload_buffer_bytes(model, persistent_parameter_elements(request.hf_config, model))
+        draft.raw = draft.raw + buffers
+        draft.notes.append(
+            f"DeepSpeed stage 3's device buffers at its defaults added ({buffers / GIB:.2f} GiB: reduce bucket "
+            "5e8 and prefetch bucket 5e7 16-bit elements, parameters below 1e5 elements with their gradients; "
+            "model.deepspeed_zero)"
+        )
+        return draft

@@ -710,7 +710,7 @@ def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
             training.sharding is Sharding.ZERO1
             and not_composable_reason(training) is None
             and not_traceable_reason(spec, base_training(training)) is None
-        ):  # as MemoryPredictor._zero1_curve
+        ):  # as model.zero1.Zero1Derivation
             training = base_training(training)
         traced = hf is not None and not_traceable_reason(spec, training) is None and terms.get(terms_key(hf, training))
         if traced or ((key := base_terms_key(spec, training, hf)) is not None and terms.get(key)):

@@ -27,7 +27,14 @@ from memfit.schema import (
     Sharding,
     TrainingConfig,
 )
-from model.analytic import GATED_MLP_FAMILIES, activation_bytes_per_layer, activation_dtype_bytes, analytic_estimate
+from model.analytic import (
+    GATED_MLP_FAMILIES,
+    AnalyticEstimate,
+    activation_bytes_per_layer,
+    activation_dtype_bytes,
+    analytic_estimate,
+    analytic_estimates,
+)
 
 CATEGORIES: dict[str, list[str]] = {
     "precision": [e.value for e in Precision],
@@ -121,8 +128,17 @@ _CODES = {c: {v: float(i) for i, v in enumerate(cats)} for c, cats in CATEGORIES
 _TRAINING_DEFAULTS = {"tensor_parallel_size": 1, "data_parallel_size": 1, "lora_rank": 0, "frozen_layers": 0}
 
 
-def feature_row(model: ModelSpec, training: TrainingConfig) -> list[float]:
-    """One row of :data:`FEATURE_NAMES` (categoricals as their code in :data:`CATEGORIES`)."""
+def feature_row(
+    model: ModelSpec,
+    training: TrainingConfig,
+    estimate: AnalyticEstimate | None = None,
+    per_layer: int | None = None,
+    activation_bytes: int | None = None,
+) -> list[float]:
+    """One row of :data:`FEATURE_NAMES` (categoricals as their code in :data:`CATEGORIES`); ``estimate``,
+    ``per_layer`` and ``activation_bytes``: the configuration's :func:`model.analytic.analytic_estimate`,
+    :func:`model.analytic.activation_bytes_per_layer` and :func:`model.analytic.activation_dtype_bytes` where the
+    caller has them already."""
     k = len(training.checkpoint_layers)
     L = model.num_layers
     raw = {
@@ -143,8 +159,8 @@ def feature_row(model: ModelSpec, training: TrainingConfig) -> list[float]:
         "num_checkpointed_layers": k,
     }
     cats = {c: _CODES[c][getattr(training, c).value] for c in CATEGORIES}
-    e = analytic_estimate(model, training)
-    per_layer = activation_bytes_per_layer(model, training)
+    e = analytic_estimate(model, training) if estimate is None else estimate
+    per_layer = activation_bytes_per_layer(model, training) if per_layer is None else per_layer
     analytic = {
         "weights_bytes": e.states.weights_bytes,
         "gradients_bytes": e.states.gradients_bytes,
@@ -164,7 +180,9 @@ def feature_row(model: ModelSpec, training: TrainingConfig) -> list[float]:
         "gqa_ratio": model.num_attention_heads / model.num_key_value_heads,
         "checkpoint_fraction": k / L,
         "tokens": training.micro_batch_size * training.seq_len,
-        "activation_dtype_bytes": activation_dtype_bytes(training.precision),
+        "activation_dtype_bytes": activation_dtype_bytes(training.precision)
+        if activation_bytes is None
+        else activation_bytes,
         "log_analytic_peak": math.log(e.peak_bytes),
         "activation_share": (e.activations_bytes + e.logits_bytes) / e.peak_bytes,
     }
@@ -173,10 +191,20 @@ def feature_row(model: ModelSpec, training: TrainingConfig) -> list[float]:
 
 
 def curve_matrix(model: ModelSpec, training: TrainingConfig) -> np.ndarray:
-    """Features for k = 0..L (first k layers checkpointed), shape ``(L + 1, len(FEATURE_NAMES))``."""
+    """Features for k = 0..L (first k layers checkpointed), shape ``(L + 1, len(FEATURE_NAMES))``; the analytic
+    estimates of every k in one :func:`model.analytic.analytic_estimates` call."""
+    estimates = analytic_estimates(model, training)
+    per_layer = activation_bytes_per_layer(model, training)
+    activation_bytes = activation_dtype_bytes(training.precision)
     return np.array(
         [
-            feature_row(model, training.model_construct(**{**training.__dict__, "checkpoint_layers": range(k)}))
+            feature_row(
+                model,
+                training.model_construct(**{**training.__dict__, "checkpoint_layers": range(k)}),
+                estimates[k],
+                per_layer,
+                activation_bytes,
+            )
             for k in range(model.num_layers + 1)
         ]
     )

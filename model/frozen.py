@@ -21,8 +21,10 @@ architecture with L' = L − N layers holds (:func:`base_model`, :func:`base_tra
   from forward to the end of backward (never resharded by a backward of their own);
 * minus the input embeddings' optimizer states (fp32 master copy included; the difference of
   :func:`model.analytic.model_state_bytes` between base and frozen model), in every phase of a primed step;
-* minus the embeddings' step temporaries in ``opt`` (:func:`step_temporary_bytes_per_param`: one copy per
-  parameter with foreach AdamW and Adafactor, none with fused AdamW, SGD, bitsandbytes);
+* minus the embeddings' step temporaries in ``opt`` (:func:`model.analytic.step_temporary_bytes_per_param`: one
+  copy per parameter with foreach AdamW and Adafactor, none with fused AdamW, SGD, bitsandbytes; measured here:
+  removing the embeddings of pythia-70m, 25.8 M parameters, lowers the opt phase by exactly 4 B per parameter
+  under amp with foreach AdamW and with Adafactor, by 0 with fused AdamW and SGD);
 * minus the embeddings' gradient where the base certainly holds it: ``bwd.emb`` and ``opt`` (untied);
   ``bwd.layers`` on too with tied embeddings (the LM head's backward produced it). Not in ``bwd.head``:
   the base's head-backward peak comes before that gradient is allocated (subtracting it there was 3.4 %
@@ -73,7 +75,9 @@ from typing import Any
 import numpy as np
 
 from memfit.hf import layer_period
-from memfit.schema import FineTune, ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
+from memfit.schema import FineTune, ModelSpec, Precision, Sharding, TrainingConfig
+from model.compose import PEAK_PHASES
+from model.derivation import PROVISIONAL, Draft, Request, peak_phases
 
 #: phases from which the base holds the (tied) input embeddings' gradient (model.compose.PEAK_PHASES names)
 _GRAD_PHASES_UNTIED = ("bwd.emb", "opt")
@@ -217,19 +221,6 @@ def frozen_layer_weight_bytes(model: ModelSpec, training: TrainingConfig) -> tup
     return resident, 0
 
 
-def step_temporary_bytes_per_param(training: TrainingConfig) -> int:
-    """Bytes per trainable parameter the optimizer step allocates at once beyond the states (the opt phase):
-    one copy in the states' dtype for the multi-tensor steps that build whole-list temporaries (foreach AdamW:
-    ``torch/optim/adamw.py`` ``_multi_tensor_adamw``, ``torch._foreach_sqrt`` of the variances; Adafactor:
-    ``torch/optim/_adafactor.py``, the squared gradients), none for fused AdamW, SGD with momentum, the
-    bitsandbytes optimizers (one kernel per tensor in place) and a step in backward. Measured: removing the
-    embeddings (pythia-70m, 25.8 M parameters) lowers the opt phase by exactly 4 B per parameter under amp
-    with foreach AdamW and with Adafactor, by 0 with fused AdamW and SGD."""
-    if training.optimizer_in_backward or training.optimizer not in (Optimizer.ADAMW_FOREACH, Optimizer.ADAFACTOR):
-        return 0
-    return 2 if training.precision is Precision.BF16 else 4
-
-
 def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, training: TrainingConfig):
     """The frozen configuration's live bytes per phase from its base's composed phases.
 
@@ -243,7 +234,7 @@ def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, tr
         float array (L+1, phases): row k is the base's row max(0, k − N) with the rules of the module
         docstring applied (bytes).
     """
-    from model.analytic import model_state_bytes
+    from model.analytic import model_state_bytes, step_temporary_bytes_per_param
 
     base = np.asarray(base_phase_bytes, dtype=np.float64)
     n, L = training.frozen_layers, model.num_layers
@@ -269,3 +260,45 @@ def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, tr
     emb_col, layers_col = phase_names.index("bwd.emb"), phase_names.index("bwd.layers")
     out[:, emb_col] = np.minimum(out[:, emb_col], out[:, layers_col])
     return out
+
+
+class FrozenLayersDerivation:
+    """The :class:`model.derivation.Derivation` of frozen fine-tunes that compose (:func:`not_composable_reason`):
+    the curve from the phases of the full fine-tune of the layers above (:func:`base_model`, :func:`base_training`,
+    :func:`device_phases`) on the base's path; no answer (the next step answers) when the base has no phases."""
+
+    def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
+        model, training, hf_config = request.model, request.training, request.hf_config
+        if draft is not None or not frozen(training) or not_composable_reason(model, training, hf_config) is not None:
+            return draft
+        base = predictor.curve(base_model(model, training), base_training(training), hf_config)
+        if base.phase_bytes is None:
+            return None
+        dev = device_phases(base.phase_bytes, list(PEAK_PHASES), model, training)
+        raw, phases = peak_phases(dev, PEAK_PHASES)
+        composed = (
+            f"frozen fine-tuning composed from the full fine-tune of the {base_model(model, training).num_layers}"
+            f" layers above the {training.frozen_layers} frozen ones (model.frozen)"
+        )
+        notes = [n for n in base.notes if not n.startswith("provisional answer")] + [composed]
+        if base.path == PROVISIONAL:
+            notes.append(
+                f"provisional answer (learned phase coefficients of the base, composed per phase): {base.reason}"
+            )
+        from model.analytic import model_state_bytes
+
+        return Draft(
+            path=base.path,
+            raw=raw,
+            phases=phases,
+            phase_bytes=dev,
+            states=model_state_bytes(model, training),
+            terms_key=base.terms_key,
+            reason=base.reason,
+            notes=notes,
+            learned=base.learned_coefficients,
+            composed_from="frozen",
+            margin_sharding=training.sharding,
+            report_group=False,
+            gradients_live=training.accumulates_gradients,
+        )

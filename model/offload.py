@@ -59,9 +59,14 @@ mixed-precision AdamW full fine-tunes, and extends them to other optimizers, LoR
 from __future__ import annotations
 
 import math
+from typing import Any
+
+import numpy as np
 
 from memfit.schema import ModelSpec, Offload, Precision, Sharding, TrainingConfig
-from model.analytic import _BNB_STATE_BYTES, _STATES, model_state_bytes
+from model.analytic import _BNB_STATE_BYTES, _STATES, analytic_estimates, model_state_bytes, state_dtype_bytes
+from model.compose import PEAK_PHASES
+from model.derivation import Draft, Request, peak_phases
 
 #: DeepSpeed's ``additional_buffer_factor`` default in both estimators (pinned buffers, fragmentation)
 HOST_BUFFER_FACTOR = 1.5
@@ -107,7 +112,7 @@ def host_bytes_per_rank(model: ModelSpec, training: TrainingConfig) -> int:
     """
     if not offloaded(training):
         return 0
-    opt_dtype = 2 if training.precision is Precision.BF16 else 4
+    opt_dtype = state_dtype_bytes(training.precision)
     # bitsandbytes optimizers keep their states in their own layout whatever the dtype (paged ones included:
     # offloaded, all of it is on the host)
     states = _BNB_STATE_BYTES.get(training.optimizer)
@@ -156,8 +161,6 @@ def offload_device_phases(phase_bytes, phase_names: list[str], model: ModelSpec,
     Returns:
         float array of the same shape: the device's live bytes per phase (rules in the module docstring).
     """
-    import numpy as np
-
     base = traced_base(training)
     resident = model_state_bytes(model, base)
     out = np.array(phase_bytes, dtype=np.float64, copy=True)
@@ -170,3 +173,46 @@ def offload_device_phases(phase_bytes, phase_names: list[str], model: ModelSpec,
         out -= resident.optimizer_bytes
         out[:, opt] = resident.weights_bytes + resident.gradients_bytes
     return np.maximum(out, 0.0)
+
+
+class OffloadDerivation:
+    """The :class:`model.derivation.Derivation` of offloaded requests: their device curve composed from the
+    curve of :func:`traced_base` (:func:`offload_device_phases` on its phases; without phases, the learned base
+    curve scaled by the analytic offloaded / not ratio per k), on the base's path and margin group, with the host
+    memory of one rank per node (:func:`host_memory_bytes`)."""
+
+    def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
+        model, training, hf_config = request.model, request.training, request.hf_config
+        if draft is not None or not offloaded(training):
+            return draft
+        base_training = traced_base(training)
+        base = predictor.curve(model, base_training, hf_config)
+        # the stand-in FSDP trace of parameter offload on one rank is not the user's sharding: don't say it is
+        notes = [n for n in base.notes if base_training.sharding is training.sharding or not n.startswith("sharding")]
+        # offloaded optimizer states live in host memory, not in CUDA unified memory: drop the paged-states note
+        notes = [n for n in notes if "unified memory" not in n]
+        if base.phase_bytes is not None:
+            raw, phases = peak_phases(
+                offload_device_phases(base.phase_bytes, list(PEAK_PHASES), model, training), PEAK_PHASES
+            )
+            notes.append("offload composed from the traced phases without offload (model.offload)")
+        else:
+            pairs = zip(analytic_estimates(model, training), analytic_estimates(model, base_training))
+            ratio = [off.peak_bytes / on.peak_bytes for off, on in pairs]  # per k
+            raw = np.asarray(base.raw_bytes, dtype=np.float64) * np.asarray(ratio)
+            phases = [None] * (model.num_layers + 1)
+            notes.append("offload: the learned curve without offload scaled by the analytic offloaded/not ratio")
+        return Draft(
+            path=base.path,
+            raw=raw,
+            phases=phases,
+            states=model_state_bytes(model, training),
+            terms_key=base.terms_key,
+            reason=base.reason,
+            notes=notes,
+            learned=base.learned_coefficients,
+            host_memory_bytes=host_memory_bytes(model, training),
+            composed_from="offload",
+            margin_sharding=base_training.sharding,
+            report_group=False,
+        )

@@ -21,10 +21,9 @@ parameters, so the states of the others (each state tensor rounded to the alloca
 allocated: :func:`state_tensor_bytes`) are subtracted from every phase. In the ``opt`` phase rank 0 also
 steps only its own parameters (``ZeroRedundancyOptimizer._local_step`` steps ``self.optim``, built over
 ``_partition_parameters()[rank]``), so the step's temporaries of the others are subtracted too: foreach
-AdamW holds one state-dtype copy of every stepped tensor at its peak (``torch/optim/adam.py``,
-``_multi_tensor_adam``: ``_foreach_mul(grads, 1 - beta2)``, then ``_foreach_sqrt(exp_avg_sqs)``); fused
-AdamW and foreach SGD (momentum, no weight decay) allocate none; for Adafactor none is subtracted (its
-factored-moment temporaries are not modelled: an upper bound). ``_sync_params``' broadcasts write in place.
+AdamW and Adafactor hold one state-dtype copy of every stepped tensor at its peak, fused AdamW and foreach SGD
+(momentum, no weight decay) none (:func:`model.analytic.step_temporary_bytes_per_param`, the one formula, checked
+against the traced terms). ``_sync_params``' broadcasts write in place.
 
 What the collector holds outside ZeroRedundancyOptimizer is not sharded: with ``bf16_fp32_master`` the
 fp32 master weights and their fp32 gradients belong to ``training.collect.MasterWeightsOptimizer`` (one
@@ -47,9 +46,9 @@ MAPE 8.6e-6 %, worst −3.6e-4 % (−19,456 B, gpt2 LoRA, fused AdamW over 64 ra
 byte, the other 26 (two fused-AdamW LoRA families) low by the base composition's own miss (the tiny-model
 tests show the ZeRO-1 curve missing by exactly what the unsharded base curve misses). 40 of the rows peak in
 the optimizer step. The learned ratio model answered these rows before (leave-architecture-out MAPE ~8 %).
-Not covered by the telemetry: an Adafactor step at the peak (upper bound, +10 % on a tiny Llama at k = L in
-``tests/test_zero1.py``). ZeRO-1 with the optimizer offloaded is not composed here: ZeRO-1 shards nothing the
-device then holds, so :func:`model.offload.traced_base` takes the unsharded base.
+An Adafactor step at the peak is not in the telemetry; on a tiny Llama (``tests/test_zero1.py``) the composed
+curve equals the collector's measurement to the byte at every k. ZeRO-1 with the optimizer offloaded is not
+composed here: ZeRO-1 shards nothing the device then holds, so :func:`model.offload.traced_base` takes the unsharded base.
 """
 
 from __future__ import annotations
@@ -62,6 +61,8 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
+from model.compose import PEAK_PHASES
+from model.derivation import Draft, Request, peak_phases
 
 #: the allocator's block (``model.analytic.BLOCK_BYTES``, ``training.tracker.BLOCK_BYTES``)
 BLOCK_BYTES = 512
@@ -205,13 +206,14 @@ def state_tensor_bytes(shape: tuple[int, ...], dtype_bytes: int, optimizer: Opti
     raise ValueError(f"{optimizer.value} is not a torch optimizer ZeroRedundancyOptimizer runs here")
 
 
-def step_temporary_bytes(shape: tuple[int, ...], dtype_bytes: int, optimizer: Optimizer) -> int:
-    """Bytes one stepped parameter adds to the optimizer step's peak temporaries (see the module docstring):
-    foreach AdamW one copy in the state dtype, 0 otherwise (Adafactor: not modelled, 0 is conservative here
-    because these bytes are *subtracted* for the parameters rank 0 does not step)."""
-    if optimizer is Optimizer.ADAMW_FOREACH:
-        return _blocks(int(np.prod(shape, dtype=np.int64)) * dtype_bytes)
-    return 0
+def step_temporary_bytes(shape: tuple[int, ...], dtype_bytes: int, training: TrainingConfig) -> int:
+    """Bytes one stepped parameter adds to the optimizer step's peak temporaries, as allocated:
+    :func:`model.analytic.step_temporary_bytes_per_param` in the tensor's state dtype (``dtype_bytes``) per
+    element, in 512-byte blocks (foreach AdamW and Adafactor one copy, 0 otherwise)."""
+    from model.analytic import step_temporary_bytes_per_param
+
+    per_element = step_temporary_bytes_per_param(training, dtype_bytes)
+    return _blocks(int(np.prod(shape, dtype=np.int64)) * per_element) if per_element else 0
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,9 @@ def zero1_split(hf_config: dict[str, Any], training: TrainingConfig) -> Zero1Spl
     return Zero1Split(
         rank0_params=sum(numels[i] for i in mine),
         other_state_bytes=sum(state_tensor_bytes(tp.shapes[i], tp.state_dtype_bytes[i], opt) for i in others),
-        other_temporary_bytes=sum(step_temporary_bytes(tp.shapes[i], tp.state_dtype_bytes[i], opt) for i in others),
+        other_temporary_bytes=sum(
+            step_temporary_bytes(tp.shapes[i], tp.state_dtype_bytes[i], training) for i in others
+        ),
     )
 
 
@@ -274,3 +278,54 @@ def device_phases(base_phase_bytes, phase_names: list[str], split: Zero1Split) -
     out = np.array(base_phase_bytes, dtype=np.float64, copy=True) - split.other_state_bytes
     out[:, phase_names.index("opt")] -= split.other_temporary_bytes
     return np.maximum(out, 0.0)
+
+
+class Zero1Derivation:
+    """The :class:`model.derivation.Derivation` of ZeRO-1 requests with an HF config: rank 0's curve from the
+    phases of its unsharded base (:func:`base_training`, :func:`device_phases`, :func:`rank0_states`) on the
+    base's path and margin group; no answer (the next step answers) where not composable
+    (:func:`not_composable_reason`, or the base not traceable) or the base has no phases.
+
+    Args:
+        not_traceable_reason: ``(spec, training, hf_config) -> str | None``, why a configuration cannot be traced
+            (:func:`model.terms.not_traceable_reason`; given, not imported: model.terms reads this module).
+    """
+
+    def __init__(self, not_traceable_reason: Any) -> None:
+        self.not_traceable_reason = not_traceable_reason
+
+    def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
+        model, training, hf_config = request.model, request.training, request.hf_config
+        if draft is not None or training.sharding is not Sharding.ZERO1 or hf_config is None:
+            return draft
+        base_training_ = base_training(training)
+        if not_composable_reason(training) or self.not_traceable_reason(model, base_training_, hf_config):
+            return None
+        base = predictor.curve(model, base_training_, hf_config)  # asks the tracer for the base's key
+        if base.phase_bytes is None:
+            return None
+        split = zero1_split(hf_config, training)
+        dev = device_phases(base.phase_bytes, list(PEAK_PHASES), split)
+        peak, phases = peak_phases(dev, PEAK_PHASES)
+        # what the base added on top of its phases (the learned path's gradient-accumulation buffer) stays
+        raw = peak + (np.asarray(base.raw_bytes, dtype=np.float64) - base.phase_bytes.max(axis=1))
+        note = (
+            f"ZeRO-1 over {training.data_parallel_size} ranks composed from the phases without "
+            f"sharding (model.zero1): rank 0 steps {split.rank0_params:,} of "
+            f"{model.trainable_params:,} trainable parameters (ZeroRedundancyOptimizer's "
+            "whole-parameter partition)"
+        )
+        return Draft(
+            path=base.path,
+            raw=raw,
+            phases=phases,
+            phase_bytes=dev,
+            states=rank0_states(model, training, split),
+            terms_key=base.terms_key,
+            reason=base.reason,
+            notes=[*base.notes, note],
+            learned=base.learned_coefficients,
+            composed_from="zero1",
+            margin_sharding=base_training_.sharding,
+            gradients_live=training.accumulates_gradients,
+        )
