@@ -391,10 +391,22 @@ DROPOUT_FIELDS = (
 )
 
 
-def _dropouts(conf: Any) -> dict[str, float]:
+#: dropout defaults of the HF config classes that default to nonzero dropout (transformers 5.24
+#: ``configuration_gpt2.py``, ``configuration_opt.py``, ``configuration_gpt_bigcode.py``); every other decoder family
+#: of the catalog defaults to 0. Read here so that answering never builds a transformers config (the service keeps
+#: transformers out of the request path: ``memfit/canonical_configs.json``)
+DEFAULT_DROPOUTS: dict[str, dict[str, float]] = {
+    "gpt2": {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1},
+    "gpt_bigcode": {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1},
+    "opt": {"dropout": 0.1},
+}
+
+
+def _dropouts(cfg: dict[str, Any]) -> dict[str, float]:
     out = {}
+    defaults = DEFAULT_DROPOUTS.get(cfg.get("model_type", ""), {})
     for name in DROPOUT_FIELDS:
-        p = getattr(conf, name, None)
+        p = cfg.get(name, defaults.get(name))
         if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0.0:
             out[name] = float(p)
     return out
@@ -409,40 +421,38 @@ def cuda_trace_reasons(hf_config: dict[str, Any], training: Any, gen: GpuGenerat
 
     * attention ``eager``: CUDA's softmax backward keeps a ``grad * output`` temporary (``SoftMax.cu``);
     * a model in :data:`OWN_SDPA_WITHOUT_GQA` with fewer key heads: the math backend (fp32 probabilities);
-    * any dropout probability > 0 in the built HF config: CUDA's fused dropout keeps 1-byte masks, and attention
-      dropout runs in flash on sm80+ where the CPU falls back to math;
+    * a dropout probability > 0 (the config's, else :data:`DEFAULT_DROPOUTS`): CUDA's fused dropout keeps 1-byte
+      masks, and attention dropout runs in flash on sm80+ where the CPU falls back to math;
     * autocast precision with LayerNorm (``layer_norm_eps``/``layer_norm_epsilon`` in the config, or OPT) or a
       model in :data:`FP32_ROTARY_MASKED_SDPA`: CUDA autocast's fp32 lists and SDPA input casts.
 
     Models with RMSNorm, no dropout, SDPA with equal heads or GQA (Llama, Qwen, Mistral, Gemma, OLMo-2, Granite,
-    SmolLM3) under any precision trace the same: the 26 such H200 rows traced both ways gave the same bytes
-    (``benchmarks/results/cuda_rows_traced.txt``).
+    SmolLM3) under any precision trace the same: the H200 rows of those families traced both ways gave the same
+    bytes (``benchmarks/results/cuda_rows_traced.txt``). Reads the config dict only (no transformers import).
     ``training``: a :class:`memfit.schema.TrainingConfig` (its ``precision`` and ``attention`` are read)."""
     if gen is None:
         return ()
     gen = GpuGeneration(gen)
-    from memfit.hf import _hf_config
-
-    conf = _hf_config(hf_config)
-    mtype = getattr(conf, "model_type", "") or hf_config.get("model_type", "")
+    mtype = hf_config.get("model_type", "")
     precision = str(getattr(training.precision, "value", training.precision))
     attention = str(getattr(training.attention, "value", training.attention))
     reasons = []
     if attention == "eager":
-        reasons.append(
-            "attention eager: CUDA's softmax backward holds a grad*output temporary the size of the scores"
-        )
-    heads = getattr(conf, "num_attention_heads", None) or 0
-    kv = getattr(conf, "num_key_value_heads", None)
-    if mtype == "falcon":
-        kv = heads if getattr(conf, "new_decoder_architecture", False) else (1 if conf.multi_query else heads)
+        reasons.append("attention eager: CUDA's softmax backward holds a grad*output temporary the size of the scores")
+    heads = hf_config.get("num_attention_heads") or hf_config.get("n_head") or 0
+    kv = hf_config.get("num_key_value_heads")
+    if mtype == "falcon":  # FalconConfig defaults: multi_query=True, new_decoder_architecture=False
+        if hf_config.get("new_decoder_architecture", False):
+            kv = hf_config.get("num_kv_heads") or heads
+        else:
+            kv = 1 if hf_config.get("multi_query", True) else heads
     if attention != "eager" and mtype in OWN_SDPA_WITHOUT_GQA and kv and kv < heads:
         reasons.append(
             f"attention: math backend on {gen.value} ({kv} key head(s), {heads} query heads, no enable_gqa: the "
             "fused kernels need equal head counts in PyTorch 2.11), fp32 probabilities saved per layer; the CPU "
             "trace runs a fused kernel"
         )
-    drops = _dropouts(conf)
+    drops = _dropouts(hf_config)
     if drops:
         names = ", ".join(f"{k}={v:g}" for k, v in sorted(drops.items()))
         attn_note = (
@@ -452,7 +462,7 @@ def cuda_trace_reasons(hf_config: dict[str, Any], training: Any, gen: GpuGenerat
         )
         reasons.append(f"dropout ({names}): CUDA's fused dropout keeps a 1-byte mask{attn_note}")
     if precision.startswith("amp"):
-        layer_norm = any(getattr(conf, n, None) is not None for n in ("layer_norm_eps", "layer_norm_epsilon"))
+        layer_norm = any(hf_config.get(n) is not None for n in ("layer_norm_eps", "layer_norm_epsilon"))
         if layer_norm or mtype == "opt":
             reasons.append("autocast: CUDA runs layer_norm, pow, softmax in fp32 (CPU autocast keeps 16 bits)")
         if mtype in FP32_ROTARY_MASKED_SDPA and attention != "eager":
