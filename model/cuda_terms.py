@@ -41,24 +41,35 @@ def generation_curve(
     ``predictor`` answers with the generation's key (its tracer is asked for missing terms); ``untraced`` (the same
     terms and estimators, no tracer) answers the CPU-semantics fallback described in the module docstring.
     """
-    c = predictor.curve(model, training, hf_config)
     gen = TARGET_GENERATION.get()
-    if gen is None or hf_config is None:
-        return c, None
-    try:
-        reasons = cuda_trace_reasons(hf_config, training, gen)
-    except Exception:  # noqa: BLE001 - a config transformers can't build: the curve's own path says why
-        return c, None
+    reasons: tuple[str, ...] = ()
+    if gen is not None and hf_config is not None:
+        try:
+            reasons = cuda_trace_reasons(hf_config, training, gen)
+        except Exception:  # noqa: BLE001 - a config that can't be read: the curve's own path says why
+            reasons = ()
     if not reasons:
-        return c, None
-    if c.path == TRACED:
+        return predictor.curve(model, training, hf_config), None
+    try:
+        c: Curve | None = predictor.curve(model, training, hf_config)
+    except ValueError:  # no provisional estimator either: the CPU-semantics terms may still answer
+        c = None
+    if c is not None and c.path == TRACED:
         return dataclasses.replace(c, notes=[*c.notes, *cuda_notes(hf_config, training, gen)]), None
     with target_generation(None):
-        cpu = untraced.curve(model, training, hf_config)
+        try:
+            cpu = untraced.curve(model, training, hf_config)
+        except ValueError:
+            if c is None:
+                raise
+            return c, None
     if cpu.path != TRACED:
-        return c, None
+        return (c if c is not None else cpu), None
+    from model.terms import terms_key
+
+    waiting = c.reason if c is not None and c.reason else "not traced yet"
     note = (
         f"answered from terms traced with the CPU's kernels while this configuration is traced with {gen.value} "
-        f"CUDA semantics ({c.reason or 'not traced yet'}); CUDA differs here: {'; '.join(reasons)}"
+        f"CUDA semantics ({waiting}); CUDA differs here: {'; '.join(reasons)}"
     )
-    return dataclasses.replace(cpu, notes=[*cpu.notes, note]), c.terms_key
+    return dataclasses.replace(cpu, notes=[*cpu.notes, note]), terms_key(hf_config, training)

@@ -163,3 +163,22 @@ def test_background_tracer_traces_with_the_requests_generation():
         time.sleep(0.05)
     tracer.shutdown()
     assert calls == ["sm80", None, None]
+
+
+def test_predict_with_a_gpu_uses_its_generations_terms_or_says_it_falls_back():
+    """/predict for gpt2 amp_bf16 (dropout 0.1): on an H200 the shipped sm90 terms answer and the notes name the
+    backend; on an A100 (sm80, not traced) the CPU-semantics terms answer, saying why CUDA differs; without a GPU
+    nothing is said."""
+    from benchmarks.cuda_rows import traced_only_client
+
+    client = traced_only_client()
+    item = {"model": "gpt2", "training": {"micro_batch_size": 4, "seq_len": 1024, "precision": "amp_bf16"}, "k": 0}
+    items = [item, {**item, "cluster": {"gpu": "H200"}}, {**item, "cluster": {"gpu": "A100-80GB"}}]
+    none, h200, a100 = client.post("/predict", json={"items": items}).json()["predictions"]
+    assert none["path"] == h200["path"] == a100["path"] == "traced"
+    assert not any("CUDA" in n for n in none["notes"])
+    assert any("attention dropout: math fallback on CPU, flash on sm90" in n for n in h200["notes"])
+    assert any(n.startswith("answered from terms traced with the CPU's kernels") and "sm80" in n for n in a100["notes"])
+    # the sm90 trace holds GELU's fp32 pow and the 1-byte dropout masks: 0.76 GiB more at k = 0 (CUDA: 7.05 GiB)
+    assert h200["predicted_peak_bytes"] - none["predicted_peak_bytes"] == pytest.approx(0.76 * 2**30, rel=0.05)
+    assert a100["predicted_peak_bytes"] == none["predicted_peak_bytes"]
