@@ -2,12 +2,17 @@
 
     python -m benchmarks.cuda_rows            # prints the table; writes benchmarks/results/cuda_rows.txt
     python -m benchmarks.cuda_rows --trace    # + traces the gap families' rows with and without CUDA semantics
+    python -m benchmarks.cuda_rows --trace-terms   # traces the rows' sm90-keyed terms -> data/terms/cuda_sm90.jsonl
 
 Rows: the ``method=cuda`` records under ``data/telemetry/gpu_validation/*/`` (``gpu_records.jsonl`` and
 ``catalog_records.jsonl``: ``torch.cuda.max_memory_allocated`` of one step after a warm-up step, on an H200).
 Each row is sent to ``POST /predict`` (the service's router over a :class:`service.recommender.Recommender`
-without a learned model, so only the traced path answers; no cluster, so the answer is allocated bytes) with
-the row's model, training and k. Out-of-memory rows (their peak is the device capacity) are left out.
+without a learned model, so only the traced path answers) with the row's model, training, k and its GPU as the
+cluster, so the terms traced with that GPU generation's CUDA semantics answer where they differ from the CPU's
+(:mod:`model.cuda_terms`). The predicted allocated bytes are the answer's ``predicted_peak_bytes`` plus the
+step's cuBLAS workspaces (:func:`model.cuda_semantics.step_workspace_bytes`: 2 x 32 MiB on sm90), which the
+caching allocator holds and no trace sees. ``gpu=False`` scores as before issue 26: no cluster (CPU-semantics
+terms), no workspaces. Out-of-memory rows (their peak is the device capacity) are left out.
 
 Error is ``(predicted - measured) / measured``. :data:`KNOWN_GAPS` names the rows where CUDA runs kernels or
 dtypes the CPU trace does not; every other row is a same-kernel row.
@@ -59,6 +64,7 @@ class Scored:
     predicted_bytes: int
     upper_bytes: int
     path: str
+    notes: tuple[str, ...] = ()
 
     @property
     def error(self) -> float:
@@ -101,15 +107,41 @@ _TRAINING_IN = (
 )
 
 
-def predict_item(record: dict[str, Any]) -> dict[str, Any]:
-    """The ``/predict`` item of a record: catalog model, its training, k = checkpointed layers, no cluster."""
+def row_gpu(record: dict[str, Any]) -> str:
+    """The :data:`memfit.api.GPUS` name of a record's device (``"NVIDIA H200"`` -> ``"H200"``).
+
+    Raises:
+        LookupError: no known GPU name is part of the device name."""
+    from memfit.api import GPUS
+
+    device = record["cluster"]["device_name"].lower()
+    for name in sorted(GPUS, key=len, reverse=True):
+        if name.split("-")[0].lower() in device:
+            return name
+    raise LookupError(f"cluster.device_name {record['cluster']['device_name']!r}: no known GPU")
+
+
+def predict_item(record: dict[str, Any], gpu: bool = True) -> dict[str, Any]:
+    """The ``/predict`` item of a record: catalog model, its training, k = checkpointed layers, and (``gpu``) its
+    GPU as a one-GPU cluster."""
     t = record["training"]
     training = {f: t[f] for f in _TRAINING_IN if f in t and t[f] is not None}
-    return {"model": record["model"]["model_name"], "training": training, "k": len(t["checkpoint_layers"])}
+    item = {"model": record["model"]["model_name"], "training": training, "k": len(t["checkpoint_layers"])}
+    if gpu:
+        item["cluster"] = {"gpu": row_gpu(record), "gpu_count": 1}
+    return item
 
 
-def score(rows: list[tuple[str, dict[str, Any]]] | None = None, client: Any = None) -> list[Scored]:
-    """Send every row to ``POST /predict`` (one batch) and pair the answers with the measurements.
+def workspace_bytes(record: dict[str, Any]) -> int:
+    """cuBLAS workspace bytes of a record's step on its GPU (:func:`model.cuda_semantics.step_workspace_bytes`)."""
+    from model.cuda_semantics import generation_of, step_workspace_bytes
+
+    return step_workspace_bytes(generation_of(record["cluster"]["device_name"]))
+
+
+def score(rows: list[tuple[str, dict[str, Any]]] | None = None, client: Any = None, gpu: bool = True) -> list[Scored]:
+    """Send every row to ``POST /predict`` (one batch) and pair the answers with the measurements (see the module
+    docstring for ``gpu``).
 
     Raises:
         RuntimeError: the service refused the batch (status and body in the message), or a row was not answered
@@ -117,7 +149,7 @@ def score(rows: list[tuple[str, dict[str, Any]]] | None = None, client: Any = No
     """
     rows = cuda_rows() if rows is None else rows
     client = client or traced_only_client()
-    resp = client.post("/predict", json={"items": [predict_item(r) for _, r in rows]})
+    resp = client.post("/predict", json={"items": [predict_item(r, gpu) for _, r in rows]})
     if resp.status_code != 200:
         raise RuntimeError(f"/predict answered {resp.status_code}: {resp.text[:2000]}")
     out = []
@@ -135,9 +167,10 @@ def score(rows: list[tuple[str, dict[str, Any]]] | None = None, client: Any = No
                 len(t["checkpoint_layers"]),
                 r["model"]["num_layers"],
                 r["measurement"]["peak_allocated_bytes"],
-                p["predicted_peak_bytes"],
-                p["upper_bound_bytes"],
+                p["predicted_peak_bytes"] + (workspace_bytes(r) if gpu else 0),
+                p["upper_bound_bytes"] + (workspace_bytes(r) if gpu else 0),
                 p["path"],
+                tuple(p["notes"]),
             )
         )
     untraced = [s for s in out if s.path != "traced"]
@@ -295,8 +328,63 @@ def trace_table(rows: list[dict[str, Any]], generation: str = "sm90") -> str:
     return "\n".join(lines)
 
 
+GENERATION_TERMS = ROOT / "data" / "terms" / "cuda_sm90.jsonl"
+
+
+def generation_configs(generation: str = "sm90") -> list[tuple[str, Any]]:
+    """(model name, TrainingConfig) of every shipped CUDA row's configuration whose terms key holds ``generation``
+    (:func:`model.terms.key_generation`: CUDA and CPU traces differ), one per key."""
+    from data.catalog import hf_config_of
+    from memfit.schema import TrainingConfig
+    from model.terms import key_generation, terms_key
+
+    out: dict[str, tuple[str, Any]] = {}
+    for _source, r in cuda_rows():
+        name = r["model"]["model_name"]
+        t = TrainingConfig.model_validate(r["training"])
+        cfg = hf_config_of(name)
+        if key_generation(cfg, t, generation) is not None:
+            out.setdefault(terms_key(cfg, t, generation), (name, t))
+    return list(out.values())
+
+
+def trace_generation_terms(generation: str = "sm90", path: Path = GENERATION_TERMS) -> int:
+    """Trace :func:`generation_configs` with ``generation``'s CUDA semantics (:func:`training.phases.trace_terms`)
+    and append the lines missing from ``path`` (``key``, ``model_name``, ``training`` with ``cuda_generation``,
+    ``terms``); returns the lines written. Run ``python scripts/rekey_canonical.py`` afterwards."""
+    from data.catalog import hf_config_of
+    from model.terms import TermsCache, terms_key, training_key_fields
+    from training.phases import trace_terms
+
+    cache = TermsCache()
+    written = 0
+    for name, t in generation_configs(generation):
+        cfg = hf_config_of(name)
+        key = terms_key(cfg, t, generation)
+        if cache.get(key) is not None:
+            continue
+        terms = trace_terms(cfg, t, generation=generation).to_json()
+        line = {
+            "key": key,
+            "model_name": name,
+            "training": {**training_key_fields(t), "cuda_generation": generation},
+            "terms": terms,
+        }
+        with path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        written += 1
+        print(f"traced {name} {t.precision.value} {t.attention.value} with {generation}", file=sys.stderr, flush=True)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
+    if "--cpu" in argv:  # as before issue 26: no cluster, CPU-semantics terms, no workspaces
+        print(table(score(gpu=False)))
+        return 0
+    if "--trace-terms" in argv:
+        print(f"{trace_generation_terms()} lines -> {GENERATION_TERMS}")
+        return 0
     text = table(score())
     print(text)
     RESULTS.write_text(text + "\n")

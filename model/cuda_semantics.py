@@ -45,9 +45,12 @@ CPU it multiplies by a noise tensor of the input's dtype (2 or 4 bytes per eleme
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 
 class GpuGeneration(StrEnum):
@@ -336,3 +339,166 @@ def dropout_mask_bytes_per_element(device: str, dtype_bytes: int) -> int:
     if device == "cpu":
         return dtype_bytes
     raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+
+
+# --- the target GPU of a request: which terms answer it -------------------------------------------------------------
+
+#: the GPU generation the answer being computed is for (set by the service from the request's cluster,
+#: :func:`target_generation`); None: no GPU named, the CPU-semantics terms answer
+TARGET_GENERATION: contextvars.ContextVar[GpuGeneration | None] = contextvars.ContextVar(
+    "memfit_target_generation", default=None
+)
+
+
+@contextlib.contextmanager
+def target_generation(device_name: str | GpuGeneration | None):
+    """Within the block, :func:`model.terms.terms_key` keys configurations whose CUDA trace differs from the CPU
+    trace (:func:`cuda_trace_reasons`) by the generation of ``device_name`` (e.g. ``"H100-80GB"`` -> sm90), and the
+    tracer traces them with that generation's semantics. A name of no known generation (or None) leaves the CPU
+    keys; yields the generation or None."""
+    gen: GpuGeneration | None
+    if device_name is None or isinstance(device_name, GpuGeneration):
+        gen = device_name
+    else:
+        try:
+            gen = generation_of(device_name)
+        except ValueError:
+            gen = None
+    token = TARGET_GENERATION.set(gen)
+    try:
+        yield gen
+    finally:
+        TARGET_GENERATION.reset(token)
+
+
+#: models whose attention calls ``F.scaled_dot_product_attention`` itself with fewer key heads and no
+#: ``enable_gqa`` (transformers 5.24 ``modeling_falcon.py``, ``modeling_gpt_bigcode.py``)
+OWN_SDPA_WITHOUT_GQA = frozenset({"falcon", "gpt_bigcode"})
+#: models under autocast whose rotary embedding hands SDPA fp32 q and k with a mask (sliding window): CUDA autocast
+#: casts them to 16 bits and, on sm90, cuDNN returns a head-major output (rows: phi-3-mini, gemma-3-1b)
+FP32_ROTARY_MASKED_SDPA = frozenset({"phi3", "gemma3", "gemma3_text"})
+#: HF config attributes that hold a dropout probability used in training
+DROPOUT_FIELDS = (
+    "attn_pdrop",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attention_dropout",
+    "hidden_dropout",
+    "dropout",
+    "activation_dropout",
+    "attention_probs_dropout_prob",
+    "hidden_dropout_prob",
+)
+
+
+#: dropout defaults of the HF config classes that default to nonzero dropout (transformers 5.24
+#: ``configuration_gpt2.py``, ``configuration_opt.py``, ``configuration_gpt_bigcode.py``); every other decoder family
+#: of the catalog defaults to 0. Read here so that answering never builds a transformers config (the service keeps
+#: transformers out of the request path: ``memfit/canonical_configs.json``)
+DEFAULT_DROPOUTS: dict[str, dict[str, float]] = {
+    "gpt2": {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1},
+    "gpt_bigcode": {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1},
+    "opt": {"dropout": 0.1},
+}
+
+
+def _dropouts(cfg: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    defaults = DEFAULT_DROPOUTS.get(cfg.get("model_type", ""), {})
+    for name in DROPOUT_FIELDS:
+        p = cfg.get(name, defaults.get(name))
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0.0:
+            out[name] = float(p)
+    return out
+
+
+def cuda_trace_reasons(hf_config: dict[str, Any], training: Any, gen: GpuGeneration | None) -> tuple[str, ...]:
+    """Why a step of this model and training, traced with ``gen``'s CUDA semantics
+    (:func:`training.cuda_policy.cuda_step_semantics`), differs from its CPU-semantics trace; empty when the two
+    traces are the same, so that the shipped CPU terms answer for ``gen`` too.
+
+    The table (each line a kernel or dtype choice that differs, from the sources in the module docstring):
+
+    * attention ``eager``: CUDA's softmax backward keeps a ``grad * output`` temporary (``SoftMax.cu``);
+    * a model in :data:`OWN_SDPA_WITHOUT_GQA` with fewer key heads: the math backend (fp32 probabilities);
+    * a dropout probability > 0 (the config's, else :data:`DEFAULT_DROPOUTS`): CUDA's fused dropout keeps 1-byte
+      masks, and attention dropout runs in flash on sm80+ where the CPU falls back to math;
+    * autocast precision with LayerNorm (``layer_norm_eps``/``layer_norm_epsilon`` in the config, or OPT) or a
+      model in :data:`FP32_ROTARY_MASKED_SDPA`: CUDA autocast's fp32 lists and SDPA input casts.
+
+    Models with RMSNorm, no dropout, SDPA with equal heads or GQA (Llama, Qwen, Mistral, Gemma, OLMo-2, Granite,
+    SmolLM3) under any precision trace the same: the H200 rows of those families traced both ways gave the same
+    bytes (``benchmarks/results/cuda_rows_traced.txt``). Reads the config dict only (no transformers import).
+    ``training``: a :class:`memfit.schema.TrainingConfig` (its ``precision`` and ``attention`` are read)."""
+    if gen is None:
+        return ()
+    gen = GpuGeneration(gen)
+    mtype = hf_config.get("model_type", "")
+    precision = str(getattr(training.precision, "value", training.precision))
+    attention = str(getattr(training.attention, "value", training.attention))
+    reasons = []
+    if attention == "eager":
+        reasons.append("attention eager: CUDA's softmax backward holds a grad*output temporary the size of the scores")
+    heads = hf_config.get("num_attention_heads") or hf_config.get("n_head") or 0
+    kv = hf_config.get("num_key_value_heads")
+    if mtype == "falcon":  # FalconConfig defaults: multi_query=True, new_decoder_architecture=False
+        if hf_config.get("new_decoder_architecture", False):
+            kv = hf_config.get("num_kv_heads") or heads
+        else:
+            kv = 1 if hf_config.get("multi_query", True) else heads
+    if attention != "eager" and mtype in OWN_SDPA_WITHOUT_GQA and kv and kv < heads:
+        reasons.append(
+            f"attention: math backend on {gen.value} ({kv} key head(s), {heads} query heads, no enable_gqa: the "
+            "fused kernels need equal head counts in PyTorch 2.11), fp32 probabilities saved per layer; the CPU "
+            "trace runs a fused kernel"
+        )
+    drops = _dropouts(hf_config)
+    if drops:
+        names = ", ".join(f"{k}={v:g}" for k, v in sorted(drops.items()))
+        attn_note = (
+            f"; attention dropout: math fallback on CPU, flash on {gen.value}"
+            if attention != "eager" and any("att" in k for k in drops)
+            else ""
+        )
+        reasons.append(f"dropout ({names}): CUDA's fused dropout keeps a 1-byte mask{attn_note}")
+    if precision.startswith("amp"):
+        layer_norm = any(hf_config.get(n) is not None for n in ("layer_norm_eps", "layer_norm_epsilon"))
+        if layer_norm or mtype == "opt":
+            reasons.append("autocast: CUDA runs layer_norm, pow, softmax in fp32 (CPU autocast keeps 16 bits)")
+        if mtype in FP32_ROTARY_MASKED_SDPA and attention != "eager":
+            backend = "cuDNN" if gen is GpuGeneration.SM90 else "memory-efficient"
+            reasons.append(
+                f"autocast: SDPA gets 16-bit q, k (fp32 after rotary) and runs {backend} on {gen.value} with the mask"
+            )
+    return tuple(reasons)
+
+
+def cuda_notes(hf_config: dict[str, Any] | None, training: Any, gen: GpuGeneration | None = None) -> list[str]:
+    """The answer's notes naming the CUDA choices assumed for ``gen`` (default: :data:`TARGET_GENERATION`) where
+    they change the traced step (:func:`cuda_trace_reasons`); empty without a GPU or when nothing changes."""
+    gen = TARGET_GENERATION.get() if gen is None else GpuGeneration(gen)
+    if gen is None or hf_config is None:
+        return []
+    try:
+        reasons = cuda_trace_reasons(hf_config, training, gen)
+    except Exception:  # noqa: BLE001 - a config transformers can't build has no notes here (its error is elsewhere)
+        return []
+    return [f"traced with {gen.value} CUDA semantics: {r}" for r in reasons]
+
+
+#: cuBLAS workspace per (handle, stream), bytes: PyTorch's default ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8``
+#: (32 MiB) on sm90 and ``:4096:2:16:8`` (8 MiB + 128 KiB) before (``aten/src/ATen/cuda/CublasHandlePool.cpp``,
+#: ``getChosenWorkspaceSize``); cuBLASLt shares it.
+CUBLAS_WORKSPACE_BYTES = {
+    GpuGeneration.SM80: 4096 * 1024 * 2 + 16 * 1024 * 8,
+    GpuGeneration.SM86: 4096 * 1024 * 2 + 16 * 1024 * 8,
+    GpuGeneration.SM89: 4096 * 1024 * 2 + 16 * 1024 * 8,
+    GpuGeneration.SM90: 4096 * 1024 * 8,
+}
+
+
+def step_workspace_bytes(gen: GpuGeneration) -> int:
+    """Bytes of cuBLAS workspace a training step holds through the caching allocator, which no trace sees: one per
+    thread that runs matmuls (the forward's and the autograd engine's backward thread each get their own handle,
+    ``training/allocation.py``), allocated at the first matmul and never freed."""
+    return 2 * CUBLAS_WORKSPACE_BYTES[GpuGeneration(gen)]

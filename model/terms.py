@@ -176,8 +176,11 @@ def training_key_fields(training: TrainingConfig) -> dict[str, Any]:
 def key_training_fields(key_fields: dict[str, Any]) -> dict[str, Any]:
     """:class:`TrainingConfig` fields of a terms entry's ``training`` (the inverse of :func:`training_key_fields`
     where they differ): ``"gradient_accumulation": true`` becomes ``gradient_accumulation_steps=2`` (every
-    count above one traces the same), and null values are left out."""
-    out = {k: v for k, v in key_fields.items() if v is not None and k != "gradient_accumulation"}
+    count above one traces the same), and null values and ``cuda_generation`` (not a training field:
+    :func:`key_generation`) are left out."""
+    out = {
+        k: v for k, v in key_fields.items() if v is not None and k not in ("gradient_accumulation", "cuda_generation")
+    }
     if key_fields.get("gradient_accumulation"):
         out["gradient_accumulation_steps"] = 2
     return out
@@ -197,12 +200,36 @@ def _moe_key_fields(training: TrainingConfig) -> dict[str, Any]:
     }
 
 
-def terms_key(hf_config: dict[str, Any], training: TrainingConfig) -> str:
-    """SHA-256 (hex) of the canonical config (:func:`canonical_config`) and :func:`training_key_fields`.
+_CONTEXT = object()
+
+
+def key_generation(hf_config: dict[str, Any], training: TrainingConfig, generation: Any = _CONTEXT) -> str | None:
+    """The GPU generation a configuration's terms key holds (``"sm90"``, ...), or None for CPU-semantics terms.
+
+    ``generation`` (default: the request's, :data:`model.cuda_semantics.TARGET_GENERATION`) is kept only where a
+    CUDA trace of that generation differs from the CPU trace (:func:`model.cuda_semantics.cuda_trace_reasons`);
+    elsewhere the CPU-semantics terms (every shipped line without ``cuda_generation``) answer every generation."""
+    from model.cuda_semantics import TARGET_GENERATION, GpuGeneration, cuda_trace_reasons
+
+    gen = TARGET_GENERATION.get() if generation is _CONTEXT else generation
+    if gen is None:
+        return None
+    gen = GpuGeneration(gen)
+    return gen.value if cuda_trace_reasons(hf_config, training, gen) else None
+
+
+def terms_key(hf_config: dict[str, Any], training: TrainingConfig, generation: Any = _CONTEXT) -> str:
+    """SHA-256 (hex) of the canonical config (:func:`canonical_config`) and :func:`training_key_fields`, plus
+    ``cuda_generation`` where the terms depend on the GPU generation (:func:`key_generation`; ``generation``
+    defaults to the request's).
 
     Shipped entries keyed before the config was canonicalised are found through :data:`CANONICAL_KEYS_PATH`."""
+    fields = training_key_fields(training)
+    gen = key_generation(hf_config, training, generation)
+    if gen is not None:
+        fields["cuda_generation"] = gen
     body = json.dumps(
-        {"config": canonical_config(hf_config), "training": training_key_fields(training)},
+        {"config": canonical_config(hf_config), "training": fields},
         sort_keys=True,
         separators=(",", ":"),
     )

@@ -101,7 +101,7 @@ def rekey_terms() -> tuple[int, int]:
             cfg = hf_config_of(e["model_name"])
             if cfg is None:
                 sys.exit(f"{f.name}: {e['model_name']!r} has no config (not in the catalog nor a reduced MoE model)")
-            new = terms_key(cfg, entry_training(e))
+            new = terms_key(cfg, entry_training(e), e["training"].get("cuda_generation"))
             stored = e["key"]
             # a zero2 line moves to the key it shares with fsdp_shard_grad_op (model.terms.training_key_fields)
             if entry_key(e, old_map) not in (stored, new) and e["training"].get("sharding") != "zero2":
@@ -151,7 +151,7 @@ def rekey_in_place(path: Path) -> int:
     for line in path.read_text().splitlines():
         if line.strip():
             e = json.loads(line)
-            new = terms_key(hf_config_of(e["model_name"]), entry_training(e))
+            new = terms_key(hf_config_of(e["model_name"]), entry_training(e), e["training"].get("cuda_generation"))
             n += new != e["key"]
             line = json.dumps({**e, "key": new})
         out.append(line)
@@ -167,7 +167,8 @@ def check() -> None:
         for line in f.read_text().splitlines():
             if line.strip():
                 e = json.loads(line)
-                if cache.get(terms_key(hf_config_of(e["model_name"]), entry_training(e))) is None:
+                gen = e["training"].get("cuda_generation")
+                if cache.get(terms_key(hf_config_of(e["model_name"]), entry_training(e), gen)) is None:
                     missing += 1
                     print(f"not found: {f.name} {e['model_name']} {e['key']}")
     if missing:

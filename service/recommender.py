@@ -9,6 +9,7 @@ only with heavy recompute (k > L/2) — answers "what fits instead": concrete ch
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -43,6 +44,8 @@ from memfit.schema import (
     default_data_parallel_size,
     default_precision,
 )
+from model.cuda_semantics import TARGET_GENERATION, target_generation
+from model.cuda_terms import generation_curve
 from model.curve import PROVISIONAL, Curve, MemoryPredictor, expert_parallel_rank
 from model.offload import host_memory_bytes
 from model.overhead import OverheadModel
@@ -556,6 +559,10 @@ class CurveCache:
 
     def __init__(self, predictor: MemoryPredictor, maxsize: int = 2048, recheck_s: float = 1.0) -> None:
         self.predictor, self.maxsize, self.recheck_s = predictor, maxsize, recheck_s
+        # answers from CPU-semantics terms while a GPU generation's trace runs queue nothing (model.cuda_terms)
+        self._untraced = copy.copy(predictor)
+        self._untraced.tracer = None
+        self._awaiting: dict[tuple[str, ...], str] = {}  # cache key -> the generation's terms key it waits for
         # key -> (curve, when last checked, whether it waits for a trace in the background tracer's queue)
         self._curves: OrderedDict[tuple[str, str, str], tuple[Curve, float, bool]] = OrderedDict()
         self._lock = threading.Lock()
@@ -565,10 +572,12 @@ class CurveCache:
         return c.path == PROVISIONAL and c.terms_key is not None and c.terms_key in pending
 
     def curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None) -> Curve:
+        gen = TARGET_GENERATION.get()
         key = (
             model.model_dump_json(),
             training.model_dump_json(exclude={"checkpoint_layers"}),
             json.dumps(hf_config, sort_keys=True),
+            gen.value if gen is not None else "",
         )
         now = time.monotonic()
         with self._lock:
@@ -578,7 +587,8 @@ class CurveCache:
         if hit is not None:
             c, checked, waiting = hit
             deferred = getattr(getattr(self.predictor, "tracer", None), "deferred", ())
-            stale = (
+            awaited = self._awaiting.get(key)
+            stale = (awaited is not None and self.predictor.terms.get(awaited) is not None) or (
                 c.path == PROVISIONAL
                 and c.terms_key is not None
                 and now - checked > self.recheck_s
@@ -593,11 +603,15 @@ class CurveCache:
                     with self._lock:
                         self._curves[key] = (c, now, waiting)
                 return c
-        c = self.predictor.curve(model, training, hf_config)
+        c, awaited = generation_curve(self.predictor, self._untraced, model, training, hf_config)
         with self._lock:
             self._curves[key] = (c, now, self._waiting(c))
+            if awaited is None:
+                self._awaiting.pop(key, None)
+            else:
+                self._awaiting[key] = awaited
             while len(self._curves) > self.maxsize:
-                self._curves.popitem(last=False)
+                self._awaiting.pop(self._curves.popitem(last=False)[0], None)
         return c
 
 
@@ -668,6 +682,12 @@ class Recommender:
         return self.curves.curve(spec, training, cfg), spec, training, warnings
 
     def predict(self, item: PredictItem, index: int = 0) -> Prediction:
+        """:meth:`_predict` with the cluster's GPU generation as the target of the traced terms
+        (:func:`model.cuda_semantics.target_generation`, :mod:`model.cuda_terms`)."""
+        with target_generation(item.cluster.gpu if item.cluster is not None else None):
+            return self._predict(item, index)
+
+    def _predict(self, item: PredictItem, index: int = 0) -> Prediction:
         """One ``/predict`` item: the curve's point at ``item.k`` (the same curve ``/recommend`` uses).
 
         Raises:
@@ -702,6 +722,11 @@ class Recommender:
         )
 
     def recommend(self, req: RecommendRequest) -> Recommendation:
+        """:meth:`_recommend` with the cluster's GPU generation as the target of the traced terms."""
+        with target_generation(req.cluster.gpu):
+            return self._recommend(req)
+
+    def _recommend(self, req: RecommendRequest) -> Recommendation:
         """The answer to one request.
 
         Raises:

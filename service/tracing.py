@@ -73,11 +73,12 @@ def _serve_traces(conn, parent_pid: int) -> None:
     conn.send_bytes(json.dumps(["ready", os.getpid()]).encode())
     while True:
         try:
-            hf_config, training_json = json.loads(conn.recv_bytes())
+            hf_config, training_json, *generation = json.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
         try:
-            reply = ["ok", trace_terms(hf_config, TrainingConfig.model_validate_json(training_json)).to_json()]
+            training = TrainingConfig.model_validate_json(training_json)
+            reply = ["ok", trace_terms(hf_config, training, generation=(generation or [None])[0]).to_json()]
         except Exception as err:  # noqa: BLE001 - reported to the parent with its reason
             reply = ["error", f"{type(err).__name__}: {err}"]
         conn.send_bytes(json.dumps(reply).encode())
@@ -129,10 +130,15 @@ class TracingProcess:
             raise RuntimeError(f"the tracing process died (exit code {code})") from err
 
     def trace(
-        self, hf_config: dict[str, Any], training: TrainingConfig, timeout_s: float = TRACE_TIMEOUT_S
+        self,
+        hf_config: dict[str, Any],
+        training: TrainingConfig,
+        timeout_s: float = TRACE_TIMEOUT_S,
+        generation: str | None = None,
     ) -> dict[str, Any]:
         """:func:`training.phases.trace_terms` of one configuration in the tracing process; its JSON. Starting the
-        process (when none is running) counts towards ``timeout_s``.
+        process (when none is running) counts towards ``timeout_s``. ``generation``: trace with that GPU generation's
+        CUDA semantics (``trace_terms``' argument).
 
         Raises:
             RuntimeError: the trace failed (with the process's reason), took longer than ``timeout_s`` (the
@@ -142,7 +148,7 @@ class TracingProcess:
         self.start(timeout_s)
         self._traces += 1
         try:
-            self._conn.send_bytes(json.dumps([hf_config, training.model_dump_json()]).encode())
+            self._conn.send_bytes(json.dumps([hf_config, training.model_dump_json(), generation]).encode())
         except OSError as err:
             self.close()
             raise RuntimeError("the tracing process died") from err
@@ -163,7 +169,10 @@ class TracingProcess:
 
 
 def trace_in_subprocess(
-    hf_config: dict[str, Any], training: TrainingConfig, timeout_s: float = TRACE_TIMEOUT_S
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    timeout_s: float = TRACE_TIMEOUT_S,
+    generation: str | None = None,
 ) -> dict[str, Any]:
     """:func:`training.phases.trace_terms` in a spawned process of its own, killed after ``timeout_s``; its JSON
     (:class:`TracingProcess`, used once).
@@ -173,9 +182,18 @@ def trace_in_subprocess(
     """
     process = TracingProcess()
     try:
-        return process.trace(hf_config, training, timeout_s)
+        return process.trace(hf_config, training, timeout_s, generation)
     finally:
         process.close()
+
+
+def _generation(key: str, hf_config: dict[str, Any], training: TrainingConfig) -> str | None:
+    """The GPU generation ``key`` was made with (:func:`model.terms.key_generation` of the request being answered):
+    the trace must follow that generation's CUDA semantics for the terms to belong under ``key``."""
+    from model.terms import key_generation, terms_key
+
+    gen = key_generation(hf_config, training)
+    return gen if gen is not None and terms_key(hf_config, training, gen) == key else None
 
 
 class BackgroundTracer:
@@ -241,7 +259,7 @@ class BackgroundTracer:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="memfit-tracer", daemon=True)
                 self._thread.start()
-        self._queue.put((key, hf_config, training))
+        self._queue.put((key, hf_config, training, _generation(key, hf_config, training)))
         each = f"usually 5-30 s, at most {self.timeout_s:g} s"
         if ahead:  # one trace at a time: the wait is the queue's, not one trace's
             return (
@@ -260,12 +278,12 @@ class BackgroundTracer:
     def _trace_queue(self, process: TracingProcess) -> None:
         while not self._stop.is_set():
             try:
-                key, hf_config, training = self._queue.get(timeout=0.5)
+                key, hf_config, training, gen = self._queue.get(timeout=0.5)
             except queue.Empty:
                 continue
             run = self.runner or process.trace
             try:
-                self.cache.put(key, run(hf_config, training, self.timeout_s))
+                self.cache.put(key, run(hf_config, training, self.timeout_s, **({"generation": gen} if gen else {})))
                 log.info("traced terms %s", key[:12])
             except Exception as err:  # noqa: BLE001 - a config the tracer can't run stays provisional
                 self.failed[key] = str(err)[:300]
@@ -294,7 +312,8 @@ class InlineTracer:
                 "imports PyTorch and traces four small models) ..."
             )
         try:
-            self.cache.put(key, trace_in_subprocess(hf_config, training, self.timeout_s))
+            gen = _generation(key, hf_config, training)
+            self.cache.put(key, trace_in_subprocess(hf_config, training, self.timeout_s, gen))
         except RuntimeError as err:
             return f"tracing it failed ({err}), so the learned model answers"
         return "traced now"

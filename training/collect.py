@@ -244,7 +244,8 @@ def _cuda_sdpa_kernels():
       ``(b, 1, s, s)`` mask is built that real runs without padding never build. The collector never
       packs sequences, so that function answers None here.
     * Inside :func:`training.cuda_policy.cuda_step_semantics`, a call the GPU generation would run on the math
-      backend (:func:`model.cuda_semantics.select_backend`) runs PyTorch's math composite, which saves the
+      backend (:func:`model.cuda_semantics.select_backend`) runs :func:`training.cuda_policy.math_sdpa` (PyTorch's math
+      composite as CUDA runs it), which saves the
       fp32 probabilities; one it would run on cuDNN returns its output (B, H, S, D)-contiguous, as cuDNN does.
     """
     import torch.nn.functional as F
@@ -253,7 +254,7 @@ def _cuda_sdpa_kernels():
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         from model.cuda_semantics import SdpaBackend
-        from training.cuda_policy import autocast_sdpa_args, sdpa_backend
+        from training.cuda_policy import autocast_sdpa_args, math_sdpa, sdpa_backend
 
         query, key, value, attn_mask = autocast_sdpa_args(query, key, value, attn_mask)
         backend = sdpa_backend(query, key, attn_mask, dropout_p, is_causal, enable_gqa)
@@ -263,9 +264,7 @@ def _cuda_sdpa_kernels():
                 mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
                     ~mask, float("-inf")
                 )
-            return torch.ops.aten._scaled_dot_product_attention_math(
-                query, key, value, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-            )[0]
+            return math_sdpa(query, key, value, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         if attn_mask is None and dropout_p == 0.0:
             return orig(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         if enable_gqa and key.shape[-3] != query.shape[-3]:
@@ -281,6 +280,10 @@ def _cuda_sdpa_kernels():
                 bias = bias.to(query.dtype)
             bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        if backend is SdpaBackend.FLASH and need_lse and key.shape[-3] == query.shape[-3]:
+            from training.cuda_policy import FlashAttentionScratch
+
+            return FlashAttentionScratch.apply(query, key, value, bias, dropout_p, is_causal, scale)
         out = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, need_lse, dropout_p, is_causal, scale=scale
         )[0]

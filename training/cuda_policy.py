@@ -16,9 +16,18 @@ lists them). :func:`cuda_step_semantics` makes the traced step follow CUDA's ins
 * **SDPA inputs** — :func:`autocast_sdpa_args` casts q, k, v and a float mask to the autocast dtype, as autocast
   does for ``scaled_dot_product_attention`` (the stand-in kernels are called below autocast).
 * **SDPA** — :func:`sdpa_backend` answers which backend the generation would run
-  (:func:`model.cuda_semantics.select_backend`); :func:`training.collect._cuda_sdpa_kernels` runs the
-  ``_scaled_dot_product_attention_math`` composite where that is math (e.g. Falcon's one key head without
-  ``enable_gqa``: fp32 probabilities saved per layer).
+  (:func:`model.cuda_semantics.select_backend`); :func:`training.collect._cuda_sdpa_kernels` runs
+  :func:`math_sdpa`, PyTorch's ``_scaled_dot_product_attention_math`` composite as CUDA runs it, where that is
+  math (e.g. Falcon's one key head without ``enable_gqa``: fp32 probabilities saved per layer).
+* **flash backward scratch** — where the generation runs FlashAttention-2 and the CPU stand-in is the
+  memory-efficient kernel (attention dropout), :class:`FlashAttentionScratch` adds ``mha_bwd``'s fp32 scratch
+  (``flash_api.cpp``) to the attention backward: 12 MiB per layer for GPT-2 at mb 4 / seq 1024.
+* **softmax backward** — CUDA's ``softmax_backward_cuda_out`` (``aten/src/ATen/native/cuda/SoftMax.cu``) first
+  computes ``Tensor tmp = grad * output`` and then writes the gradient from it, so a softmax backward holds one
+  temporary the size of the gradient (in the promoted dtype of gradient and output) next to the gradient it
+  returns; the CPU kernel has no such temporary. Softmax calls that need a gradient (eager attention, the math
+  backend's ``_safe_softmax``) go through :class:`CudaSoftmax`, whose backward allocates it. Falcon-7B's math
+  attention keeps (B, 71, S, S) fp32 per layer, so this temporary is 2.2 GiB at mb 2 / seq 2048.
 
 It works by replacing those Python attributes for the duration of the ``with`` block (restored on exit), so it
 also holds in processes forked inside the block (``training.phases.trace_terms``' parallel trace) and in
@@ -30,10 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from model.cuda_semantics import GpuGeneration, SdpaBackend, SdpaCall, select_backend
 
@@ -117,6 +128,158 @@ def _fp32_set_opt_dtype(orig):
     return run
 
 
+class CudaSoftmax(torch.autograd.Function):
+    """Softmax over ``dim`` whose backward allocates what CUDA's does (``SoftMax.cu``, ``softmax_backward_cuda_out``):
+    ``tmp = grad * output`` (alive while the gradient is written) and the gradient in the input's dtype.
+
+    ``half_to_float``: fp16 input, fp32 output (``at::_softmax(x, dim, true)``, CUDA's path for ``softmax(fp16,
+    dtype=float32)``). ``safe``: ``at::_safe_softmax`` (rows of -inf give 0; the math SDPA backend), whose derivative
+    is the same ``_softmax_backward_data`` (``tools/autograd/derivatives.yaml``)."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, half_to_float: bool = False, safe: bool = False):
+        out = torch.ops.aten._safe_softmax(x, dim) if safe else torch.ops.aten._softmax(x, dim, half_to_float)
+        ctx.save_for_backward(out)
+        ctx.dim, ctx.input_dtype = dim, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        tmp = grad * out  # CUDA's temporary, freed when the kernel returns
+        grad_input = torch.ops.aten._softmax_backward_data(grad, out, ctx.dim, ctx.input_dtype)
+        del tmp
+        return grad_input, None, None, None
+
+
+def _cuda_softmax(orig):
+    """``F.softmax``/``torch.softmax``/``Tensor.softmax`` through :class:`CudaSoftmax` when a gradient is needed.
+
+    With ``dtype`` given, CUDA's ``softmax`` (``aten/src/ATen/native/SoftMax.cpp``) runs fp16 -> fp32 as one
+    ``_softmax(x, dim, half_to_float=true)`` and converts other inputs first (``input.toType(dtype)``)."""
+
+    @functools.wraps(orig)
+    def run(*args, **kwargs):
+        x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        dtype = kwargs.get("dtype")
+        if dtype is None:
+            dtype = next((a for a in args[2:] if isinstance(a, torch.dtype)), None)
+        if (
+            not isinstance(x, torch.Tensor)
+            or not isinstance(dim, int)
+            or not (torch.is_grad_enabled() and x.requires_grad)
+            or not x.is_floating_point()
+        ):
+            return orig(*args, **kwargs)
+        if dtype is not None and dtype != x.dtype:
+            if x.dtype == torch.float16 and dtype == torch.float32 and isinstance(x, FakeTensor):  # CPU kernels lack it
+                return CudaSoftmax.apply(x, dim, True, False)
+            x = x.to(dtype)
+        return CudaSoftmax.apply(x, dim, False, False)
+
+    return run
+
+
+#: (owner, attribute) of the softmax entry points :func:`_cuda_softmax` wraps
+SOFTMAX_ENTRY_POINTS = ((F, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax"))
+
+
+def math_sdpa(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale=None,
+    enable_gqa: bool = False,
+):
+    """PyTorch's math SDPA backend as a CUDA run executes it: ``_scaled_dot_product_attention_math``
+    (``aten/src/ATen/native/transformers/attention.cpp``) with real (not subclass) tensors.
+
+    q, k, v (B, H, S, D) are upcast to fp32 when 16-bit; q and k^T are each scaled by sqrt(scale); GQA with
+    ``enable_gqa`` repeats k, v per query head (``pre_process_group_query_attention_input``); the additive mask is
+    added in place (``attn.add_``: only tensor subclasses such as fake tensors take the out-of-place ``add``);
+    ``_safe_softmax`` through :class:`CudaSoftmax`; dropout is CUDA's fused ``native_dropout`` (bool mask); the
+    output and the (discarded) probabilities are cast back to the query's dtype. Returns the output
+    (B, H, S_q, D) in the query's dtype. ``attn_mask``: None or an additive float mask broadcastable to
+    (B, H, S_q, S_k)."""
+    origin = query.dtype
+    if origin in _LOW:
+        query, key, value = query.float(), key.float(), value.float()
+    s_q, s_k = query.shape[-2], key.shape[-2]
+    factor = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]))
+    if is_causal:
+        causal = torch.ones(s_q, s_k, dtype=torch.bool, device=query.device).tril()
+        attn_mask = torch.zeros(causal.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~causal, float("-inf")
+        )
+    q = query * factor
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    attn = torch.matmul(q, key.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        attn.add_(attn_mask)
+    attn = CudaSoftmax.apply(attn, -1, False, True)
+    if dropout_p > 0.0:
+        attn = torch.native_dropout(attn, dropout_p, True)[0]
+    out = torch.matmul(attn, value).to(origin)
+    probs = attn.to(origin)  # the op's second output, dropped by scaled_dot_product_attention
+    del probs
+    return out
+
+
+class FlashAttentionScratch(torch.autograd.Function):
+    """Fused SDPA for a call the generation runs on FlashAttention-2 (:func:`sdpa_backend` is flash): the
+    memory-efficient kernel's forward (the CPU fake kernels have no CUDA flash forward; it saves the same output,
+    an fp32 log-sum-exp (B, H, S) for S a multiple of 32, and the RNG seed and offset), and a backward that, after
+    the gradients, allocates and frees the scratch of FlashAttention-2's ``mha_bwd``
+    (:func:`training.allocation.flash_backward_scratch`: fp32 ``softmax_d`` and ``dq_accum``; ``dk/dv_expanded``
+    for GQA) while grad_out, the saved tensors and dq, dk, dv are alive, as on the GPU.
+
+    Args (forward): q, k, v (B, H, S, D) with equal head counts, ``bias`` None or an additive mask in q's dtype,
+    ``dropout_p``, ``is_causal``, ``scale``. Returns the output (B, H, S_q, D)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, bias, dropout_p: float, is_causal: bool, scale):
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, True, dropout_p, is_causal, scale=scale
+        )
+        ctx.save_for_backward(query, key, value, bias, out, lse, seed, offset)
+        ctx.args = (dropout_p, is_causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from training.allocation import flash_backward_scratch
+
+        query, key, value, bias, out, lse, seed, offset = ctx.saved_tensors
+        dropout_p, is_causal, scale = ctx.args
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad_out,
+            query,
+            key,
+            value,
+            bias,
+            out,
+            lse,
+            seed,
+            offset,
+            dropout_p,
+            [True, True, True, False],
+            is_causal,
+            scale=scale,
+        )
+        scratch = [
+            torch.empty(n, dtype=torch.uint8, device=query.device)
+            for n in flash_backward_scratch(query.shape, key.shape, query.element_size())
+        ]
+        del scratch
+        return dq, dk, dv, None, None, None, None
+
+
 def _fused_dropout(orig):
     @functools.wraps(orig)
     def run(input, p=0.5, training=True, inplace=False):
@@ -149,7 +312,7 @@ def cuda_step_semantics(
     gen = GpuGeneration(generation)
     if _state["generation"] is not None:
         raise RuntimeError("cuda_step_semantics is already active")
-    patches = []
+    patches = [(o, n, _cuda_softmax) for o, n in SOFTMAX_ENTRY_POINTS]  # inner: autocast's dtype comes first
     if autocast:
         patches += [(o, n, _fp32) for o, n in FP32_ENTRY_POINTS]
         patches += [(o, n, _fp32_set_opt_dtype) for o, n in FP32_SET_OPT_DTYPE_ENTRY_POINTS]

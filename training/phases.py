@@ -662,8 +662,14 @@ def trace_terms(
     points: list[tuple[int, int]] | None = None,
     micro_batch_one: bool = True,
     parallel: bool = True,
+    generation: str | None = None,
 ) -> PhaseTerms:
     """Trace the four small models of ``hf_config`` under ``training`` and fit per-phase coefficients.
+
+    ``generation`` (``"sm80"``, ``"sm86"``, ``"sm89"``, ``"sm90"``; default None: the CPU's kernels): trace the steps
+    as that GPU generation's CUDA run executes them (:func:`training.cuda_policy.cuda_step_semantics`: the SDPA
+    backend, CUDA autocast lists, fused dropout, CUDA's softmax backward); the terms are then keyed with it
+    (:func:`model.terms.key_generation`).
 
     ``training``'s micro-batch size, sequence length, checkpoint layers, offload settings and pipeline and
     context parallel sizes are ignored (the traced points and :data:`VARIANTS` replace the first three;
@@ -685,6 +691,11 @@ def trace_terms(
         ValueError: a configuration the collector cannot run (see :func:`training.collect.prepared_model`).
         RuntimeError: a phase boundary could not be found in the model's forward.
     """
+    if generation is not None:
+        from training.cuda_policy import cuda_step_semantics
+
+        with cuda_step_semantics(generation):
+            return trace_terms(hf_config, training, points=points, micro_batch_one=micro_batch_one, parallel=parallel)
     t0 = time.perf_counter()
     # offload is composed on the terms without it (model.offload), pipeline and context parallelism per stage
     # and per sequence chunk (model.parallel); the terms key holds none of them
