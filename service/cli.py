@@ -649,7 +649,9 @@ def _recommend_uncached(req: RecommendRequest, registry: Path | None) -> Recomme
     store, _reason = open_store(Settings())  # None where read-only: traced terms kept in memory
     terms = TermsCache(store.url if store is not None else None)
     tracer = InlineTracer(terms, announce=lambda msg: _say(f"memfit: {msg}"))
-    holder = ModelHolder(models, overhead_from(store), terms=terms, tracer=tracer)
+    from training.stream_source import configured_source  # the full model's allocation streams, recorded once
+
+    holder = ModelHolder(models, overhead_from(store), terms=terms, tracer=tracer, streams=configured_source("record"))
     holder.refresh()
     if holder.recommender is None:
         raise NoAnswer(f"no model registered ({holder.last_error or 'train one: python -m training.retrain'})")
