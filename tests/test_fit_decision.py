@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,13 +36,16 @@ MEASURED = {job.name: job.measured for job in JOBS}
 
 
 @pytest.fixture(scope="module")
-def recommender():
+def recommender(tmp_path_factory):
     from model.registry import Registry
     from training.phases import trace_terms
     from training.stream_source import recording_source
 
     before = os.environ.get("MEMFIT_STREAM_CACHE")
-    os.environ["MEMFIT_STREAM_CACHE"] = str(DATA / "streams")
+    cache = tmp_path_factory.mktemp("streams")  # a stream recorded afresh (other versions) lands here, not in tests/
+    for f in (DATA / "streams").glob("*.npz"):
+        shutil.copy(f, cache / f.name)
+    os.environ["MEMFIT_STREAM_CACHE"] = str(cache)
     terms = TermsCache()
     for line in (DATA / "terms.jsonl").read_text().splitlines():
         entry = json.loads(line)
@@ -213,3 +217,69 @@ def test_reserved_peak_never_below_allocated_and_expandable_within_pages_of_it(o
         assert large_reserved - sum(b.size for b in large) <= 2 * 20 * MIB * len(large)
         assert small_reserved - sum(b.size for b in small) <= 2 * 2 * MIB * len(small)
         assert a.reserved_bytes == large_reserved + small_reserved
+
+
+# -- allocator settings in: describe(), the command line, the helper ------------------------------------------
+
+
+def test_describe_reads_the_allocator_settings_from_the_environment(monkeypatch):
+    import torch
+
+    from memfit.describe import describe
+    from memfit.hf import build_causal_lm, quiet_transformers
+    from tests.helpers import TINY_LLAMA
+
+    torch.manual_seed(0)
+    with quiet_transformers():
+        model = build_causal_lm({**TINY_LLAMA, "num_hidden_layers": 2})
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert describe(model, micro_batch_size=1, seq_len=128, gpu="L4").alloc_conf is None  # PyTorch's defaults
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512")
+    assert describe(model, micro_batch_size=1, seq_len=128, gpu="L4").alloc_conf == "max_split_size_mb:512"
+    # CUDA's allocator reads PYTORCH_CUDA_ALLOC_CONF first (c10/cuda/CUDAAllocatorConfig.h)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    req = describe(model, micro_batch_size=1, seq_len=128, gpu="L4")
+    assert req.alloc_conf == "expandable_segments:True"
+    assert describe(model, micro_batch_size=1, seq_len=128, gpu="L4", alloc_conf="").alloc_conf is None
+
+
+def test_command_line_alloc_conf(small_registry, capsys):
+    from service.cli import EXIT_BAD_INPUT, EXIT_FITS, main
+
+    base = ["recommend", "--model", "llama-3.2-1b", "--micro-batch", "1", "--seq-len", "1024", "--gpu", "H100-80GB"]
+    reg = ["--registry", str(small_registry.root)]
+    code = main([*base, "--alloc-conf", "expandable_segments:yes", *reg])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and "--alloc-conf (alloc_conf): expandable_segments must be True or False" in err
+    code = main([*base, "--alloc-conf", "expandable_segments:True", "--json", *reg])
+    rec = json.loads(capsys.readouterr().out)
+    assert code == EXIT_FITS and rec["allocator_settings"] == "expandable_segments:True"
+    assert rec["allocator_settings_assumed"] == "expandable_segments"
+    assert rec["predicted_reserved_bytes"] >= rec["predicted_peak_bytes"]
+
+
+def test_use_expandable_segments_keeps_other_settings_and_warns_when_too_late(monkeypatch):
+    import sys
+
+    from memfit import MemfitWarning, use_expandable_segments
+
+    env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:256,expandable_segments:False"}
+
+    class _Cuda:
+        initialized = False
+
+        @classmethod
+        def is_initialized(cls):
+            return cls.initialized
+
+    class _Torch:
+        cuda = _Cuda
+
+    monkeypatch.setitem(sys.modules, "torch", _Torch)
+    assert use_expandable_segments(env) is True
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256,expandable_segments:True"
+    _Cuda.initialized = True
+    with pytest.warns(MemfitWarning, match="CUDA is already initialised"):
+        assert use_expandable_segments(env) is False
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256,expandable_segments:True"
