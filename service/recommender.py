@@ -671,6 +671,8 @@ class Recommender:
         self.est, self.version = est, version
         self.streams = streams
         self._fits: OrderedDict = OrderedDict()  # simulated fit decisions (model.recommend.plan's fit_cache)
+        self._sources: OrderedDict = OrderedDict()  # stream sources per configuration (self.streams' results)
+        self._lock = threading.Lock()
         import pandas as pd
 
         self.overhead = overhead or OverheadModel().fit(pd.DataFrame())  # shipped GPU pressure figures
@@ -727,7 +729,18 @@ class Recommender:
         why = unsupported_reason(training, gpu_count)
         if why is not None:
             return None, why
-        return self.streams(hf_config, training, spec.num_layers, spec.model_name, record=record), ""
+        key = (json.dumps(hf_config, sort_keys=True), training.model_dump_json(exclude={"checkpoint_layers"}), record)
+        with self._lock:
+            source = self._sources.get(key)
+            if source is not None:
+                self._sources.move_to_end(key)
+        if source is None:  # one source per configuration: it remembers the streams it loaded and the ones missing
+            source = self.streams(hf_config, training, spec.num_layers, spec.model_name, record=record)
+            with self._lock:
+                self._sources[key] = source
+                while len(self._sources) > 256:
+                    self._sources.popitem(last=False)
+        return source, ""
 
     def curve(self, model: Any, training_in: TrainingIn, gpu_count: int = 1) -> tuple[Curve, ModelSpec, TrainingConfig]:
         """The one curve (:meth:`model.curve.MemoryPredictor.curve`) for a request's model and training.

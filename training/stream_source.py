@@ -14,11 +14,13 @@ accumulation): those are decided on the measured allowance instead (:func:`model
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ from typing import Any
 from memfit.schema import Offload, Quantization, Sharding, TrainingConfig
 from model.allocator import AllocationStream
 
+#: a stream found missing is looked for again after this many seconds (another process may have recorded it)
+MISS_RECHECK_S = 30.0
 #: Bump when the recording changes what a stream holds (part of the cache key).
 STREAM_FORMAT = 2
 #: cuBLAS workspaces (bytes) per phase: see :data:`training.allocation.SM90_WORKSPACES` (same figures).
@@ -42,6 +46,7 @@ def trace_policy_name(generation: str = "sm90") -> str:
     return f"cuda_step_semantics({generation})" if importlib.util.find_spec("training.cuda_policy") else ""
 
 
+@functools.lru_cache(maxsize=8)
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
@@ -117,13 +122,15 @@ def stream_source(
     """
     policy = trace_policy_name()
     streams: dict[int, AllocationStream | None] = {}
+    looked: dict[int, float] = {}  # k -> when a missing stream was last looked for
 
     def source(k: int) -> AllocationStream | None:
-        if k in streams:
+        if streams.get(k) is not None or (k in streams and time.monotonic() - looked[k] < MISS_RECHECK_S):
             return streams[k]
         t = training.model_copy(update={"checkpoint_layers": list(range(k))})
         path = stream_path(hf_config, t, context_name=policy)
         stream = None
+        looked[k] = time.monotonic()
         if path.exists():
             stream = AllocationStream.load(path)
         elif record and source.failed is None:
