@@ -11,6 +11,11 @@ context, cuBLAS workspace, NCCL buffers). Defaults, each sourced:
   use; we take 0.6 GiB when more than one GPU is used;
 * fragmentation: 5 % of the allocated peak until measurements under memory pressure say otherwise.
 
+**The fit decision** (:mod:`model.reserved`) no longer adds a fragmentation percentage where the step's allocation
+stream can be replayed through the caching-allocator model: it takes :meth:`OverheadModel.outside_pytorch` (the
+measured context, NCCL on several GPUs) and the cuBLAS residual from here, and falls back to the allocated bound times
+:meth:`OverheadModel.allowance_ratio` (the measured pressure median of the allocator setting) only without a stream.
+
 **What the fake tracker does not see.** On one H200 (torch 2.11, 26 pairs, ``gpu_validate``) the CUDA
 peak allocated bytes were the tracker's plus 66 MiB (median; cuBLAS/cuBLASLt workspaces, which PyTorch
 allocates through its caching allocator) in 21 of 26 pairs; GPT-2 (attention dropout, SDPA and eager)
