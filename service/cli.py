@@ -865,7 +865,7 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         parts.add_row(
             f"+ margin to the upper bound ({margin / max(rec.predicted_peak_bytes, 1):.1%} of the point)", gib(margin)
         )
-        parts.add_row("+ overhead: memory outside PyTorch, cuBLAS workspaces, allocator allowance", gib(overhead))
+        parts.add_row("+ overhead: CUDA context (outside PyTorch), cuBLAS workspaces, allocator allowance", gib(overhead))
         parts.add_section()
         parts.add_row(
             f"= upper bound + overhead (fits when <= usable {gib(rec.usable_bytes)})",

@@ -105,8 +105,8 @@ def test_k_is_the_smallest_that_ran_or_one_more(recommender, job, setting, conf)
     visited = [c for c in rec.curve if c.predicted_reserved_bytes is not None]
     assert visited and all(c.predicted_reserved_bytes >= c.predicted_bytes for c in visited)
     assert any("caching allocator" in w for w in rec.warnings)
-    # the cap the allocator gets: the card less the measured memory outside PyTorch (0.75 GiB on the H200)
-    assert 0.7 * 2**30 < rec.capacity_bytes - rec.allocator_cap_bytes < 0.8 * 2**30
+    # the cap the allocator gets: the card less the memory outside PyTorch (H200: 0.75 GiB measured)
+    assert rec.capacity_bytes - rec.allocator_cap_bytes == 1343 * 2**20  # not measured on these GPUs: the guide figure
 
 
 @pytest.mark.parametrize("job", JOBS, ids=[j.name for j in JOBS])
@@ -283,3 +283,19 @@ def test_use_expandable_segments_keeps_other_settings_and_warns_when_too_late(mo
     with pytest.warns(MemfitWarning, match="CUDA is already initialised"):
         assert use_expandable_segments(env) is False
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256,expandable_segments:True"
+
+
+def test_a_missing_stream_is_not_recorded_by_the_service_and_the_answer_says_so(tmp_path, monkeypatch):
+    from model.registry import Registry
+    from training.stream_source import cached_source
+
+    monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))  # empty: nothing recorded
+    loaded = Registry().load()
+    rec = Recommender(loaded.estimator, loaded.version, streams=cached_source).recommend(
+        RecommendRequest.model_validate(
+            {"model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 2048}, "cluster": {"gpu": "H200"}}
+        )
+    )
+    assert rec.fit_method == "allowance" and list(tmp_path.iterdir()) == []
+    (note,) = [w for w in rec.warnings if w.startswith("allocator not simulated")]
+    assert "no allocation stream recorded yet" in note and "1.076" in note  # the default allocator's median
