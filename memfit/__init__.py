@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memfit.alloc_conf import alloc_conf_from_env, use_expandable_segments
 from memfit.api import Recommendation, RecommendRequest
 from memfit.checkpointing import AppliedCheckpointing, CheckpointPlan, MemfitWarning, apply, checkpoint_layers, verify
 from memfit.client import Client, FallbackRecommendation, RequestRejected, ServiceError, is_fallback
@@ -35,12 +36,14 @@ __all__ = [
     "Recommendation",
     "RequestRejected",
     "ServiceError",
+    "alloc_conf_from_env",
     "apply",
     "checkpoint_layers",
     "describe",
     "flush_spool",
     "is_fallback",
     "report_peak",
+    "use_expandable_segments",
     "verify",
 ]
 

@@ -407,6 +407,13 @@ class RecommendRequest(_In):
         description="predict a model_type that memfit does not know as this known family (e.g. 'llama'); "
         "without it an unknown model_type is refused with 422. The answer then carries a warning",
     )
+    alloc_conf: str | None = Field(
+        None,
+        max_length=1024,
+        description="the job's PYTORCH_CUDA_ALLOC_CONF (e.g. 'expandable_segments:True'); none or '' for PyTorch's "
+        "defaults. The fit is decided by replaying the step through a model of the caching allocator with it; "
+        "a string PyTorch would refuse is answered 422 naming alloc_conf",
+    )
 
 
 class CurvePointOut(BaseModel):
@@ -414,6 +421,11 @@ class CurvePointOut(BaseModel):
     predicted_bytes: int
     upper_bytes: int
     total_upper_bytes: int
+    predicted_reserved_bytes: int | None = Field(
+        None,
+        description="predicted peak reserved bytes (max_memory_reserved) at k with the allocator settings assumed; "
+        "None where the simulated fit search did not visit k",
+    )
     peak_phase: str | None = Field(None, description="phase of the step where the peak falls (traced path)")
 
 
@@ -422,7 +434,7 @@ class Alternative(BaseModel):
 
     description: str
     change: dict[str, Any] = Field(
-        description="the changed fields (training fields, gradient_accumulation_steps among them, and gpu_count)"
+        description="the changed fields (training fields, gradient_accumulation_steps among them, gpu_count, alloc_conf)"
     )
     fits: bool
     k: int | None = Field(description="smallest number of checkpointed layers that fits with the change")
@@ -481,6 +493,19 @@ class Recommendation(BaseModel):
         "fallback (the client's checkpoint-every-layer plan when the service gave no answer)",
     )
     overhead: dict[str, Any]
+    predicted_reserved_bytes: int | None = Field(
+        None, description="predicted peak reserved bytes at k (the caching allocator's), None where not computed"
+    )
+    allocator_settings: str = Field("", description="the PYTORCH_CUDA_ALLOC_CONF assumed ('' = PyTorch's defaults)")
+    allocator_settings_assumed: str = Field("default", description="the allocator settings assumed, in words")
+    fit_method: str = Field(
+        "allowance",
+        description="simulated (the step replayed through a model of PyTorch's caching allocator) or allowance "
+        "(allocated bound x the measured allocator allowance; the warnings say why)",
+    )
+    allocator_cap_bytes: int | None = Field(
+        None, description="what the caching allocator may reserve: usable bytes less memory outside PyTorch"
+    )
     recompute_overhead_fraction: float = Field(description="extra compute per step, fraction of step compute")
     host_memory_bytes: int = Field(
         0,

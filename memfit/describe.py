@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from memfit.alloc_conf import alloc_conf_from_env
 from memfit.api import GPUS, ArchitectureIn, ClusterIn, RecommendRequest, TrainingIn
 from memfit.checkpointing import MemfitWarning
 from memfit.errors import InvalidConfiguration
@@ -417,6 +418,7 @@ def describe(
     layers=None,
     headroom_fraction: float = 0.05,
     layout: str = "block",
+    alloc_conf: str | None = None,
 ) -> RecommendRequest:
     """A :class:`RecommendRequest` for a live model and its training setup.
 
@@ -452,6 +454,8 @@ def describe(
     * cluster: GPU memory from ``torch.cuda.get_device_properties`` when CUDA is available; GPU
       count from ``torch.distributed``'s world size when initialised, else 1. Sharding on one device
       is reported as ``none`` (nothing to shard over).
+    * allocator settings: ``alloc_conf``, else this process's ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``
+      (:func:`memfit.alloc_conf.alloc_conf_from_env`); the service decides the fit with them.
 
     Args:
         seq_len: tokens per sequence (required: the model cannot tell what the data loader yields).
@@ -617,4 +621,5 @@ def describe(
         cluster=cluster,
         headroom_fraction=headroom_fraction,
         layout=layout,
+        alloc_conf=(alloc_conf_from_env() if alloc_conf is None else alloc_conf) or None,
     )

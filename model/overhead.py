@@ -11,6 +11,11 @@ context, cuBLAS workspace, NCCL buffers). Defaults, each sourced:
   use; we take 0.6 GiB when more than one GPU is used;
 * fragmentation: 5 % of the allocated peak until measurements under memory pressure say otherwise.
 
+**The fit decision** (:mod:`model.reserved`) no longer adds a fragmentation percentage where the step's allocation
+stream can be replayed through the caching-allocator model: it takes :meth:`OverheadModel.outside_pytorch` (the
+measured context, NCCL on several GPUs) and the cuBLAS residual from here, and falls back to the allocated bound times
+:meth:`OverheadModel.allowance_ratio` (the measured pressure median of the allocator setting) only without a stream.
+
 **What the fake tracker does not see.** On one H200 (torch 2.11, 26 pairs, ``gpu_validate``) the CUDA
 peak allocated bytes were the tracker's plus 66 MiB (median; cuBLAS/cuBLASLt workspaces, which PyTorch
 allocates through its caching allocator) in 21 of 26 pairs; GPT-2 (attention dropout, SDPA and eager)
@@ -63,6 +68,18 @@ def allocated_residuals(paths: list[Path]) -> list[int]:
     ]
 
 
+def validation_outside(paths: list[Path]) -> dict[str, list[int]]:
+    """Memory outside PyTorch (``total - free - reserved``, bytes) per device name, from GPU validation runs that
+    name their device (``training/gpu_validate.py`` output: H200, torch 2.11.0+cu130, 2026-11-30 and 12-04)."""
+    out: dict[str, list[int]] = {}
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        if run.get("device"):
+            figures = [r["outside_torch_bytes"] for r in run["rows"] if r.get("outside_torch_bytes")]
+            out.setdefault(run["device"], []).extend(figures)
+    return out
+
+
 def pressure_ratios(paths: list[Path]) -> dict[str, list[float]]:
     """Needed-cap / allocated-peak ratios per allocator setting (``"default"`` or the
     ``PYTORCH_CUDA_ALLOC_CONF`` value) from ``training/gpu_pressure.py`` output files."""
@@ -105,6 +122,8 @@ class OverheadModel:
     cublas_workspace_bytes: int = CUBLAS_WORKSPACE_BYTES
     outside_by_device: dict[str, int] = field(default_factory=dict)
     rows_by_device: dict[str, int] = field(default_factory=dict)
+    #: needed-cap / allocated ratio per allocator setting (:meth:`allowance_ratio`), from GPU pressure runs
+    allowance_by_setting: dict[str, float] = field(default_factory=dict)
 
     def fit(
         self, rows: pd.DataFrame, pressure_files: list[Path] | None = None, validation_files: list[Path] | None = None
@@ -121,9 +140,20 @@ class OverheadModel:
                     self.outside_by_device[device] = int(outside.median())
                     self.rows_by_device[device] = len(outside)
         measured = pressure_ratios(PRESSURE_FILES if pressure_files is None else pressure_files).get("default", [])
+        self.allowance_by_setting = {
+            conf: float(max(1.0, np.median(r)))
+            for conf, r in pressure_ratios(PRESSURE_FILES if pressure_files is None else pressure_files).items()
+            if r
+        }
         if measured:
             self.fragmentation_ratio = float(max(1.0, np.median(measured)))
             self.fragmentation_source = f"median of {len(measured)} GPU pressure measurements (default allocator)"
+        for device, figures in validation_outside(
+            VALIDATION_FILES if validation_files is None else validation_files
+        ).items():
+            if device not in self.outside_by_device and figures:  # telemetry rows first, shipped runs where none
+                self.outside_by_device[device] = int(np.median(figures))
+                self.rows_by_device[device] = len(figures)
         residuals = allocated_residuals(VALIDATION_FILES if validation_files is None else validation_files)
         if residuals:
             self.cublas_workspace_bytes = int(np.median(residuals))
@@ -158,6 +188,43 @@ class OverheadModel:
             f"default; fragmentation: {self.fragmentation_source}",
         )
 
+    def allowance_ratio(self, expandable_segments: bool) -> tuple[float, str]:
+        """(needed-cap / allocated ratio, its source) for the default allocator or expandable segments: the median
+        of the shipped ``training/gpu_pressure.py`` runs with that setting (H200, 2026-11-30: 1.076 of 24 default
+        runs, 1.014 of 20 expandable runs); :data:`FRAGMENTATION_RATIO` when none was measured. The fallback of
+        :func:`model.reserved.allowance_fit` where no allocation stream can be simulated."""
+        key = "expandable_segments:True" if expandable_segments else "default"
+        ratio = self.allowance_by_setting.get(key)
+        if ratio is None:
+            return FRAGMENTATION_RATIO, "default 5 % (no GPU pressure run with this setting)"
+        return ratio, f"median needed-cap / allocated of the GPU pressure runs with {key}"
+
+    def outside_pytorch(self, device_name: str | None, gpu_count: int) -> tuple[int, str]:
+        """(bytes, source) of device memory PyTorch's allocator cannot use: the CUDA context (with the cuBLAS and
+        cuDNN handles' own memory) as ``total - free - reserved`` measured on ``device_name`` by ``method = cuda``
+        telemetry or shipped GPU validation runs (0.75 GiB on the H200, torch 2.11, CUDA 13; issue 27 saw 0.51-0.76
+        GiB); on a device never measured, the larger of the measured median and the 1343 MiB of HF's "Model training
+        anatomy" guide (older stacks load every kernel at start-up); plus :data:`NCCL_BYTES` when ``gpu_count > 1``."""
+        nccl = NCCL_BYTES if gpu_count > 1 else 0
+        plus = f" + NCCL {NCCL_BYTES / GIB:.1f} GiB ({gpu_count} GPUs)" if nccl else ""
+        if device_name in self.outside_by_device:
+            n = self.rows_by_device.get(device_name, 0)
+            return self.outside_by_device[device_name] + nccl, f"measured on {device_name} ({n} measured rows){plus}"
+        if self.outside_by_device:
+            figure = int(np.median(list(self.outside_by_device.values())))
+            where = ", ".join(
+                f"{d} ({self.rows_by_device.get(d, 0)} measured rows)" for d in sorted(self.outside_by_device)
+            )
+            if figure >= CUDA_CONTEXT_BYTES:
+                return figure + nccl, f"measured on {where}; not yet on this GPU{plus}"
+        # a GPU never measured keeps the larger guide figure: an older driver or CUDA without lazy module loading
+        # holds more than the H200's 0.75 GiB (a public Llama-3-8B ZeRO-3 offload report on RTX-3090s, 13 GB per GPU,
+        # is 20 % above memfit's bound even with it)
+        return (
+            CUDA_CONTEXT_BYTES + nccl,
+            f"HF transformers' model memory anatomy guide (V100; not measured on this GPU){plus}",
+        )
+
     def to_dict(self) -> dict:
         return {
             "fragmentation_ratio": self.fragmentation_ratio,
@@ -165,6 +232,7 @@ class OverheadModel:
             "cublas_workspace_bytes": self.cublas_workspace_bytes,
             "outside_by_device": self.outside_by_device,
             "rows_by_device": self.rows_by_device,
+            "allowance_by_setting": self.allowance_by_setting,
         }
 
     @classmethod
@@ -175,4 +243,5 @@ class OverheadModel:
             int(d.get("cublas_workspace_bytes", CUBLAS_WORKSPACE_BYTES)),
             {k: int(v) for k, v in d.get("outside_by_device", {}).items()},
             dict(d.get("rows_by_device", {})),
+            {k: float(v) for k, v in d.get("allowance_by_setting", {}).items()},
         )

@@ -1,9 +1,11 @@
-"""Recommendation: the smallest number k of checkpointed layers whose bounded total fits.
+"""Recommendation: the smallest number k of checkpointed layers whose step runs in the GPU's memory.
 
 For one model and training configuration, :meth:`model.curve.MemoryPredictor.curve` gives the
-predicted allocated peak and its calibrated upper bound for all k = 0..L; the overhead
-(:mod:`model.overhead`) is added to the bound; the answer is the smallest k whose bound fits
-``capacity × (1 − headroom)``. Recompute cost: re-running the forward of k of L layers costs about
+predicted allocated peak and its calibrated upper bound for all k = 0..L. The fit is decided on reserved
+memory (:mod:`model.reserved`): the smallest k whose step, replayed through the caching-allocator model with
+the user's ``PYTORCH_CUDA_ALLOC_CONF``, runs within ``capacity × (1 − headroom)`` less the memory outside
+PyTorch, and whose allocated bound fits there too; without an allocation stream, the allocated bound times the
+measured pressure allowance of the allocator setting. Recompute cost: re-running the forward of k of L layers costs about
 k/L of a forward pass, and a forward is about a third of a training step's compute (backward ≈ 2×
 forward; Chen et al. 2016, arXiv 1604.06174, Sec. 4; Korthikanti et al. 2022, arXiv 2205.05198, Sec. 5),
 so the overhead fraction is ``k / (3 L)``. With the first N layers frozen (``finetune="frozen"``) those
@@ -13,22 +15,26 @@ layers have no backward and checkpointing them recomputes nothing (:mod:`model.f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from memfit.schema import FineTune, ModelSpec, TrainingConfig
+from model.allocator import AllocatorSettings
 from model.curve import Curve, CurvePoint, MemoryPredictor
 from model.overhead import Overhead, OverheadModel
+from model.reserved import ReservedFit, StreamSource, allowance_fit, simulated_fit
 
 
 @dataclass
 class Plan:
     """Answer for one configuration (bytes per device).
 
-    ``curve`` is the predictor's whole curve; ``total_upper_bytes[k]`` is its bound at k plus the
-    overhead (CUDA context, cuBLAS, NCCL, fragmentation): what must fit in ``usable_bytes``.
+    ``curve`` is the predictor's whole curve; ``total_upper_bytes[k]`` is its bound at k plus the memory
+    outside PyTorch, the cuBLAS workspaces and, without a simulated stream, the measured allocator allowance.
+    ``reserved`` is the fit decision on reserved memory (:class:`model.reserved.ReservedFit`): its
+    ``reserved_bytes[k]`` is the predicted peak reserved bytes (None where the simulated search did not visit k).
     """
 
     fits: bool
@@ -41,6 +47,7 @@ class Plan:
     overhead: Overhead
     recompute_fraction: float = 0.0
     shortfall_bytes: int = 0
+    reserved: ReservedFit | None = None
 
     @property
     def at(self) -> CurvePoint:
@@ -94,10 +101,20 @@ def plan(
     gpu_count: int = 1,
     overhead_model: OverheadModel | None = None,
     layout: str = "block",
+    allocator: AllocatorSettings | None = None,
+    streams: StreamSource | None = None,
+    no_stream_reason: str = "no allocation stream for this configuration",
+    fit_cache: MutableMapping | None = None,
 ) -> Plan:
-    """Smallest k whose upper bound plus overhead fits ``capacity_bytes × (1 − headroom_fraction)``.
+    """Smallest k whose step runs in ``capacity_bytes × (1 − headroom_fraction)`` less the memory outside PyTorch.
 
-    The curve comes from :meth:`model.curve.MemoryPredictor.curve`, the one curve every caller uses.
+    The curve comes from :meth:`model.curve.MemoryPredictor.curve`, the one curve every caller uses. With
+    ``streams`` (the full model's allocation stream per k, block layout), the step is replayed through the
+    caching-allocator model with ``allocator`` (default: PyTorch's defaults; :func:`model.reserved.simulated_fit`);
+    otherwise, or when a stream is missing, the allocated bound times the allocator setting's measured allowance
+    (:func:`model.reserved.allowance_fit`; ``no_stream_reason`` says why in the notes). ``fit_cache`` keeps
+    simulated decisions by (the source's ``key`` attribute, bounds, settings, cap), so a repeated request replays
+    nothing.
 
     Raises:
         ValueError: headroom outside [0, 0.9] or capacity <= 0.
@@ -107,10 +124,35 @@ def plan(
     if capacity_bytes <= 0:
         raise ValueError("capacity_bytes must be > 0")
     overhead_model = overhead_model or OverheadModel()
+    settings = allocator or AllocatorSettings()
     c = predictor.curve(model, training, hf_config)
     usable = int(capacity_bytes * (1 - headroom_fraction))
-    totals = overhead_model.total_bytes([p.upper_bytes for p in c.points], device_name, gpu_count)
-    k = next((i for i, t in enumerate(totals) if t <= usable), None)
+    outside, outside_source = overhead_model.outside_pytorch(device_name, gpu_count)
+    nccl = overhead_model.overhead(0, device_name, gpu_count).nccl_bytes
+    cublas = overhead_model.cublas_workspace_bytes
+    cap = usable - outside
+    bounds = [p.upper_bytes + cublas for p in c.points]  # the streams hold the cuBLAS workspaces too
+    fit = None
+    if streams is not None and c.pipeline is None and layout == "block":
+        key = getattr(streams, "key", None)
+        cache_key = (key, tuple(bounds), settings, cap) if key is not None and fit_cache is not None else None
+        fit = fit_cache.get(cache_key) if cache_key is not None else None
+        if fit is None:
+            ratio, source = overhead_model.allowance_ratio(settings.expandable_segments)
+            guess = allowance_fit(bounds, settings, cap, ratio, source, "").k
+            fit = simulated_fit(bounds, streams, settings, cap, len(bounds) - 1 if guess is None else guess)
+            if fit is not None and cache_key is not None:
+                fit_cache[cache_key] = fit
+    elif streams is not None:
+        no_stream_reason = "pipeline stages or an even layout: streams are recorded for the first k layers"
+    if fit is None:
+        ratio, source = overhead_model.allowance_ratio(settings.expandable_segments)
+        fit = allowance_fit(bounds, settings, cap, ratio, source, no_stream_reason)
+    if fit.method == "simulated":
+        totals = [b + outside for b in bounds]
+    else:
+        totals = [r + outside for r in fit.reserved_bytes]
+    k = fit.k
     at = k if k is not None else model.num_layers
     if k is None:
         layers = []
@@ -118,6 +160,14 @@ def plan(
         layers = [st.first_layer + j for st, ks in zip(c.pipeline.stages, c.pipeline.stage_k[k]) for j in range(ks)]
     else:
         layers = layer_indices(k, model.num_layers, training.pipeline_parallel_size, layout)
+    allowance = totals[at] - bounds[at] - outside
+    overhead = Overhead(
+        allowance,
+        outside - nccl,
+        cublas,
+        nccl,
+        f"outside PyTorch: {outside_source}; allocator: {fit.notes[0]}",
+    )
     return Plan(
         fits=k is not None,
         k=k,
@@ -126,9 +176,10 @@ def plan(
         total_upper_bytes=totals,
         capacity_bytes=capacity_bytes,
         usable_bytes=usable,
-        overhead=overhead_model.overhead(c.points[at].upper_bytes, device_name, gpu_count),
+        overhead=overhead,
         recompute_fraction=recompute_fraction(k or 0, model.num_layers, training),
-        shortfall_bytes=0 if k is not None else totals[at] - usable,
+        shortfall_bytes=0 if k is not None else max(fit.shortfall_bytes, totals[at] - usable, 1),
+        reserved=fit,
     )
 
 

@@ -63,7 +63,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     tracer = BackgroundTracer(
         terms, max_pending=settings.max_pending_traces, max_per_client=settings.max_pending_traces_per_client
     )
-    holder = ModelHolder(Registry(settings.registry_dir), overhead_from(store), terms=terms, tracer=tracer)
+    from training.stream_source import configured_source  # no PyTorch here: streams recorded elsewhere
+
+    holder = ModelHolder(
+        Registry(settings.registry_dir),
+        overhead_from(store),
+        terms=terms,
+        tracer=tracer,
+        streams=configured_source("cache"),
+    )
     holder.refresh()
     warmed_up = threading.Event()
 

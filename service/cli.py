@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
+from memfit.alloc_conf import alloc_conf_from_env
 from memfit.api import GPUS, OPTIMIZER_ALIASES, Recommendation, RecommendRequest, TrainingIn
 from memfit.errors import MemfitError, close_names
 from memfit.schema import (
@@ -89,6 +90,7 @@ FLAG_OF = {
     "cluster.gpu_count": "--gpus",
     "cluster": "--gpu/--gpu-memory-gib",
     "headroom_fraction": "--headroom",
+    "alloc_conf": "--alloc-conf",
     "layout": "--layout",
     "training.expert_parallel_size": "--expert-parallel",
     "training.moe_imbalance_factor": "--moe-imbalance",
@@ -393,6 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of device memory kept free, 0..0.9 (default: 0.05)",
     )
     c.add_argument(
+        "--alloc-conf",
+        metavar="CONF",
+        help="the job's PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True (default: this shell's "
+        "PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF, else PyTorch's defaults); the fit is decided by replaying "
+        "the step through a model of PyTorch's caching allocator with it",
+    )
+    c.add_argument(
         "--layout",
         choices=["block", "even"],
         default="block",
@@ -550,6 +559,7 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
             "cluster": cluster,
             "headroom_fraction": a.headroom,
             "layout": a.layout,
+            "alloc_conf": (alloc_conf_from_env() if getattr(a, "alloc_conf", None) is None else a.alloc_conf) or None,
         }
     )
 
@@ -649,7 +659,9 @@ def _recommend_uncached(req: RecommendRequest, registry: Path | None) -> Recomme
     store, _reason = open_store(Settings())  # None where read-only: traced terms kept in memory
     terms = TermsCache(store.url if store is not None else None)
     tracer = InlineTracer(terms, announce=lambda msg: _say(f"memfit: {msg}"))
-    holder = ModelHolder(models, overhead_from(store), terms=terms, tracer=tracer)
+    from training.stream_source import configured_source  # the full model's allocation streams, recorded once
+
+    holder = ModelHolder(models, overhead_from(store), terms=terms, tracer=tracer, streams=configured_source("record"))
     holder.refresh()
     if holder.recommender is None:
         raise NoAnswer(f"no model registered ({holder.last_error or 'train one: python -m training.retrain'})")
@@ -853,13 +865,21 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         parts.add_row(
             f"+ margin to the upper bound ({margin / max(rec.predicted_peak_bytes, 1):.1%} of the point)", gib(margin)
         )
-        parts.add_row("+ overhead: CUDA context, cuBLAS workspace, NCCL, fragmentation", gib(overhead))
+        parts.add_row(
+            "+ overhead: CUDA context (outside PyTorch), cuBLAS workspaces, allocator allowance", gib(overhead)
+        )
         parts.add_section()
         parts.add_row(
             f"= upper bound + overhead (fits when <= usable {gib(rec.usable_bytes)})",
             gib(rec.total_upper_bytes),
             style="bold",
         )
+        if rec.predicted_reserved_bytes is not None:
+            how = "simulated caching allocator" if rec.fit_method == "simulated" else "measured allowance"
+            parts.add_row(
+                f"predicted peak reserved ({how}, {rec.allocator_settings_assumed} allocator settings)",
+                gib(rec.predicted_reserved_bytes),
+            )
         if rec.host_memory_bytes:
             parts.add_row("host memory per node (not on the device)", gib(rec.host_memory_bytes))
         con.print(parts)

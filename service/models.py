@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import Counter, Gauge
 
@@ -60,8 +61,10 @@ class ModelHolder:
         overhead: OverheadModel | None = None,
         terms: TermsCache | None = None,
         tracer: BackgroundTracer | None = None,
+        streams: Any = None,
     ) -> None:
         self.registry = registry
+        self.streams = streams  # allocation streams for the fit decision (Recommender's ``streams``)
         self.overhead = overhead or overhead_from(None)
         self.terms = terms if terms is not None else TermsCache()
         self.tracer = tracer
@@ -105,6 +108,7 @@ class ModelHolder:
                 margins=loaded.meta.get("bound_margins"),
                 tracer=self.tracer,
                 coefficients=loaded.coefficients,
+                streams=self.streams,
             )
             self.last_error, self.warnings = None, loaded.warnings
             MODEL_REFUSED.set(0)

@@ -44,6 +44,7 @@ from memfit.schema import (
     default_data_parallel_size,
     default_precision,
 )
+from model.allocator import AllocatorConfError, AllocatorSettings
 from model.cuda_semantics import TARGET_GENERATION, target_generation
 from model.cuda_terms import generation_curve
 from model.curve import PROVISIONAL, Curve, MemoryPredictor, expert_parallel_rank
@@ -628,8 +629,16 @@ class Recommender:
         margins: dict[str, float] | None = None,
         tracer: Any = None,
         coefficients: Any = None,
+        streams: Any = None,
     ) -> None:
+        """``streams``: ``(hf_config, training, num_layers, model_name) -> StreamSource`` giving the full model's
+        allocation stream per k (:func:`training.stream_source.stream_source`), for the fit decision on reserved
+        memory (:mod:`model.reserved`); None: decide on the measured allocator allowance."""
         self.est, self.version = est, version
+        self.streams = streams
+        self._fits: OrderedDict = OrderedDict()  # simulated fit decisions (model.recommend.plan's fit_cache)
+        self._sources: OrderedDict = OrderedDict()  # stream sources per configuration (self.streams' results)
+        self._lock = threading.Lock()
         import pandas as pd
 
         self.overhead = overhead or OverheadModel().fit(pd.DataFrame())  # shipped GPU pressure figures
@@ -651,8 +660,11 @@ class Recommender:
         req: RecommendRequest,
         gpu_count: int,
         curves: CurveCache | None = None,
+        settings: AllocatorSettings | None = None,
     ) -> Plan:
-        return plan(
+        # alternatives replay only streams already recorded: one request must not record a dozen configurations
+        source, why = self._stream_source(spec, training, hf_config, gpu_count, record=curves is None)
+        p = plan(
             curves or self.curves,
             spec,
             training,
@@ -663,7 +675,38 @@ class Recommender:
             gpu_count=gpu_count,
             overhead_model=self.overhead,
             layout=req.layout,
+            allocator=settings if settings is not None else allocator_settings(req),
+            streams=source,
+            no_stream_reason=why if source is None else _missing_stream_reason(source),
+            fit_cache=self._fits,
         )
+        while len(self._fits) > 4096:
+            self._fits.popitem(last=False)
+        return p
+
+    def _stream_source(
+        self, spec: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any], gpu_count: int, record: bool = True
+    ) -> tuple[Any, str]:
+        """The full model's stream source for the fit decision, or (None, why not)."""
+        if self.streams is None:
+            return None, "no allocation-stream recorder in this process"
+        from training.stream_source import unsupported_reason
+
+        why = unsupported_reason(training, gpu_count)
+        if why is not None:
+            return None, why
+        key = (json.dumps(hf_config, sort_keys=True), training.model_dump_json(exclude={"checkpoint_layers"}), record)
+        with self._lock:
+            source = self._sources.get(key)
+            if source is not None:
+                self._sources.move_to_end(key)
+        if source is None:  # one source per configuration: it remembers the streams it loaded and the ones missing
+            source = self.streams(hf_config, training, spec.num_layers, spec.model_name, record=record)
+            with self._lock:
+                self._sources[key] = source
+                while len(self._sources) > 256:
+                    self._sources.popitem(last=False)
+        return source, ""
 
     def curve(self, model: Any, training_in: TrainingIn, gpu_count: int = 1) -> tuple[Curve, ModelSpec, TrainingConfig]:
         """The one curve (:meth:`model.curve.MemoryPredictor.curve`) for a request's model and training.
@@ -703,11 +746,10 @@ class Recommender:
             raise err.within(f"items.{index}") from err
         p = c.points[item.k]
         total = None
-        if item.cluster is not None:
-            total = (
-                p.upper_bytes
-                + self.overhead.overhead(p.upper_bytes, item.cluster.gpu, item.cluster.gpu_count).total_bytes
-            )
+        if item.cluster is not None:  # the allowance figure /recommend's curve gives without a simulated stream
+            outside, _ = self.overhead.outside_pytorch(item.cluster.gpu, item.cluster.gpu_count)
+            ratio, _ = self.overhead.allowance_ratio(expandable_segments=False)
+            total = int((p.upper_bytes + self.overhead.cublas_workspace_bytes) * ratio) + outside
         return Prediction(
             predicted_peak_bytes=p.predicted_bytes,
             upper_bound_bytes=p.upper_bytes,
@@ -732,12 +774,17 @@ class Recommender:
         Raises:
             InvalidConfiguration: the request describes no valid model or training (field named).
         """
+        settings = allocator_settings(req)
         base_spec, cfg, warnings = resolve_model(req.model, req.architecture_fallback)
         training, spec = training_config(req.training, base_spec, req.cluster.gpu_count, cfg)
         p = self._plan(spec, training, cfg, req, req.cluster.gpu_count)
         at = p.at
-        warnings = [*warnings, *p.curve.notes, *self._warnings(spec, training, req, p)]
+        warnings = [*warnings, *p.curve.notes, *self._warnings(spec, training, req, p), *p.reserved.notes]
         alternatives = self._alternatives(base_spec, training, cfg, req, p) if needs_alternatives(p) else []
+        expandable = self._expandable_alternative(spec, training, cfg, req, p, settings)
+        if expandable is not None:  # changes no numerics: offered first
+            alternatives = [expandable, *alternatives]
+        reserved = p.reserved.reserved_bytes
         return Recommendation(
             fits=p.fits,
             k=p.k,
@@ -755,10 +802,16 @@ class Recommender:
                     "predicted_bytes": c.predicted_bytes,
                     "upper_bytes": c.upper_bytes,  # CurvePointOut,
                     "total_upper_bytes": t,
+                    "predicted_reserved_bytes": r,
                     "peak_phase": c.peak_phase,
                 }  # validated in one pass with the answer
-                for c, t in zip(p.curve.points, p.total_upper_bytes)
+                for c, t, r in zip(p.curve.points, p.total_upper_bytes, reserved)
             ],
+            predicted_reserved_bytes=reserved[at.k],
+            allocator_settings=settings.conf,
+            allocator_settings_assumed=settings.describe(),
+            fit_method=p.reserved.method,
+            allocator_cap_bytes=p.reserved.cap_bytes,
             breakdown=at.breakdown,
             peak_phase=at.peak_phase,
             path=p.curve.path,
@@ -776,6 +829,42 @@ class Recommender:
             warnings=warnings,
             training=training.model_dump(mode="json", exclude={"checkpoint_layers"}),
         )
+
+    def _expandable_alternative(
+        self,
+        spec: ModelSpec,
+        training: TrainingConfig,
+        cfg: dict[str, Any],
+        req: RecommendRequest,
+        current: Plan,
+        settings: AllocatorSettings,
+    ) -> Alternative | None:
+        """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when the request runs without it and it lowers k or
+        makes the job fit (same curve and streams, replayed with the other setting); else None."""
+        if settings.expandable_segments:
+            return None
+        other = AllocatorSettings.from_conf(",".join(filter(None, [settings.conf, "expandable_segments:True"])))
+        p = self._plan(spec, training, cfg, req, req.cluster.gpu_count, settings=other)
+        if p.reserved.method != current.reserved.method:
+            return None
+        better = p.fits and (not current.fits or p.k < current.k)
+        if not better:
+            return None
+        cand = Candidate(
+            "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts "
+            "(memfit.use_expandable_segments() in the training script, or in the environment)",
+            {"alloc_conf": other.conf},
+            "same_training",
+            0.0,
+            "changes no numerics: the caching allocator grows segments instead of caching fixed ones, so a large "
+            "request finds room; "
+            + (
+                f"k {current.k} -> {p.k}"
+                if current.fits
+                else f"the job fits at k = {p.k} (it does not fit with {settings.describe()} settings)"
+            ),
+        )
+        return _alternative(cand, p, spec, training, req, req.cluster.gpu_count)
 
     def _warnings(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest, p: Plan) -> list[str]:
         out = []
@@ -873,6 +962,41 @@ class Recommender:
             f"trains on {best}-token sequences instead of {req.training.seq_len}: a shorter context",
         )
         return _alternative(cand, p, spec, t, req, req.cluster.gpu_count)
+
+
+def allocator_settings(req: RecommendRequest) -> AllocatorSettings:
+    """The request's ``alloc_conf`` (a ``PYTORCH_CUDA_ALLOC_CONF`` string) parsed as PyTorch parses it.
+
+    Raises:
+        InvalidConfiguration: a string PyTorch would refuse, or ``backend:cudaMallocAsync`` (not modelled); the
+            field is ``alloc_conf``.
+    """
+    conf = getattr(req, "alloc_conf", None)
+    try:
+        settings = AllocatorSettings.from_conf(conf)
+    except AllocatorConfError as err:
+        raise InvalidConfiguration(
+            "alloc_conf",
+            "a PYTORCH_CUDA_ALLOC_CONF string",
+            message=f"alloc_conf: {str(err).removeprefix('PYTORCH_CUDA_ALLOC_CONF: ')}",
+        ) from err
+    if settings.backend != "native":
+        raise InvalidConfiguration(
+            "alloc_conf",
+            "the native caching allocator",
+            message="alloc_conf: backend:cudaMallocAsync is not modelled; memfit models the native caching allocator",
+        )
+    return settings
+
+
+def _missing_stream_reason(source: Any) -> str:
+    failed = getattr(source, "failed", None)
+    if failed:
+        return f"the allocation-stream recorder failed on this model ({failed})"
+    return (
+        "no allocation stream recorded yet for this configuration; `memfit recommend` records it locally "
+        "(5-8 s per k for an 8B model)"
+    )
 
 
 def _alternative(

@@ -27,22 +27,17 @@ them right after each fused attention backward of the trace (``kernel_scratch``)
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from memfit.schema import Phase, TrainingConfig
 from model.allocator import MIB, AllocationStream
+from training.stream_source import STREAM_FORMAT, stream_cache_dir, stream_path  # noqa: F401 - re-exported
 from training.tracker import LiveStorageTracker
 
 #: cuBLAS workspaces allocated at the first entry of a phase (bytes): one per autograd thread, on sm90.
 SM90_WORKSPACES: Mapping[str, int] = {str(Phase.FORWARD): 32 * MIB, str(Phase.BACKWARD): 32 * MIB}
 
-#: Bump when the recording changes what a stream holds (the cache key includes it).
-STREAM_FORMAT = 2
 
 _CREATED: list[RecordingTracker] = []
 
@@ -266,11 +261,6 @@ def cuda_trace_policy(generation: str = "sm90"):
     return f"cuda_step_semantics({generation})", lambda: cuda_step_semantics(generation)
 
 
-def stream_cache_dir() -> Path:
-    """``$MEMFIT_STREAM_CACHE`` or ``~/.cache/memfit/allocation_streams``."""
-    return Path(os.environ.get("MEMFIT_STREAM_CACHE") or "~/.cache/memfit/allocation_streams").expanduser()
-
-
 def cached_step_allocations(
     hf_config: dict[str, Any],
     training: TrainingConfig,
@@ -283,27 +273,17 @@ def cached_step_allocations(
     kernel_scratch: bool = True,
 ) -> AllocationStream:
     """:func:`step_allocations`, kept in :func:`stream_cache_dir` under a key of everything that shapes the
-    stream: the config, the training configuration, the warm-up, the workspaces, ``context_name`` (name the
-    ``step_context``), the torch and transformers versions and :data:`STREAM_FORMAT`."""
-    import torch
-    import transformers
-
-    key = json.dumps(
-        {
-            "hf_config": hf_config,
-            "training": training.model_dump(mode="json"),
-            "warmup": warmup,
-            "workspaces": dict(SM90_WORKSPACES if workspaces is None else workspaces),
-            "context": context_name,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "format": STREAM_FORMAT,
-            "kernel_scratch": kernel_scratch,
-        },
-        sort_keys=True,
-        default=str,
+    stream (:func:`training.stream_source.stream_path`: the config, the training configuration, the warm-up, the
+    workspaces, ``context_name`` (name the ``step_context``), the torch and transformers versions and
+    :data:`STREAM_FORMAT`)."""
+    path = stream_path(
+        hf_config,
+        training,
+        warmup=warmup,
+        workspaces=workspaces,
+        context_name=context_name,
+        kernel_scratch=kernel_scratch,
     )
-    path = stream_cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
     if path.exists():
         return AllocationStream.load(path)
     stream = step_allocations(

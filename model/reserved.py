@@ -1,0 +1,237 @@
+"""The fit decision as the GPU makes it: does the step's allocation stream run in the caching allocator?
+
+A step runs out of memory when PyTorch's caching allocator cannot *reserve* a segment for a request, not
+when the *allocated* bytes reach the card's size (issue 27: both of its jobs failed with the allocated peak
+3.6 GiB under the cap). So the recommended k is the smallest k whose step, replayed through
+:class:`model.allocator.CachingAllocatorModel` with the user's allocator settings, does not run out of memory
+within
+
+    cap = PyTorch-visible total x (1 - headroom) - memory outside PyTorch
+
+(what ``torch.cuda.set_per_process_memory_fraction`` leaves the allocator). Memory outside PyTorch is the CUDA
+context (measured per device, :meth:`model.overhead.OverheadModel.outside_pytorch`) plus NCCL's buffers when
+``gpu_count > 1``. The cuBLAS workspaces are in the stream (``training.allocation.SM90_WORKSPACES``).
+
+**Where the full model's stream comes from.** ``training.allocation.cached_step_allocations``: the full model's
+step traced on fake tensors (build, warm-up step, measured step, exactly as the GPU validation runs it), cached
+on disk per configuration and k (about 30 KB each). Rebuilding it from small traced models' per-layer period
+was weighed and not done: the events that matter for fragmentation are the cross-layer ones (a layer's
+activations freed in its backward, gradients freed by the optimizer, fused optimizer state created in the
+warm-up step), whose handles and order a splice must reproduce exactly; a wrong splice would fail silently. A
+full trace costs 5-8 s for an 8B model on two busy cores, so the search visits few k (:func:`search_k`): it
+starts at the k the measured allowance gives, never below the smallest k whose allocated bound fits (reserved
+>= allocated, so nothing below can run), and gallops down or up to the boundary. Issue 27's jobs need 2-4
+traces; a cached configuration answers in milliseconds (the decision is cached in memory by the caller).
+
+**Default allocator: one largest request of room.** Replaying the fake trace, the default allocator runs at
+caps where the GPU ran out of memory: Llama-3-8B k = 21 needs 75.9 GiB simulated but failed at 78.59 GiB on
+the H200; the LoRA job k = 28 needs 19.9 GiB simulated but failed at 22.90 GiB; k = 25 needs 24.6 simulated but
+failed at 25.25 (issue 27's table). Each gap is less than one largest request of the step (the fp32 logits,
+3.91 GiB), and the GPU's message named that request. Until GPU allocator traces
+(``python -m training.gpu_fit_check --out`` then ``--replay-traces``) show which cached segment the real run
+could not reuse, the default allocator's simulated step must run within the cap less its largest request
+(:func:`default_allocator_allowance_bytes`); with ``expandable_segments:True`` the simulation matched the GPU
+(19 and 25) and no allowance is added.
+
+**Where no stream can be had** (several GPUs, sharding, offload, pipeline, tensor or context parallelism,
+quantized bases, ``layout="even"``, a model the recorder cannot build), the decision falls back to the
+allocated upper bound times the GPU pressure allowance measured for that allocator setting
+(:meth:`model.overhead.OverheadModel.allowance_ratio`: the median needed-cap / allocated ratio of
+``training/gpu_pressure.py`` runs), and the answer's notes say so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from model.allocator import GIB, AllocationStream, AllocatorSettings, ReplayResult, replay
+
+#: k -> the full model's allocation stream with its first k layers checkpointed, or None when none can be had
+StreamSource = Callable[[int], AllocationStream | None]
+
+
+def default_allocator_allowance_bytes(stream: AllocationStream, settings: AllocatorSettings) -> int:
+    """Room kept free in the simulated cap: the step's largest single request (bytes) with the default allocator
+    (no expandable segments), 0 with expandable segments. Calibrated on issue 27's four GPU observations (module
+    docstring)."""
+    if settings.expandable_segments:
+        return 0
+    return max(stream.sizes[stream.measured_from :] or stream.sizes or [0])
+
+
+@dataclass
+class SimulatedStep:
+    """One k's step replayed at the cap.
+
+    Attributes (bytes): ``reserved_bytes``: peak reserved of the measured step without a cap (what
+    ``max_memory_reserved`` reports with memory to spare); ``allocated_bytes``: its allocated peak; ``runs``:
+    no simulated out-of-memory at ``cap - allowance``; ``allowance_bytes``: the room kept free;
+    ``oom_request_bytes``: what the failing allocation tried to allocate (None when it runs).
+    """
+
+    k: int
+    reserved_bytes: int
+    allocated_bytes: int
+    runs: bool
+    allowance_bytes: int
+    oom_request_bytes: int | None = None
+
+
+def simulate_step(stream: AllocationStream, settings: AllocatorSettings, cap_bytes: int, k: int) -> SimulatedStep:
+    """Replay ``stream`` uncapped (its reserved peak) and at ``cap_bytes`` less the allowance (does it run)."""
+    allowance = default_allocator_allowance_bytes(stream, settings)
+    free: ReplayResult = replay(stream, settings)
+    if cap_bytes - allowance <= 0:
+        return SimulatedStep(k, free.peak_reserved_bytes, free.peak_allocated_bytes, False, allowance, None)
+    capped = replay(stream, settings, cap_bytes - allowance)
+    return SimulatedStep(
+        k, free.peak_reserved_bytes, free.peak_allocated_bytes, not capped.oom, allowance, capped.oom_request_bytes
+    )
+
+
+def search_k(runs: Callable[[int], bool], lo: int, hi: int, guess: int | None = None) -> int | None:
+    """The smallest k in ``[lo, hi]`` for which ``runs(k)`` holds, taking ``runs`` as monotone (more checkpointed
+    layers never need more memory); None when nothing in the range runs.
+
+    Starts at ``guess`` (clamped to the range; default ``lo``) and gallops: down by 1, 2, 4, ... while k runs, up by
+    1, 2, 4, ... while it does not, then bisects the last gap. With a good guess (the measured allowance's k) the
+    boundary is one or two calls away, and each call may cost a full-model trace.
+    """
+    if lo > hi:
+        return None
+    g = min(max(lo if guess is None else guess, lo), hi)
+    if runs(g):
+        good, bad, step = g, lo - 1, 1
+        while good > lo:
+            probe = max(good - step, lo)
+            if not runs(probe):
+                bad = probe
+                break
+            good, step = probe, 2 * step
+    else:
+        bad, good, step = g, None, 1
+        while good is None:
+            probe = min(bad + step, hi)
+            if runs(probe):
+                good = probe
+            elif probe == hi:
+                return None
+            else:
+                bad, step = probe, 2 * step
+    while good - bad > 1:
+        mid = (good + bad) // 2
+        if runs(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+@dataclass
+class ReservedFit:
+    """The fit decision on reserved memory.
+
+    Attributes:
+        method: ``simulated`` (the caching-allocator model replayed the step) or ``allowance`` (allocated bound
+            times the measured pressure ratio; no stream).
+        settings: the allocator settings assumed.
+        cap_bytes: what the allocator may reserve: usable bytes less memory outside PyTorch.
+        k: the smallest k that runs (None: none).
+        reserved_bytes: predicted peak reserved bytes per k, None where not computed (the simulated search
+            visits a few k; the allowance covers every k).
+        steps: the simulated steps, per k visited.
+        notes: what the answer should say about the decision.
+    """
+
+    method: str
+    settings: AllocatorSettings
+    cap_bytes: int
+    k: int | None
+    reserved_bytes: list[int | None]
+    steps: dict[int, SimulatedStep] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def shortfall_bytes(self) -> int:
+        """When nothing runs: how far the k = L step is over the cap (its reserved peak plus the allowance less
+        the cap, at least 1 byte); 0 when a k runs."""
+        if self.k is not None:
+            return 0
+        last = len(self.reserved_bytes) - 1
+        step = self.steps.get(last)
+        if step is not None:
+            return max(1, step.reserved_bytes + step.allowance_bytes - self.cap_bytes)
+        reserved = self.reserved_bytes[last]
+        return max(1, (reserved or 0) - self.cap_bytes)
+
+
+def simulated_fit(
+    upper_bytes: Sequence[int],
+    streams: StreamSource,
+    settings: AllocatorSettings,
+    cap_bytes: int,
+    guess: int | None = None,
+) -> ReservedFit | None:
+    """Smallest k whose simulated step runs within ``cap_bytes`` and whose allocated upper bound fits it.
+
+    Args:
+        upper_bytes: the calibrated upper bound of allocated bytes per k = 0..L (the curve's).
+        streams: the full model's stream per k (:data:`StreamSource`).
+        settings: allocator settings.
+        cap_bytes: usable bytes less memory outside PyTorch.
+        guess: where the search starts (:func:`search_k`), e.g. the measured allowance's k.
+
+    Returns:
+        The decision, or None when ``streams`` gives no stream for a k the search needs (the caller falls back).
+    """
+    num = len(upper_bytes)
+    steps: dict[int, SimulatedStep] = {}
+    missing: list[int] = []
+
+    def runs(k: int) -> bool:
+        if k not in steps:
+            stream = streams(k)
+            if stream is None:
+                missing.append(k)
+                raise LookupError(k)
+            steps[k] = simulate_step(stream, settings, cap_bytes, k)
+        return steps[k].runs
+
+    lo = next((k for k, u in enumerate(upper_bytes) if u <= cap_bytes), num)
+    try:
+        k = search_k(runs, lo, num - 1, guess) if lo < num else None
+        if k is None and num - 1 not in steps:
+            runs(num - 1)  # the shortfall is reported at k = L
+    except LookupError:
+        return None
+    reserved: list[int | None] = [None] * num
+    for j, s in steps.items():
+        reserved[j] = s.reserved_bytes
+    visited = ", ".join(str(j) for j in sorted(steps))
+    first = (
+        f"fit decided by replaying the step through a model of PyTorch's caching allocator "
+        f"({settings.describe()} settings) at {cap_bytes / GIB:.2f} GiB for the allocator (k visited: {visited})"
+    )
+    notes = [first]
+    if not settings.expandable_segments:
+        notes.append(
+            "default allocator: the step must run with its largest request "
+            f"({max((s.allowance_bytes for s in steps.values()), default=0) / GIB:.2f} GiB) left free, as issue 27's "
+            "GPU runs showed; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True needs no such room"
+        )
+    return ReservedFit("simulated", settings, cap_bytes, k, reserved, steps, notes)
+
+
+def allowance_fit(
+    upper_bytes: Sequence[int], settings: AllocatorSettings, cap_bytes: int, ratio: float, source: str, why: str
+) -> ReservedFit:
+    """Fallback without a stream: reserved = allocated upper bound x ``ratio`` (the measured pressure allowance of
+    ``settings``); the smallest k whose figure fits ``cap_bytes``. ``why`` says why no stream was simulated."""
+    reserved: list[int | None] = [int(u * ratio) for u in upper_bytes]
+    k = next((j for j, r in enumerate(reserved) if r <= cap_bytes), None)
+    note = (
+        f"allocator not simulated ({why}): reserved memory taken as the allocated bound x {ratio:.3f} ({source}, "
+        f"{settings.describe()} allocator settings)"
+    )
+    return ReservedFit("allowance", settings, cap_bytes, k, reserved, {}, [note])

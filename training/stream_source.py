@@ -1,0 +1,188 @@
+"""The full model's allocation stream per k, for the fit decision (:mod:`model.reserved`), cached on disk.
+
+:func:`stream_source` gives a :data:`model.reserved.StreamSource` for one model and training configuration: k ->
+the stream of the full model's step with its first k decoder layers checkpointed
+(:func:`training.allocation.cached_step_allocations`, with the CUDA-semantics trace policy where this tree has
+it). Looking a stream up needs no PyTorch (:func:`stream_path` reads package versions from their metadata), so
+the service can answer from the cache in its serving process; recording one (``record=True``: the command line,
+the GPU check) imports PyTorch and costs 5-8 s for an 8B model on two busy cores.
+
+:func:`unsupported_reason` names the configurations the recorder does not trace as one process runs them
+(several GPUs, sharding, offload, tensor/pipeline/context/expert parallelism, quantized bases, gradient
+accumulation): those are decided on the measured allowance instead (:func:`model.reserved.allowance_fit`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from memfit.schema import Offload, Quantization, Sharding, TrainingConfig
+from model.allocator import AllocationStream
+
+#: a stream found missing is looked for again after this many seconds (another process may have recorded it)
+MISS_RECHECK_S = 30.0
+#: Bump when the recording changes what a stream holds (part of the cache key).
+STREAM_FORMAT = 2
+#: cuBLAS workspaces (bytes) per phase: see :data:`training.allocation.SM90_WORKSPACES` (same figures).
+_SM90_WORKSPACES = {"forward": 32 << 20, "backward": 32 << 20}
+
+
+def stream_cache_dir() -> Path:
+    """``$MEMFIT_STREAM_CACHE`` or ``~/.cache/memfit/allocation_streams``."""
+    return Path(os.environ.get("MEMFIT_STREAM_CACHE") or "~/.cache/memfit/allocation_streams").expanduser()
+
+
+def trace_policy_name(generation: str = "sm90") -> str:
+    """The name of the CUDA-semantics trace policy where this tree has ``training.cuda_policy``, else ``""``."""
+    return f"cuda_step_semantics({generation})" if importlib.util.find_spec("training.cuda_policy") else ""
+
+
+@functools.lru_cache(maxsize=8)
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def stream_path(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    *,
+    warmup: int = 1,
+    workspaces: Mapping[str, int] | None = None,
+    context_name: str = "",
+    kernel_scratch: bool = True,
+) -> Path:
+    """Where :func:`training.allocation.cached_step_allocations` keeps this stream: a hash of everything that shapes
+    it (config, training configuration with its checkpointed layers, warm-up, workspaces, trace policy, torch and
+    transformers versions, :data:`STREAM_FORMAT`)."""
+    key = json.dumps(
+        {
+            "hf_config": hf_config,
+            "training": training.model_dump(mode="json"),
+            "warmup": warmup,
+            "workspaces": dict(_SM90_WORKSPACES if workspaces is None else workspaces),
+            "context": context_name,
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+            "format": STREAM_FORMAT,
+            "kernel_scratch": kernel_scratch,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return stream_cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
+
+
+def unsupported_reason(training: TrainingConfig, gpu_count: int = 1) -> str | None:
+    """Why the recorder cannot give this job's stream as one GPU process runs it, or None when it can."""
+    if gpu_count > 1 or training.data_parallel_size > 1:
+        return "several GPUs: the recorder traces one process"
+    checks = (
+        (training.sharding is not Sharding.NONE, "sharded optimizer or parameters"),
+        (training.tensor_parallel_size > 1, "tensor parallelism"),
+        (training.pipeline_parallel_size > 1, "pipeline parallelism"),
+        (training.context_parallel_size > 1, "context parallelism"),
+        (training.expert_parallel_size > 1, "expert parallelism"),
+        (training.quantization is not Quantization.NONE, "a quantized base"),
+        (training.offload_optimizer is not Offload.NONE, "offload"),
+        (training.offload_parameters is not Offload.NONE, "offload"),
+        (training.gradient_accumulation_steps > 1, "gradient accumulation"),
+        (training.optimizer_in_backward, "optimizer in backward"),
+    )
+    for bad, what in checks:
+        if bad:
+            return f"{what}: not recorded by the allocation-stream tracer"
+    return None
+
+
+def stream_source(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    num_layers: int,
+    *,
+    model_name: str | None = None,
+    record: bool = True,
+):
+    """A :data:`model.reserved.StreamSource` for ``training`` (its ``checkpoint_layers`` ignored): k -> the stream
+    with layers ``0..k-1`` checkpointed, from the cache, recorded when missing and ``record`` (else None).
+
+    A recording that fails (a model the fake-tensor recorder cannot run) gives None, and the reason is kept in
+    the source's ``failed`` attribute; the caller then falls back to the measured allowance.
+    """
+    policy = trace_policy_name()
+    streams: dict[int, AllocationStream | None] = {}
+    looked: dict[int, float] = {}  # k -> when a missing stream was last looked for
+
+    def source(k: int) -> AllocationStream | None:
+        if streams.get(k) is not None or (k in streams and time.monotonic() - looked[k] < MISS_RECHECK_S):
+            return streams[k]
+        t = training.model_copy(update={"checkpoint_layers": list(range(k))})
+        path = stream_path(hf_config, t, context_name=policy)
+        stream = None
+        looked[k] = time.monotonic()
+        if path.exists():
+            stream = AllocationStream.load(path)
+        elif record and source.failed is None:
+            from training.allocation import cached_step_allocations, cuda_trace_policy
+
+            name, factory = cuda_trace_policy()
+            try:
+                stream = cached_step_allocations(
+                    hf_config, t, model_name=model_name, step_context=factory, context_name=name
+                )
+            except Exception as err:  # noqa: BLE001 - a configuration the recorder cannot run: fall back
+                source.failed = f"{type(err).__name__}: {str(err)[:200]}"
+        streams[k] = stream
+        return stream
+
+    source.failed = None
+    source.num_layers = num_layers
+    source.key = json.dumps(
+        [hf_config, training.model_dump(mode="json", exclude={"checkpoint_layers"}), policy],
+        sort_keys=True,
+        default=str,
+    )
+    return source
+
+
+def recording_source(
+    hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, model_name=None, record=True
+):
+    """:func:`stream_source` as :class:`service.recommender.Recommender` takes it (``record`` as asked): the command
+    line's."""
+    return stream_source(hf_config, training, num_layers, model_name=model_name, record=record)
+
+
+def cached_source(hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, model_name=None, record=True):
+    """:func:`stream_source` that never records (the serving process runs no PyTorch): streams recorded by the
+    command line or the GPU check on this machine are used, others fall back to the measured allowance."""
+    return stream_source(hf_config, training, num_layers, model_name=model_name, record=False)
+
+
+#: ``MEMFIT_ALLOCATOR_STREAMS``: ``record`` (trace a missing stream), ``cache`` (use recorded ones only) or ``off``
+STREAMS_ENV = "MEMFIT_ALLOCATOR_STREAMS"
+
+
+def configured_source(default: str):
+    """The stream factory a front end uses: :func:`recording_source`, :func:`cached_source` or None (``off``), as
+    ``$MEMFIT_ALLOCATOR_STREAMS`` says, else ``default`` (the command line records, the service reads the cache).
+
+    Raises:
+        ValueError: an unknown value (the variable and the allowed values named).
+    """
+    mode = (os.environ.get(STREAMS_ENV) or default).strip().lower()
+    sources = {"record": recording_source, "cache": cached_source, "off": None}
+    if mode not in sources:
+        raise ValueError(f"{STREAMS_ENV} must be one of record, cache, off; got {mode!r}")
+    return sources[mode]
