@@ -612,9 +612,8 @@ def shared_state_constants(
         embeddings' and final norm's ``step``). ``count`` and ``fixed_bytes`` are the Theil-Sen line (Sen 1968,
         JASA 63) of the constants over ``n / scale``; with one such value, the median and 0. On the traced
         amp_fp16 foreach-AdamW entries every layer's excess over 1.25 × its scale is exactly 512 bytes per tensor
-        (9 for Llama, 12 for GPT-2 and Pythia, 16 for OPT); the median alone had charged the small models' step
-        tensors in proportion to a large model's states: Llama-2-70B's step 15 MiB high, small-to-large (session
-        15).
+        (9 for Llama, 12 for GPT-2 and Pythia, 16 for OPT); the median alone would charge the small models' step
+        tensors in proportion to a large model's states (Llama-2-70B's step 15 MiB high, small-to-large).
     """
     from scipy.stats import theilslopes
 

@@ -81,10 +81,9 @@ PROVISIONAL_COEFFICIENTS_SHARDED = "provisional_coefficients_sharded"
 #: rounding on most configurations (benchmarks/results/accuracy.txt), and a calibrated quantile of
 #: mostly-zero residuals would not cover the few that miss
 TRACED_MARGIN_FLOOR = 0.005
-#: the same for sharded configurations (composed from 3- and 4-layer traces). Their worst miss was 3.3 % low at
-#: micro-batch 1 (pythia-160m, FSDP + LoRA or 64 ranks): b = 1 is not on the b >= 2 token fit, and is now traced
-#: on its own (``mb1`` terms). What remains is opt-1.3b, ZeRO-3 + LoRA r64, fp32, b = 1: 1.49 % low at
-#: 0 < k < 19 (its forward-phase peak), so the floor covers 1 / (1 - 0.0149) - 1 = 1.51 %
+#: the same for sharded configurations (composed from 3- and 4-layer traces; micro-batch 1 is traced on its own,
+#: ``mb1`` terms). Their worst miss is opt-1.3b, ZeRO-3 + LoRA r64, fp32, b = 1: 1.49 % low at 0 < k < 19 (its
+#: forward-phase peak), so the floor covers 1 / (1 - 0.0149) - 1 = 1.51 %
 TRACED_SHARDED_MARGIN_FLOOR = 0.016
 #: margin group of traced answers for sharded training that avoid what the sharded composition misses: micro-batch
 #: 2 or more, a full fine-tune, decoder layers all alike (:func:`uniform_configuration`)

@@ -27,7 +27,7 @@ architecture with L' = L − N layers holds (:func:`base_model`, :func:`base_tra
   under amp with foreach AdamW and with Adafactor, by 0 with fused AdamW and SGD);
 * minus the embeddings' gradient where the base certainly holds it: ``bwd.emb`` and ``opt`` (untied);
   ``bwd.layers`` on too with tied embeddings (the LM head's backward produced it). Not in ``bwd.head``:
-  the base's head-backward peak comes before that gradient is allocated (subtracting it there was 3.4 %
+  the base's head-backward peak comes before that gradient is allocated (subtracting it there is 3.4 %
   low on gemma-2b, 4.4 % on qwen2.5-0.5b);
 * the frozen step has no embedding backward (the base's ``embedding_dense_backward`` transient: 1 GB on
   llama-3.2-1b in pure bf16, its fp32 accumulation buffer) and allocates nothing after its last layer's

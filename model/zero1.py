@@ -37,15 +37,8 @@ optimizer states (its parameters' numel × :func:`model.analytic.optimizer_state
 unsharded master weights in full), not :func:`model.analytic.model_state_bytes`' even 1/N, which needs no
 HF config and stays the analytic baseline's (and the provisional features') estimate.
 
-**Validation** (session 6, ``/work/notes/s6/zero1/validate.py``, outside the repository): every ZeRO-1 family
-of the shipped telemetry whose base is traced — 27 with shipped base terms plus 12 traced for it by
-:func:`training.phases.trace_terms` — 39 families, 13 models (pythia-70m … phi-3-mini-4k), 483 rows at every
-measured k; data-parallel 2 / 8 / 64; fp32, AMP bf16/fp16, bf16, bf16 + fp32 master; foreach and fused
-AdamW, SGD momentum, Adafactor; full and LoRA; SDPA and eager; one family with gradient accumulation over 8.
-MAPE 8.6e-6 %, worst −3.6e-4 % (−19,456 B, gpt2 LoRA, fused AdamW over 64 ranks); 457 rows exact to the
-byte, the other 26 (two fused-AdamW LoRA families) low by the base composition's own miss (the tiny-model
-tests show the ZeRO-1 curve missing by exactly what the unsharded base curve misses). 40 of the rows peak in
-the optimizer step. The learned ratio model answered these rows before (leave-architecture-out MAPE ~8 %).
+**Validation** (``benchmarks/results/design_choices.md``, section model/zero1.py): every ZeRO-1 family of the shipped
+telemetry whose base is traced, 39 families, 483 rows at every measured k: MAPE 8.6e-6 %, worst −3.6e-4 %.
 An Adafactor step at the peak is not in the telemetry; on a tiny Llama (``tests/test_zero1.py``) the composed
 curve equals the collector's measurement to the byte at every k. ZeRO-1 with the optimizer offloaded is not
 composed here: ZeRO-1 shards nothing the device then holds, so :func:`model.offload.traced_base` takes the unsharded base.
