@@ -2,7 +2,7 @@
 # Run:   docker run -e MEMFIT_TOKEN=<secret> -p 8000:8000 -v memfit-data:/var/lib/memfit memfit
 # Stage 1 installs the memfit package and the service's dependencies into a virtual environment (CPU
 # torch: the service predicts, it never trains on a GPU); stage 2 copies that environment and the
-# server parts (data/, model/, service/, training/: run from /opt/memfit/app, never installed into
+# server parts (data/, model/, service/, tracer/, training/: run from /opt/memfit/app, never installed into
 # site-packages) into a slim runtime with no compiler, running as an unprivileged user.
 # Everything the service writes (telemetry store, model registry) lives under MEMFIT_DATA_DIR
 # (/var/lib/memfit); /opt/memfit/app stays read-only. The container listens on 0.0.0.0, so it
@@ -32,6 +32,7 @@ COPY --from=build /opt/venv /opt/venv
 COPY data /opt/memfit/app/data
 COPY model /opt/memfit/app/model
 COPY service /opt/memfit/app/service
+COPY tracer /opt/memfit/app/tracer
 COPY training /opt/memfit/app/training
 USER memfit
 WORKDIR /var/lib/memfit

@@ -4,8 +4,8 @@
 
 For every shipped CUDA row whose reserved figure is clean (each configuration on its own model build after
 ``torch.cuda.empty_cache()``: ``gpu_records.jsonl`` of the 2026-11-30 and 2026-12-04 H200 runs), the step's
-allocation stream is traced on fake tensors (:func:`training.allocation.step_allocations`: build, warm-up,
-measured step; cached in :func:`training.allocation.stream_cache_dir`) and replayed through
+allocation stream is traced on fake tensors (:func:`tracer.allocation.step_allocations`: build, warm-up,
+measured step; cached in :func:`tracer.allocation.stream_cache_dir`) and replayed through
 :mod:`model.allocator` with PyTorch's default settings. The table compares the measured step's peak reserved
 and allocated bytes; a row passes within 2 % or 256 MiB, whichever is larger.
 
@@ -14,7 +14,7 @@ The 2026-11-30 pressure runs (``gpu_pressure_{default,expandable}.json``: the sm
 unconstrained reserved peak with ``expandable_segments:True``) are compared with
 :func:`model.allocator.smallest_capacity` and the replay with expandable segments.
 
-Where ``training.cuda_policy.cuda_step_semantics`` exists, traces run under its sm90 policy (CUDA's autocast
+Where ``tracer.cuda_policy.cuda_step_semantics`` exists, traces run under its sm90 policy (CUDA's autocast
 lists, fused dropout, SDPA backend); the header says which.
 """
 
@@ -48,7 +48,7 @@ def record_files() -> list[Path]:
 
 def stream_for(model_name: str, training, context):
     from data import catalog
-    from training.allocation import cached_step_allocations
+    from tracer.allocation import cached_step_allocations
 
     name, factory = context
     cfg = catalog.get(model_name)["hf_config"]
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pressure", action="store_true", help="skip the smallest-cap comparison")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    from training.allocation import cuda_trace_policy
+    from tracer.allocation import cuda_trace_policy
 
     context = cuda_trace_policy()
     rows = reserved_rows(context)

@@ -244,15 +244,15 @@ CONTROL_FAMILIES = {
 
 def trace_rows(generation: str = "sm90", families: set[tuple[str, str, str]] | None = None) -> list[dict[str, Any]]:
     """Trace every catalog-run configuration of the gap families (and :data:`CONTROL_FAMILIES`) with the fake
-    tracer, as shipped (CPU semantics) and inside :func:`training.cuda_policy.cuda_step_semantics`; one model
+    tracer, as shipped (CPU semantics) and inside :func:`tracer.cuda_policy.cuda_step_semantics`; one model
     build per configuration and mode, all its k in one go. Returns one dict per row: the row's key, CUDA bytes,
     traced bytes before and after."""
     import contextlib
 
     from data.catalog import hf_config_of
     from memfit.schema import TrainingConfig
-    from training.collect import measure_family
-    from training.cuda_policy import cuda_step_semantics
+    from tracer.collect import measure_family
+    from tracer.cuda_policy import cuda_step_semantics
 
     families = families if families is not None else set(KNOWN_GAPS) | CONTROL_FAMILIES
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -302,7 +302,7 @@ def trace_rows(generation: str = "sm90", families: set[tuple[str, str, str]] | N
 def trace_table(rows: list[dict[str, Any]], generation: str = "sm90") -> str:
     """Before (CPU semantics) -> after (CUDA ``generation`` semantics) per traced row and per family."""
     lines = [
-        f"fake tracer vs CUDA (H200); after = training.cuda_policy.cuda_step_semantics({generation!r})",
+        f"fake tracer vs CUDA (H200); after = tracer.cuda_policy.cuda_step_semantics({generation!r})",
         (
             f"{'family':<15} {'model':<15} {'precision':<9} {'attn':<6} {'k':>3} {'CUDA GiB':>9} {'before':>8} "
             f"{'after':>8} {'before %':>9} {'after %':>8}"
@@ -349,12 +349,12 @@ def generation_configs(generation: str = "sm90") -> list[tuple[str, Any]]:
 
 
 def trace_generation_terms(generation: str = "sm90", path: Path = GENERATION_TERMS) -> int:
-    """Trace :func:`generation_configs` with ``generation``'s CUDA semantics (:func:`training.phases.trace_terms`)
+    """Trace :func:`generation_configs` with ``generation``'s CUDA semantics (:func:`tracer.phases.trace_terms`)
     and append the lines missing from ``path`` (``key``, ``model_name``, ``training`` with ``cuda_generation``,
     ``terms``); returns the lines written. Run ``python scripts/rekey_canonical.py`` afterwards."""
     from data.catalog import hf_config_of
     from model.terms import TermsCache, terms_key, training_key_fields
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     cache = TermsCache()
     written = 0

@@ -3,7 +3,7 @@
     python -m benchmarks.offload [FILE]   # default: the shipped telemetry's offload rows
 
 For every measured offload row of FILE (.parquet/.csv/.jsonl; default ``data/telemetry/telemetry.parquet``) (``python -m training.sweep --grid offload --jsonl ...``: the collector ran the
-step with the optimizer on the host, :class:`training.collect.HostOffloadOptimizer`), the device peak at
+step with the optimizer on the host, :class:`tracer.collect.HostOffloadOptimizer`), the device peak at
 its k is predicted by :meth:`model.curve.MemoryPredictor.curve` on the traced path — the base terms
 (the configuration without offload, :func:`model.offload.traced_base`) are taken from the shipped cache
 or traced once here — and compared. The measured host peak is compared with
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from model.curve import TRACED, MemoryPredictor
     from model.offload import host_bytes_per_rank, traced_base
     from model.terms import TermsCache, terms_key
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     path = Path((argv or sys.argv[1:] or [str(SHIPPED_TELEMETRY)])[0])
     rows = read_records(path, offloaded)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 TERMS_OUT = Path("data/terms/optim_qlora.jsonl")
-#: bitsandbytes optimizers (training/bnb.py)
+#: bitsandbytes optimizers (tracer/bnb.py)
 BITSANDBYTES_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "lion")
 
 

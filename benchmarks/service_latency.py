@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.skip_trace:
             from data import catalog
             from memfit.schema import TrainingConfig
-            from training.collect import measure
+            from tracer.collect import measure
 
             t0 = time.perf_counter()
             measure(

@@ -6,7 +6,7 @@ Traces 8B-class configurations that are not in the shipped terms (catalog shapes
 vocabulary or FFN width, so no cache entry can answer them), first as the service's background tracer does
 (:class:`service.tracing.TracingProcess`: one spawned process that imports the tracer once, its start timed
 apart, then traces one configuration after another), timing each request as the service waits for it; then
-each again in this process (:func:`training.phases.trace_terms`: the larger small model in a forked process
+each again in this process (:func:`tracer.phases.trace_terms`: the larger small model in a forked process
 where two CPUs are free), and the same trace in one process, each with PyTorch's fake-tensor dispatch cache
 cleared (a new process starts with it empty). The one-off imports of a fresh
 process (transformers' config modules) are timed apart, before the first trace; the first trace still pays
@@ -48,7 +48,7 @@ def main() -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memfit.hf import layer_period
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     cache = TermsCache()
     print(f"{len(cache)} shipped term sets; this machine: 10^7 Python additions in {machine_speed_s():.2f} s")

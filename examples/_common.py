@@ -83,7 +83,7 @@ def peak_meter(model):
     """Measure the peak allocated bytes of what runs inside (``meter["bytes"]`` afterwards).
 
     On a GPU: CUDA's allocator statistics. On CPU: the live-storage tracker memfit's telemetry is
-    collected with (``training.tracker.LiveStorageTracker``: tensor storages, 512-byte blocks), with
+    collected with (``tracer.tracker.LiveStorageTracker``: tensor storages, 512-byte blocks), with
     the model's parameters counted from the start.
     """
     import torch
@@ -94,7 +94,7 @@ def peak_meter(model):
         yield meter
         meter.update(bytes=torch.cuda.max_memory_allocated(), method="cuda")
         return
-    from training.tracker import LiveStorageTracker
+    from tracer.tracker import LiveStorageTracker
 
     tracker = LiveStorageTracker()
     with tracker:

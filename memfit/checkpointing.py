@@ -340,7 +340,7 @@ def checkpoint_layers(
     return plan
 
 
-#: The earlier name of :func:`checkpoint_layers` (kept for existing callers such as training/collect.py).
+#: The earlier name of :func:`checkpoint_layers` (kept for existing callers such as tracer/collect.py).
 #: It is not ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing``.
 apply_activation_checkpointing = checkpoint_layers
 

@@ -9,7 +9,7 @@ keeps the gathered parameters from forward to backward, and is counted like stag
 
 8-bit optimizers, Lion, the optimizer step in backward and quantized (QLoRA) bases follow the layouts of
 bitsandbytes 0.50.2, read from its source and checked against it in ``tests/test_optim_qlora.py``
-(see :mod:`training.bnb`): :func:`optimizer_state_bytes_per_param`, :func:`quantized_linear_bytes`.
+(see :mod:`tracer.bnb`): :func:`optimizer_state_bytes_per_param`, :func:`quantized_linear_bytes`.
 Offload (:class:`memfit.schema.Offload`) moves states off the device: with ``offload_optimizer='cpu'``
 the device holds no optimizer states (master weights included) and runs no optimizer step; with
 ``offload_parameters='cpu'`` it holds no resident weights or gradients either, only the layers in

@@ -1,6 +1,6 @@
 """Compose a full model's peak allocated bytes over k from small traced models, phase by phase.
 
-Inputs are per-phase coefficients (:class:`training.phases.PhaseTerms`, or their JSON) of four small
+Inputs are per-phase coefficients (:class:`tracer.phases.PhaseTerms`, or their JSON) of four small
 models of the same config at full width: P(1,0), P(2,0) (one / two layers, none checkpointed) and
 P(1,1), P(2,2) (all checkpointed). Write ΔF = P(2,0) − P(1,0) (what an un-checkpointed layer adds) and
 ΔC = P(2,2) − P(1,1) (what a checkpointed layer adds), each per phase. With the first k of L layers
@@ -389,7 +389,7 @@ def _curve(phase_bytes: np.ndarray) -> ComposedCurve:
 
 
 def compose_terms(terms: dict[str, Any], num_layers: int, micro_batch_size: int, seq_len: int) -> ComposedCurve:
-    """:func:`compose` of a shipped / cached terms JSON (:meth:`training.phases.PhaseTerms.to_json`), with
+    """:func:`compose` of a shipped / cached terms JSON (:meth:`tracer.phases.PhaseTerms.to_json`), with
     its regimes: sequences from a sliding window's ``long.min_seq_len`` on use the ``long`` coefficients,
     and micro-batch 1 its own ``mb1`` coefficients when the terms have them (traced at b = 1: there some
     reshapes are views rather than copies, so b = 1 is not on the b >= 2 fit).

@@ -2,7 +2,7 @@
 
 A fake-tensor trace runs on device ``cpu``: it dispatches the CPU kernels and the CPU autocast policy. This
 module states, as data and small pure functions, what the CUDA run of the same step would do, so the tracer
-(:mod:`training.cuda_policy`) can follow it and the answer can name it.
+(:mod:`tracer.cuda_policy`) can follow it and the answer can name it.
 
 **SDPA backend choice** (PyTorch ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, ``select_sdp_backend``):
 the first backend of ``priority_order`` whose ``can_use_*`` checks all pass runs.
@@ -414,7 +414,7 @@ def _dropouts(cfg: dict[str, Any]) -> dict[str, float]:
 
 def cuda_trace_reasons(hf_config: dict[str, Any], training: Any, gen: GpuGeneration | None) -> tuple[str, ...]:
     """Why a step of this model and training, traced with ``gen``'s CUDA semantics
-    (:func:`training.cuda_policy.cuda_step_semantics`), differs from its CPU-semantics trace; empty when the two
+    (:func:`tracer.cuda_policy.cuda_step_semantics`), differs from its CPU-semantics trace; empty when the two
     traces are the same, so that the shipped CPU terms answer for ``gen`` too.
 
     The table (each line a kernel or dtype choice that differs, from the sources in the module docstring):
@@ -500,5 +500,5 @@ CUBLAS_WORKSPACE_BYTES = {
 def step_workspace_bytes(gen: GpuGeneration) -> int:
     """Bytes of cuBLAS workspace a training step holds through the caching allocator, which no trace sees: one per
     thread that runs matmuls (the forward's and the autograd engine's backward thread each get their own handle,
-    ``training/allocation.py``), allocated at the first matmul and never freed."""
+    ``tracer/allocation.py``), allocated at the first matmul and never freed."""
     return 2 * CUBLAS_WORKSPACE_BYTES[GpuGeneration(gen)]

@@ -2,7 +2,7 @@
 
 ``sharding="zero2"`` names DeepSpeed's stage 2 (``deepspeed/runtime/zero/stage_1_and_2.py``,
 ``DeepSpeedZeroOptimizer``, deepspeed 0.19); ``sharding="fsdp_shard_grad_op"`` names FSDP2 with
-``reshard_after_forward=False``, which the collector traces for both (``training/collect.py``). The two keep
+``reshard_after_forward=False``, which the collector traces for both (``tracer/collect.py``). The two keep
 the same weights, master partitions and optimizer-state partitions through forward and backward, but not
 through the optimizer step:
 
@@ -37,7 +37,7 @@ So on top of the traced phases, :func:`stage2_phases` charges
 FSDP2 trace and the answer says so (:func:`stage2_note`).
 
 Checked against real DeepSpeed 0.19.8 on the CPU (``tests/ds_zero2_job.py``, run by ``tests/test_deepspeed_zero.py``:
-bf16, one rank, a 426,624-parameter Llama, the second step measured with :class:`training.tracker.LiveStorageTracker`):
+bf16, one rank, a 426,624-parameter Llama, the second step measured with :class:`tracer.tracker.LiveStorageTracker`):
 from ``engine.step()``'s start to the wrapped optimizer's step the live bytes peak at exactly 6 B per partition
 element above the bytes live before it (the flat 16-bit copy and the fp32 gradient), and the wrapped optimizer
 starts at exactly +2 B (the fp32 gradient, 4 B, less the released 16-bit partition gradients, 2 B), stepping an

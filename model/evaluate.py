@@ -83,7 +83,7 @@ _ADAM_WEIGHT_BYTES = {
 
 # -- data -------------------------------------------------------------------------------------------
 def as_measured(record: TelemetryRecord) -> TelemetryRecord:
-    """``record`` with the sharding it was measured with. The collector (``training/collect.py``) runs ``zero2`` as
+    """``record`` with the sharding it was measured with. The collector (``tracer/collect.py``) runs ``zero2`` as
     FSDP2 ``fully_shard(reshard_after_forward=False)``, which is ``fsdp_shard_grad_op`` now that ``zero2`` means
     DeepSpeed's stage 2 (:mod:`model.deepspeed_zero`), so a collector record labelled ``zero2`` is read as
     ``fsdp_shard_grad_op``; the stored telemetry keeps its labels (nothing is rewritten), and users' jobs keep theirs.

@@ -45,7 +45,7 @@ ranks +26 %, not composed); MoE; layer-type patterns that N does not keep in pha
 provisional answer (the ratio model), as does a frozen request whose base is answered by the ratio model.
 
 Measured agreement (``/work/notes/s6/frozen/validate.py``: every frozen family of
-``data/telemetry/telemetry.parquet`` that composes, each base traced by :func:`training.phases.trace_terms`,
+``data/telemetry/telemetry.parquet`` that composes, each base traced by :func:`tracer.phases.trace_terms`,
 every measured k; fake-tensor collector measurements):
 
 * unsharded: 360 rows, 30 families, 10 architectures (pythia-70m/160m/410m, llama-3.2-1b, llama-3-8b,
@@ -56,7 +56,7 @@ every measured k; fake-tensor collector measurements):
 * sharded, untied (FSDP full-shard over 4 to 64 ranks, FSDP shard_grad_op, ZeRO-2, ZeRO-3: pythia-70m/160m/410m,
   tinyllama-1.1b, olmo-2-1b, phi-3-mini): 200 rows, 20 families, MAPE 0.034 %, worst +0.41 %; one row
   below, -3.75 % (pythia-70m, ZeRO-3 over 8 ranks, AMP bf16, b = 2, s = 2048, k = 2), a stored measurement
-  the collector no longer reproduces: measured again (``training.collect.measure_family``) it is 2,974,092,800
+  the collector no longer reproduces: measured again (``tracer.collect.measure_family``) it is 2,974,092,800
   B, 1,280 B above the composed value.
 
 Before the rules above were refined the same check found what they now handle: the embeddings' foreach
@@ -201,7 +201,7 @@ def frozen_layer_weight_bytes(model: ModelSpec, training: TrainingConfig) -> tup
 
     Resident in every phase: all of them without sharding, their 1/n shard under any ZeRO-2/3 or FSDP sharding.
     Gathered from their forward to the end of backward (not in the optimizer step): under ZeRO-2 /
-    FSDP ``shard_grad_op`` (no reshard after forward, ``training.collect``: FSDP2 ``reshard_after_forward=False``)
+    FSDP ``shard_grad_op`` (no reshard after forward, ``tracer.collect``: FSDP2 ``reshard_after_forward=False``)
     the whole unsharded copy, in the mixed-precision policy's 16-bit dtype under autocast precisions, and
     no backward of theirs ever reshards it (the root's post-backward does); with resharding after forward
     only one layer at a time, as in every layer of the base (0 here). Measured: pythia-160m, FSDP

@@ -28,8 +28,8 @@ offloaded / not offloaded (:func:`model.analytic.analytic_estimate`), and the an
 
 What is measured and what is composed:
 
-* measured: optimizer offload runs in the collector (:class:`training.collect.HostOffloadOptimizer`, the
-  step on host tensors counted apart by :meth:`training.tracker.LiveStorageTracker.on_host`), under fake
+* measured: optimizer offload runs in the collector (:class:`tracer.collect.HostOffloadOptimizer`, the
+  step on host tensors counted apart by :meth:`tracer.tracker.LiveStorageTracker.on_host`), under fake
   tensors and on real CPU tensors; ``python -m training.sweep --grid offload`` collected 48 rows
   (in ``data/telemetry/telemetry.parquet``; ``python -m benchmarks.offload``: gpt2, qwen2.5-0.5b, llama-3.2-1b; none / ZeRO-2 / FSDP
   sharding; full and LoRA; five optimizers and precisions);

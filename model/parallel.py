@@ -2,7 +2,7 @@
 
 What is measured and what is composed:
 
-* **Tensor (+ sequence) parallelism is measured**: :mod:`training.parallel` runs DTensor
+* **Tensor (+ sequence) parallelism is measured**: :mod:`tracer.parallel` runs DTensor
   ``parallelize_module`` over a fake process group while the small models are traced, so the traced
   terms are rank 0's (:func:`model.terms.terms_key` includes the TP size). Here only the model-state
   floor needs the per-rank parameter count (:func:`model.analytic.tensor_parallel_rank_spec`).
@@ -43,7 +43,7 @@ from model.analytic import activation_dtype_bytes, model_state_bytes, tensor_par
 from model.compose import PEAK_PHASES, compose, layer_values
 
 #: model families whose decoder layers follow the Llama-style tensor-parallel plan of
-#: :mod:`training.parallel` (q/k/v/o, gate/up/down projections, two norms, nothing else)
+#: :mod:`tracer.parallel` (q/k/v/o, gate/up/down projections, two norms, nothing else)
 TENSOR_PARALLEL_FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 #: phases that only the last stage (the one with the head and the loss) has
 _HEAD_PHASES = ("fwd.head", "bwd.head")

@@ -10,9 +10,9 @@ within
 
 (what ``torch.cuda.set_per_process_memory_fraction`` leaves the allocator). Memory outside PyTorch is the CUDA
 context (measured per device, :meth:`model.overhead.OverheadModel.outside_pytorch`) plus NCCL's buffers when
-``gpu_count > 1``. The cuBLAS workspaces are in the stream (``training.allocation.SM90_WORKSPACES``).
+``gpu_count > 1``. The cuBLAS workspaces are in the stream (``tracer.allocation.SM90_WORKSPACES``).
 
-**Where the full model's stream comes from.** ``training.allocation.cached_step_allocations``: the full model's
+**Where the full model's stream comes from.** ``tracer.allocation.cached_step_allocations``: the full model's
 step traced on fake tensors (build, warm-up step, measured step, exactly as the GPU validation runs it), cached
 on disk per configuration and k (about 30 KB each). Rebuilding it from small traced models' per-layer period
 was weighed and not done: the events that matter for fragmentation are the cross-layer ones (a layer's

@@ -1,6 +1,6 @@
 """Traced phase terms: which configurations the traced path covers, their cache key, and the cache.
 
-A configuration's terms (:class:`training.phases.PhaseTerms`, stored as JSON) depend on the
+A configuration's terms (:class:`tracer.phases.PhaseTerms`, stored as JSON) depend on the
 architecture's HF config and on everything in the training configuration except micro-batch size,
 sequence length and which layers are checkpointed: those three are composed
 (:mod:`model.compose`). :func:`terms_key` hashes exactly those inputs.
@@ -29,7 +29,7 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "terms"
 CANONICAL_KEYS_NAME = "canonical_keys.json"
 
 
-#: bitsandbytes optimizers (training/bnb.py): traced and measured without sharding only
+#: bitsandbytes optimizers (tracer/bnb.py): traced and measured without sharding only
 _BITSANDBYTES_OPTIMIZERS = frozenset({Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT, Optimizer.LION})
 
 
@@ -72,12 +72,12 @@ def not_traceable_reason(
     tensor parallelism outside the
     Llama-style families or combined with adapters. Pipeline and context parallelism are
     composed on top of the traced terms (:mod:`model.parallel`), so they do not block the traced path.
-    MoE routing itself is traced with a balanced deterministic router (:func:`training.moe.balanced_routing`).
+    MoE routing itself is traced with a balanced deterministic router (:func:`tracer.moe.balanced_routing`).
     """
     if hf_config is not None and _long_rope(hf_config):
         return (
             "long-RoPE model (rope_type=longrope, e.g. Phi-3.5): the traced token points build different "
-            "rotary caches, so their timelines differ and do not compose (training/phases.py); not traced"
+            "rotary caches, so their timelines differ and do not compose (tracer/phases.py); not traced"
         )
     if model.num_experts is not None:
         if hf_config is not None and _mixes_dense_and_moe_layers(hf_config):
@@ -143,7 +143,7 @@ def training_key_fields(training: TrainingConfig) -> dict[str, Any]:
     """Training fields the traced terms depend on (micro-batch, sequence length, k are composed).
 
     ``zero2`` and ``fsdp_shard_grad_op`` share one key: the tracer runs both as FSDP2
-    ``fully_shard(reshard_after_forward=False)`` (``training/collect.py``), and DeepSpeed's stage 2 is composed
+    ``fully_shard(reshard_after_forward=False)`` (``tracer/collect.py``), and DeepSpeed's stage 2 is composed
     on that trace (:mod:`model.deepspeed_zero`); shipped lines traced as ``zero2`` are found under it through
     :data:`CANONICAL_KEYS_NAME`."""
     attention = Attention.SDPA if training.attention is Attention.FLASH else training.attention

@@ -3,7 +3,7 @@
 ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", arXiv 1910.02054, Sec. 5.1, P_os) shards only the optimizer states over the data-parallel ranks:
 weights, gradients and activations are those of unsharded training. The collector runs it as
-``torch.distributed.optim.ZeroRedundancyOptimizer`` over a fake process group (``training/collect.py``;
+``torch.distributed.optim.ZeroRedundancyOptimizer`` over a fake process group (``tracer/collect.py``;
 rank 0 is measured), which does not split tensors: it hands *whole parameters* to ranks
 (``torch/distributed/optim/zero_redundancy_optimizer.py``, ``ZeroRedundancyOptimizer._partition_parameters``,
 torch 2.13): per parameter group, the parameters sorted by ``numel()`` largest first (Python's stable
@@ -26,11 +26,11 @@ AdamW and Adafactor hold one state-dtype copy of every stepped tensor at its pea
 against the traced terms). ``_sync_params``' broadcasts write in place.
 
 What the collector holds outside ZeroRedundancyOptimizer is not sharded: with ``bf16_fp32_master`` the
-fp32 master weights and their fp32 gradients belong to ``training.collect.MasterWeightsOptimizer`` (one
+fp32 master weights and their fp32 gradients belong to ``tracer.collect.MasterWeightsOptimizer`` (one
 per parameter, on every rank), so only the AdamW/SGD states of the masters are partitioned. DeepSpeed's
 ZeRO-1 partitions the master weights as well: for it this curve is an upper bound by 4 B per trainable
 parameter × (N − 1)/N. bitsandbytes optimizers cannot run under ZeroRedundancyOptimizer in the collector
-(``training.collect.make_optimizer``): not composed (:func:`not_composable_reason`).
+(``tracer.collect.make_optimizer``): not composed (:func:`not_composable_reason`).
 
 **Model states** (:func:`rank0_states`): the curve's floor and breakdown take rank 0's real share of the
 optimizer states (its parameters' numel × :func:`model.analytic.optimizer_state_bytes_per_param`, the
@@ -57,11 +57,11 @@ from memfit.schema import ModelSpec, Optimizer, Precision, Sharding, TrainingCon
 from model.compose import PEAK_PHASES
 from model.derivation import Draft, Request, peak_phases
 
-#: the allocator's block (``model.analytic.BLOCK_BYTES``, ``training.tracker.BLOCK_BYTES``)
+#: the allocator's block (``model.analytic.BLOCK_BYTES``, ``tracer.tracker.BLOCK_BYTES``)
 BLOCK_BYTES = 512
 #: bytes of a torch optimizer's scalar ``step`` tensor (fp32, ``torch.optim.optimizer._get_scalar_dtype``)
 _STEP_BYTES = 4
-#: optimizers ZeroRedundancyOptimizer wraps in the collector (``training.collect.make_optimizer``)
+#: optimizers ZeroRedundancyOptimizer wraps in the collector (``tracer.collect.make_optimizer``)
 _TORCH_OPTIMIZERS = (Optimizer.ADAMW_FOREACH, Optimizer.ADAMW_FUSED, Optimizer.SGD_MOMENTUM, Optimizer.ADAFACTOR)
 
 

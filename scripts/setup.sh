@@ -40,7 +40,7 @@ else
   say "[2/3] install is up to date (pyproject.toml and constraints-dev.txt unchanged)"
   say "done"
 fi
-# The editable install maps only the memfit package; the server parts (data, model, service, training)
+# The editable install maps only the memfit package; the server parts (data, model, service, tracer, training)
 # run from this checkout, which this .pth file puts on the venv's path.
 site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 if [ "$(cat "$site/memfit-checkout.pth" 2>/dev/null)" != "$PWD" ]; then

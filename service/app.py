@@ -63,7 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     tracer = BackgroundTracer(
         terms, max_pending=settings.max_pending_traces, max_per_client=settings.max_pending_traces_per_client
     )
-    from training.stream_source import configured_source  # no PyTorch here: streams recorded elsewhere
+    from tracer.stream_source import configured_source  # no PyTorch here: streams recorded elsewhere
 
     holder = ModelHolder(
         Registry(settings.registry_dir),

@@ -659,7 +659,7 @@ def _recommend_uncached(req: RecommendRequest, registry: Path | None) -> Recomme
     store, _reason = open_store(Settings())  # None where read-only: traced terms kept in memory
     terms = TermsCache(store.url if store is not None else None)
     tracer = InlineTracer(terms, announce=lambda msg: _say(f"memfit: {msg}"))
-    from training.stream_source import configured_source  # the full model's allocation streams, recorded once
+    from tracer.stream_source import configured_source  # the full model's allocation streams, recorded once
 
     holder = ModelHolder(models, overhead_from(store), terms=terms, tracer=tracer, streams=configured_source("record"))
     holder.refresh()

@@ -632,7 +632,7 @@ class Recommender:
         streams: Any = None,
     ) -> None:
         """``streams``: ``(hf_config, training, num_layers, model_name) -> StreamSource`` giving the full model's
-        allocation stream per k (:func:`training.stream_source.stream_source`), for the fit decision on reserved
+        allocation stream per k (:func:`tracer.stream_source.stream_source`), for the fit decision on reserved
         memory (:mod:`model.reserved`); None: decide on the measured allocator allowance."""
         self.est, self.version = est, version
         self.streams = streams
@@ -690,7 +690,7 @@ class Recommender:
         """The full model's stream source for the fit decision, or (None, why not)."""
         if self.streams is None:
             return None, "no allocation-stream recorder in this process"
-        from training.stream_source import unsupported_reason
+        from tracer.stream_source import unsupported_reason
 
         why = unsupported_reason(training, gpu_count)
         if why is not None:

@@ -5,7 +5,7 @@ a curve is asked for a configuration whose traced terms are missing, the request
 provisional path at once and the key is queued here. A worker thread traces the queue one key at a
 time in one spawned tracing process that imports PyTorch once and stays (:class:`TracingProcess`: fake
 tensors, 8B-class models in ``benchmarks/results/trace_time.txt``; it forks once more per trace to trace the two
-small models side by side, :func:`training.phases.trace_terms`). A trace past ``timeout_s`` kills that process —
+small models side by side, :func:`tracer.phases.trace_terms`). A trace past ``timeout_s`` kills that process —
 a model whose code is slow under fake tensors must not stall the queue — and the next trace starts a new one.
 The result lands in the :class:`model.terms.TermsCache`, so the next request for that configuration is
 answered on the traced path. Torch never runs in the serving
@@ -68,7 +68,7 @@ def _serve_traces(conn, parent_pid: int) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     conn.send_bytes(json.dumps(["ready", os.getpid()]).encode())
     while True:
@@ -86,7 +86,7 @@ def _serve_traces(conn, parent_pid: int) -> None:
 
 class TracingProcess:
     """A spawned process that imports PyTorch and the tracer once and then traces configurations one at a time
-    (:func:`training.phases.trace_terms`). Spawning and importing cost seconds (``benchmarks/results/trace_time.txt``:
+    (:func:`tracer.phases.trace_terms`). Spawning and importing cost seconds (``benchmarks/results/trace_time.txt``:
     the one-off imports), so the service keeps one for all its traces. A trace past its time limit or a crash
     kills the process; the next trace starts a fresh one, as does every :data:`TRACES_PER_PROCESS`-th.
     """
@@ -136,7 +136,7 @@ class TracingProcess:
         timeout_s: float = TRACE_TIMEOUT_S,
         generation: str | None = None,
     ) -> dict[str, Any]:
-        """:func:`training.phases.trace_terms` of one configuration in the tracing process; its JSON. Starting the
+        """:func:`tracer.phases.trace_terms` of one configuration in the tracing process; its JSON. Starting the
         process (when none is running) counts towards ``timeout_s``. ``generation``: trace with that GPU generation's
         CUDA semantics (``trace_terms``' argument).
 
@@ -174,7 +174,7 @@ def trace_in_subprocess(
     timeout_s: float = TRACE_TIMEOUT_S,
     generation: str | None = None,
 ) -> dict[str, Any]:
-    """:func:`training.phases.trace_terms` in a spawned process of its own, killed after ``timeout_s``; its JSON
+    """:func:`tracer.phases.trace_terms` in a spawned process of its own, killed after ``timeout_s``; its JSON
     (:class:`TracingProcess`, used once).
 
     Raises:

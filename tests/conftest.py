@@ -11,7 +11,7 @@ import pytest
 # the command line's on-disk answer cache (service.answer_cache) stays off in tests: a test that patches code in memory
 # must get a fresh answer; the cache's own tests turn it on in a folder of their own
 os.environ["MEMFIT_ANSWER_CACHE"] = "off"
-# the fit decision's allocation streams (training.stream_source): no test records a full model's stream unless it asks
+# the fit decision's allocation streams (tracer.stream_source): no test records a full model's stream unless it asks
 # for one (tests/test_fit_decision.py builds its recommender with shipped streams)
 os.environ["MEMFIT_ALLOCATOR_STREAMS"] = "off"
 

@@ -2,7 +2,7 @@
 
 Run by tests/test_deepspeed_zero.py in a subprocess (DeepSpeed initialises a process group and keeps it).
 Two steps run; the second (optimizer states already built) is measured with
-:class:`training.tracker.LiveStorageTracker`: the bytes live when the wrapped optimizer's ``step`` starts and
+:class:`tracer.tracker.LiveStorageTracker`: the bytes live when the wrapped optimizer's ``step`` starts and
 the peak between ``engine.step()``'s start and that moment, both relative to the bytes live before
 ``engine.step()``. Prints one JSON line with those figures, the partition's element count, the fp32 gradient
 the wrapped optimizer stepped (dtype, elements), the 16-bit weights' element count after the step and the
@@ -33,7 +33,7 @@ for key, value in {
 import deepspeed
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from training.tracker import LiveStorageTracker
+from tracer.tracker import LiveStorageTracker
 
 # the shared-memory all-reduce op only speeds up multi-process CPU runs; building it takes minutes of g++
 importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None

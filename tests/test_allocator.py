@@ -396,7 +396,7 @@ def test_replay_of_real_h200_rows(model, precision, k):
     segments), Qwen2.5-0.5B bf16 k = 24 reserved 19,262,341,120 B."""
     from data import catalog
     from memfit.schema import TrainingConfig
-    from training.allocation import step_allocations
+    from tracer.allocation import step_allocations
 
     row = _h200_row(model, precision, k)
     training = TrainingConfig(**row["training"])

@@ -156,7 +156,7 @@ def test_deepspeed_config_and_fsdp_policy_are_picked_up():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from training.collect import _fake_process_group
+    from tracer.collect import _fake_process_group
 
     _fake_process_group(1)
     try:
@@ -171,13 +171,13 @@ def test_deepspeed_config_and_fsdp_policy_are_picked_up():
 
 def test_optimizer_offload_composition_agrees_with_a_real_cpu_run():
     # The composed device curve (traced terms without offload, optimizer states removed, the step on the host)
-    # against a real CPU step whose optimizer lives on the host (training.collect.HostOffloadOptimizer).
+    # against a real CPU step whose optimizer lives on the host (tracer.collect.HostOffloadOptimizer).
     # Measured here: +1.3 % / +1.8 % / +2.5 % at k = 0 / 2 / 4 (a constant 26,880 B: the 512-byte rounding of
     # the removed optimizer tensors), never below; host bytes equal the formula up to the step counters.
     from model.curve import MemoryPredictor
     from model.terms import TermsCache, terms_key
-    from training.collect import measure_family
-    from training.phases import trace_terms
+    from tracer.collect import measure_family
+    from tracer.phases import trace_terms
 
     cfg = {**TINY_LLAMA, "num_hidden_layers": 4}
     tr = TrainingConfig(

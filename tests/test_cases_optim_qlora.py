@@ -1,6 +1,6 @@
 """Public cases of issue 9 for 8-bit/paged optimizers, the optimizer step in backward and QLoRA (GB = 1e9 B).
 
-Each configuration is traced by the collector at full width (training.phases.trace_terms: the real
+Each configuration is traced by the collector at full width (tracer.phases.trace_terms: the real
 bitsandbytes optimizer and 4-bit layers under fake tensors) and answered by the one curve
 (:meth:`model.curve.MemoryPredictor.curve`), as the service answers a request it has traced.
 """
@@ -18,7 +18,7 @@ from memfit.schema import TrainingConfig
 from model.curve import TRACED, MemoryPredictor
 from model.recommend import plan
 from model.terms import TermsCache, terms_key
-from training.phases import trace_terms
+from tracer.phases import trace_terms
 
 
 def traced_predictor(hf: dict, training: TrainingConfig) -> MemoryPredictor:

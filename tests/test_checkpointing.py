@@ -464,7 +464,7 @@ def test_memfit_package_stays_light():
 
     code = (
         "import sys, memfit, memfit.reporter, memfit.integrations.megatron; "
-        "print(sorted(m for m in ('torch', 'transformers', 'deepspeed', 'service', 'model', 'training', "
+        "print(sorted(m for m in ('torch', 'transformers', 'deepspeed', 'service', 'model', 'tracer', 'training', "
         "'pandas') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -98,8 +98,8 @@ def train(model, steps: int = 2, tracker=None) -> list[dict]:
 
 
 def measured_peak(model, steps: int = 2) -> tuple[int, list[dict]]:
-    """Peak live tensor bytes of real CPU steps (test-side measurement with training.tracker)."""
-    from training.tracker import LiveStorageTracker
+    """Peak live tensor bytes of real CPU steps (test-side measurement with tracer.tracker)."""
+    from tracer.tracker import LiveStorageTracker
 
     tracker = LiveStorageTracker()
     with tracker:

@@ -1,4 +1,4 @@
-"""The collector (training/collect.py): measure / measure_family on tiny models built from catalog configs.
+"""The collector (tracer/collect.py): measure / measure_family on tiny models built from catalog configs.
 
 Tiny models keep each family's config (RoPE scaling, tying, ...) from ``data/architectures`` and shrink
 the widths: 2-3 layers, hidden 64, 4 heads (2 KV heads for Llama), vocab 256.
@@ -24,7 +24,7 @@ from memfit.schema import (
     TelemetryRecord,
     TrainingConfig,
 )
-from training.collect import measure, measure_family
+from tracer.collect import measure, measure_family
 
 
 def r512(nbytes: int) -> int:
@@ -208,7 +208,7 @@ def test_memory_after_init_hand_computed():
 # ------------------------------------------------------------------------------------------------
 # Under FakeTensorMode transformers' ``is_tracing()`` is True for every fake tensor; the collector
 # stops ``masking_utils`` from building a (b,1,s,s) mask that real runs without padding never build
-# (training.collect._cuda_sdpa_kernels), so fake and real tensors run the same kernels.
+# (tracer.collect._cuda_sdpa_kernels), so fake and real tensors run the same kernels.
 def _fake_and_cpu(hf, training):
     fake = measure(hf, training)
     cpu = measure(hf, training, device="cpu")

@@ -73,7 +73,7 @@ def traced_recommender():
     from model.registry import Registry
     from model.terms import TermsCache
     from service.recommender import Recommender
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     loaded = Registry().load()
     cache = TermsCache(None, shipped_dir=None)

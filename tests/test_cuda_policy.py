@@ -1,4 +1,4 @@
-"""Tracing with CUDA semantics on the CPU (training.cuda_policy): autocast lists, fused dropout, SDPA backend."""
+"""Tracing with CUDA semantics on the CPU (tracer.cuda_policy): autocast lists, fused dropout, SDPA backend."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from data import catalog
 from model.cuda_semantics import SdpaBackend
-from training import collect
-from training.collect import measure_family
-from training.cuda_policy import active_generation, cuda_step_semantics, sdpa_backend
+from tracer import collect
+from tracer.collect import measure_family
+from tracer.cuda_policy import active_generation, cuda_step_semantics, sdpa_backend
 from training.sweep import Family
 
 ROWS = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "gpu_validation" / "h200-2026-12-04"

@@ -68,7 +68,7 @@ def test_every_shipped_cuda_row_meets_the_acceptance_on_its_gpu(on_gpu):
     # under. Not a kernel choice: the caching allocator's block accounting. Its two 25 MiB weights per layer get
     # 2 MiB-rounded blocks whose 1 MiB remainder is not split (kSmallSize), counted as allocated (72 MiB; after
     # the warm-up step the trace is 73 MiB under CUDA beyond the workspaces, gpt2-medium and OPT 2 MiB). The
-    # allocator replay (model.allocator, training.allocation.step_allocations) of k = 0, first in its process,
+    # allocator replay (model.allocator, tracer.allocation.step_allocations) of k = 0, first in its process,
     # gives 29,766,391,296 B against CUDA's 29,762,547,712 (+0.013 %); k = 36 ran third on one build, and its
     # blocks depend on that history (replayed alone: +1.15 %)
     under = sorted((s.error, s.model, s.attention, s.k) for s in on_gpu if s.error < -0.005)

@@ -1,5 +1,5 @@
 """Issue 26: the request's GPU generation picks the traced terms (model.cuda_terms, model.terms.key_generation),
-CUDA's softmax backward and math SDPA in the traced step (training.cuda_policy), the answer's backend notes."""
+CUDA's softmax backward and math SDPA in the traced step (tracer.cuda_policy), the answer's backend notes."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from data.catalog import hf_config_of
 from memfit.schema import TrainingConfig
 from model import cuda_semantics as cs
 from model.terms import key_generation, terms_key
-from training.cuda_policy import CudaSoftmax, cuda_step_semantics
-from training.tracker import LiveStorageTracker
+from tracer.cuda_policy import CudaSoftmax, cuda_step_semantics
+from tracer.tracker import LiveStorageTracker
 
 ROWS = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "gpu_validation" / "h200-2026-12-04"
 
@@ -66,7 +66,7 @@ def test_cuda_softmax_keeps_dtypes_of_cuda():
 
 
 def test_math_sdpa_matches_pytorch():
-    from training.cuda_policy import math_sdpa
+    from tracer.cuda_policy import math_sdpa
 
     q = torch.randn(1, 4, 16, 8, requires_grad=True)
     k = torch.randn(1, 1, 16, 8)
@@ -81,7 +81,7 @@ def test_falcon_k16_traced_as_cuda_runs_it():
     """Issue 26: falcon-7b bf16 mb 2 s 2048 k = 16 on the H200: 98,252,772,352 B allocated. The CPU trace was
     29.6 % under; with sm90's math attention 2.5 % under (one (2, 71, 2048, 2048) fp32 tensor: CUDA's softmax
     backward temporary); with it, the trace plus the 64 MiB of cuBLAS workspaces is within 0.05 %."""
-    from training.collect import measure_family
+    from tracer.collect import measure_family
 
     row = next(
         json.loads(line)

@@ -6,7 +6,7 @@ allocator (k = 21: OOM) and to k = 19 with ``expandable_segments:True``; Llama-3
 no k with the default allocator (k = 28: OOM) and down to k = 25 with expandable segments. memfit's k must be the
 smallest k that ran or one more, never one that ran out of memory.
 
-The full models' allocation streams (``training.stream_source``, 35-47 KB each) and the two configurations' traced
+The full models' allocation streams (``tracer.stream_source``, 35-47 KB each) and the two configurations' traced
 terms are kept beside the tests (``tests/data/fit_decision``); where torch or transformers differ from the versions
 they were recorded with, the streams are recorded again (about 6 s each) and the terms traced.
 """
@@ -38,8 +38,8 @@ MEASURED = {job.name: job.measured for job in JOBS}
 @pytest.fixture(scope="module")
 def recommender(tmp_path_factory):
     from model.registry import Registry
-    from training.phases import trace_terms
-    from training.stream_source import recording_source
+    from tracer.phases import trace_terms
+    from tracer.stream_source import recording_source
 
     before = os.environ.get("MEMFIT_STREAM_CACHE")
     cache = tmp_path_factory.mktemp("streams")  # a stream recorded afresh (other versions) lands here, not in tests/
@@ -287,7 +287,7 @@ def test_use_expandable_segments_keeps_other_settings_and_warns_when_too_late(mo
 
 def test_a_missing_stream_is_not_recorded_by_the_service_and_the_answer_says_so(tmp_path, monkeypatch):
     from model.registry import Registry
-    from training.stream_source import cached_source
+    from tracer.stream_source import cached_source
 
     monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))  # empty: nothing recorded
     loaded = Registry().load()

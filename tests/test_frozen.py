@@ -48,7 +48,7 @@ GPT2 = tiny("gpt2")  # tied, and its learned position table wpe stays trainable
 
 
 def _measured(hf: dict, training: TrainingConfig) -> list[int]:
-    from training.collect import measure_family
+    from tracer.collect import measure_family
 
     plans = [list(range(k)) for k in range(LAYERS + 1)]
     return [r.measurement.peak_allocated_bytes for r in measure_family(hf, training, plans, prime=True)]
@@ -56,7 +56,7 @@ def _measured(hf: dict, training: TrainingConfig) -> list[int]:
 
 def _predictor(hf: dict, training: TrainingConfig) -> MemoryPredictor:
     from model.frozen import base_training
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     cache = TermsCache(shipped_dir=None)
     base = base_training(training)
@@ -105,7 +105,7 @@ def test_composed_curve_matches_the_measured_frozen_model(hf, training):
 
 
 def _trainable(hf: dict, training: TrainingConfig) -> int:
-    from training.collect import prepared_model
+    from tracer.collect import prepared_model
 
     with prepared_model(hf, training) as run:
         return run.spec.trainable_params

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from tracer.allocation import flash_backward_scratch
 from training import gpu_fit_check as fc
-from training.allocation import flash_backward_scratch
 
 
 def test_jobs_are_the_issue_table():

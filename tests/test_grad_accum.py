@@ -33,7 +33,7 @@ PLANS = [[], [0, 1], [0, 1, 2, 3]]
 
 
 def _peaks(training: TrainingConfig, device: str = "fake") -> list[int]:
-    from training.collect import measure_family
+    from tracer.collect import measure_family
 
     return [
         r.measurement.peak_allocated_bytes for r in measure_family(TINY, training, PLANS, device=device, prime=True)
@@ -73,7 +73,7 @@ def _tiny_params() -> int:
 
 
 def test_later_micro_batches_repeat_the_second(fp32_ga2, fake_ga2, monkeypatch):
-    from training import collect
+    from tracer import collect
 
     monkeypatch.setattr(collect, "accumulation_micro_batches", lambda training: 4)
     assert _peaks(fp32_ga2) == fake_ga2
@@ -83,7 +83,7 @@ def test_composed_curve_matches_the_full_depth_measurement(fp32_ga2, fake_ga2):
     from memfit.hf import model_spec
     from model.curve import MemoryPredictor
     from model.terms import TermsCache
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     cache = TermsCache(shipped_dir=None)
     cache.put(terms_key(TINY, fp32_ga2), trace_terms(TINY, fp32_ga2).to_json())
@@ -227,7 +227,7 @@ def test_until_traced_accumulation_is_composed_from_one_micro_batch_phases(fp32_
     from memfit.hf import model_spec
     from model.curve import MemoryPredictor
     from model.terms import TermsCache
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     single = fp32_ga2.model_copy(update={"gradient_accumulation_steps": 1})
     cache = TermsCache(shipped_dir=None)

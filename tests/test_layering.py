@@ -1,5 +1,5 @@
-"""Imports point downward (STYLE.md, "Layers"): ``memfit`` (the client) <- ``data`` <- ``model`` <- ``service``,
-``training``. Read statically (every import statement, at module level and inside functions) and checked at run time
+"""Imports point downward (STYLE.md, "Layers"): ``memfit`` (the client) <- ``data`` <- ``model`` <- ``tracer`` (the
+run-time tracer) <- ``service``, ``training`` (the offline jobs). Read statically (every import statement, at module level and inside functions) and checked at run time
 (each package imported in a fresh interpreter: which higher packages got loaded)."""
 
 from __future__ import annotations
@@ -14,8 +14,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the packages each package may import from (itself included)
-ALLOWED = {"memfit": {"memfit"}, "data": {"memfit", "data"}, "model": {"memfit", "data", "model"}}
-PROJECT = {"memfit", "data", "model", "service", "training"}
+ALLOWED = {
+    "memfit": {"memfit"},
+    "data": {"memfit", "data"},
+    "model": {"memfit", "data", "model"},
+    "tracer": {"memfit", "data", "model", "tracer"},
+}
+PROJECT = {"memfit", "data", "model", "tracer", "service", "training"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -42,8 +47,8 @@ def test_no_import_statement_points_up(package):
 
 def test_the_reader_sees_imports_inside_functions(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("import os\n\ndef f():\n    from training.phases import trace_terms\n    import service.app\n")
-    assert _imports(f) == [(1, "os"), (4, "training.phases"), (5, "service.app")]
+    f.write_text("import os\n\ndef f():\n    from tracer.phases import trace_terms\n    import service.app\n")
+    assert _imports(f) == [(1, "os"), (4, "tracer.phases"), (5, "service.app")]
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))

@@ -17,9 +17,9 @@ from memfit.schema import TrainingConfig, check_moe_settings
 from model.compose import compose
 from model.terms import not_traceable_reason
 from tests.moe_configs import TINY_MOE
-from training.collect import measure, measure_family
-from training.moe import balanced_expert_index, received_token_rows
-from training.phases import trace_terms
+from tracer.collect import measure, measure_family
+from tracer.moe import balanced_expert_index, received_token_rows
+from tracer.phases import trace_terms
 
 
 def _with_layers(cfg: dict, n: int) -> dict:

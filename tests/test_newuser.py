@@ -212,7 +212,7 @@ def test_trace_terms_ignores_pipeline_and_context_parallel():
     # only ...)". The terms key leaves PP and CP out (model.parallel composes them), so the trace must too.
     import json
 
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     tiny = {
         "model_type": "llama",

@@ -23,9 +23,9 @@ from model.analytic import (
     optimizer_state_bytes_per_param,
     quantized_linear_bytes,
 )
-from training.bnb import _bnb
-from training.collect import _prime_optimizer, measure, measure_family, prepared_model
-from training.phases import _traced_step
+from tracer.bnb import _bnb
+from tracer.collect import _prime_optimizer, measure, measure_family, prepared_model
+from tracer.phases import _traced_step
 
 bnb = _bnb()
 
@@ -316,7 +316,7 @@ def test_describe_picks_up_a_qlora_model_and_bitsandbytes_optim_names():
 
     import memfit
     from memfit.hf import build_causal_lm
-    from training.bnb import quantize_base_linears
+    from tracer.bnb import quantize_base_linears
 
     model = build_causal_lm(HF, dtype=torch.bfloat16)
     quantize_base_linears(

@@ -53,7 +53,7 @@ def test_client_wheel_installs_only_memfit(tmp_path):
     )
     added = {p.name for p in site.iterdir()} - before
     assert {a for a in added if not a.endswith(".dist-info")} == {"memfit"}
-    assert not {"data", "model", "service", "training"} & {p.name for p in site.iterdir()}
+    assert not {"data", "model", "service", "tracer", "training"} & {p.name for p in site.iterdir()}
     # the console script says plainly that it needs the server parts, instead of a traceback (pydantic and
     # httpx borrowed from this venv's site-packages: a path entry, so its .pth files are not processed)
     done = subprocess.run(

@@ -42,8 +42,8 @@ def test_tensor_parallel_fake_equals_real_cpu_and_composes_exactly(sp):
     """DTensor TP over a fake process group: the fake-tensor peak equals the real CPU run's, and the
     traced terms compose to it. Observed: identical to the byte; composed within 512 B."""
     from model.compose import compose
-    from training.collect import measure
-    from training.phases import trace_terms
+    from tracer.collect import measure
+    from tracer.phases import trace_terms
 
     cfg = {**TINY, "num_hidden_layers": 4}
     t = cfg_(seq_len=64, tensor_parallel_size=4, sequence_parallel=sp, precision="amp_bf16", checkpoint_layers=[0, 1])
@@ -60,8 +60,8 @@ def test_tensor_parallel_rank_spec_counts_what_dtensor_holds():
     from torch.distributed.device_mesh import init_device_mesh
 
     from memfit.hf import build_causal_lm, decoder_layers
-    from training.collect import _fake_process_group
-    from training.parallel import apply_tensor_parallel
+    from tracer.collect import _fake_process_group
+    from tracer.parallel import apply_tensor_parallel
 
     _fake_process_group(4)
     mesh = init_device_mesh("cpu", (4,))
@@ -113,7 +113,7 @@ def test_pipeline_stages_partition_the_parameters():
 
 @pytest.fixture(scope="module")
 def tiny_terms():
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     return trace_terms(TINY, cfg_(precision="fp32"), points=[(2, 256), (2, 64), (2, 128), (4, 64), (4, 256)])
 
@@ -210,8 +210,8 @@ def test_describe_reads_tensor_parallel_from_dtensor_parameters_and_the_mesh():
     from memfit import describe
     from memfit.describe import parallel_sizes_from_model
     from memfit.hf import build_causal_lm, decoder_layers
-    from training.collect import _fake_process_group
-    from training.parallel import apply_tensor_parallel
+    from tracer.collect import _fake_process_group
+    from tracer.parallel import apply_tensor_parallel
 
     cfg = {**TINY, "num_hidden_layers": 2}
     _fake_process_group(4)
@@ -237,8 +237,8 @@ def test_tensor_parallel_with_fsdp_on_a_2d_mesh_is_measured_and_composes(shardin
     mode follows CUDA's); composed = fake within 1 KiB."""
     from model.compose import compose
     from model.terms import not_traceable_reason
-    from training.collect import measure
-    from training.phases import trace_terms
+    from tracer.collect import measure
+    from tracer.phases import trace_terms
 
     cfg = {**TINY, "num_hidden_layers": 6}
     t = cfg_(

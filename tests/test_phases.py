@@ -16,8 +16,8 @@ from data import catalog
 from memfit.hf import small_config
 from memfit.schema import TrainingConfig
 from model.compose import PEAK_PHASES, compose, compose_terms
-from training.collect import measure_family
-from training.phases import (
+from tracer.collect import measure_family
+from tracer.phases import (
     PHASES,
     envelope_pieces,
     linear_token_points,
@@ -178,7 +178,7 @@ def test_micro_batch_one_from_the_fit_composes_as_its_own_traces(monkeypatch):
     # Mistral-shaped, sliding window: b = 1 traces at each regime's longest length are on the b >= 2 fits (its
     # logits reshape is a view at b = 1: one allocation fewer), so 6 of the 27 traces per small model are not
     # run, and the b = 1 curves are those of micro-batch 1 fitted on its own traces (to the byte)
-    from training import phases
+    from tracer import phases
 
     cfg = small_width("mistral-7b-v0.1", sliding_window=1024)
     training = TrainingConfig(micro_batch_size=1, seq_len=128, precision="bf16")
@@ -198,7 +198,7 @@ def test_micro_batch_one_from_the_fit_composes_as_its_own_traces(monkeypatch):
 def test_forked_trace_gives_the_same_terms(monkeypatch):
     # the larger small model traced in a forked process (two CPUs) gives the terms a trace in one process gives:
     # a sliding-window model, so both token regimes and both micro-batch-1 regimes travel back through the pipe
-    from training import phases
+    from tracer import phases
 
     if not phases._can_fork():
         pytest.skip("needs Linux with two CPUs")
@@ -364,7 +364,7 @@ REPLAY_CASES = [
 def test_replayed_optimizer_step_gives_the_terms_of_real_steps(name, fields, monkeypatch):
     # the optimizer step is traced once per small model and replayed in its later steps (OptimizerReplay): the terms
     # must be those of stepping every time, byte for byte
-    from training import phases
+    from tracer import phases
 
     cfg = small_width(name)
     training = TrainingConfig(micro_batch_size=1, seq_len=128, **fields)

@@ -7,7 +7,7 @@ telemetry, issue 8): BLOOM with ALiBi and eager attention (a checkpointed model'
 blocks of GPT-J and Falcon under LoRA (frozen embeddings: the bottom layer computes no input gradient, so
 its backward is lighter than the others'; +15 % at k = 0 and +126 % at k = L on GPT-J-6B LoRA r16,
 +40 % at k = L on Falcon-7B LoRA r16). Each case is the same architecture at reduced width, traced at the
-depths :func:`training.phases.traced_depths` chooses and composed to six layers, against the collector's
+depths :func:`tracer.phases.traced_depths` chooses and composed to six layers, against the collector's
 measurement of the whole six-layer model at a token count that was not traced.
 
 Known miss (BLOOM, k = L − 1): the one un-checkpointed layer above the checkpointed block also holds that
@@ -26,8 +26,8 @@ pytest.importorskip("transformers")
 from data import catalog
 from memfit.schema import Sharding, TrainingConfig
 from model.compose import compose_terms
-from training.collect import measure_family
-from training.phases import trace_terms, traced_depths
+from tracer.collect import measure_family
+from tracer.phases import trace_terms, traced_depths
 
 L = 6
 

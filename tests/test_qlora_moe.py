@@ -74,7 +74,7 @@ def test_cli_exits_2_naming_the_flag(small_registry, capsys):
 
 
 def test_the_tracer_refuses_it_too():
-    from training.collect import measure
+    from tracer.collect import measure
 
     training = TrainingConfig(micro_batch_size=1, seq_len=64, precision="bf16", **QLORA)
     with pytest.raises(InvalidConfiguration, match="training.quantization"):

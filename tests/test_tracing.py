@@ -34,7 +34,7 @@ def test_a_trace_over_its_time_limit_is_abandoned():
 
 
 def test_one_tracing_process_traces_one_configuration_after_another():
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     wider = {**SMALL, "intermediate_size": 768}
     process = TracingProcess()

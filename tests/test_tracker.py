@@ -1,4 +1,4 @@
-"""LiveStorageTracker (training/tracker.py): exact byte counts on hand-derived cases, agreement with
+"""LiveStorageTracker (tracer/tracker.py): exact byte counts on hand-derived cases, agreement with
 PyTorch's own ``torch.distributed._tools.mem_tracker.MemTracker``, FSDP2-sharded parameters, and
 ``UntypedStorage.resize_`` tracking.
 
@@ -20,7 +20,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit.schema import Phase
-from training.tracker import LiveStorageTracker
+from tracer.tracker import LiveStorageTracker
 
 
 def r512(nbytes: int) -> int:
@@ -150,7 +150,7 @@ def _two_adamw_steps(tracker_kind: str, cfg: dict, ckpt_layers: list[int]) -> in
     from memfit.checkpointing import apply_activation_checkpointing
     from memfit.hf import build_causal_lm, quiet_transformers
     from memfit.schema import Optimizer
-    from training.collect import make_optimizer
+    from tracer.collect import make_optimizer
 
     torch.manual_seed(0)
     with quiet_transformers(), FakeTensorMode():
@@ -208,7 +208,7 @@ def test_agrees_with_memtracker_rounded(cfg, ckpt_layers, monkeypatch):
 @pytest.mark.parametrize("cfg, ckpt_layers", [MEMTRACKER_CASES[0], MEMTRACKER_CASES[3]])
 def test_agrees_with_stock_memtracker_unrounded(cfg, ckpt_layers, monkeypatch):
     """Stock MemTracker (no rounding on CPU) against LiveStorageTracker with rounding switched off."""
-    import training.tracker as tracker_mod
+    import tracer.tracker as tracker_mod
 
     ref = _two_adamw_steps("memtracker", cfg, ckpt_layers)
     monkeypatch.setattr(tracker_mod, "round_block", lambda n: n)
@@ -223,7 +223,7 @@ def test_agrees_with_stock_memtracker_unrounded(cfg, ckpt_layers, monkeypatch):
 def _mesh(world: int):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from training.collect import _fake_process_group
+    from tracer.collect import _fake_process_group
 
     _fake_process_group(world)
     return init_device_mesh("cpu", (world,))  # outside the fake mode, as the collector does

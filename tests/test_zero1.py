@@ -38,7 +38,7 @@ def _zero_partition_rank0(params, world: int) -> list[int]:
     """Indices of ``params`` that a real ZeroRedundancyOptimizer over a fake process group gives rank 0."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from training.collect import _fake_process_group
+    from tracer.collect import _fake_process_group
 
     zero = ZeroRedundancyOptimizer(
         params, optimizer_class=torch.optim.SGD, process_group=_fake_process_group(world), lr=0.1
@@ -69,7 +69,7 @@ def test_sorted_greedy_partition_and_its_tie_rule_match_zero_redundancy_optimize
 def test_rank0_share_of_a_tiny_llama_is_the_collectors(fields, world):
     # the collector's own ZeroRedundancyOptimizer (through MasterWeightsOptimizer for bf16 + fp32 master) over the
     # model it builds, against the partition computed from a meta-device build
-    from training.collect import prepared_model
+    from tracer.collect import prepared_model
 
     training = TrainingConfig(micro_batch_size=1, seq_len=16, sharding="zero1", data_parallel_size=world, **fields)
     with prepared_model(TINY, training, device="fake") as run:
@@ -89,7 +89,7 @@ def test_rank0_share_of_a_tiny_llama_is_the_collectors(fields, world):
 
 def _measure(training: TrainingConfig):
     """(the collector's ModelSpec, LoRA adapters counted; peak allocated bytes per plan of PLANS)."""
-    from training.collect import measure_family
+    from tracer.collect import measure_family
 
     records = list(measure_family(TINY, training, PLANS, device="fake", prime=True))
     return records[0].model, [r.measurement.peak_allocated_bytes for r in records]
@@ -149,7 +149,7 @@ def _measure(training: TrainingConfig):
     ],
 )
 def test_composed_curve_against_the_collectors_zero1_step(fields, exact):
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     training = TrainingConfig(sharding="zero1", **fields)
     base = base_training(training)
@@ -233,8 +233,8 @@ def test_row_paths_counts_zero1_rows_with_a_traced_base_as_traced():
 def test_zero1_with_the_optimizer_offloaded_is_the_unsharded_offloaded_device_curve():
     # ZeRO-1 shards only optimizer states; offloaded, they are on the host: the device curve is the unsharded one
     # (model.offload.traced_base), checked against the collector's ZeRO-1 step on the host (fake tensors)
-    from training.collect import measure_family
-    from training.phases import trace_terms
+    from tracer.collect import measure_family
+    from tracer.phases import trace_terms
 
     training = TrainingConfig(
         micro_batch_size=2,

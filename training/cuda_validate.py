@@ -10,9 +10,9 @@ On a CPU-only machine, the plan and the traced side only (no measurement)::
 
 For each configuration of :data:`CONFIGS` (the catalog families of issue 26 plus GQA/MQA, dropout and fp32 cases)
 one model build on the GPU measures every k in order, as ``data/telemetry/gpu_validation/*/catalog_records.jsonl``
-were made (:func:`training.collect.measure_family` with ``device="cuda"``, one warm-up step, the peak reset, one
+were made (:func:`tracer.collect.measure_family` with ``device="cuda"``, one warm-up step, the peak reset, one
 measured step: ``torch.cuda.max_memory_allocated``). Then the fake-tensor tracker traces the same steps on the CPU
-inside :func:`training.cuda_policy.cuda_step_semantics` for the GPU's generation
+inside :func:`tracer.cuda_policy.cuda_step_semantics` for the GPU's generation
 (:func:`model.cuda_semantics.generation_of`). Outputs in ``--out``:
 
 * ``gpu_records.jsonl``: the CUDA :class:`~memfit.schema.TelemetryRecord` rows (method ``cuda``), to commit under
@@ -56,7 +56,7 @@ Measure = Callable[[dict[str, Any], Any, list[list[int]], str, str], Iterable[An
 
 
 def _measure(hf_config, training, plans, model_name, device):
-    from training.collect import measure_family
+    from tracer.collect import measure_family
 
     if device == "fake":
         return list(
@@ -128,7 +128,7 @@ def run(
     """
     from data import catalog
     from model.cuda_semantics import GpuGeneration, generation_of
-    from training.cuda_policy import cuda_step_semantics
+    from tracer.cuda_policy import cuda_step_semantics
 
     device_name = None
     if not dry_run and device == "cuda":

@@ -17,7 +17,7 @@ k that ran), and the allocator's own trace (``torch.cuda.memory._record_memory_h
 ran out of memory and of the k before it, ``trace_<job>_<setting>_k<k>.json.gz``;
 ``python -m training.gpu_fit_check --replay-traces FILE...`` replays those through :mod:`model.allocator` on
 the CPU, which separates errors of the allocator model from differences between the traced and the real
-allocation stream. ``--simulate`` traces each k's step on fake tensors (:mod:`training.allocation`, cached), replays
+allocation stream. ``--simulate`` traces each k's step on fake tensors (:mod:`tracer.allocation`, cached), replays
 it through :mod:`model.allocator` with the same cap and settings, and writes
 ``benchmarks/results/gpu_fit_check_simulated.jsonl``.
 """
@@ -142,7 +142,7 @@ def _run_k(job: Job, k: int, trace: list | None = None) -> dict[str, Any]:
 
     from data import catalog
     from memfit.checkpointing import checkpoint_layers
-    from training.collect import _run_steps, prepared_model
+    from tracer.collect import _run_steps, prepared_model
 
     training = job.training_config(k)
     row: dict[str, Any] = {"job": job.name, "k": k, "oom": False}
@@ -348,7 +348,7 @@ def simulate(jobs: list[Job], out: Path = SIMULATED) -> list[dict[str, Any]]:
     from data import catalog
     from model.allocator import GIB as _GIB
     from model.allocator import replay
-    from training.allocation import cached_step_allocations, cuda_trace_policy
+    from tracer.allocation import cached_step_allocations, cuda_trace_policy
 
     policy, factory = cuda_trace_policy()
     rows: list[dict[str, Any]] = []

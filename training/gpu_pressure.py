@@ -34,7 +34,7 @@ MIB = 1 << 20
 
 
 def _step(run, opt, ids) -> None:
-    from training.collect import _run_steps
+    from tracer.collect import _run_steps
 
     _run_steps(run.model, opt, ids, 1, None, run.use_autocast, run.on, run.amp_dtype, run.live)
 
@@ -64,7 +64,7 @@ def measure(fam, k: int, resolution_bytes: int) -> dict[str, Any]:
 
     from data import catalog
     from memfit.checkpointing import apply_activation_checkpointing
-    from training.collect import prepared_model
+    from tracer.collect import prepared_model
 
     cfg = catalog.get(fam.model)["hf_config"]
     total = torch.cuda.get_device_properties(0).total_memory

@@ -69,7 +69,7 @@ def run(out_dir: Path, device: str = "cuda", limit: int | None = None, budget_s:
     import transformers
 
     from data import catalog
-    from training.collect import measure_family
+    from tracer.collect import measure_family
 
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -142,7 +142,7 @@ def run(out_dir: Path, device: str = "cuda", limit: int | None = None, budget_s:
 
 
 #: files of CUDA rows in a measurement folder: this module's configs, and the catalog families measured with
-#: ``training.collect.measure_family(..., device="cuda")`` (see data/telemetry/gpu_validation/*/README.md)
+#: ``tracer.collect.measure_family(..., device="cuda")`` (see data/telemetry/gpu_validation/*/README.md)
 CUDA_RECORD_FILES = ("gpu_records.jsonl", "catalog_records.jsonl")
 
 

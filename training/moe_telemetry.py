@@ -2,8 +2,8 @@
 
 Each architecture keeps its family's layout (router, top-k, shared experts, MLA attention for the
 DeepSeek-style one) at a reduced width and depth, so a family measures in seconds under fake tensors.
-Every configuration is measured at k = 0, L/2 and L through :func:`training.collect.measure_family`
-(with :func:`training.moe.balanced_routing`, as the tracer) and appended, one
+Every configuration is measured at k = 0, L/2 and L through :func:`tracer.collect.measure_family`
+(with :func:`tracer.moe.balanced_routing`, as the tracer) and appended, one
 :class:`memfit.schema.TelemetryRecord` JSON per line, to ``data/telemetry/incoming/moe.jsonl``. Record ids
 are derived from (architecture, configuration, k, device), so a rerun skips what the file holds
 (resumable) and never writes a row twice.
@@ -81,7 +81,7 @@ def _read(path: Path) -> list[dict[str, Any]]:
 def collect(out: Path = OUT, device: str = "fake") -> dict[str, Any]:
     """Measure every configuration not yet in ``out`` (k = 0, L/2, L); returns counts and failures."""
     from memfit.hf import spec_fields_from_hf_config
-    from training.collect import measure_family
+    from tracer.collect import measure_family
 
     have = {r["record_id"] for r in _read(out)}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -130,7 +130,7 @@ def check(path: Path = OUT) -> dict[str, Any]:
 
     from model.curve import MemoryPredictor
     from model.terms import TermsCache, terms_key
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     rows = [TelemetryRecord.model_validate(r) for r in _read(path)]
     cache = TermsCache(shipped_dir=None)

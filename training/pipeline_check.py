@@ -20,8 +20,8 @@ from memfit.checkpointing import apply_activation_checkpointing
 from memfit.hf import build_causal_lm, decoder_layers, param_dtype
 from memfit.schema import TrainingConfig
 from model.parallel import pipeline_stages
-from training.collect import make_optimizer
-from training.tracker import LiveStorageTracker
+from tracer.collect import make_optimizer
+from tracer.tracker import LiveStorageTracker
 
 
 def one_f_one_b_order(stage: int, pp: int, m: int) -> list[tuple[str, int]]:

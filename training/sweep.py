@@ -164,7 +164,7 @@ class SweepGrid:
 
     def families(self) -> list[Family]:
         from data import catalog
-        from training.collect import max_seq_len
+        from tracer.collect import max_seq_len
 
         rng = random.Random(self.seed)
         defaults = {name: info.default for name, info in TrainingConfig.model_fields.items()}
@@ -211,7 +211,7 @@ class SweepGrid:
                     )
                 )
                 if out[-1].optimizer == "adafactor" and sharding not in ("none", "zero1"):
-                    # torch's Adafactor cannot step FSDP2 DTensors (see training/collect.py)
+                    # torch's Adafactor cannot step FSDP2 DTensors (see tracer/collect.py)
                     out[-1] = replace(out[-1], optimizer="adamw_foreach")
         seen: set[Family] = set()
         unique = [f for f in out if not (f in seen or seen.add(f))]
@@ -334,7 +334,7 @@ GRIDS: dict[str, Any] = {
         models=["gpt2", "qwen2.5-0.5b"], families_per_model=3, seq_lens=[128, 512], micro_batches=[1, 2], k_points=4
     ),
     "default": lambda: SweepGrid(models=_catalog_names(), fixed=_acceptance_families()),
-    # optimizer CPU offload (ZeRO-Offload through training.collect.HostOffloadOptimizer): device and host bytes
+    # optimizer CPU offload (ZeRO-Offload through tracer.collect.HostOffloadOptimizer): device and host bytes
     "offload": lambda: SweepGrid(
         models=["gpt2", "qwen2.5-0.5b", "llama-3.2-1b"],
         families_per_model=4,
@@ -566,7 +566,7 @@ def measure_family_records(fam: Family, ks: list[int], device: str = "fake") -> 
     so one family cannot stop a sweep and nothing fails silently.
     """
     from data import catalog
-    from training.collect import measure_family
+    from tracer.collect import measure_family
 
     t0 = time.perf_counter()
     try:

@@ -1,7 +1,7 @@
 """Trace and ship phase terms for catalog architectures: ``python -m training.terms``.
 
 For every distinct (architecture, training key) in the telemetry dataset, and for each catalog
-architecture under the default request settings, trace :func:`training.phases.trace_terms` once and
+architecture under the default request settings, trace :func:`tracer.phases.trace_terms` once and
 append a line ``{"key", "model_name", "training", "terms"}`` to ``data/terms/<file>.jsonl``. Keys already
 in any ``*.jsonl`` of that folder are skipped, so the job resumes where it stopped; lines are flushed one
 by one. ``--shard I/N`` splits the jobs over parallel workers writing their own files.
@@ -118,7 +118,7 @@ def default_jobs() -> list[tuple[str, TrainingConfig]]:
 
 def run(jobs: list[tuple[str, TrainingConfig]], out: Path) -> dict[str, Any]:
     """Trace each job not yet in ``out``; returns counts and the slowest trace."""
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     done = set()
     keys = shipped_keys(out.parent)

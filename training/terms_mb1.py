@@ -1,10 +1,10 @@
 """Re-trace shipped terms that predate the current tracer: ``python -m training.terms_mb1``.
 
-An entry is stale (:func:`stale_reason`) when it was traced before :func:`training.phases.trace_terms`
+An entry is stale (:func:`stale_reason`) when it was traced before :func:`tracer.phases.trace_terms`
 
 * traced micro-batch 1 on its own (``mb1`` in the terms JSON): such terms compose b = 1 from the b >= 2
   fit, up to 3.3 % low (FSDP + LoRA on pythia-160m);
-* measured the per-layer increment above the bottom layer (:func:`training.phases.traced_depths`: depths
+* measured the per-layer increment above the bottom layer (:func:`tracer.phases.traced_depths`: depths
   2 and 3 where they were 1 and 2): the 1 -> 2 layer difference charged every layer with what only the
   bottom layer lacks, up to +293 % at k = L (BLOOM, eager attention) and +126 % (GPT-J LoRA).
 
@@ -41,9 +41,9 @@ def entry_training(entry: dict[str, Any]) -> TrainingConfig:
 
 
 def stale_reason(entry: dict[str, Any]) -> str | None:
-    """Why a shipped entry's terms are older than :func:`training.phases.trace_terms` (None: current)."""
+    """Why a shipped entry's terms are older than :func:`tracer.phases.trace_terms` (None: current)."""
     from memfit.schema import Sharding
-    from training.phases import traced_depths
+    from tracer.phases import traced_depths
 
     terms = entry["terms"]
     if "mb1" not in terms:
@@ -65,7 +65,7 @@ def retrace(
     Raises:
         ValueError: an entry whose key does not match its recomputed key (the file is inconsistent).
     """
-    from training.phases import trace_terms
+    from tracer.phases import trace_terms
 
     i, n = shard
     out_dir.mkdir(parents=True, exist_ok=True)

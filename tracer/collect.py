@@ -7,7 +7,7 @@ backward, optimizer step) and returns a validated :class:`memfit.schema.Telemetr
 
 Devices:
 
-* ``fake``: ``FakeTensorMode`` on device cpu + :class:`training.tracker.LiveStorageTracker`
+* ``fake``: ``FakeTensorMode`` on device cpu + :class:`tracer.tracker.LiveStorageTracker`
   (nothing is allocated; method ``fake_tracker``);
 * ``cpu``: real CPU tensors + the same tracker (method ``cpu_tracker``; gives a real step time);
 * ``cuda``: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` after a reset (method ``cuda``).
@@ -23,7 +23,7 @@ Sharding is measured by running FSDP2 ``fully_shard`` over a fake process group 
   state between steps is lower.
 * ``zero1`` -> ``torch.distributed.optim.ZeroRedundancyOptimizer`` (optimizer states sharded only).
 
-MoE models are routed deterministically while measured (:func:`training.moe.balanced_routing`: every
+MoE models are routed deterministically while measured (:func:`tracer.moe.balanced_routing`: every
 expert gets its balanced share of tokens, or the hottest ``moe_imbalance_factor`` times it), so the
 step's shapes are known under fake tensors and a real CPU run routes identically. Expert parallelism
 (``expert_parallel_size`` > 1, with ``sharding=none``) is measured on one rank's shard of the experts.
@@ -32,7 +32,7 @@ Mixed precision with sharding uses FSDP2's ``MixedPrecisionPolicy(param_dtype=ha
 instead of autocast, which is how FSDP2 users train.
 
 Tensor parallelism (optionally with sequence parallelism) is measured by running DTensor
-``parallelize_module`` with the Megatron/torchtitan plan of :func:`training.parallel.apply_tensor_parallel`
+``parallelize_module`` with the Megatron/torchtitan plan of :func:`tracer.parallel.apply_tensor_parallel`
 over a fake process group of ``tensor_parallel_size`` ranks (rank 0 is measured). With ZeRO-2/3 or FSDP
 sharding too, the process group spans data × tensor parallel ranks and FSDP2 shards the tensor-parallel
 DTensor parameters over the data-parallel dimension of a 2-D ``(dp, tp)`` device mesh, as torchtitan
@@ -78,7 +78,7 @@ from memfit.schema import (
     check_moe_settings,
     check_quantized_base,
 )
-from training.tracker import LiveStorageTracker
+from tracer.tracker import LiveStorageTracker
 
 _HALF = {Precision.AMP_FP16: torch.float16, Precision.AMP_BF16: torch.bfloat16}
 _FSDP_RESHARD = {
@@ -153,8 +153,8 @@ class HostOffloadOptimizer:
 
 def make_optimizer(kind: Optimizer, params, *, lr: float = 1e-4, process_group=None, tracker=None):
     """A ``torch.optim`` or bitsandbytes optimizer of the given kind (wrapped in ZeroRedundancyOptimizer for
-    ZeRO-1; bitsandbytes ones through :func:`training.bnb.make_bnb_optimizer`, ``tracker`` for paged states)."""
-    from training.bnb import BNB_OPTIMIZERS, make_bnb_optimizer
+    ZeRO-1; bitsandbytes ones through :func:`tracer.bnb.make_bnb_optimizer`, ``tracker`` for paged states)."""
+    from tracer.bnb import BNB_OPTIMIZERS, make_bnb_optimizer
 
     if kind in BNB_OPTIMIZERS:
         if process_group is not None:
@@ -243,8 +243,8 @@ def _cuda_sdpa_kernels():
       ``masking_utils.find_packed_sequence_indices`` never answers "no packed sequences" and a
       ``(b, 1, s, s)`` mask is built that real runs without padding never build. The collector never
       packs sequences, so that function answers None here.
-    * Inside :func:`training.cuda_policy.cuda_step_semantics`, a call the GPU generation would run on the math
-      backend (:func:`model.cuda_semantics.select_backend`) runs :func:`training.cuda_policy.math_sdpa` (PyTorch's math
+    * Inside :func:`tracer.cuda_policy.cuda_step_semantics`, a call the GPU generation would run on the math
+      backend (:func:`model.cuda_semantics.select_backend`) runs :func:`tracer.cuda_policy.math_sdpa` (PyTorch's math
       composite as CUDA runs it), which saves the
       fp32 probabilities; one it would run on cuDNN returns its output (B, H, S, D)-contiguous, as cuDNN does.
     """
@@ -254,7 +254,7 @@ def _cuda_sdpa_kernels():
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         from model.cuda_semantics import SdpaBackend
-        from training.cuda_policy import autocast_sdpa_args, math_sdpa, sdpa_backend
+        from tracer.cuda_policy import autocast_sdpa_args, math_sdpa, sdpa_backend
 
         query, key, value, attn_mask = autocast_sdpa_args(query, key, value, attn_mask)
         backend = sdpa_backend(query, key, attn_mask, dropout_p, is_causal, enable_gqa)
@@ -281,7 +281,7 @@ def _cuda_sdpa_kernels():
             bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         if backend is SdpaBackend.FLASH and need_lse and key.shape[-3] == query.shape[-3]:
-            from training.cuda_policy import FlashAttentionScratch
+            from tracer.cuda_policy import FlashAttentionScratch
 
             return FlashAttentionScratch.apply(query, key, value, bias, dropout_p, is_causal, scale)
         out = torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -436,7 +436,7 @@ class PreparedModel:
 
     def loss_context(self):
         """The context forward and backward run in: vocab-parallel cross-entropy under tensor parallelism."""
-        from training.parallel import vocab_parallel_loss
+        from tracer.parallel import vocab_parallel_loss
 
         return vocab_parallel_loss(self.vocab_parallel)
 
@@ -467,7 +467,7 @@ class PreparedModel:
             return make_optimizer(kind, params, process_group=group, tracker=tracker)
 
         if self.training.optimizer_in_backward:
-            from training.bnb import OptimizerInBackward
+            from tracer.bnb import OptimizerInBackward
 
             return OptimizerInBackward(self.model.parameters(), make)
         return make(self.model.parameters())
@@ -503,7 +503,7 @@ def prepared_model(
         raise ValueError(
             f"seq_len={training.seq_len} exceeds this model's learned position embeddings: allowed 1..{limit}"
         )
-    from training.moe import balanced_routing
+    from tracer.moe import balanced_routing
 
     num_experts = num_routed_experts(hf_config)
     ep = training.expert_parallel_size
@@ -539,7 +539,7 @@ def prepared_model(
     sdpa_ctx = _cuda_sdpa_kernels() if device == "fake" else contextlib.nullcontext()
     quantized = training.quantization is not Quantization.NONE
     if quantized and device != "cuda":
-        from training.bnb import cuda_kernel_choices
+        from tracer.bnb import cuda_kernel_choices
 
         kernel_ctx = cuda_kernel_choices()
     else:
@@ -549,7 +549,7 @@ def prepared_model(
         if model.config._attn_implementation == "eager" and training.attention is not Attention.EAGER:
             training = training.model_copy(update={"attention": Attention.EAGER})  # family lacks SDPA
         if quantized:
-            from training.bnb import quantize_base_linears
+            from tracer.bnb import quantize_base_linears
 
             half = _HALF.get(training.precision, param_dtype(training.precision))
             quantize_base_linears(model, training.quantization, storage_dtype=half, compute_dtype=half)
@@ -570,7 +570,7 @@ def prepared_model(
         reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
         apply_activation_checkpointing(model, [], layers=layers, use_reentrant=reentrant)
         if tp_mesh is not None:
-            from training.parallel import apply_tensor_parallel
+            from tracer.parallel import apply_tensor_parallel
 
             apply_tensor_parallel(model, layers, tp_mesh, sequence_parallel=training.sequence_parallel)
         if mesh is not None:

@@ -1,13 +1,13 @@
 """The allocation stream of a training step, recorded with the fake-tensor tracker.
 
 :func:`step_allocations` runs exactly what the GPU validation runs on CUDA
-(:func:`training.collect.measure_family` with one warm-up step and one measured step), under
+(:func:`tracer.collect.measure_family` with one warm-up step and one measured step), under
 ``FakeTensorMode`` on the CPU, and records every storage allocation and free in order: the model build,
 the warm-up step, ``reset_peak_memory_stats`` (the stream's ``measured_from``) and the measured step.
 :mod:`model.allocator` replays the stream through a model of PyTorch's caching allocator.
 
 The fake device path of the collector is used unchanged, so SDPA takes the kernels CUDA takes and
-transformers 5 builds no ``(b, 1, s, s)`` packed-sequence mask (``training.collect._cuda_sdpa_kernels``).
+transformers 5 builds no ``(b, 1, s, s)`` packed-sequence mask (``tracer.collect._cuda_sdpa_kernels``).
 
 CUDA allocates through the caching allocator what a CPU trace never sees: cuBLAS keeps one workspace per
 (handle, stream) (``aten/src/ATen/cuda/CublasHandlePool.cpp``), and the autograd engine runs the backward
@@ -32,8 +32,8 @@ from typing import Any
 
 from memfit.schema import Phase, TrainingConfig
 from model.allocator import MIB, AllocationStream
-from training.stream_source import STREAM_FORMAT, stream_cache_dir, stream_path  # noqa: F401 - re-exported
-from training.tracker import LiveStorageTracker
+from tracer.stream_source import STREAM_FORMAT, stream_cache_dir, stream_path  # noqa: F401 - re-exported
+from tracer.tracker import LiveStorageTracker
 
 #: cuBLAS workspaces allocated at the first entry of a phase (bytes): one per autograd thread, on sm90.
 SM90_WORKSPACES: Mapping[str, int] = {str(Phase.FORWARD): 32 * MIB, str(Phase.BACKWARD): 32 * MIB}
@@ -77,7 +77,7 @@ def _attention_backward_ops() -> tuple:
 
 
 class RecordingTracker(LiveStorageTracker):
-    """:class:`~training.tracker.LiveStorageTracker` that also records each allocation and free in order.
+    """:class:`~tracer.tracker.LiveStorageTracker` that also records each allocation and free in order.
 
     Attributes:
         handles / sizes: the events (see :class:`model.allocator.AllocationStream`); sizes are the storages'
@@ -182,7 +182,7 @@ class RecordingTracker(LiveStorageTracker):
 @contextlib.contextmanager
 def _recording_tracker(workspaces: Mapping[str, int] | None, kernel_scratch: bool = True):
     """Make the collector build a :class:`RecordingTracker`; yields the list it is appended to."""
-    from training import collect
+    from tracer import collect
 
     original = collect.LiveStorageTracker
     collect.LiveStorageTracker = lambda: RecordingTracker(workspaces, kernel_scratch)
@@ -210,7 +210,7 @@ def step_allocations(
 
     Args:
         hf_config: the HF ``config.json`` dict.
-        training: the configuration (as :func:`training.collect.measure_family` accepts it).
+        training: the configuration (as :func:`tracer.collect.measure_family` accepts it).
         warmup: steps before the measured one (>= 0).
         workspaces: bytes allocated at a phase's first entry (default :data:`SM90_WORKSPACES`; ``{}`` for none).
         step_context: a factory of a context the trace runs in (e.g. a CUDA-semantics policy), or None.
@@ -220,10 +220,10 @@ def step_allocations(
         The stream; ``meta`` holds the model name, the training configuration and the tracker's peak bytes.
 
     Raises:
-        ValueError: what :func:`training.collect.measure_family` raises for an unsupported configuration,
+        ValueError: what :func:`tracer.collect.measure_family` raises for an unsupported configuration,
             or ``warmup`` < 0.
     """
-    from training.collect import measure_family
+    from tracer.collect import measure_family
 
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
@@ -252,10 +252,10 @@ def step_allocations(
 
 
 def cuda_trace_policy(generation: str = "sm90"):
-    """(name, factory) of the CUDA-semantics trace policy (``training.cuda_policy.cuda_step_semantics``: CUDA's
+    """(name, factory) of the CUDA-semantics trace policy (``tracer.cuda_policy.cuda_step_semantics``: CUDA's
     autocast lists, fused dropout, SDPA backend) where this tree has it, else ``("", None)``."""
     try:
-        from training.cuda_policy import cuda_step_semantics
+        from tracer.cuda_policy import cuda_step_semantics
     except ImportError:
         return "", None
     return f"cuda_step_semantics({generation})", lambda: cuda_step_semantics(generation)
@@ -273,7 +273,7 @@ def cached_step_allocations(
     kernel_scratch: bool = True,
 ) -> AllocationStream:
     """:func:`step_allocations`, kept in :func:`stream_cache_dir` under a key of everything that shapes the
-    stream (:func:`training.stream_source.stream_path`: the config, the training configuration, the warm-up, the
+    stream (:func:`tracer.stream_source.stream_path`: the config, the training configuration, the warm-up, the
     workspaces, ``context_name`` (name the ``step_context``), the torch and transformers versions and
     :data:`STREAM_FORMAT`)."""
     path = stream_path(

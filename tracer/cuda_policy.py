@@ -16,7 +16,7 @@ lists them). :func:`cuda_step_semantics` makes the traced step follow CUDA's ins
 * **SDPA inputs** — :func:`autocast_sdpa_args` casts q, k, v and a float mask to the autocast dtype, as autocast
   does for ``scaled_dot_product_attention`` (the stand-in kernels are called below autocast).
 * **SDPA** — :func:`sdpa_backend` answers which backend the generation would run
-  (:func:`model.cuda_semantics.select_backend`); :func:`training.collect._cuda_sdpa_kernels` runs
+  (:func:`model.cuda_semantics.select_backend`); :func:`tracer.collect._cuda_sdpa_kernels` runs
   :func:`math_sdpa`, PyTorch's ``_scaled_dot_product_attention_math`` composite as CUDA runs it, where that is
   math (e.g. Falcon's one key head without ``enable_gqa``: fp32 probabilities saved per layer).
 * **flash backward scratch** — where the generation runs FlashAttention-2 and the CPU stand-in is the
@@ -30,7 +30,7 @@ lists them). :func:`cuda_step_semantics` makes the traced step follow CUDA's ins
   attention keeps (B, 71, S, S) fp32 per layer, so this temporary is 2.2 GiB at mb 2 / seq 2048.
 
 It works by replacing those Python attributes for the duration of the ``with`` block (restored on exit), so it
-also holds in processes forked inside the block (``training.phases.trace_terms``' parallel trace) and in
+also holds in processes forked inside the block (``tracer.phases.trace_terms``' parallel trace) and in
 activation checkpointing's recomputation. A ``TorchFunctionMode`` would be cleaner but is popped while its
 handler runs, so ``loss.backward()`` (and the recomputation inside it) would escape it.
 """
@@ -236,7 +236,7 @@ class FlashAttentionScratch(torch.autograd.Function):
     memory-efficient kernel's forward (the CPU fake kernels have no CUDA flash forward; it saves the same output,
     an fp32 log-sum-exp (B, H, S) for S a multiple of 32, and the RNG seed and offset), and a backward that, after
     the gradients, allocates and frees the scratch of FlashAttention-2's ``mha_bwd``
-    (:func:`training.allocation.flash_backward_scratch`: fp32 ``softmax_d`` and ``dq_accum``; ``dk/dv_expanded``
+    (:func:`tracer.allocation.flash_backward_scratch`: fp32 ``softmax_d`` and ``dq_accum``; ``dk/dv_expanded``
     for GQA) while grad_out, the saved tensors and dq, dk, dv are alive, as on the GPU.
 
     Args (forward): q, k, v (B, H, S, D) with equal head counts, ``bias`` None or an additive mask in q's dtype,
@@ -253,7 +253,7 @@ class FlashAttentionScratch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from training.allocation import flash_backward_scratch
+        from tracer.allocation import flash_backward_scratch
 
         query, key, value, bias, out, lse, seed, offset = ctx.saved_tensors
         dropout_p, is_causal, scale = ctx.args
@@ -335,7 +335,7 @@ def autocast_sdpa_args(query, key, value, attn_mask):
     """``(query, key, value, attn_mask)`` as autocast hands them to the SDPA kernel inside
     :func:`cuda_step_semantics`: ``scaled_dot_product_attention`` is on the lower-precision list of CUDA (and CPU)
     autocast, so floating inputs are cast to the autocast dtype. The stand-in kernels
-    :func:`training.collect._cuda_sdpa_kernels` calls directly are on no list; without this, a model whose rotary
+    :func:`tracer.collect._cuda_sdpa_kernels` calls directly are on no list; without this, a model whose rotary
     embedding leaves q and k in fp32 (Phi-3, Gemma-3) keeps fp32 q, k, output and mask bias per layer.
     Unchanged outside the block or with autocast off."""
     if _state["generation"] is None or not torch.is_autocast_enabled("cpu"):

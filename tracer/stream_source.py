@@ -2,7 +2,7 @@
 
 :func:`stream_source` gives a :data:`model.reserved.StreamSource` for one model and training configuration: k ->
 the stream of the full model's step with its first k decoder layers checkpointed
-(:func:`training.allocation.cached_step_allocations`, with the CUDA-semantics trace policy where this tree has
+(:func:`tracer.allocation.cached_step_allocations`, with the CUDA-semantics trace policy where this tree has
 it). Looking a stream up needs no PyTorch (:func:`stream_path` reads package versions from their metadata), so
 the service can answer from the cache in its serving process; recording one (``record=True``: the command line,
 the GPU check) imports PyTorch and costs 5-8 s for an 8B model on two busy cores.
@@ -32,7 +32,7 @@ from model.allocator import AllocationStream
 MISS_RECHECK_S = 30.0
 #: Bump when the recording changes what a stream holds (part of the cache key).
 STREAM_FORMAT = 2
-#: cuBLAS workspaces (bytes) per phase: see :data:`training.allocation.SM90_WORKSPACES` (same figures).
+#: cuBLAS workspaces (bytes) per phase: see :data:`tracer.allocation.SM90_WORKSPACES` (same figures).
 _SM90_WORKSPACES = {"forward": 32 << 20, "backward": 32 << 20}
 
 
@@ -42,8 +42,8 @@ def stream_cache_dir() -> Path:
 
 
 def trace_policy_name(generation: str = "sm90") -> str:
-    """The name of the CUDA-semantics trace policy where this tree has ``training.cuda_policy``, else ``""``."""
-    return f"cuda_step_semantics({generation})" if importlib.util.find_spec("training.cuda_policy") else ""
+    """The name of the CUDA-semantics trace policy where this tree has ``tracer.cuda_policy``, else ``""``."""
+    return f"cuda_step_semantics({generation})" if importlib.util.find_spec("tracer.cuda_policy") else ""
 
 
 @functools.lru_cache(maxsize=8)
@@ -63,7 +63,7 @@ def stream_path(
     context_name: str = "",
     kernel_scratch: bool = True,
 ) -> Path:
-    """Where :func:`training.allocation.cached_step_allocations` keeps this stream: a hash of everything that shapes
+    """Where :func:`tracer.allocation.cached_step_allocations` keeps this stream: a hash of everything that shapes
     it (config, training configuration with its checkpointed layers, warm-up, workspaces, trace policy, torch and
     transformers versions, :data:`STREAM_FORMAT`)."""
     key = json.dumps(
@@ -134,7 +134,7 @@ def stream_source(
         if path.exists():
             stream = AllocationStream.load(path)
         elif record and source.failed is None:
-            from training.allocation import cached_step_allocations, cuda_trace_policy
+            from tracer.allocation import cached_step_allocations, cuda_trace_policy
 
             name, factory = cuda_trace_policy()
             try:

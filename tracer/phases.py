@@ -3,7 +3,7 @@
 A full model's peak is composed (:mod:`model.compose`) from four small models of the *same* config at
 full width: one and two decoder layers, none or all of them activation-checkpointed. For each, one
 primed training step (optimizer states exist, as in step 2 of a run) is traced under fake tensors with
-:class:`training.tracker.LiveStorageTracker`, and the peak of live bytes is recorded per phase:
+:class:`tracer.tracker.LiveStorageTracker`, and the peak of live bytes is recorded per phase:
 
 * ``fwd.layers``: forward from the start until the top decoder layer's output exists;
 * ``fwd.head``: the rest of forward (final norm, lm_head, loss);
@@ -44,7 +44,7 @@ import torch
 from memfit.hf import layer_period, small_config
 from memfit.schema import CheckpointImpl, Offload, Sharding, TrainingConfig
 from model.compose import BASIS_NAMES, PHASES, token_basis
-from training.collect import _prime_optimizer, checkpoint_as_applied, close_optimizer, max_seq_len, prepared_model
+from tracer.collect import _prime_optimizer, checkpoint_as_applied, close_optimizer, max_seq_len, prepared_model
 
 log = logging.getLogger(__name__)
 
@@ -362,7 +362,7 @@ def _traced_step(run, opt, ids, replay: OptimizerReplay | None = None) -> list[t
 
     Under gradient accumulation (``run.training.accumulates_gradients``) a first micro-batch's forward and
     backward run before the timeline starts, so the traced phases are those of a later micro-batch, with
-    every gradient live, followed by the optimizer step (:func:`training.collect.accumulation_micro_batches`:
+    every gradient live, followed by the optimizer step (:func:`tracer.collect.accumulation_micro_batches`:
     later micro-batches repeat this timeline; the first holds a subset of it).
     """
     tracker = run.tracker
@@ -667,7 +667,7 @@ def trace_terms(
     """Trace the four small models of ``hf_config`` under ``training`` and fit per-phase coefficients.
 
     ``generation`` (``"sm80"``, ``"sm86"``, ``"sm89"``, ``"sm90"``; default None: the CPU's kernels): trace the steps
-    as that GPU generation's CUDA run executes them (:func:`training.cuda_policy.cuda_step_semantics`: the SDPA
+    as that GPU generation's CUDA run executes them (:func:`tracer.cuda_policy.cuda_step_semantics`: the SDPA
     backend, CUDA autocast lists, fused dropout, CUDA's softmax backward); the terms are then keyed with it
     (:func:`model.terms.key_generation`).
 
@@ -688,11 +688,11 @@ def trace_terms(
     (``benchmarks/results/trace_time.txt``); the terms are the same either way.
 
     Raises:
-        ValueError: a configuration the collector cannot run (see :func:`training.collect.prepared_model`).
+        ValueError: a configuration the collector cannot run (see :func:`tracer.collect.prepared_model`).
         RuntimeError: a phase boundary could not be found in the model's forward.
     """
     if generation is not None:
-        from training.cuda_policy import cuda_step_semantics
+        from tracer.cuda_policy import cuda_step_semantics
 
         with cuda_step_semantics(generation):
             return trace_terms(hf_config, training, points=points, micro_batch_one=micro_batch_one, parallel=parallel)

@@ -4,7 +4,7 @@ quantized (QLoRA) base weights, all run by the real library code under fake tens
 bitsandbytes >= 0.45 registers its kernels as ``torch.library`` custom ops with fake implementations
 (``bitsandbytes/_ops.py``), so its optimizers and 4-bit matmuls run under ``FakeTensorMode`` and on CPU.
 What a fake kernel returns is what the CUDA kernel allocates (its output, no temporaries), which is what
-:class:`training.tracker.LiveStorageTracker` counts. Three things differ from a CUDA run and are handled
+:class:`tracer.tracker.LiveStorageTracker` counts. Three things differ from a CUDA run and are handled
 here:
 
 * **Paged optimizer states.** ``PagedAdamW8bit`` allocates the states of parameters with >= 1e5
