@@ -156,7 +156,9 @@ def test_the_catalogs_canonical_configs_are_read_without_importing_transformers(
 
 def test_shipped_terms_files_hold_each_key_once_and_a_conflict_names_both_files(tmp_path):
     entries = shipped_entries()
-    assert len(entries) == len({e["key"] for e in entries}) == 1021  # every shipped line, keyed canonically
+    # every shipped line, keyed canonically: 1,021 CPU-traced and 13 traced with sm90 semantics (cuda_sm90.jsonl)
+    assert len(entries) == len({e["key"] for e in entries}) == 1034
+    assert sum("cuda_generation" in e["training"] for e in entries) == 13
     assert {p.name for p in SHIPPED_DIR.glob("*.jsonl")} >= {"catalog.jsonl", "telemetry_sweeps.jsonl"}
     line = json.dumps({"key": "k1", "model_name": "gpt2", "training": {}, "terms": {"coef": {}}})
     (tmp_path / "a.jsonl").write_text(line + "\n")
