@@ -15,6 +15,13 @@ os.environ["MEMFIT_ANSWER_CACHE"] = "off"
 # for one (tests/test_fit_decision.py builds its recommender with shipped streams)
 os.environ["MEMFIT_ALLOCATOR_STREAMS"] = "off"
 
+# one compute thread per pytest-xdist worker (and the processes its tests start): the workers already fill the cores,
+# and OpenMP/MKL threads on top of them spin-wait for each other (test_parallel's real-CPU runs: 132 s wall and 70 s of
+# CPU with the default 2 threads beside another worker, 55 s and 40 s with one). Set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"
 
 
