@@ -43,8 +43,8 @@ Artifacts: one LightGBM booster per coefficient in LightGBM's text format plus `
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import hashlib
 import json
 import math
 from collections.abc import Iterable
@@ -54,7 +54,6 @@ from typing import Any, NamedTuple
 import lightgbm as lgb
 import numpy as np
 
-from memfit.hf import lora_trainable_params
 from memfit.schema import (
     Attention,
     FineTune,
@@ -75,6 +74,7 @@ from model.analytic import (
 )
 from model.compose import PHASES, VARIANTS, layer_values
 from model.features import CATEGORIES
+from model.job import Job, config_key, resolve, resolve_architecture
 
 #: the composition's quantities per phase, each a function of the small models' live bytes
 QUANTITIES = ("f0", "dF", "c0", "dC")
@@ -276,15 +276,10 @@ def _parameter_splits_snapshot() -> dict[str, list[int]]:
         return {}
 
 
-def _canonical_json(hf_config: dict[str, Any]) -> str:
-    from model.terms import canonical_config
-
-    return json.dumps(canonical_config(hf_config), sort_keys=True)
-
-
 def parameter_split_key(hf_config: dict[str, Any]) -> str:
-    """SHA-256 (hex) of the config's memory-relevant keys (:func:`model.terms.canonical_config`)."""
-    return hashlib.sha256(_canonical_json(hf_config).encode()).hexdigest()
+    """The key of the snapshot's entries: :func:`model.job.config_key` (SHA-256 hex of the canonical config), the
+    :attr:`model.job.Architecture.key` of the model."""
+    return config_key(hf_config)
 
 
 class ParameterSplit(NamedTuple):
@@ -524,40 +519,35 @@ def pieces_to_coef(pieces: np.ndarray) -> dict[str, dict[str, list[list[float]]]
     return coef
 
 
-def entry_configuration(entry: dict[str, Any]) -> tuple[ModelSpec, TrainingConfig, dict[str, Any]]:
-    """(ModelSpec, TrainingConfig, HF config) of a shipped terms entry, by ``model_name``: a catalog
-    architecture (published parameter count) or a reduced MoE model (:func:`data.catalog.hf_config_of`,
-    counted on a meta build).
+def entry_configuration(entry: dict[str, Any]) -> Job:
+    """The :class:`model.job.Job` of a shipped terms entry, by ``model_name``: a catalog architecture (published
+    parameter count) or a reduced MoE model (:func:`data.catalog.hf_config_of`, counted on a meta build), with the
+    entry's training (micro-batch 1, sequence 1,024: the composed ones); a LoRA entry's trainable count is its
+    adapters' (:meth:`model.job.Architecture.lora_trainable_params`).
 
     Raises:
         LookupError: ``model_name`` is neither.
     """
-    from data import catalog
     from data.catalog import hf_config_of
     from memfit.errors import UnknownModel
-    from memfit.hf import model_spec
+    from model.terms import key_training_fields
 
     name = entry["model_name"]
     hf = hf_config_of(name)
     if hf is None:
         raise LookupError(f"terms entry {entry.get('key', '')[:12]}: no HF config for model {name!r}")
     try:
-        spec = catalog.spec(name)
+        arch = resolve_architecture(name)
     except UnknownModel:
-        spec = model_spec(hf, name=name)
-    from model.terms import key_training_fields
-
+        arch = resolve_architecture(hf, name=name)
     fields = key_training_fields(entry["training"])
     # the terms key keeps data_parallel_size 1 without sharding; expert parallelism splits experts over those ranks
     fields["data_parallel_size"] = max(fields.get("data_parallel_size", 1), fields.get("expert_parallel_size", 1))
-    training = TrainingConfig.model_validate({"micro_batch_size": 1, "seq_len": 1024, **fields})
-    if training.finetune is FineTune.LORA:
-        spec = spec.model_copy(
-            update={
-                "trainable_params": lora_trainable_params(spec, training.lora_rank, training.lora_target_modules, hf)
-            }
-        )
-    return spec, training, hf
+    job = resolve(arch, TrainingConfig.model_validate({"micro_batch_size": 1, "seq_len": 1024, **fields}))
+    if job.training.finetune is FineTune.LORA:
+        trainable = arch.lora_trainable_params(job.training.lora_rank, job.training.lora_target_modules)
+        job = dataclasses.replace(job, spec=job.spec.model_copy(update={"trainable_params": trainable}))
+    return job
 
 
 #: the constants of the phases that hold model states only (at rest, the optimizer step): per training setting they are
@@ -722,10 +712,11 @@ class CoefficientModel:
                 self.skipped_.append(f"{e['model_name']}: gradient accumulation (learned per micro-batch)")
                 continue
             try:
-                spec, training, hf = entry_configuration(e)
+                job = entry_configuration(e)
             except (LookupError, ValueError) as err:  # no HF config here, or settings this code refuses
                 self.skipped_.append(str(err))
                 continue
+            spec, training, hf = job.spec, job.training, job.hf_config
             specs.append(spec)
             names.append(e["model_name"])
             keys.append(setting_key(training))

@@ -482,10 +482,10 @@ def resolve_model_arg(a: argparse.Namespace) -> str | dict[str, Any]:
         check_model_name(a.model)  # before any lookup: a 100,000-character name cost seconds and was echoed whole
     except ValueError as err:
         raise InputError(f"--model: {err}") from None
-    from data import catalog
+    from model.job import resolve_architecture
 
     try:
-        return catalog.get(a.model)["name"]
+        return resolve_architecture(a.model).name
     except KeyError as err:
         close = str(err).strip("'\"")
     if Path(a.model).expanduser().exists():

@@ -48,7 +48,8 @@ def scaled_targets(entries):
 
     out = []
     for e in entries:
-        spec, training, hf = entry_configuration(e)
+        job = entry_configuration(e)
+        spec, training, hf = job.spec, job.training, job.hf_config
         out.append((spec, training, fitted_pieces(e["terms"]) / scales(spec, training, hf)))
     return out
 
@@ -67,7 +68,7 @@ def test_one_piece_per_phase_reproduces_the_traced_composition(entries):
     architectures, each k, within their traced token range."""
     for name in ("llama-3.2-1b", "gpt2-medium", "bloom-560m"):
         e = _entry(entries, name, precision="amp_bf16", sharding="none", finetune="full")
-        spec, _training, _hf = entry_configuration(e)
+        spec = entry_configuration(e).spec
         t = e["terms"]
         depths = tuple(t.get("depths", (t.get("period", 1), 2 * t.get("period", 1))))
         pts = t["points"]
@@ -93,7 +94,8 @@ def test_leave_architecture_out_accuracy_on_measured_rows(held_out_model):
     predictor = MemoryPredictor(None, TermsCache(shipped_dir=None), coefficients=held_out_model)
     errors: dict[str, list[float]] = {n: [] for n in HELD_OUT}
     for _key, g in df.groupby([c for c in FAMILY_COLUMNS if c in df.columns], dropna=False, sort=False):
-        spec, training, hf = row_configuration(g.iloc[0].to_dict())
+        job = row_configuration(g.iloc[0].to_dict())
+        spec, training, hf = job.spec, job.training, job.hf_config
         if not held_out_model.covers(spec, training, hf):
             continue
         c = predictor.curve(spec, training, hf)
@@ -314,7 +316,8 @@ def test_state_constants_shared_by_a_setting_are_used_exactly(entries, held_out_
         for e in entries:
             if e["model_name"] != name or e["training"].get("gradient_accumulation"):
                 continue
-            spec, training, hf = entry_configuration(e)
+            job = entry_configuration(e)
+            spec, training, hf = job.spec, job.training, job.hf_config
             y = fitted_pieces(e["terms"]) / scales(spec, training, hf)
             p = held_out_model.predict_pieces(spec, training, hf) / scales(spec, training, hf)
             for k in held_out_model.shared_.get(setting_key(training), {}):
@@ -348,7 +351,8 @@ def test_expert_parallel_constants_are_scaled_by_the_rank_experts(entries, scale
     for name, v in paired.items():
         assert np.allclose(v[4], v[1], rtol=0.01), (name, v)
         assert np.all((v[1] > 0.7) & (v[1] < 1.3)), (name, v[1])  # at rest no gradients: 12 of 16 bytes
-    spec, training, hf = entry_configuration(_entry(entries, "mixtral-reduced", expert_parallel_size=4))
+    job = entry_configuration(_entry(entries, "mixtral-reduced", expert_parallel_size=4))
+    spec, training, hf = job.spec, job.training, job.hf_config
     local = rank_hf_config(hf, training)
     assert local["num_local_experts"] * 4 == hf["num_local_experts"]
     _one, layer = small_model_states(spec, training, hf)
