@@ -537,7 +537,7 @@ def resolve_architecture(
     if isinstance(model, ModelSpec):
         return Architecture(catalog.hf_config_of(model.model_name), model)
     if isinstance(model, str):
-        return _catalog_architecture(model)
+        return _catalog_architecture(catalog.get(model)["name"])  # one per catalog model, whatever alias names it
     try:
         arch = _resolve_config(model, architecture_fallback)
     except UnknownArchitecture as err:
@@ -554,7 +554,7 @@ def _catalog_architecture(name: str) -> Architecture:
     """The catalog entry of a name or alias (cached: built once per name).
 
     Raises:
-        UnknownModel: not in the catalog (not cached).
+        UnknownModel: not in the catalog (not cached); its field is ``model``.
     """
     return Architecture(catalog.get(name)["hf_config"], catalog.spec(name))
 
@@ -568,7 +568,7 @@ def model_shape(model: str | dict[str, Any] | ArchitectureIn) -> ModelSpec:
         InvalidConfiguration (``UnknownModel``): the field is relative to the request's ``model``.
     """
     if isinstance(model, str):
-        return _catalog_architecture(model).spec
+        return resolve_architecture(model).spec
     try:
         return _spec(_config_fields(model), total_params=1, trainable_params=1)
     except InvalidConfiguration as err:

@@ -468,8 +468,10 @@ def cached_hf_config(repo_id: str) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
-def resolve_model_arg(a: argparse.Namespace) -> str | dict[str, Any]:
-    """The request's model: a catalog name, or a HF config dict (``--config`` or the HF cache).
+def model_from_args(a: argparse.Namespace) -> str | dict[str, Any]:
+    """The request's ``model`` field as the flags give it: a catalog name (its canonical name, looked up by
+    :func:`model.job.resolve_architecture`), or a HF config dict (``--config``, a path, or the HF cache), read, not
+    resolved: :func:`model.job.resolve` resolves the request.
 
     Raises:
         InputError: unknown everywhere; the message says where it looked and what to do.
@@ -554,7 +556,7 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
         cluster["gpu"] = a.gpu
     return RecommendRequest.model_validate(
         {
-            "model": resolve_model_arg(a),
+            "model": model_from_args(a),
             "training": training,
             "cluster": cluster,
             "headroom_fraction": a.headroom,
