@@ -46,6 +46,290 @@ from model.parallel import Stage, pipeline_stages
 from model.terms import canonical_config, terms_key
 
 
+def config_key(hf_config: dict[str, Any]) -> str:
+    """SHA-256 (hex) of a HF config's canonical form (:func:`model.terms.canonical_config`): one key per model,
+    whether the config is given as its published ``config.json`` fields or serialised in full."""
+    return hashlib.sha256(json.dumps(canonical_config(hf_config), sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class Architecture:
+    """A resolved model: its HF config, its :class:`ModelSpec`, and the facts derived from the config, each
+    computed on first use and cached on the object (one meta build or snapshot read per architecture).
+
+    Attributes:
+        hf_config: the HF ``config.json`` dict the model is built, traced and keyed from, as given (an unknown
+            family predicted as its ``architecture_fallback``: its shape keys, with the fallback's
+            ``model_type``); None for a telemetry row of a model neither the catalog nor the reduced MoE models
+            hold.
+        spec: layers, widths, heads and parameter counts (the catalog's published count for a catalog name, a
+            ``meta``-device count for a config, the given count for explicit fields or a telemetry row).
+        warnings: what the answer must say about how the model was read (an unknown family predicted as
+            another), in words.
+    """
+
+    hf_config: dict[str, Any] | None
+    spec: ModelSpec
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str | None:
+        """The catalog name (or the telemetry row's model name); None for a config or explicit fields."""
+        return self.spec.model_name
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers."""
+        return self.spec.num_layers
+
+    @cached_property
+    def canonical_config(self) -> dict[str, Any] | None:
+        """:func:`model.terms.canonical_config` of :attr:`hf_config` (None without one)."""
+        return canonical_config(self.hf_config) if self.hf_config is not None else None
+
+    @cached_property
+    def key(self) -> str | None:
+        """:func:`config_key` of :attr:`hf_config`: the same for a catalog name, its published config and its full
+        serialisation (None without a config)."""
+        return config_key(self.hf_config) if self.hf_config is not None else None
+
+    @cached_property
+    def layer_period(self) -> int:
+        """Length of the repeating pattern of decoder-layer types (:func:`memfit.hf.layer_period`; 1 without a
+        config)."""
+        return layer_period(self.hf_config) if self.hf_config is not None else 1
+
+    @cached_property
+    def num_routed_experts(self) -> int | None:
+        """Routed experts per MoE layer (:func:`memfit.hf.num_routed_experts`), None for a dense model."""
+        return num_routed_experts(self.hf_config) if self.hf_config is not None else self.spec.num_experts
+
+    def lora_trainable_params(self, rank: int, target_modules: list[str] | None = None) -> int:
+        """LoRA adapter parameters of this model at ``rank`` (:func:`memfit.hf.lora_trainable_params`: the
+        model's own adapted matrices when there is a config).
+
+        Raises:
+            InvalidConfiguration: a target name matches no linear module (field
+                ``training.lora_target_modules``).
+        """
+        return lora_trainable_params(self.spec, rank, target_modules, self.hf_config)
+
+
+@dataclass(frozen=True, eq=False)
+class Job:
+    """An :class:`Architecture` with its k-free training configuration on a cluster, and the facts derived
+    from the three, computed on first use and cached on the object.
+
+    Attributes:
+        architecture: the resolved model.
+        training: the training configuration with ``checkpoint_layers`` empty (k is the curve's variable).
+        spec: the spec this job trains: :attr:`Architecture.spec` with the trainable count its fine-tune implies
+            (LoRA adapters added to the total).
+        gpu_count: GPUs the job runs on.
+        cluster: the request's cluster, None where the caller gives none (evaluation, coefficients, canaries).
+    """
+
+    architecture: Architecture
+    training: TrainingConfig
+    spec: ModelSpec
+    gpu_count: int = 1
+    cluster: ClusterIn | None = None
+    _terms_keys: dict[Any, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def hf_config(self) -> dict[str, Any] | None:
+        """:attr:`Architecture.hf_config`."""
+        return self.architecture.hf_config
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """:attr:`Architecture.warnings`."""
+        return self.architecture.warnings
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers."""
+        return self.spec.num_layers
+
+    @cached_property
+    def rank_spec(self) -> ModelSpec:
+        """What one expert-parallel rank holds (:func:`model.curve.expert_parallel_rank`; :attr:`spec` without
+        expert parallelism)."""
+        return expert_parallel_rank(self.spec, self.training, self.hf_config)
+
+    @cached_property
+    def stages(self) -> list[Stage]:
+        """The pipeline stages of one rank (:func:`model.parallel.pipeline_stages` of :attr:`rank_spec`)."""
+        return pipeline_stages(self.rank_spec, self.training)
+
+    @cached_property
+    def parameters_per_rank(self) -> int:
+        """Parameters of the largest pipeline stage one rank holds."""
+        return max(st.spec.total_params for st in self.stages)
+
+    @cached_property
+    def states(self) -> ModelStates:
+        """Weights, gradients and optimizer states per device, bytes (:func:`model.analytic.model_state_bytes`)."""
+        return model_state_bytes(self.spec, self.training)
+
+    @cached_property
+    def step_temporary_bytes_per_param(self) -> int:
+        """Bytes per parameter the optimizer step holds beyond the states
+        (:func:`model.analytic.step_temporary_bytes_per_param`)."""
+        return step_temporary_bytes_per_param(self.training)
+
+    def terms_key(self, generation: Any = None) -> str:
+        """:func:`model.terms.terms_key` of this job for the GPU generation ``generation`` (None: CPU-semantics
+        terms), cached per generation.
+
+        Raises:
+            ValueError: the job has no HF config (a telemetry row of an unknown model).
+        """
+        if self.hf_config is None:
+            raise ValueError(f"{self.spec.model_name!r}: no HF config, no terms key")
+        if generation not in self._terms_keys:
+            self._terms_keys[generation] = terms_key(self.hf_config, self.training, generation)
+        return self._terms_keys[generation]
+
+
+#: a model as :func:`resolve_architecture` takes it
+ModelIn = str | dict[str, Any] | ArchitectureIn | ModelSpec | Architecture
+
+
+def resolve(
+    model: ModelIn,
+    training: TrainingIn | TrainingConfig,
+    cluster: ClusterIn | None = None,
+    *,
+    architecture_fallback: str | None = None,
+    gpu_count: int | None = None,
+) -> Job:
+    """The :class:`Job` of a model, a training configuration and a cluster: the one resolver.
+
+    Args:
+        model: anything :func:`resolve_architecture` takes (an :class:`Architecture` is reused as is: a request's
+            alternatives resolve their training only).
+        training: a request's :class:`memfit.api.TrainingIn` (defaults filled and checked against the model and the
+            GPUs by :func:`training_config`), or a full :class:`TrainingConfig` taken as given (a telemetry row, a
+            terms entry, a canary); its ``checkpoint_layers`` are cleared either way.
+        cluster: the request's cluster (its ``gpu_count``); None: one GPU unless ``gpu_count`` says otherwise.
+        architecture_fallback: see :func:`resolve_architecture`.
+        gpu_count: GPUs, overriding the cluster's (a candidate change that adds GPUs).
+
+    Raises:
+        InvalidConfiguration: the model (field under ``model``) or the training (field under ``training``) is
+            invalid, with the allowed range.
+    """
+    arch = resolve_architecture(model, architecture_fallback)
+    gpus = gpu_count if gpu_count is not None else (cluster.gpu_count if cluster is not None else 1)
+    if isinstance(training, TrainingIn):
+        config, spec = training_config(training, arch.spec, gpus, arch.hf_config)
+    else:
+        config, spec = training, arch.spec
+    if config.checkpoint_layers:
+        config = config.model_copy(update={"checkpoint_layers": []})
+    return Job(arch, config, spec, gpus, cluster)
+
+
+def resolve_architecture(
+    model: ModelIn, architecture_fallback: str | None = None, *, name: str | None = None
+) -> Architecture:
+    """The :class:`Architecture` of a model as the API, the command line or a telemetry row gives it.
+
+    Args:
+        model: a catalog name or alias (case-insensitive; the catalog's HF config and published parameter count),
+            a HF ``config.json`` dict (counted on a ``meta``-device build, cached by content), explicit fields
+            (:class:`memfit.api.ArchitectureIn`; counted like a config unless ``total_params`` is given), a
+            telemetry row's :class:`ModelSpec` (taken as measured, with the HF config of its model name:
+            :func:`data.catalog.hf_config_of`), or an :class:`Architecture` (returned as is).
+        architecture_fallback: a ``model_type`` outside :func:`known_architectures` is refused unless this names
+            a known family; then the model is predicted as that family and a warning says so.
+        name: the model name a config dict's spec carries (a reduced MoE model's name); None for a request.
+
+    Raises:
+        InvalidConfiguration (``UnknownModel``, ``UnknownArchitecture``): the field is relative to the request's
+            ``model`` (e.g. ``model.num_key_value_heads``), with the allowed range; ``architecture_fallback``
+            when the fallback itself is unknown.
+    """
+    if isinstance(model, Architecture):
+        return model
+    if isinstance(model, ModelSpec):
+        return Architecture(catalog.hf_config_of(model.model_name), model)
+    if isinstance(model, str):
+        return _catalog_architecture(catalog.get(model)["name"])  # one per catalog model, whatever alias names it
+    try:
+        arch = _resolve_config(model, architecture_fallback)
+    except UnknownArchitecture as err:
+        raise err if err.field == "architecture_fallback" else err.within("model") from err
+    except InvalidConfiguration as err:
+        raise err.within("model") from err
+    if name is not None:
+        return Architecture(arch.hf_config, arch.spec.model_copy(update={"model_name": name}), arch.warnings)
+    return arch
+
+
+@lru_cache(maxsize=256)
+def _catalog_architecture(name: str) -> Architecture:
+    """The catalog entry of a name or alias (cached: built once per name).
+
+    Raises:
+        UnknownModel: not in the catalog (not cached); its field is ``model``.
+    """
+    return Architecture(catalog.get(name)["hf_config"], catalog.spec(name))
+
+
+def model_shape(model: str | dict[str, Any] | ArchitectureIn) -> ModelSpec:
+    """The model's shape (layers, widths, heads) without counting its parameters: a catalog name's spec, or a
+    config's fields with placeholder counts (``total_params = trainable_params = 1``). No ``meta`` build, no
+    transformers import: what the request checks of :func:`check_parallel` need before a predictor is loaded.
+
+    Raises:
+        InvalidConfiguration (``UnknownModel``): the field is relative to the request's ``model``.
+    """
+    if isinstance(model, str):
+        return resolve_architecture(model).spec
+    try:
+        return _spec(_config_fields(model), total_params=1, trainable_params=1)
+    except InvalidConfiguration as err:
+        raise err.within("model") from err
+
+
+def _config_fields(model: dict[str, Any] | ArchitectureIn) -> dict[str, Any]:
+    return spec_fields_from_hf_config(model.hf_config() if isinstance(model, ArchitectureIn) else model)
+
+
+def _resolve_config(model: dict[str, Any] | ArchitectureIn, architecture_fallback: str | None) -> Architecture:
+    cfg = model.hf_config() if isinstance(model, ArchitectureIn) else model
+    fields = _config_fields(cfg)
+    warnings = []
+    arch = fields["architecture"]
+    if arch not in known_architectures():
+        if architecture_fallback is None:
+            raise UnknownArchitecture(
+                "model_type" if isinstance(model, dict) else "architecture",
+                "a model_type transformers knows (e.g. 'llama', 'mistral', 'gpt2'), or give "
+                "architecture_fallback to predict it as one of those",
+                arch,
+            )
+        if architecture_fallback not in known_architectures():
+            raise UnknownArchitecture(
+                "architecture_fallback", "a model_type transformers knows (e.g. 'llama')", architecture_fallback
+            )
+        warnings.append(
+            f"model_type {arch!r} is unknown: predicted as {architecture_fallback!r} "
+            "(architecture_fallback) with the same layer count, widths, heads and vocabulary"
+        )
+        cfg = {**cfg, "model_type": architecture_fallback}
+        fields["architecture"] = architecture_fallback
+    _spec(fields, total_params=1, trainable_params=1)  # validate shapes before any build
+    if isinstance(model, ArchitectureIn) and model.total_params is not None:
+        spec = _spec(fields, total_params=model.total_params, trainable_params=model.total_params)
+        return Architecture(cfg, spec, tuple(warnings))
+    if warnings:  # an unknown family is counted and traced as the fallback family
+        cfg = {k: v for k, v in cfg.items() if k in _SHAPE_KEYS}
+    return Architecture(cfg, _counted_spec(json.dumps(cfg, sort_keys=True)), tuple(warnings))
+
+
 @lru_cache(maxsize=1)
 def known_architectures() -> frozenset[str]:
     """``model_type`` values memfit can build: transformers' configuration registry plus the catalog's."""
@@ -361,286 +645,3 @@ def training_config(
     check_moe_settings(spec, training)
     check_quantized_base(spec, training)
     return training, spec
-
-
-def config_key(hf_config: dict[str, Any]) -> str:
-    """SHA-256 (hex) of a HF config's canonical form (:func:`model.terms.canonical_config`): one key per model,
-    whether the config is given as its published ``config.json`` fields or serialised in full."""
-    return hashlib.sha256(json.dumps(canonical_config(hf_config), sort_keys=True).encode()).hexdigest()
-
-
-@dataclass(frozen=True, eq=False)
-class Architecture:
-    """A resolved model: its HF config, its :class:`ModelSpec`, and the facts derived from the config, each
-    computed on first use and cached on the object (one meta build or snapshot read per architecture).
-
-    Attributes:
-        hf_config: the HF ``config.json`` dict the model is built, traced and keyed from, as given (an unknown
-            family predicted as its ``architecture_fallback``: its shape keys, with the fallback's
-            ``model_type``); None for a telemetry row of a model neither the catalog nor the reduced MoE models
-            hold.
-        spec: layers, widths, heads and parameter counts (the catalog's published count for a catalog name, a
-            ``meta``-device count for a config, the given count for explicit fields or a telemetry row).
-        warnings: what the answer must say about how the model was read (an unknown family predicted as
-            another), in words.
-    """
-
-    hf_config: dict[str, Any] | None
-    spec: ModelSpec
-    warnings: tuple[str, ...] = ()
-
-    @property
-    def name(self) -> str | None:
-        """The catalog name (or the telemetry row's model name); None for a config or explicit fields."""
-        return self.spec.model_name
-
-    @property
-    def num_layers(self) -> int:
-        """Decoder layers."""
-        return self.spec.num_layers
-
-    @cached_property
-    def canonical_config(self) -> dict[str, Any] | None:
-        """:func:`model.terms.canonical_config` of :attr:`hf_config` (None without one)."""
-        return canonical_config(self.hf_config) if self.hf_config is not None else None
-
-    @cached_property
-    def key(self) -> str | None:
-        """:func:`config_key` of :attr:`hf_config`: the same for a catalog name, its published config and its full
-        serialisation (None without a config)."""
-        return config_key(self.hf_config) if self.hf_config is not None else None
-
-    @cached_property
-    def layer_period(self) -> int:
-        """Length of the repeating pattern of decoder-layer types (:func:`memfit.hf.layer_period`; 1 without a
-        config)."""
-        return layer_period(self.hf_config) if self.hf_config is not None else 1
-
-    @cached_property
-    def num_routed_experts(self) -> int | None:
-        """Routed experts per MoE layer (:func:`memfit.hf.num_routed_experts`), None for a dense model."""
-        return num_routed_experts(self.hf_config) if self.hf_config is not None else self.spec.num_experts
-
-    def lora_trainable_params(self, rank: int, target_modules: list[str] | None = None) -> int:
-        """LoRA adapter parameters of this model at ``rank`` (:func:`memfit.hf.lora_trainable_params`: the
-        model's own adapted matrices when there is a config).
-
-        Raises:
-            InvalidConfiguration: a target name matches no linear module (field
-                ``training.lora_target_modules``).
-        """
-        return lora_trainable_params(self.spec, rank, target_modules, self.hf_config)
-
-
-@dataclass(frozen=True, eq=False)
-class Job:
-    """An :class:`Architecture` with its k-free training configuration on a cluster, and the facts derived
-    from the three, computed on first use and cached on the object.
-
-    Attributes:
-        architecture: the resolved model.
-        training: the training configuration with ``checkpoint_layers`` empty (k is the curve's variable).
-        spec: the spec this job trains: :attr:`Architecture.spec` with the trainable count its fine-tune implies
-            (LoRA adapters added to the total).
-        gpu_count: GPUs the job runs on.
-        cluster: the request's cluster, None where the caller gives none (evaluation, coefficients, canaries).
-    """
-
-    architecture: Architecture
-    training: TrainingConfig
-    spec: ModelSpec
-    gpu_count: int = 1
-    cluster: ClusterIn | None = None
-    _terms_keys: dict[Any, str] = field(default_factory=dict, repr=False)
-
-    @property
-    def hf_config(self) -> dict[str, Any] | None:
-        """:attr:`Architecture.hf_config`."""
-        return self.architecture.hf_config
-
-    @property
-    def warnings(self) -> tuple[str, ...]:
-        """:attr:`Architecture.warnings`."""
-        return self.architecture.warnings
-
-    @property
-    def num_layers(self) -> int:
-        """Decoder layers."""
-        return self.spec.num_layers
-
-    @cached_property
-    def rank_spec(self) -> ModelSpec:
-        """What one expert-parallel rank holds (:func:`model.curve.expert_parallel_rank`; :attr:`spec` without
-        expert parallelism)."""
-        return expert_parallel_rank(self.spec, self.training, self.hf_config)
-
-    @cached_property
-    def stages(self) -> list[Stage]:
-        """The pipeline stages of one rank (:func:`model.parallel.pipeline_stages` of :attr:`rank_spec`)."""
-        return pipeline_stages(self.rank_spec, self.training)
-
-    @cached_property
-    def parameters_per_rank(self) -> int:
-        """Parameters of the largest pipeline stage one rank holds."""
-        return max(st.spec.total_params for st in self.stages)
-
-    @cached_property
-    def states(self) -> ModelStates:
-        """Weights, gradients and optimizer states per device, bytes (:func:`model.analytic.model_state_bytes`)."""
-        return model_state_bytes(self.spec, self.training)
-
-    @cached_property
-    def step_temporary_bytes_per_param(self) -> int:
-        """Bytes per parameter the optimizer step holds beyond the states
-        (:func:`model.analytic.step_temporary_bytes_per_param`)."""
-        return step_temporary_bytes_per_param(self.training)
-
-    def terms_key(self, generation: Any = None) -> str:
-        """:func:`model.terms.terms_key` of this job for the GPU generation ``generation`` (None: CPU-semantics
-        terms), cached per generation.
-
-        Raises:
-            ValueError: the job has no HF config (a telemetry row of an unknown model).
-        """
-        if self.hf_config is None:
-            raise ValueError(f"{self.spec.model_name!r}: no HF config, no terms key")
-        if generation not in self._terms_keys:
-            self._terms_keys[generation] = terms_key(self.hf_config, self.training, generation)
-        return self._terms_keys[generation]
-
-
-ModelIn = str | dict[str, Any] | ArchitectureIn | ModelSpec | Architecture
-
-
-def resolve_architecture(
-    model: ModelIn, architecture_fallback: str | None = None, *, name: str | None = None
-) -> Architecture:
-    """The :class:`Architecture` of a model as the API, the command line or a telemetry row gives it.
-
-    Args:
-        model: a catalog name or alias (case-insensitive; the catalog's HF config and published parameter count),
-            a HF ``config.json`` dict (counted on a ``meta``-device build, cached by content), explicit fields
-            (:class:`memfit.api.ArchitectureIn`; counted like a config unless ``total_params`` is given), a
-            telemetry row's :class:`ModelSpec` (taken as measured, with the HF config of its model name:
-            :func:`data.catalog.hf_config_of`), or an :class:`Architecture` (returned as is).
-        architecture_fallback: a ``model_type`` outside :func:`known_architectures` is refused unless this names
-            a known family; then the model is predicted as that family and a warning says so.
-        name: the model name a config dict's spec carries (a reduced MoE model's name); None for a request.
-
-    Raises:
-        InvalidConfiguration (``UnknownModel``, ``UnknownArchitecture``): the field is relative to the request's
-            ``model`` (e.g. ``model.num_key_value_heads``), with the allowed range; ``architecture_fallback``
-            when the fallback itself is unknown.
-    """
-    if isinstance(model, Architecture):
-        return model
-    if isinstance(model, ModelSpec):
-        return Architecture(catalog.hf_config_of(model.model_name), model)
-    if isinstance(model, str):
-        return _catalog_architecture(catalog.get(model)["name"])  # one per catalog model, whatever alias names it
-    try:
-        arch = _resolve_config(model, architecture_fallback)
-    except UnknownArchitecture as err:
-        raise err if err.field == "architecture_fallback" else err.within("model") from err
-    except InvalidConfiguration as err:
-        raise err.within("model") from err
-    if name is not None:
-        return Architecture(arch.hf_config, arch.spec.model_copy(update={"model_name": name}), arch.warnings)
-    return arch
-
-
-@lru_cache(maxsize=256)
-def _catalog_architecture(name: str) -> Architecture:
-    """The catalog entry of a name or alias (cached: built once per name).
-
-    Raises:
-        UnknownModel: not in the catalog (not cached); its field is ``model``.
-    """
-    return Architecture(catalog.get(name)["hf_config"], catalog.spec(name))
-
-
-def model_shape(model: str | dict[str, Any] | ArchitectureIn) -> ModelSpec:
-    """The model's shape (layers, widths, heads) without counting its parameters: a catalog name's spec, or a
-    config's fields with placeholder counts (``total_params = trainable_params = 1``). No ``meta`` build, no
-    transformers import: what the request checks of :func:`check_parallel` need before a predictor is loaded.
-
-    Raises:
-        InvalidConfiguration (``UnknownModel``): the field is relative to the request's ``model``.
-    """
-    if isinstance(model, str):
-        return resolve_architecture(model).spec
-    try:
-        return _spec(_config_fields(model), total_params=1, trainable_params=1)
-    except InvalidConfiguration as err:
-        raise err.within("model") from err
-
-
-def _config_fields(model: dict[str, Any] | ArchitectureIn) -> dict[str, Any]:
-    return spec_fields_from_hf_config(model.hf_config() if isinstance(model, ArchitectureIn) else model)
-
-
-def _resolve_config(model: dict[str, Any] | ArchitectureIn, architecture_fallback: str | None) -> Architecture:
-    cfg = model.hf_config() if isinstance(model, ArchitectureIn) else model
-    fields = _config_fields(cfg)
-    warnings = []
-    arch = fields["architecture"]
-    if arch not in known_architectures():
-        if architecture_fallback is None:
-            raise UnknownArchitecture(
-                "model_type" if isinstance(model, dict) else "architecture",
-                "a model_type transformers knows (e.g. 'llama', 'mistral', 'gpt2'), or give "
-                "architecture_fallback to predict it as one of those",
-                arch,
-            )
-        if architecture_fallback not in known_architectures():
-            raise UnknownArchitecture(
-                "architecture_fallback", "a model_type transformers knows (e.g. 'llama')", architecture_fallback
-            )
-        warnings.append(
-            f"model_type {arch!r} is unknown: predicted as {architecture_fallback!r} "
-            "(architecture_fallback) with the same layer count, widths, heads and vocabulary"
-        )
-        cfg = {**cfg, "model_type": architecture_fallback}
-        fields["architecture"] = architecture_fallback
-    _spec(fields, total_params=1, trainable_params=1)  # validate shapes before any build
-    if isinstance(model, ArchitectureIn) and model.total_params is not None:
-        spec = _spec(fields, total_params=model.total_params, trainable_params=model.total_params)
-        return Architecture(cfg, spec, tuple(warnings))
-    if warnings:  # an unknown family is counted and traced as the fallback family
-        cfg = {k: v for k, v in cfg.items() if k in _SHAPE_KEYS}
-    return Architecture(cfg, _counted_spec(json.dumps(cfg, sort_keys=True)), tuple(warnings))
-
-
-def resolve(
-    model: ModelIn,
-    training: TrainingIn | TrainingConfig,
-    cluster: ClusterIn | None = None,
-    *,
-    architecture_fallback: str | None = None,
-    gpu_count: int | None = None,
-) -> Job:
-    """The :class:`Job` of a model, a training configuration and a cluster: the one resolver.
-
-    Args:
-        model: anything :func:`resolve_architecture` takes (an :class:`Architecture` is reused as is: a request's
-            alternatives resolve their training only).
-        training: a request's :class:`memfit.api.TrainingIn` (defaults filled and checked against the model and the
-            GPUs by :func:`training_config`), or a full :class:`TrainingConfig` taken as given (a telemetry row, a
-            terms entry, a canary); its ``checkpoint_layers`` are cleared either way.
-        cluster: the request's cluster (its ``gpu_count``); None: one GPU unless ``gpu_count`` says otherwise.
-        architecture_fallback: see :func:`resolve_architecture`.
-        gpu_count: GPUs, overriding the cluster's (a candidate change that adds GPUs).
-
-    Raises:
-        InvalidConfiguration: the model (field under ``model``) or the training (field under ``training``) is
-            invalid, with the allowed range.
-    """
-    arch = resolve_architecture(model, architecture_fallback)
-    gpus = gpu_count if gpu_count is not None else (cluster.gpu_count if cluster is not None else 1)
-    if isinstance(training, TrainingIn):
-        config, spec = training_config(training, arch.spec, gpus, arch.hf_config)
-    else:
-        config, spec = training, arch.spec
-    if config.checkpoint_layers:
-        config = config.model_copy(update={"checkpoint_layers": []})
-    return Job(arch, config, spec, gpus, cluster)
