@@ -19,15 +19,27 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
-from typing import Any
+from functools import cache, cached_property, lru_cache
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
 from data import catalog
 from memfit.api import ArchitectureIn, ClusterIn, TrainingIn
 from memfit.errors import InvalidConfiguration, UnknownArchitecture, pydantic_error_field
-from memfit.hf import layer_period, lora_trainable_params, model_spec, num_routed_experts, spec_fields_from_hf_config
+from memfit.hf import (
+    build_causal_lm,
+    count_params,
+    layer_period,
+    local_expert_config,
+    lora_trainable_params,
+    model_spec,
+    num_routed_experts,
+    quiet_transformers,
+    small_config,
+    spec_fields_from_hf_config,
+)
 from memfit.schema import (
     DEFAULT_LORA_RANK,
     FineTune,
@@ -104,6 +116,13 @@ class Architecture:
         """Routed experts per MoE layer (:func:`memfit.hf.num_routed_experts`), None for a dense model."""
         return num_routed_experts(self.hf_config) if self.hf_config is not None else self.spec.num_experts
 
+    @cached_property
+    def parameter_split(self) -> ParameterSplit | None:
+        """Parameters outside the decoder layers and in one, and one layer's parameter tensors
+        (:func:`parameter_split`: the shipped snapshot, else meta builds of one and two layers); None without a
+        config or where it does not build."""
+        return parameter_split(self.hf_config)
+
     def lora_trainable_params(self, rank: int, target_modules: list[str] | None = None) -> int:
         """LoRA adapter parameters of this model at ``rank`` (:func:`memfit.hf.lora_trainable_params`: the
         model's own adapted matrices when there is a config).
@@ -156,6 +175,12 @@ class Job:
         """What one expert-parallel rank holds (:func:`model.curve.expert_parallel_rank`; :attr:`spec` without
         expert parallelism)."""
         return expert_parallel_rank(self.spec, self.training, self.hf_config)
+
+    @cached_property
+    def rank_hf_config(self) -> dict[str, Any] | None:
+        """The HF config one expert-parallel rank builds (:func:`rank_hf_config`: its share of the routed experts;
+        :attr:`hf_config` without expert parallelism; None where the experts do not split that way)."""
+        return rank_hf_config(self.hf_config, self.training)
 
     @cached_property
     def stages(self) -> list[Stage]:
@@ -328,6 +353,80 @@ def _resolve_config(model: dict[str, Any] | ArchitectureIn, architecture_fallbac
     if warnings:  # an unknown family is counted and traced as the fallback family
         cfg = {k: v for k, v in cfg.items() if k in _SHAPE_KEYS}
     return Architecture(cfg, _counted_spec(json.dumps(cfg, sort_keys=True)), tuple(warnings))
+
+
+#: :func:`parameter_split` of every catalog architecture and reduced MoE model, by :func:`config_key`
+#: (:attr:`Architecture.key`; ``scripts/parameter_splits.py`` writes it; ``tests/test_coefficients.py`` checks it
+#: against meta builds): the builds import transformers' model code, 4-8 s of a command-line answer on 2 cores
+PARAMETER_SPLITS_PATH = Path(__file__).resolve().parent.parent / "data" / "parameter_splits.json"
+
+
+@cache
+def _parameter_splits_snapshot() -> dict[str, list[int]]:
+    try:
+        return json.loads(PARAMETER_SPLITS_PATH.read_text())["splits"]
+    except FileNotFoundError:
+        return {}
+
+
+class ParameterSplit(NamedTuple):
+    """:func:`parameter_split`: parameters outside the decoder layers and in one, and one layer's parameter tensors."""
+
+    outside: int
+    layer: int
+    layer_tensors: int
+
+
+def _meta_counts(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(parameters, parameter tensors) of a ``meta``-device build of ``cfg`` (tied weights once)."""
+    import torch
+
+    with torch.device("meta"):
+        model = build_causal_lm(cfg)
+    return count_params(model)[0], sum(1 for _ in model.parameters())
+
+
+@lru_cache(maxsize=1024)
+def _parameter_split(config_json: str) -> ParameterSplit | None:
+    cfg = json.loads(config_json)
+    try:
+        with quiet_transformers():
+            (one, t_one), (two, t_two) = (_meta_counts(small_config(cfg, n)) for n in (1, 2))
+    except Exception:  # noqa: BLE001 - a config transformers cannot build here: the caller's formula split
+        return None
+    layer = two - one
+    return ParameterSplit(one - layer, layer, t_two - t_one) if layer > 0 and one > layer else None
+
+
+def parameter_split(hf_config: dict[str, Any] | None) -> ParameterSplit | None:
+    """(parameters outside the decoder layers, parameters of one decoder layer, parameter tensors of one decoder
+    layer) of the model ``hf_config`` describes, counted on ``meta``-device builds of it with one and with two
+    decoder layers (tied weights once); None without a config or where it does not build. Cached per config.
+
+    Outside the layers are the token embeddings and head, and what a vocabulary-times-hidden count misses:
+    learned position tables (OPT-125m, GPT-Neo-125m: 1.6 M, 3.9 % of their embeddings), the input and output
+    projections of OPT-350m (its embeddings are 512 wide, not 1,024: the count is 78 % high) and final norms.
+    Catalog architectures are read from the shipped snapshot (:data:`PARAMETER_SPLITS_PATH`).
+    """
+    if not hf_config:
+        return None
+    hit = _parameter_splits_snapshot().get(config_key(hf_config))
+    if hit is not None:
+        return ParameterSplit(*(int(x) for x in hit))
+    # built from the config as given: the canonical one leaves out its class's defaults, which the layer count may be
+    return _parameter_split(json.dumps(hf_config, sort_keys=True))
+
+
+def rank_hf_config(hf_config: dict[str, Any] | None, training: TrainingConfig) -> dict[str, Any] | None:
+    """The HF config of what one expert-parallel rank builds: ``hf_config`` with ``num_experts /
+    expert_parallel_size`` routed experts (:func:`memfit.hf.local_expert_config`, the tracer's shard); ``hf_config``
+    itself without expert parallelism, and None when there is no config or its experts do not split that way."""
+    if not hf_config or training.expert_parallel_size == 1:
+        return hf_config
+    try:
+        return local_expert_config(hf_config, training.expert_parallel_size)
+    except ValueError:
+        return None
 
 
 @lru_cache(maxsize=1)

@@ -180,3 +180,18 @@ def test_the_defaults_live_once_in_the_schema():
 def test_the_architecture_is_resolved_once_per_catalog_name():
     assert isinstance(resolve_architecture("gpt2"), Architecture)
     assert resolve("gpt2", TrainingConfig(micro_batch_size=1, seq_len=64)).architecture is resolve_architecture("gpt2")
+
+
+def test_the_meta_build_facts_on_the_architecture_and_the_job():
+    # llama-3-8b: embeddings and head 2 x 128256 x 4096 plus the final norm outside the layers; per layer the seven
+    # projections and two norms (9 tensors); 1,050,677,248 + 32 x 218,112,000 = the published 8,030,261,248
+    split = resolve_architecture("llama-3-8b").parameter_split
+    assert tuple(split) == (1_050_677_248, 218_112_000, 9)
+    assert split.outside + 32 * split.layer == LLAMA_3_8B_PARAMS
+    # Mixtral-8x7B over four expert-parallel ranks: each builds 2 of the 8 experts of every MoE layer, so a rank
+    # holds 46.70 B less, in each of 32 layers, 6 experts of 3 x 4096 x 14336 and their 6 router rows of 4096
+    job = resolve(
+        "mixtral-8x7b", TrainingConfig(micro_batch_size=1, seq_len=64, data_parallel_size=4, expert_parallel_size=4)
+    )
+    assert job.hf_config["num_local_experts"] == 8 and job.rank_hf_config["num_local_experts"] == 2
+    assert job.spec.total_params - job.rank_spec.total_params == 32 * 6 * (176_160_768 + 4096)
