@@ -1,7 +1,8 @@
 """Turn a :class:`memfit.api.RecommendRequest` into a :class:`memfit.api.Recommendation`.
 
-Resolves the model (catalog name, HF config, explicit fields), fills training defaults from the
-cluster, asks :func:`model.recommend.plan` for the curve over k, and — when nothing fits, or it fits
+Resolves the request once (:func:`model.job.resolve`: the model, a catalog name, HF config or explicit fields, and
+the training with its defaults filled from the cluster) into a :class:`model.job.Job`, asks
+:func:`model.recommend.plan` for the curve over k, and — when nothing fits, or it fits
 only with heavy recompute (k > L/2) — answers "what fits instead": concrete changes
 (:func:`model.recommend.candidate_changes`) each planned through the same curve, ranked by
 :func:`model.recommend.rank_alternatives`.
