@@ -24,6 +24,7 @@ import time
 from data import catalog
 from memfit.schema import Precision, TrainingConfig
 from model.curve import MemoryPredictor
+from model.job import resolve_architecture
 from model.terms import TermsCache, terms_key
 
 CASES = [
@@ -96,8 +97,8 @@ def main() -> int:
     print(f"slowest never-seen 8B-class trace here, from a cleared fake-op cache: {slowest:.2f} s")
 
     p = MemoryPredictor(None, cache)
-    spec = catalog.spec("llama-3-8b")
-    cfg = catalog.get("llama-3-8b")["hf_config"]
+    arch = resolve_architecture("llama-3-8b")
+    spec, cfg = arch.spec, arch.hf_config
     training = TrainingConfig(micro_batch_size=2, seq_len=8192, precision=Precision.AMP_BF16)
     times = []
     for _ in range(200):

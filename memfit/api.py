@@ -112,6 +112,15 @@ class ArchitectureIn(_In):
         }
 
 
+def request_hf_config(model: Any) -> dict[str, Any] | None:
+    """The HF config dict a request's ``model`` gives on the client, which holds no catalog configs and builds no
+    model: explicit fields (:class:`ArchitectureIn`) as their config, a dict as given, None for a catalog name or
+    anything else. The service resolves the same field with :func:`model.job.resolve_architecture`."""
+    if isinstance(model, ArchitectureIn):
+        return model.hf_config()
+    return model if isinstance(model, dict) else None
+
+
 #: the longest model name looked up (catalog names and HF ids are under 100 characters); a longer one is refused before
 #: any lookup: the close-name search of an unknown name grows with its length (100,000 characters: seconds of CPU)
 MAX_MODEL_NAME_CHARS = 200

@@ -31,6 +31,7 @@ from memfit.api import (
     Recommendation,
     RecommendRequest,
     TrainingIn,
+    request_hf_config,
 )
 from memfit.checkpointing import FALLBACK_VERSION
 
@@ -99,17 +100,12 @@ class FallbackRecommendation(Recommendation):
 def _layer_count(model: Any) -> int:
     """Layers of the requested model: from the request itself, or the catalog entry of a name (read
     from the snapshot of ``data/architectures`` shipped with memfit, :data:`memfit.hf.CATALOG_LAYERS_PATH`); 0 when unknown."""
-    if isinstance(model, ArchitectureIn):
-        return model.num_layers
-    if isinstance(model, str):
-        from memfit.hf import catalog_num_layers
+    from memfit.hf import NUM_LAYERS_KEYS, catalog_num_layers
 
+    if isinstance(model, str):
         return catalog_num_layers(model) or 0
-    if isinstance(model, dict):
-        for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
-            if isinstance(model.get(key), int) and model[key] > 0:
-                return model[key]
-    return 0
+    cfg = request_hf_config(model) or {}  # read leniently: the fallback answers requests the service refused
+    return next((cfg[key] for key in NUM_LAYERS_KEYS if isinstance(cfg.get(key), int) and cfg[key] > 0), 0)
 
 
 def fallback_recommendation(

@@ -32,9 +32,11 @@ from memfit.schema import (
 if TYPE_CHECKING:
     import torch
 
+#: HF config keys holding the decoder-layer count, across families (Llama's, GPT-2's, ...), in the order read
+NUM_LAYERS_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 # HF config key aliases across families -> our field name
 _ALIASES: dict[str, tuple[str, ...]] = {
-    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "num_layers": NUM_LAYERS_KEYS,
     "hidden_size": ("hidden_size", "n_embd", "d_model"),
     "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
     "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
@@ -589,7 +591,7 @@ def small_config(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     repeated cyclically where the small model is deeper than the model itself (a 2-layer model traced at 3)."""
     L = spec_fields_from_hf_config(hf_config)["num_layers"]
     out = copy.deepcopy(hf_config)
-    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+    for key in NUM_LAYERS_KEYS:
         if key in out:
             out[key] = num_layers
     for key, value in hf_config.items():

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memfit.api import ArchitectureIn, RecommendRequest
+from memfit.api import RecommendRequest, request_hf_config
 from memfit.client import Client, ServiceError
 from memfit.schema import (
     DEFAULT_LORA_RANK,
@@ -90,7 +90,7 @@ def _model_spec(model: Any, request: RecommendRequest, model_name: str | None) -
     if isinstance(arch, str):
         model_name = model_name or arch
         arch = hf_config_dict(model) or detect_architecture(model)
-    cfg = arch.hf_config() if isinstance(arch, ArchitectureIn) else arch
+    cfg = request_hf_config(arch)
     total, trainable = parameter_counts(model)
     return ModelSpec(
         **spec_fields_from_hf_config(cfg), model_name=model_name, total_params=total, trainable_params=trainable

@@ -43,18 +43,16 @@ Artifacts: one LightGBM booster per coefficient in LightGBM's text format plus `
 
 from __future__ import annotations
 
-import functools
-import hashlib
+import dataclasses
 import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import lightgbm as lgb
 import numpy as np
 
-from memfit.hf import lora_trainable_params
 from memfit.schema import (
     Attention,
     FineTune,
@@ -75,6 +73,7 @@ from model.analytic import (
 )
 from model.compose import PHASES, VARIANTS, layer_values
 from model.features import CATEGORIES
+from model.job import Job, parameter_split, rank_hf_config, resolve, resolve_architecture
 
 #: the composition's quantities per phase, each a function of the small models' live bytes
 QUANTITIES = ("f0", "dF", "c0", "dC")
@@ -88,9 +87,9 @@ _BASIS_INDEX = (0, 1, 3)
 #: target is a booster in the artifact
 NEGLIGIBLE = 1e-3
 #: artifact format: eager-score, tensor-parallel and MoE scales; constants scaled by the exact parameters outside
-#: and inside one decoder layer (:func:`parameter_split`), an expert-parallel rank's by its own experts
-#: (:func:`rank_hf_config`); shared state constants as (count, fixed bytes) pairs (:func:`shared_state_constants`);
-#: the parameter-split snapshot with one layer's parameter tensors.
+#: and inside one decoder layer (:func:`model.job.parameter_split`), an expert-parallel rank's by its own experts
+#: (:func:`model.job.rank_hf_config`); shared state constants as (count, fixed bytes) pairs
+#: (:func:`shared_state_constants`); the parameter-split snapshot with one layer's parameter tensors.
 #: Boosters fitted on the scales of an older format would predict other bytes, and :meth:`CoefficientModel.load`
 #: refuses them
 FORMAT = "memfit-coefficients-5"
@@ -262,104 +261,13 @@ def head_token_bytes(model: ModelSpec, training: TrainingConfig) -> int:
     return full - 4 * sbv
 
 
-#: :func:`parameter_split` of every catalog architecture and reduced MoE model, by :func:`parameter_split_key`
-#: (``scripts/parameter_splits.py`` writes it; ``tests/test_coefficients.py`` checks it against meta builds): the
-#: builds import transformers' model code, 4-8 s of a command-line answer on a 2-core machine
-PARAMETER_SPLITS_PATH = Path(__file__).resolve().parent.parent / "data" / "parameter_splits.json"
-
-
-@functools.cache
-def _parameter_splits_snapshot() -> dict[str, list[int]]:
-    try:
-        return json.loads(PARAMETER_SPLITS_PATH.read_text())["splits"]
-    except FileNotFoundError:
-        return {}
-
-
-def _canonical_json(hf_config: dict[str, Any]) -> str:
-    from model.terms import canonical_config
-
-    return json.dumps(canonical_config(hf_config), sort_keys=True)
-
-
-def parameter_split_key(hf_config: dict[str, Any]) -> str:
-    """SHA-256 (hex) of the config's memory-relevant keys (:func:`model.terms.canonical_config`)."""
-    return hashlib.sha256(_canonical_json(hf_config).encode()).hexdigest()
-
-
-class ParameterSplit(NamedTuple):
-    """:func:`parameter_split`: parameters outside the decoder layers and in one, and one layer's parameter tensors."""
-
-    outside: int
-    layer: int
-    layer_tensors: int
-
-
-def _meta_counts(cfg: dict[str, Any]) -> tuple[int, int]:
-    """(parameters, parameter tensors) of a ``meta``-device build of ``cfg`` (tied weights once)."""
-    import torch
-
-    from memfit.hf import build_causal_lm, count_params
-
-    with torch.device("meta"):
-        model = build_causal_lm(cfg)
-    return count_params(model)[0], sum(1 for _ in model.parameters())
-
-
-@functools.lru_cache(maxsize=1024)
-def _parameter_split(config_json: str) -> ParameterSplit | None:
-    from memfit.hf import quiet_transformers, small_config
-
-    cfg = json.loads(config_json)
-    try:
-        with quiet_transformers():
-            (one, t_one), (two, t_two) = (_meta_counts(small_config(cfg, n)) for n in (1, 2))
-    except Exception:  # noqa: BLE001 - a config transformers cannot build here: the caller's formula split
-        return None
-    layer = two - one
-    return ParameterSplit(one - layer, layer, t_two - t_one) if layer > 0 and one > layer else None
-
-
-def parameter_split(hf_config: dict[str, Any] | None) -> ParameterSplit | None:
-    """(parameters outside the decoder layers, parameters of one decoder layer, parameter tensors of one decoder
-    layer) of the model ``hf_config`` describes, counted on ``meta``-device builds of it with one and with two
-    decoder layers (tied weights once); None without a config or where it does not build. Cached per config.
-
-    Outside the layers are the token embeddings and head, and what a vocabulary-times-hidden count misses:
-    learned position tables (OPT-125m, GPT-Neo-125m: 1.6 M, 3.9 % of their embeddings), the input and output
-    projections of OPT-350m (its embeddings are 512 wide, not 1,024: the count is 78 % high) and final norms.
-    Catalog architectures are read from the shipped snapshot (:data:`PARAMETER_SPLITS_PATH`).
-    """
-    if not hf_config:
-        return None
-    hit = _parameter_splits_snapshot().get(parameter_split_key(hf_config))
-    if hit is not None:
-        return ParameterSplit(*(int(x) for x in hit))
-    # built from the config as given: the canonical one leaves out its class's defaults, which the layer count may be
-    return _parameter_split(json.dumps(hf_config, sort_keys=True))
-
-
-def rank_hf_config(hf_config: dict[str, Any] | None, training: TrainingConfig) -> dict[str, Any] | None:
-    """The HF config of what one expert-parallel rank builds: ``hf_config`` with ``num_experts /
-    expert_parallel_size`` routed experts (:func:`memfit.hf.local_expert_config`, the tracer's shard); ``hf_config``
-    itself without expert parallelism, and None when there is no config or its experts do not split that way."""
-    if not hf_config or training.expert_parallel_size == 1:
-        return hf_config
-    from memfit.hf import local_expert_config
-
-    try:
-        return local_expert_config(hf_config, training.expert_parallel_size)
-    except ValueError:
-        return None
-
-
 def small_model_states(
     model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None
 ) -> tuple[float, float]:
     """(model-state bytes of the one-layer model, of one decoder layer): the scales of the constants.
 
     Parameters are split into those outside the decoder layers and one decoder layer's as the model's code has
-    them (:func:`parameter_split` of ``hf_config``), else, without a config that builds, into embeddings
+    them (:func:`model.job.parameter_split` of ``hf_config``), else, without a config that builds, into embeddings
     (vocab × hidden, twice when untied) and equal decoder layers of the published total. With that formula split
     for every entry, the constants learned leaving one model out are further off their scale than with the exact
     split (OPT-350m: 0.22 against 0.01 mean absolute error; ``benchmarks/results/design_choices.md``).
@@ -369,8 +277,8 @@ def small_model_states(
     of the unit being computed — measured on the shipped traced terms, the embeddings' live bytes over their
     sharded states alone reach 70 over 64 ranks, where over this scale they stay near 1.
     With expert parallelism a rank holds ``num_experts / expert_parallel_size`` experts of each MoE layer
-    (:func:`rank_hf_config`), as the tracer builds it (counting every expert puts the held-out MoE models with four
-    expert-parallel ranks 113-202 % high).
+    (:func:`model.job.rank_hf_config`), as the tracer builds it (counting every expert puts the held-out MoE models
+    with four expert-parallel ranks 113-202 % high).
     """
     L = model.num_layers
     split = parameter_split(rank_hf_config(hf_config, training))
@@ -524,40 +432,35 @@ def pieces_to_coef(pieces: np.ndarray) -> dict[str, dict[str, list[list[float]]]
     return coef
 
 
-def entry_configuration(entry: dict[str, Any]) -> tuple[ModelSpec, TrainingConfig, dict[str, Any]]:
-    """(ModelSpec, TrainingConfig, HF config) of a shipped terms entry, by ``model_name``: a catalog
-    architecture (published parameter count) or a reduced MoE model (:func:`data.catalog.hf_config_of`,
-    counted on a meta build).
+def entry_configuration(entry: dict[str, Any]) -> Job:
+    """The :class:`model.job.Job` of a shipped terms entry, by ``model_name``: a catalog architecture (published
+    parameter count) or a reduced MoE model (:func:`data.catalog.hf_config_of`, counted on a meta build), with the
+    entry's training (micro-batch 1, sequence 1,024: the composed ones); a LoRA entry's trainable count is its
+    adapters' (:meth:`model.job.Architecture.lora_trainable_params`).
 
     Raises:
         LookupError: ``model_name`` is neither.
     """
-    from data import catalog
     from data.catalog import hf_config_of
     from memfit.errors import UnknownModel
-    from memfit.hf import model_spec
+    from model.terms import key_training_fields
 
     name = entry["model_name"]
     hf = hf_config_of(name)
     if hf is None:
         raise LookupError(f"terms entry {entry.get('key', '')[:12]}: no HF config for model {name!r}")
     try:
-        spec = catalog.spec(name)
+        arch = resolve_architecture(name)
     except UnknownModel:
-        spec = model_spec(hf, name=name)
-    from model.terms import key_training_fields
-
+        arch = resolve_architecture(hf, name=name)
     fields = key_training_fields(entry["training"])
     # the terms key keeps data_parallel_size 1 without sharding; expert parallelism splits experts over those ranks
     fields["data_parallel_size"] = max(fields.get("data_parallel_size", 1), fields.get("expert_parallel_size", 1))
-    training = TrainingConfig.model_validate({"micro_batch_size": 1, "seq_len": 1024, **fields})
-    if training.finetune is FineTune.LORA:
-        spec = spec.model_copy(
-            update={
-                "trainable_params": lora_trainable_params(spec, training.lora_rank, training.lora_target_modules, hf)
-            }
-        )
-    return spec, training, hf
+    job = resolve(arch, TrainingConfig.model_validate({"micro_batch_size": 1, "seq_len": 1024, **fields}))
+    if job.training.finetune is FineTune.LORA:
+        trainable = arch.lora_trainable_params(job.training.lora_rank, job.training.lora_target_modules)
+        job = dataclasses.replace(job, spec=job.spec.model_copy(update={"trainable_params": trainable}))
+    return job
 
 
 #: the constants of the phases that hold model states only (at rest, the optimizer step): per training setting they are
@@ -584,8 +487,8 @@ def _per_layer(j: int) -> bool:
 
 
 def layer_tensors(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> int:
-    """Parameter tensors of one decoder layer of what one rank builds (:func:`parameter_split` of
-    :func:`rank_hf_config`); 0 where the config does not build."""
+    """Parameter tensors of one decoder layer of what one rank builds (:func:`model.job.parameter_split` of
+    :func:`model.job.rank_hf_config`); 0 where the config does not build."""
     split = parameter_split(rank_hf_config(hf_config, training))
     return 0 if split is None else split.layer_tensors
 
@@ -722,10 +625,11 @@ class CoefficientModel:
                 self.skipped_.append(f"{e['model_name']}: gradient accumulation (learned per micro-batch)")
                 continue
             try:
-                spec, training, hf = entry_configuration(e)
+                job = entry_configuration(e)
             except (LookupError, ValueError) as err:  # no HF config here, or settings this code refuses
                 self.skipped_.append(str(err))
                 continue
+            spec, training, hf = job.spec, job.training, job.hf_config
             specs.append(spec)
             names.append(e["model_name"])
             keys.append(setting_key(training))

@@ -36,6 +36,7 @@ from sklearn.model_selection import GroupKFold
 
 from memfit.schema import GIB, Precision, Sharding, Source, TelemetryRecord
 from model.analytic import model_state_bytes
+from model.job import Job, resolve
 
 #: flat columns identifying a configuration family: everything but k (the checkpointed-layer count)
 FAMILY_COLUMNS: list[str] = [
@@ -481,20 +482,19 @@ def cross_evaluate(
 
 
 # -- the one curve as an estimator --------------------------------------------------------------------
-def row_configuration(row: dict[str, Any]):
-    """(ModelSpec, TrainingConfig with k = 0, HF config or None) of one flat telemetry row
-    (:func:`model.features.row_specs`, plus the HF config of the row's ``model_name``:
-    :func:`data.catalog.hf_config_of`)."""
-    from data.catalog import hf_config_of
+def row_configuration(row: dict[str, Any]) -> Job:
+    """The :class:`model.job.Job` of one flat telemetry row (:func:`model.features.row_specs`): the row's spec as
+    measured, its training with k = 0, and the HF config of its ``model_name`` (:func:`model.job.resolve_architecture`
+    of a :class:`ModelSpec`; None for a model neither the catalog nor the reduced MoE models hold)."""
     from memfit.schema import ModelSpec, TrainingConfig
     from model.features import row_specs
 
     spec, training = row_specs({k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))})
     # validated copies: Parquet hands integer columns with gaps back as floats (lora_rank 16.0), and the
     # traced-terms key must see the same values a request gives
-    spec = ModelSpec.model_validate(dict(spec))
-    training = TrainingConfig.model_validate({**dict(training), "checkpoint_layers": []})
-    return spec, training, hf_config_of(getattr(spec, "model_name", None))
+    return resolve(
+        ModelSpec.model_validate(dict(spec)), TrainingConfig.model_validate({**dict(training), "checkpoint_layers": []})
+    )
 
 
 #: architecture folds of the learned-coefficient path's cross-conformal margin (:meth:`CurveEstimator.fit`)
@@ -553,9 +553,9 @@ class CurveEstimator:
         upper = np.full(len(X), np.nan)
         group = [""] * len(X)
         for _key, g in X.groupby(cols, dropna=False, sort=False):
-            spec, training, hf = row_configuration(g.iloc[0].to_dict())
-            c = predictor.curve(spec, training, hf)
-            mg = c.margin_group or margin_group(c.path, training.sharding, c.learned_coefficients)
+            job = row_configuration(g.iloc[0].to_dict())
+            c = predictor.curve(job.spec, job.training, job.hf_config)
+            mg = c.margin_group or margin_group(c.path, job.training.sharding, c.learned_coefficients)
             for i, k in zip(g.index, g["num_checkpointed_layers"].astype(int)):
                 pred[i], upper[i], group[i] = c.points[k].predicted_bytes, c.points[k].upper_bytes, mg
         return pred, upper, group
@@ -705,7 +705,8 @@ def row_paths(df: pd.DataFrame, terms) -> np.ndarray:
     d = df.reset_index(drop=True)
     out = np.full(len(d), "provisional", dtype=object)
     for _key, g in d.groupby(cols, dropna=False, sort=False):
-        spec, training, hf = row_configuration(g.iloc[0].to_dict())
+        job = row_configuration(g.iloc[0].to_dict())
+        spec, training, hf = job.spec, job.training, job.hf_config
         if (
             training.sharding is Sharding.ZERO1
             and not_composable_reason(training) is None

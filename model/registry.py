@@ -87,14 +87,14 @@ class LoadedModel:
 def coefficient_canary(coefficients: Any) -> dict[str, dict[str, int]]:
     """The learned-coefficients curve's raw composed peak bytes at k = 0 and k = L of each :data:`CANARY`
     configuration it covers (``{"<model>/mb<m>/s<seq>/<sharding>/dp<n>": {"k0_bytes", "kall_bytes"}}``)."""
-    from data import catalog
     from memfit.schema import TrainingConfig
     from model.compose import compose
+    from model.job import resolve
 
     out = {}
     for name, mb, seq, sharding, dp in CANARY:
-        spec, hf = catalog.spec(name), catalog.get(name)["hf_config"]
-        training = TrainingConfig(micro_batch_size=mb, seq_len=seq, sharding=sharding, data_parallel_size=dp)
+        job = resolve(name, TrainingConfig(micro_batch_size=mb, seq_len=seq, sharding=sharding, data_parallel_size=dp))
+        spec, training, hf = job.spec, job.training, job.hf_config
         if not coefficients.covers(spec, training, hf):
             continue
         raw = compose(coefficients.predict_coef(spec, training, hf), spec.num_layers, mb, seq).peak_bytes
@@ -169,21 +169,19 @@ def canary_predictions(est: PeakMemoryRegressor) -> dict[str, dict[str, int]]:
     """
     import numpy as np
 
-    from data import catalog
     from memfit.schema import TrainingConfig
-    from model.analytic import model_state_bytes
     from model.features import curve_matrix
+    from model.job import resolve
 
     out = {}
     for name, mb, seq, sharding, dp in CANARY:
-        spec = catalog.spec(name)
-        training = TrainingConfig(micro_batch_size=mb, seq_len=seq, sharding=sharding, data_parallel_size=dp)
-        base, ratio = est.predict_matrix(curve_matrix(spec, training))
+        job = resolve(name, TrainingConfig(micro_batch_size=mb, seq_len=seq, sharding=sharding, data_parallel_size=dp))
+        base, ratio = est.predict_matrix(curve_matrix(job.spec, job.training))
         raw = np.exp(base + ratio)
         out[f"{name}/mb{mb}/s{seq}/{sharding}/dp{dp}"] = {
             "k0_bytes": int(raw[0]),
             "kall_bytes": int(raw[-1]),
-            "floor_bytes": int(model_state_bytes(spec, training).total_bytes),
+            "floor_bytes": int(job.states.total_bytes),
         }
     return out
 

@@ -1,4 +1,4 @@
-"""Write ``data/parameter_splits.json``, the snapshot of :func:`model.coefficients.parameter_split` (parameters outside
+"""Write ``data/parameter_splits.json``, the snapshot of :func:`model.job.parameter_split` (parameters outside
 the decoder layers, parameters of one layer; meta-device builds under the installed transformers) for every catalog
 architecture and reduced MoE model, and of one expert-parallel rank's shard of each MoE model, which the
 learned-coefficient path reads instead of importing transformers' model code. Run after changing the catalog
@@ -13,7 +13,7 @@ from importlib.metadata import version
 from data import catalog
 from data.reduced_moe import REDUCED_MOE
 from memfit.hf import local_expert_config, num_routed_experts
-from model.coefficients import PARAMETER_SPLITS_PATH, _parameter_split, parameter_split_key
+from model.job import PARAMETER_SPLITS_PATH, _parameter_split, config_key
 
 if __name__ == "__main__":
     configs = [catalog.get(name)["hf_config"] for name in catalog.names()] + list(REDUCED_MOE.values())
@@ -29,7 +29,7 @@ if __name__ == "__main__":
     for cfg in configs:
         split = _parameter_split(json.dumps(cfg, sort_keys=True))
         if split is not None:
-            splits[parameter_split_key(cfg)] = list(split)
+            splits[config_key(cfg)] = list(split)
     PARAMETER_SPLITS_PATH.write_text(
         json.dumps({"transformers": version("transformers"), "splits": dict(sorted(splits.items()))}, indent=0) + "\n"
     )

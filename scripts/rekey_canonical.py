@@ -30,7 +30,7 @@ from pathlib import Path
 
 from data.catalog import hf_config_of
 from memfit.schema import TrainingConfig
-from model.coefficients import PARAMETER_SPLITS_PATH, parameter_split_key
+from model.job import PARAMETER_SPLITS_PATH, config_key
 from model.terms import CANONICAL_KEYS_NAME, SHIPPED_DIR, TermsCache, entry_key, key_training_fields, terms_key
 
 TESTS_DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
@@ -131,8 +131,8 @@ def rekey_splits() -> int:
         for ep in (2**i for i in range(1, experts.bit_length()))
         if experts % ep == 0
     ]
-    by_old = {_legacy_split_key(c): parameter_split_key(c) for c in configs}
-    by_old.update({parameter_split_key(c): parameter_split_key(c) for c in configs})  # already canonical
+    by_old = {_legacy_split_key(c): config_key(c) for c in configs}
+    by_old.update({config_key(c): config_key(c) for c in configs})  # already canonical
     splits = {}
     for key, value in snapshot["splits"].items():
         if key not in by_old:

@@ -468,8 +468,10 @@ def cached_hf_config(repo_id: str) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
-def resolve_model_arg(a: argparse.Namespace) -> str | dict[str, Any]:
-    """The request's model: a catalog name, or a HF config dict (``--config`` or the HF cache).
+def model_from_args(a: argparse.Namespace) -> str | dict[str, Any]:
+    """The request's ``model`` field as the flags give it: a catalog name (its canonical name, looked up by
+    :func:`model.job.resolve_architecture`), or a HF config dict (``--config``, a path, or the HF cache), read, not
+    resolved: :func:`model.job.resolve` resolves the request.
 
     Raises:
         InputError: unknown everywhere; the message says where it looked and what to do.
@@ -482,10 +484,10 @@ def resolve_model_arg(a: argparse.Namespace) -> str | dict[str, Any]:
         check_model_name(a.model)  # before any lookup: a 100,000-character name cost seconds and was echoed whole
     except ValueError as err:
         raise InputError(f"--model: {err}") from None
-    from data import catalog
+    from model.job import resolve_architecture
 
     try:
-        return catalog.get(a.model)["name"]
+        return resolve_architecture(a.model).name
     except KeyError as err:
         close = str(err).strip("'\"")
     if Path(a.model).expanduser().exists():
@@ -554,7 +556,7 @@ def request_from_args(a: argparse.Namespace) -> RecommendRequest:
         cluster["gpu"] = a.gpu
     return RecommendRequest.model_validate(
         {
-            "model": resolve_model_arg(a),
+            "model": model_from_args(a),
             "training": training,
             "cluster": cluster,
             "headroom_fraction": a.headroom,

@@ -6,8 +6,9 @@ import pytest
 
 from memfit.api import RecommendRequest
 from model.analytic import replicated_params
+from model.job import resolve_architecture
 from model.registry import Registry
-from service.recommender import Recommender, resolve_model
+from service.recommender import Recommender
 
 GIB = 1 << 30
 
@@ -34,7 +35,7 @@ def test_llama_3_8b_tensor_parallel_8_holds_an_eighth_per_gpu(recommender):
     # k recommendation per rank. Before issue 9 nothing was divided and it "did not fit".
     rec = _llama3_8b(recommender, tensor_parallel_size=8)
     total = 8_030_261_248
-    norms = replicated_params(resolve_model("llama-3-8b")[0])  # 65 RMSNorm weights of 4096
+    norms = replicated_params(resolve_architecture("llama-3-8b").spec)  # 65 RMSNorm weights of 4096
     assert rec.path == "traced"  # DTensor TP traced over a fake process group (shipped terms)
     per_rank = rec.parameters_per_rank
     assert abs(per_rank - total / 8) <= norms  # an eighth, but for the norms every rank holds whole

@@ -48,7 +48,8 @@ def scaled_targets(entries):
 
     out = []
     for e in entries:
-        spec, training, hf = entry_configuration(e)
+        job = entry_configuration(e)
+        spec, training, hf = job.spec, job.training, job.hf_config
         out.append((spec, training, fitted_pieces(e["terms"]) / scales(spec, training, hf)))
     return out
 
@@ -67,7 +68,7 @@ def test_one_piece_per_phase_reproduces_the_traced_composition(entries):
     architectures, each k, within their traced token range."""
     for name in ("llama-3.2-1b", "gpt2-medium", "bloom-560m"):
         e = _entry(entries, name, precision="amp_bf16", sharding="none", finetune="full")
-        spec, _training, _hf = entry_configuration(e)
+        spec = entry_configuration(e).spec
         t = e["terms"]
         depths = tuple(t.get("depths", (t.get("period", 1), 2 * t.get("period", 1))))
         pts = t["points"]
@@ -93,7 +94,8 @@ def test_leave_architecture_out_accuracy_on_measured_rows(held_out_model):
     predictor = MemoryPredictor(None, TermsCache(shipped_dir=None), coefficients=held_out_model)
     errors: dict[str, list[float]] = {n: [] for n in HELD_OUT}
     for _key, g in df.groupby([c for c in FAMILY_COLUMNS if c in df.columns], dropna=False, sort=False):
-        spec, training, hf = row_configuration(g.iloc[0].to_dict())
+        job = row_configuration(g.iloc[0].to_dict())
+        spec, training, hf = job.spec, job.training, job.hf_config
         if not held_out_model.covers(spec, training, hf):
             continue
         c = predictor.curve(spec, training, hf)
@@ -314,7 +316,8 @@ def test_state_constants_shared_by_a_setting_are_used_exactly(entries, held_out_
         for e in entries:
             if e["model_name"] != name or e["training"].get("gradient_accumulation"):
                 continue
-            spec, training, hf = entry_configuration(e)
+            job = entry_configuration(e)
+            spec, training, hf = job.spec, job.training, job.hf_config
             y = fitted_pieces(e["terms"]) / scales(spec, training, hf)
             p = held_out_model.predict_pieces(spec, training, hf) / scales(spec, training, hf)
             for k in held_out_model.shared_.get(setting_key(training), {}):
@@ -329,9 +332,10 @@ def test_expert_parallel_constants_are_scaled_by_the_rank_experts(entries, scale
     """Session 13's worst learned-path rows: the MoE models with four expert-parallel ranks, held out, were predicted
     113-202 % high, because their constants' scales counted every expert while a rank builds E / 4 of them (their
     dimensionless constants were near 0.4 where every other entry's are near 1, so the trees could not learn them
-    from three entries). Scaled by the rank's own experts (model.coefficients.rank_hf_config), the at-rest and
+    from three entries). Scaled by the rank's own experts (model.job.rank_hf_config), the at-rest and
     optimizer-step constants of the expert-parallel entries equal those of the same model without it."""
-    from model.coefficients import rank_hf_config, small_model_states
+    from model.coefficients import small_model_states
+    from model.job import rank_hf_config
 
     keys = [TARGETS.index((p, q, "1")) for p in ("rest", "opt") for q in ("f0", "dF")]
     by_model: dict[str, dict[int, np.ndarray]] = {}
@@ -348,7 +352,8 @@ def test_expert_parallel_constants_are_scaled_by_the_rank_experts(entries, scale
     for name, v in paired.items():
         assert np.allclose(v[4], v[1], rtol=0.01), (name, v)
         assert np.all((v[1] > 0.7) & (v[1] < 1.3)), (name, v[1])  # at rest no gradients: 12 of 16 bytes
-    spec, training, hf = entry_configuration(_entry(entries, "mixtral-reduced", expert_parallel_size=4))
+    job = entry_configuration(_entry(entries, "mixtral-reduced", expert_parallel_size=4))
+    spec, training, hf = job.spec, job.training, job.hf_config
     local = rank_hf_config(hf, training)
     assert local["num_local_experts"] * 4 == hf["num_local_experts"]
     _one, layer = small_model_states(spec, training, hf)
@@ -360,12 +365,12 @@ def test_expert_parallel_constants_are_scaled_by_the_rank_experts(entries, scale
 
 @pytest.mark.parametrize("name", ["opt-125m", "opt-350m", "gpt-neo-125m", "llama-3.2-1b", "qwen2.5-0.5b"])
 def test_parameter_split_counts_what_the_model_code_builds(name):
-    """The constants' scales split the parameters as the model's code does (model.coefficients.parameter_split):
+    """The constants' scales split the parameters as the model's code does (model.job.parameter_split):
     outside the decoder layers plus num_layers times one layer is the published count (OPT-125m's published count is
     1,536 lower: a final norm). The vocab x hidden formula
     missed OPT's and GPT-Neo's learned position tables (1.6 M) and OPT-350m's 512-wide embeddings with their
     input and output projections (a base 78 % too large)."""
-    from model.coefficients import parameter_split
+    from model.job import parameter_split
 
     entry = catalog.get(name)
     spec = catalog.spec(name)
@@ -387,19 +392,19 @@ def test_parameter_split_snapshot_covers_the_catalog_and_matches_meta_builds():
     sampled entries equal the meta builds under the installed transformers (run the script when this fails)."""
     import json
 
-    from model.coefficients import _parameter_split, _parameter_splits_snapshot, parameter_split, parameter_split_key
+    from model.job import _parameter_split, _parameter_splits_snapshot, config_key, parameter_split
 
     snapshot = _parameter_splits_snapshot()
     names = catalog.names()
-    assert all(parameter_split_key(catalog.get(n)["hf_config"]) in snapshot for n in names)
+    assert all(config_key(catalog.get(n)["hf_config"]) in snapshot for n in names)
     from data.reduced_moe import REDUCED_MOE
     from memfit.hf import local_expert_config
 
-    assert all(parameter_split_key(local_expert_config(cfg, 4)) in snapshot for cfg in REDUCED_MOE.values())
+    assert all(config_key(local_expert_config(cfg, 4)) in snapshot for cfg in REDUCED_MOE.values())
     misses = _parameter_split.cache_info().misses
     parameter_split(catalog.get("mistral-7b-v0.1")["hf_config"])
     assert _parameter_split.cache_info().misses == misses  # read, not built
     for name in random.Random(0).sample(names, 4) + ["opt-350m"]:
         cfg = catalog.get(name)["hf_config"]
         built = _parameter_split(json.dumps(cfg, sort_keys=True))
-        assert list(built) == snapshot[parameter_split_key(cfg)], name
+        assert list(built) == snapshot[config_key(cfg)], name

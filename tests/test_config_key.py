@@ -11,8 +11,8 @@ from data import catalog
 from memfit.describe import clean_hf_config
 from memfit.hf import _hf_config, canonical_hf_config, spec_fields_from_hf_config
 from memfit.schema import TrainingConfig
-from model.coefficients import PARAMETER_SPLITS_PATH, parameter_split_key
 from model.curve import TRACED, MemoryPredictor
+from model.job import PARAMETER_SPLITS_PATH, config_key
 from model.registry import Registry
 from model.terms import SHIPPED_DIR, TermsCache, shipped_entries, terms_key
 
@@ -43,7 +43,7 @@ def test_every_catalog_model_gets_one_key_and_one_curve(predictor):
         assert full != published
         assert canonical_hf_config(full) == canonical_hf_config(published), name
         assert terms_key(full, training) == terms_key(published, training), name
-        assert parameter_split_key(full) == parameter_split_key(published), name
+        assert config_key(full) == config_key(published), name
         assert spec_fields_from_hf_config(full) == spec_fields_from_hf_config(published), name
         spec = catalog.spec(name)
         a, b = predictor.curve(spec, training, published), predictor.curve(spec, training, full)
@@ -58,7 +58,7 @@ def test_every_catalog_model_gets_one_key_and_one_curve(predictor):
 def test_the_shipped_splits_are_found_under_the_canonical_key():
     splits = json.loads(PARAMETER_SPLITS_PATH.read_text())["splits"]
     for name in catalog.names():
-        assert parameter_split_key(full_form(catalog.get(name)["hf_config"])) in splits, name
+        assert config_key(full_form(catalog.get(name)["hf_config"])) in splits, name
 
 
 def test_aliases_and_rope_spellings_share_a_key():

@@ -282,7 +282,8 @@ def test_sharded_bound_is_tight_where_the_composition_is_exact(predictor):
     df, _ = load_rows(None, ["data/telemetry/telemetry.parquet"])
     rows = df[(df["model_name"] == "opt-30b") & (df["sharding"] == "fsdp_shard_grad_op")]
     assert len(rows) == 13
-    spec, training, hf = row_configuration(rows.iloc[0].to_dict())
+    job = row_configuration(rows.iloc[0].to_dict())
+    spec, training, hf = job.spec, job.training, job.hf_config
     assert (training.micro_batch_size, training.seq_len, training.data_parallel_size) == (8, 2048, 32)
     c = predictor.curve(spec, training, hf)
     assert c.path == TRACED and c.margin_group == TRACED_SHARDED_UNIFORM

@@ -247,7 +247,7 @@ def test_service_takes_quantization_from_the_config_dict_and_refuses_contradicti
     from memfit.api import TrainingIn
     from memfit.errors import InvalidConfiguration
     from memfit.hf import model_spec
-    from service.recommender import training_config
+    from model.job import training_config
 
     hf = {**HF, "quantization_config": {"load_in_4bit": True, "bnb_4bit_use_double_quant": True}}
     spec = model_spec(HF)

@@ -194,7 +194,7 @@ def test_schema_rejects_bad_parallel_settings():
     ],
 )
 def test_service_names_the_bad_parallel_field(fields, field):
-    from service.recommender import training_config
+    from model.job import training_config
 
     t = TrainingIn.model_validate({"micro_batch_size": 1, "seq_len": 256, **fields})
     with pytest.raises(InvalidConfiguration) as err:

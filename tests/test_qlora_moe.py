@@ -13,9 +13,9 @@ from fastapi.testclient import TestClient
 
 from memfit.errors import InvalidConfiguration
 from memfit.schema import TrainingConfig, check_quantized_base
+from model.job import resolve_architecture
 from service.app import create_app
 from service.cli import EXIT_BAD_INPUT, main
-from service.recommender import resolve_model
 from service.settings import Settings
 from tests.moe_configs import TINY_MOE
 
@@ -23,12 +23,12 @@ QLORA = {"finetune": "lora", "lora_rank": 16, "quantization": "nf4"}
 
 
 def test_the_rule_names_the_field_and_leaves_dense_models_and_moe_lora_alone():
-    mixtral = resolve_model("mixtral-8x7b")[0]
+    mixtral = resolve_architecture("mixtral-8x7b").spec
     qlora = TrainingConfig(micro_batch_size=1, seq_len=512, **QLORA)
     with pytest.raises(InvalidConfiguration) as err:
         check_quantized_base(mixtral, qlora)
     assert err.value.field == "training.quantization" and "3-D parameters" in str(err.value)
-    check_quantized_base(resolve_model("llama-3-8b")[0], qlora)  # dense: modelled
+    check_quantized_base(resolve_architecture("llama-3-8b").spec, qlora)  # dense: modelled
     check_quantized_base(mixtral, TrainingConfig(micro_batch_size=1, seq_len=512, finetune="lora", lora_rank=16))
 
 

@@ -22,7 +22,8 @@ def answered() -> pd.DataFrame:
     predictor = MemoryPredictor(None, TermsCache())  # no learned model: only the traced path can answer
     pred = np.full(len(df), np.nan)
     for _key, g in df.groupby([c for c in FAMILY_COLUMNS if c in df.columns], dropna=False, sort=False):
-        spec, training, hf = row_configuration(g.iloc[0].to_dict())
+        job = row_configuration(g.iloc[0].to_dict())
+        spec, training, hf = job.spec, job.training, job.hf_config
         if training.sharding is Sharding.ZERO1:  # not traceable (model.terms.not_traceable_reason): one
             assert training.gradient_accumulation_steps > 1  # gradient-accumulation family, left out
             continue

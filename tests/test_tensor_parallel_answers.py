@@ -18,8 +18,9 @@ from model.analytic import (
     quantized_linear_bytes,
     tensor_parallel_rank_spec,
 )
+from model.job import resolve_architecture
 from model.registry import Registry
-from service.recommender import Recommender, resolve_model
+from service.recommender import Recommender
 
 GIB = 1 << 30
 #: four catalog models that every TP size in 1/2/4/8 splits (query and KV heads divisible)
@@ -64,7 +65,7 @@ def _byte_counts(value, path=""):
 
 
 def test_decoder_linear_shapes_are_megatron_shards():
-    spec = resolve_model("llama-3-8b")[0]  # h 4096, 32 heads, 8 KV heads of 128, FFN 14336
+    spec = resolve_architecture("llama-3-8b").spec  # h 4096, 32 heads, 8 KV heads of 128, FFN 14336
     assert decoder_linear_shapes(spec) == [
         (4096, 4096),
         (1024, 4096),
@@ -91,7 +92,7 @@ def test_decoder_linear_shapes_are_megatron_shards():
 
 
 def test_rank_spec_counts_replicated_kv_heads():
-    spec = resolve_model("llama-3-8b")[0]
+    spec = resolve_architecture("llama-3-8b").spec
     tp16 = tensor_parallel_rank_spec(
         spec, TrainingConfig(micro_batch_size=1, seq_len=16, tensor_parallel_size=16, data_parallel_size=1)
     )

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.schema import Attention, FineTune, Optimizer, Precision, Sharding, TrainingConfig
+from model.job import resolve_architecture
 
 SCHEMA_TAG = "v3"
 ENGINES = ("local", "dask")
@@ -170,7 +171,7 @@ class SweepGrid:
         defaults = {name: info.default for name, info in TrainingConfig.model_fields.items()}
         out: list[Family] = list(self.fixed)
         for name in self.models:
-            layers = catalog.spec(name).num_layers
+            layers = resolve_architecture(name).num_layers
             n = (
                 self.families_per_model
                 if layers <= self.small_model_layers
@@ -229,9 +230,8 @@ def order_for_early_stop(
     """``fixed`` families first, then ``coverage_rounds`` rounds of one family per model (cheapest model first), then
     the rest by tracing cost (layers; shuffled within equal cost), so a sweep stopped on a budget has
     covered every model and measured as many rows as the time allowed."""
-    from data import catalog
 
-    layers = {m: catalog.spec(m).num_layers for m in {f.model for f in fams}}
+    layers = {m: resolve_architecture(m).num_layers for m in {f.model for f in fams}}
     first_fixed = [f for f in fams if f in fixed]
     rest = [f for f in fams if f not in fixed]
     rng.shuffle(rest)
@@ -393,7 +393,7 @@ class JsonlStore:
 def _catalog_names() -> list[str]:
     from data import catalog
 
-    return [n for n in catalog.names() if catalog.spec(n).num_experts is None]  # MoE: see README
+    return [n for n in catalog.names() if resolve_architecture(n).spec.num_experts is None]  # MoE: see README
 
 
 # -- sweep specifications (TOML) ------------------------------------------------------------------
@@ -419,17 +419,15 @@ class SweepPlan:
     row_s_per_layer: float = 0.0
 
     def rows(self) -> int:
-        from data import catalog
 
-        return sum(len(k_values(catalog.spec(f.model).num_layers, self.k_points)) for f in self.families)
+        return sum(len(k_values(resolve_architecture(f.model).num_layers, self.k_points)) for f in self.families)
 
     def rows_within(self, worker_s: float) -> int:
         """Rows measured, in order, before ``worker_s`` seconds of worker time are spent (the estimate)."""
-        from data import catalog
 
         rows, spent = 0, 0.0
         for f in self.families:
-            layers = catalog.spec(f.model).num_layers
+            layers = resolve_architecture(f.model).num_layers
             n = len(k_values(layers, self.k_points))
             spent += n * (self.row_s_base + self.row_s_per_layer * layers)
             if spent > worker_s:
@@ -439,11 +437,10 @@ class SweepPlan:
 
     def worker_seconds(self) -> float:
         """Estimated measuring time on one worker (sum over families of rows x per-row time)."""
-        from data import catalog
 
         total = 0.0
         for f in self.families:
-            layers = catalog.spec(f.model).num_layers
+            layers = resolve_architecture(f.model).num_layers
             total += len(k_values(layers, self.k_points)) * (self.row_s_base + self.row_s_per_layer * layers)
         return total
 
@@ -460,7 +457,7 @@ def _expand_models(names: list[str]) -> list[str]:
     for n in names:
         if n in ("@dense", "@moe"):
             moe = n == "@moe"
-            out += [m for m in catalog.names() if (catalog.spec(m).num_experts is not None) == moe]
+            out += [m for m in catalog.names() if (resolve_architecture(m).spec.num_experts is not None) == moe]
         else:
             out.append(catalog.get(n)["name"])
     return list(dict.fromkeys(out))
@@ -484,8 +481,6 @@ def load_spec(path: str | Path) -> SweepPlan:
     import tomllib
 
     from pydantic import ValidationError
-
-    from data import catalog
 
     spec = tomllib.loads(Path(path).read_text())
     head = spec.get("sweep", {})
@@ -537,7 +532,7 @@ def load_spec(path: str | Path) -> SweepPlan:
                 continue
             fams.append(fam)
             report["families"] += 1
-            report["rows"] += len(k_values(catalog.spec(fam.model).num_layers, k_points))
+            report["rows"] += len(k_values(resolve_architecture(fam.model).num_layers, k_points))
         if report["families"] == 0 and report["dropped"]:
             report["skipped"] = f"the schema refuses every family: {report['why']}"
     unique = list(dict.fromkeys(fams))
@@ -791,14 +786,12 @@ def run_sweep(
     """
     from tqdm import tqdm
 
-    from data import catalog
-
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
     have = store.record_ids() | (jsonl.ids if jsonl else set()) | (skip_ids or set())
     todo = []
     for fam in families:
-        ks = k_values(catalog.spec(fam.model).num_layers, k_points)
+        ks = k_values(resolve_architecture(fam.model).num_layers, k_points)
         if any(fam.record_id(k, device) not in have for k in ks):
             todo.append((fam, ks, device))
     summary: dict[str, Any] = {
@@ -858,21 +851,20 @@ def _ints(text: str) -> list[int]:
 
 
 def _print_plan(plan: SweepPlan, workers: int, skip_ids: set[str], budget_s: float | None) -> None:
-    from data import catalog
 
     for p in plan.parts:
         state = f"skipped: {p['skipped']}" if p["skipped"] else f"{p['families']} families, {p['rows']} rows"
         dropped = f" ({p['dropped']} dropped: {p['why']})" if p["dropped"] and not p["skipped"] else ""
         print(f"part {p['name']}: {state}{dropped}")
     models = {f.model for f in plan.families}
-    moe = sum(catalog.spec(m).num_experts is not None for m in models)
+    moe = sum(resolve_architecture(m).spec.num_experts is not None for m in models)
     left = SweepPlan(
         [
             f
             for f in plan.families
             if any(
                 f.record_id(k, "fake") not in skip_ids
-                for k in k_values(catalog.spec(f.model).num_layers, plan.k_points)
+                for k in k_values(resolve_architecture(f.model).num_layers, plan.k_points)
             )
         ],
         plan.k_points,
