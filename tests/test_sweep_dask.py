@@ -64,16 +64,20 @@ def test_dask_sweep_is_resumable_stops_on_budget_and_matches_the_local_path(tmp_
     df = TelemetryStore(url).dataframe()
     assert set(df["record_id"]) == {r["record_id"] for r in lines}
 
-    # the Dask workers ran the same path as the local engine: same ids, same peaks to the byte
+    # the Dask workers ran the same path as the local engine: same ids, same peaks to the byte. The local engine
+    # measures in a fresh spawned process, as the sweep's local pool does: this long-lived test process measured
+    # 1-4.5 KiB more after some earlier tests, once 25 MiB less (state left by other tests, not isolated yet)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     fam = GRIDS["smoke"]().families()[0]
-    local = measure_family_records(fam, k_values(12, 3))
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        local = pool.submit(measure_family_records, fam, k_values(12, 3)).result()
     assert local.error is None
     by_id = df.set_index("record_id")["peak_allocated_bytes"]
-    # same ids; peaks equal up to 8 KiB: inside the full suite this long-lived process measures 1-4.5 KiB more
-    # than a fresh worker process does (state left by earlier tests; 4,608 B in one full run of session 5, 0 or
-    # 1 KiB in others), alone they are equal to the byte
+    assert len(local.records) == 3
     for r in local.records:
-        assert abs(r["measurement"]["peak_allocated_bytes"] - int(by_id[r["record_id"]])) <= 8192
+        assert r["measurement"]["peak_allocated_bytes"] == int(by_id[r["record_id"]])
 
     # resumable from the store alone, and from the JSON-lines file alone (a fresh store): nothing re-run
     assert main(args) == 0
