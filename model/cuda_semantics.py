@@ -497,8 +497,14 @@ CUBLAS_WORKSPACE_BYTES = {
 }
 
 
+def step_workspaces(gen: GpuGeneration) -> dict[str, int]:
+    """cuBLAS workspace bytes a training step allocates through the caching allocator at the first matmul of each
+    phase, never freed, which no trace sees: one per thread that runs matmuls (the forward's and the autograd
+    engine's backward thread each get their own handle), keyed by phase (``"forward"``, ``"backward"``)."""
+    ws = CUBLAS_WORKSPACE_BYTES[GpuGeneration(gen)]
+    return {"forward": ws, "backward": ws}
+
+
 def step_workspace_bytes(gen: GpuGeneration) -> int:
-    """Bytes of cuBLAS workspace a training step holds through the caching allocator, which no trace sees: one per
-    thread that runs matmuls (the forward's and the autograd engine's backward thread each get their own handle,
-    ``tracer/allocation.py``), allocated at the first matmul and never freed."""
-    return 2 * CUBLAS_WORKSPACE_BYTES[GpuGeneration(gen)]
+    """Bytes of cuBLAS workspace a training step holds (:func:`step_workspaces`, summed)."""
+    return sum(step_workspaces(gen).values())

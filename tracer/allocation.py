@@ -30,13 +30,15 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from memfit.schema import Phase, TrainingConfig
-from model.allocator import MIB, AllocationStream
-from tracer.stream_source import STREAM_FORMAT, stream_cache_dir, stream_path  # noqa: F401 - re-exported
+from memfit.schema import TrainingConfig
+from model.allocator import AllocationStream
+from model.cuda_semantics import GpuGeneration, step_workspaces
+from tracer.stream_source import STREAM_FORMAT, stream_cache_dir, stream_path, trace_policy_name  # noqa: F401 - re-exported
 from tracer.tracker import LiveStorageTracker
 
-#: cuBLAS workspaces allocated at the first entry of a phase (bytes): one per autograd thread, on sm90.
-SM90_WORKSPACES: Mapping[str, int] = {str(Phase.FORWARD): 32 * MIB, str(Phase.BACKWARD): 32 * MIB}
+#: cuBLAS workspaces allocated at the first entry of a phase (bytes): one per autograd thread, on sm90
+#: (:func:`model.cuda_semantics.step_workspaces`).
+SM90_WORKSPACES: Mapping[str, int] = step_workspaces(GpuGeneration.SM90)
 
 
 _CREATED: list[RecordingTracker] = []
@@ -253,12 +255,10 @@ def step_allocations(
 
 def cuda_trace_policy(generation: str = "sm90"):
     """(name, factory) of the CUDA-semantics trace policy (``tracer.cuda_policy.cuda_step_semantics``: CUDA's
-    autocast lists, fused dropout, SDPA backend) where this tree has it, else ``("", None)``."""
-    try:
-        from tracer.cuda_policy import cuda_step_semantics
-    except ImportError:
-        return "", None
-    return f"cuda_step_semantics({generation})", lambda: cuda_step_semantics(generation)
+    autocast lists, fused dropout, SDPA backend); the name is :func:`tracer.stream_source.trace_policy_name`'s."""
+    from tracer.cuda_policy import cuda_step_semantics
+
+    return trace_policy_name(generation), lambda: cuda_step_semantics(generation)
 
 
 def cached_step_allocations(

@@ -2,8 +2,8 @@
 
 :func:`stream_source` gives a :data:`model.reserved.StreamSource` for one model and training configuration: k ->
 the stream of the full model's step with its first k decoder layers checkpointed
-(:func:`tracer.allocation.cached_step_allocations`, with the CUDA-semantics trace policy where this tree has
-it). Looking a stream up needs no PyTorch (:func:`stream_path` reads package versions from their metadata), so
+(:func:`tracer.allocation.cached_step_allocations`, with the CUDA-semantics trace policy).
+Looking a stream up needs no PyTorch (:func:`stream_path` reads package versions from their metadata), so
 the service can answer from the cache in its serving process; recording one (``record=True``: the command line,
 the GPU check) imports PyTorch and costs 5-8 s for an 8B model on two busy cores.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 import os
 import time
@@ -27,13 +26,14 @@ from typing import Any
 
 from memfit.schema import Offload, Quantization, Sharding, TrainingConfig
 from model.allocator import AllocationStream
+from model.cuda_semantics import GpuGeneration, step_workspaces
 
 #: a stream found missing is looked for again after this many seconds (another process may have recorded it)
 MISS_RECHECK_S = 30.0
 #: Bump when the recording changes what a stream holds (part of the cache key).
 STREAM_FORMAT = 2
-#: cuBLAS workspaces (bytes) per phase: see :data:`tracer.allocation.SM90_WORKSPACES` (same figures).
-_SM90_WORKSPACES = {"forward": 32 << 20, "backward": 32 << 20}
+#: cuBLAS workspaces (bytes) per phase, as :data:`tracer.allocation.SM90_WORKSPACES` records them
+_SM90_WORKSPACES = step_workspaces(GpuGeneration.SM90)
 
 
 def stream_cache_dir() -> Path:
@@ -42,8 +42,9 @@ def stream_cache_dir() -> Path:
 
 
 def trace_policy_name(generation: str = "sm90") -> str:
-    """The name of the CUDA-semantics trace policy where this tree has ``tracer.cuda_policy``, else ``""``."""
-    return f"cuda_step_semantics({generation})" if importlib.util.find_spec("tracer.cuda_policy") else ""
+    """The name of the CUDA-semantics trace policy (``tracer.cuda_policy.cuda_step_semantics``) of ``generation``,
+    part of a stream's cache key."""
+    return f"cuda_step_semantics({generation})"
 
 
 @functools.lru_cache(maxsize=8)
