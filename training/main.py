@@ -140,15 +140,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from service.app import create_app
 
-    with socket.socket() as probe:  # say so plainly instead of printing a banner for a port we cannot bind
-        # bind as uvicorn does (uvicorn/config.py Config.bind_socket sets SO_REUSEADDR), so the TIME-WAIT
-        # connections a killed server leaves do not keep a restart off its port
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((settings.host, settings.port))
-        except OSError as err:
-            print(f"error: cannot listen on {settings.host}:{settings.port} ({err}); set MEMFIT_PORT", file=sys.stderr)
-            return 3
+    err = bind_refusal(settings.host, settings.port)  # say so plainly instead of a banner for a port we cannot bind
+    if err is not None:
+        print(f"error: cannot listen on {settings.host}:{settings.port} ({err}); set MEMFIT_PORT", file=sys.stderr)
+        return 3
     url = f"http://{settings.host}:{settings.port}"
     print(
         f"[3/3] serving on {url}  (docs: {url}/docs)\n\nTry:\n"
@@ -160,6 +155,21 @@ def main(argv: list[str] | None = None) -> int:
         store.engine.dispose()
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
     return 0
+
+
+def bind_refusal(host: str, port: int) -> OSError | None:
+    """Why the server could not bind host:port, or None when it can.
+
+    Binds as uvicorn does (uvicorn/config.py ``Config.bind_socket`` sets SO_REUSEADDR), so the TIME-WAIT
+    connections a killed server leaves do not keep a restart off its port.
+    """
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            return err
+    return None
 
 
 def _current(settings) -> str | None:
