@@ -436,6 +436,10 @@ class CurvePointOut(BaseModel):
         "None where the simulated fit search did not visit k",
     )
     peak_phase: str | None = Field(None, description="phase of the step where the peak falls (traced path)")
+    fits: bool = Field(
+        description="whether the step at k runs, by the test that chose k (the simulated caching allocator, or the "
+        "allocated bound times the allowance): the answer's k is the smallest k where this is true"
+    )
 
 
 class Alternative(BaseModel):

@@ -152,6 +152,15 @@ class ReservedFit:
     steps: dict[int, SimulatedStep] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
+    def runs_at(self, k: int) -> bool:
+        """Whether the step at k runs by this decision's test, the test that picked :attr:`k`: the smallest
+        running k. ``allowance``: the figure at k fits :attr:`cap_bytes`. ``simulated``: k >= the chosen k, the
+        monotone order the search (:func:`search_k`) assumes; every visited step agrees with it."""
+        if self.method == "allowance":
+            reserved = self.reserved_bytes[k]
+            return reserved is not None and reserved <= self.cap_bytes
+        return self.k is not None and k >= self.k
+
     @property
     def shortfall_bytes(self) -> int:
         """When nothing runs: how far the k = L step is over the cap (its reserved peak plus the allowance less

@@ -827,16 +827,26 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     curve = titled("memory over k (GiB; k = checkpointed layers)")
     # the last column only marks the chosen k: none is chosen when nothing fits, and the column stood empty
     marked = rec.k is not None
-    for col in ("k", "predicted", "bound+overhead", "fits", *(("",) if marked else ())):
+    # a simulated fit is decided on reserved memory: its figures at the k the search replayed ("-" elsewhere)
+    simulated = rec.fit_method == "simulated"
+    for col in (
+        "k",
+        "predicted",
+        "bound+overhead",
+        *(("reserved",) if simulated else ()),
+        "fits",
+        *(("",) if marked else ()),
+    ):
         curve.add_column(col, justify="right" if col else "left")
     for c in curve_rows(rec):
         chosen = c.k == rec.k
-        fits = c.total_upper_bytes <= rec.usable_bytes
+        reserved = "-" if c.predicted_reserved_bytes is None else gib(c.predicted_reserved_bytes)
         curve.add_row(
             str(c.k),
             gib(c.predicted_bytes),
             gib(c.total_upper_bytes),
-            "yes" if fits else "no",
+            *((reserved,) if simulated else ()),
+            "yes" if c.fits else "no",  # the test that chose k, not the bound against usable memory
             *(("[bold]◀ chosen k[/]" if chosen else "",) if marked else ()),
             style="bold green" if chosen else None,
         )
@@ -871,15 +881,18 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
             "+ overhead: CUDA context (outside PyTorch), cuBLAS workspaces, allocator allowance", gib(overhead)
         )
         parts.add_section()
+        simulated = rec.fit_method == "simulated"
         parts.add_row(
-            f"= upper bound + overhead (fits when <= usable {gib(rec.usable_bytes)})",
+            f"= upper bound + overhead ({'must also be' if simulated else 'fits when'} <= usable {gib(rec.usable_bytes)})",
             gib(rec.total_upper_bytes),
             style="bold",
         )
         if rec.predicted_reserved_bytes is not None:
-            how = "simulated caching allocator" if rec.fit_method == "simulated" else "measured allowance"
+            how = "simulated caching allocator" if simulated else "measured allowance"
+            # the simulated test is the replayed step within the allocator's cap (model.reserved.simulate_step)
+            test = f"; fits when the replayed step runs within {gib(rec.allocator_cap_bytes or 0)}" if simulated else ""
             parts.add_row(
-                f"predicted peak reserved ({how}, {rec.allocator_settings_assumed} allocator settings)",
+                f"predicted peak reserved ({how}, {rec.allocator_settings_assumed} allocator settings{test})",
                 gib(rec.predicted_reserved_bytes),
             )
         if rec.host_memory_bytes:
@@ -958,9 +971,8 @@ def curve_chart(rec: Recommendation, width: int = 40) -> Any:
         n = col(c.total_upper_bytes) + 1
         bar = ["█" if i < n else " " for i in range(width)]
         bar[usable_col] = "│"
-        fits = c.total_upper_bytes <= rec.usable_bytes
         text.append(f"k={c.k:>4} ")
-        text.append("".join(bar), style="green" if fits else "red")
+        text.append("".join(bar), style="green" if c.fits else "red")
         text.append(f" {gib(c.total_upper_bytes):>8} GiB")
         if c.k == rec.k:
             text.append("  ◀ chosen k", style="bold green")

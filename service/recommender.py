@@ -386,6 +386,7 @@ class Recommender:
                     "total_upper_bytes": t,
                     "predicted_reserved_bytes": r,
                     "peak_phase": c.peak_phase,
+                    "fits": p.reserved.runs_at(c.k),
                 }  # validated in one pass with the answer
                 for c, t, r in zip(p.curve.points, p.total_upper_bytes, reserved)
             ],

@@ -765,3 +765,25 @@ def test_readme_curl_bodies_are_valid_requests():
             {"recommend": RecommendRequest, "predict": PredictRequest}[path].model_validate(json.loads(body))
         )
     assert kinds["recommend"] and kinds["predict"] and kinds["predict"][0].items[0].k == 16
+
+
+def test_fits_column_is_the_test_that_chose_k(run, monkeypatch):
+    """A new user's qwen3-0.6b on an RTX-4090: the table said k = 9 fits (the allocated bound against usable
+    memory) while the answer was k = 20 (the simulated caching allocator). Both now read one test."""
+    args = ("recommend", "--config", str(QWEN3), "--gpu", "RTX-4090", "--micro-batch", "1", "--seq-len", "4096")
+    code, out, err = run(*args, "--json")
+    assert code == EXIT_FITS, err
+    rec = json.loads(out)
+    fits = {c["k"]: c["fits"] for c in rec["curve"]}
+    assert min(k for k, f in fits.items() if f) == rec["k"]
+    if rec["fit_method"] == "simulated":  # allocated bounds below usable memory that the allocator refuses
+        assert any(c["total_upper_bytes"] <= rec["usable_bytes"] and not c["fits"] for c in rec["curve"])
+    monkeypatch.setenv("COLUMNS", "120")
+    code, out, _ = run(*args)
+    lines = out.splitlines()
+    start = [line.strip() for line in lines].index("memory over k (GiB; k = checkpointed layers)")
+    header = [c.strip() for c in lines[start + 2].strip("┃").split("┃")]
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("└"))
+    rows = [[c.strip() for c in line.strip("│").split("│")] for line in lines[start + 4 : end]]
+    col = header.index("fits")
+    assert rows and all(r[col] == ("yes" if fits[int(r[0])] else "no") for r in rows), rows

@@ -41,7 +41,7 @@ def answer(**over) -> dict:
         "total_upper_bytes": 74 << 30,
         "capacity_bytes": 80 << 30,
         "usable_bytes": 76 << 30,
-        "curve": [{"k": 0, "predicted_bytes": 1, "upper_bytes": 2, "total_upper_bytes": 3}],
+        "curve": [{"k": 0, "predicted_bytes": 1, "upper_bytes": 2, "total_upper_bytes": 3, "fits": True}],
         "breakdown": {"parameters_bytes": 16 << 30},
         "overhead": {"total_bytes": 1},
         "recompute_overhead_fraction": 0.02,
