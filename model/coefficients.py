@@ -612,8 +612,10 @@ class CoefficientModel:
         return "/".join(getattr(training, c).value for c in ("sharding", "finetune", "quantization"))
 
     def fit(self, entries: Iterable[dict[str, Any]]) -> CoefficientModel:
-        """Fit on shipped terms entries (``{"model_name", "training", "terms"}``); entries of models without an
-        HF config here (:func:`entry_configuration`) are listed in ``skipped_``.
+        """Fit on shipped terms entries (``{"model_name", "training", "terms"}``). Entries of models without an
+        HF config here (:func:`entry_configuration`), with gradient accumulation, or traced with a GPU generation's
+        CUDA semantics (``cuda_generation``: the coefficients learn the CPU-semantics terms, and such a line has a
+        CPU twin of the same training fields) are left out and listed in ``skipped_``.
 
         Raises:
             ValueError: no entries.
@@ -623,6 +625,9 @@ class CoefficientModel:
         for e in entries:
             if e["training"].get("gradient_accumulation"):  # model.curve adds the gradient buffer to steps of one
                 self.skipped_.append(f"{e['model_name']}: gradient accumulation (learned per micro-batch)")
+                continue
+            if e["training"].get("cuda_generation"):  # the coefficients learn the CPU-semantics terms
+                self.skipped_.append(f"{e['model_name']}: {e['training']['cuda_generation']} CUDA terms (CPU learned)")
                 continue
             try:
                 job = entry_configuration(e)

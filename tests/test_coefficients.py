@@ -408,3 +408,19 @@ def test_parameter_split_snapshot_covers_the_catalog_and_matches_meta_builds():
         cfg = catalog.get(name)["hf_config"]
         built = _parameter_split(json.dumps(cfg, sort_keys=True))
         assert list(built) == snapshot[config_key(cfg)], name
+
+
+def test_cuda_generation_terms_are_not_learned_as_cpu_terms(entries):
+    """The sm90 lines share their CPU twins' training fields (model.terms.key_training_fields drops the generation):
+    fitted as CPU terms they gave one configuration two targets. They are left out, and say so."""
+    names = ("gpt2", "opt-125m", "llama-3.2-1b")
+    chosen = [e for e in entries if e["model_name"] in names]
+    cuda = [e for e in chosen if e["training"].get("cuda_generation")]
+    assert cuda, "the shipped sm90 terms hold gpt2 lines"
+    m = CoefficientModel(n_estimators=20, objectives=("l1",)).fit(chosen)
+    cpu_only = CoefficientModel(n_estimators=20, objectives=("l1",)).fit([e for e in chosen if e not in cuda])
+    assert m.n_entries_ == cpu_only.n_entries_ and len(m.skipped_) == len(cpu_only.skipped_) + len(cuda)
+    assert sum("sm90 CUDA terms" in s for s in m.skipped_) == len(cuda)
+    spec, hf = catalog.spec("qwen2.5-0.5b"), catalog.get("qwen2.5-0.5b")["hf_config"]
+    training = TrainingConfig(micro_batch_size=2, seq_len=2048, precision="amp_bf16", optimizer="adamw_foreach")
+    np.testing.assert_array_equal(m.predict_pieces(spec, training, hf), cpu_only.predict_pieces(spec, training, hf))
