@@ -10,8 +10,9 @@ Each row is sent to ``POST /predict`` (the service's router over a :class:`servi
 without a learned model, so only the traced path answers) with the row's model, training, k and its GPU as the
 cluster, so the terms traced with that GPU generation's CUDA semantics answer where they differ from the CPU's
 (:mod:`model.cuda_terms`). The predicted allocated bytes are the answer's ``predicted_peak_bytes`` plus the
-step's cuBLAS workspaces (:func:`model.cuda_semantics.step_workspace_bytes`: 2 x 32 MiB on sm90), which the
-caching allocator holds and no trace sees. ``gpu=False`` scores as before issue 26: no cluster (CPU-semantics
+step's cuBLAS workspaces (:func:`model.cuda_semantics.step_workspace_bytes`: 2 x 32 MiB on sm90) and the
+parameters' unsplit blocks (:func:`model.recommend.parameter_block_bytes`), which the caching allocator counts and
+no trace sees. ``gpu=False`` scores as before issue 26: no cluster (CPU-semantics
 terms), no workspaces. Out-of-memory rows (their peak is the device capacity) are left out.
 
 Error is ``(predicted - measured) / measured``. :data:`KNOWN_GAPS` names the rows where CUDA runs kernels or
@@ -139,6 +140,19 @@ def workspace_bytes(record: dict[str, Any]) -> int:
     return step_workspace_bytes(generation_of(record["cluster"]["device_name"]))
 
 
+def parameter_blocks(record: dict[str, Any]) -> int:
+    """The unsplit parameter blocks a record's model holds on its GPU (:func:`model.recommend.parameter_block_bytes`,
+    default allocator settings, as the rows were measured)."""
+    from data import catalog
+    from memfit.schema import TrainingConfig
+    from model.recommend import parameter_block_bytes
+
+    name = record["model"]["model_name"]
+    t = record["training"]
+    training = TrainingConfig.model_validate({f: v for f, v in t.items() if f != "checkpoint_layers"})
+    return parameter_block_bytes(catalog.spec(name), training, catalog.get(name)["hf_config"])
+
+
 def score(rows: list[tuple[str, dict[str, Any]]] | None = None, client: Any = None, gpu: bool = True) -> list[Scored]:
     """Send every row to ``POST /predict`` (one batch) and pair the answers with the measurements (see the module
     docstring for ``gpu``).
@@ -167,8 +181,8 @@ def score(rows: list[tuple[str, dict[str, Any]]] | None = None, client: Any = No
                 len(t["checkpoint_layers"]),
                 r["model"]["num_layers"],
                 r["measurement"]["peak_allocated_bytes"],
-                p["predicted_peak_bytes"] + (workspace_bytes(r) if gpu else 0),
-                p["upper_bound_bytes"] + (workspace_bytes(r) if gpu else 0),
+                p["predicted_peak_bytes"] + (workspace_bytes(r) + parameter_blocks(r) if gpu else 0),
+                p["upper_bound_bytes"] + (workspace_bytes(r) + parameter_blocks(r) if gpu else 0),
                 p["path"],
                 tuple(p["notes"]),
             )

@@ -728,6 +728,24 @@ class CachingAllocatorModel:
         self.reserved_bytes -= hi - lo
 
 
+def unsplit_block_bytes(request_bytes: Iterable[int], settings: AllocatorSettings | None = None) -> int:
+    """Bytes the caching allocator counts as allocated beyond the rounded requests when ``request_bytes`` are
+    allocated in order on an empty allocator and none is freed (a model's parameters as its constructor makes them).
+
+    A request over 10 MiB gets a new segment rounded up to 2 MiB (``get_allocation_size``) and the block is not
+    split when at most 1 MiB would remain (``should_split``: ``remaining > kSmallSize`` in the large pool), so
+    ``memory_allocated`` counts the whole block (PyTorch ``c10/cuda/CUDACachingAllocator.cpp``). Replayed through
+    :class:`CachingAllocatorModel` with ``settings``: expandable segments split every remainder (0 here).
+    """
+    alloc = CachingAllocatorModel(settings)
+    requested = 0
+    for n in request_bytes:
+        if n > 0:
+            alloc.malloc(n)
+            requested += alloc.round_size(n)
+    return alloc.allocated_bytes - requested
+
+
 def allocation_size(size: int) -> int:
     """``get_allocation_size``: the segment a request of ``size`` rounded bytes would get from cudaMalloc."""
     if size <= SMALL_SIZE_BYTES:

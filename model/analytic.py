@@ -49,6 +49,12 @@ def _blocks(nbytes: float) -> int:
     return -(-int(nbytes) // BLOCK_BYTES) * BLOCK_BYTES
 
 
+def weight_dtype_bytes(precision: Precision) -> int:
+    """Bytes per element of the parameters as the model stores them (``memfit.hf.param_dtype``): 2 in ``bf16`` and
+    ``bf16_fp32_master``, 4 otherwise (AMP keeps fp32 weights)."""
+    return _WEIGHT_BYTES[precision]
+
+
 def state_dtype_bytes(precision: Precision) -> int:
     """Bytes per element of a torch optimizer's states and of the tensors it steps: 2 in pure ``bf16`` (bf16
     parameters, no master copy), 4 otherwise (fp32 parameters, or the fp32 masters of ``bf16_fp32_master``)."""
@@ -248,7 +254,7 @@ _STATES_MEMO_SIZE = 4096
 
 def _model_state_bytes(model: ModelSpec, training: TrainingConfig, zero1_lower_bound: bool) -> ModelStates:
     total, trainable = model.total_params, model.trainable_params
-    w = _WEIGHT_BYTES[training.precision]
+    w = weight_dtype_bytes(training.precision)
     states_per_param, _paged = optimizer_state_bytes_per_param(training)
     if training.quantization is not Quantization.NONE and training.finetune is FineTune.LORA:
         n_q, q_bytes = quantized_base_bytes(model, training.quantization, training.tensor_parallel_size)

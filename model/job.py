@@ -123,6 +123,12 @@ class Architecture:
         config or where it does not build."""
         return parameter_split(self.hf_config)
 
+    @cached_property
+    def parameter_tensors(self) -> ParameterTensors | None:
+        """The parameter tensors in allocation order (:func:`parameter_tensors`); None without a config or where
+        it does not build."""
+        return parameter_tensors(self.hf_config)
+
     def lora_trainable_params(self, rank: int, target_modules: list[str] | None = None) -> int:
         """LoRA adapter parameters of this model at ``rank`` (:func:`memfit.hf.lora_trainable_params`: the
         model's own adapted matrices when there is a config).
@@ -415,6 +421,67 @@ def parameter_split(hf_config: dict[str, Any] | None) -> ParameterSplit | None:
         return ParameterSplit(*(int(x) for x in hit))
     # built from the config as given: the canonical one leaves out its class's defaults, which the layer count may be
     return _parameter_split(json.dumps(hf_config, sort_keys=True))
+
+
+class ParameterTensors(NamedTuple):
+    """Element counts of a model's parameter tensors in the order its constructor allocates them: those registered
+    before the decoder layers, one decoder layer's, and those after (tied weights once)."""
+
+    before: tuple[int, ...]
+    layer: tuple[int, ...]
+    after: tuple[int, ...]
+
+    def in_order(self, num_layers: int) -> list[int]:
+        """Every tensor's element count of the ``num_layers``-layer model, in allocation order."""
+        return [*self.before, *self.layer * num_layers, *self.after]
+
+
+@cache
+def _parameter_tensors_snapshot() -> dict[str, list[list[int]]]:
+    try:
+        return json.loads(PARAMETER_SPLITS_PATH.read_text()).get("tensors", {})
+    except FileNotFoundError:
+        return {}
+
+
+@lru_cache(maxsize=256)
+def _parameter_tensors(config_json: str) -> ParameterTensors | None:
+    import torch
+
+    from memfit.hf import decoder_layers
+
+    try:
+        with quiet_transformers(), torch.device("meta"):
+            model = build_causal_lm(small_config(json.loads(config_json), 2))
+    except Exception:  # noqa: BLE001 - a config transformers cannot build here: no tensor list
+        return None
+    layers = decoder_layers(model)
+    if layers is None or len(layers) != 2:
+        return None
+    second = {id(p) for p in layers[1].parameters()}
+    in_layers = second | {id(p) for p in layers[0].parameters()}
+    before: list[int] = []
+    layer: list[int] = []
+    after: list[int] = []
+    for p in model.parameters():  # registration order: the order the constructor allocated them
+        if id(p) in second:
+            layer.append(p.numel())
+        elif id(p) not in in_layers:
+            (after if layer else before).append(p.numel())
+    return ParameterTensors(tuple(before), tuple(layer), tuple(after))
+
+
+def parameter_tensors(hf_config: dict[str, Any] | None) -> ParameterTensors | None:
+    """The parameter tensors of the model ``hf_config`` describes, in the order its constructor allocates them
+    (:class:`ParameterTensors`, from a ``meta``-device build with two decoder layers, the second one's tensors
+    standing for every layer's); catalog architectures from the shipped snapshot (:data:`PARAMETER_SPLITS_PATH`).
+    None without a config or where it does not build."""
+    if not hf_config:
+        return None
+    hit = _parameter_tensors_snapshot().get(config_key(hf_config))
+    if hit is not None:
+        return ParameterTensors(*(tuple(int(n) for n in part) for part in hit))
+    return _parameter_tensors(json.dumps(hf_config, sort_keys=True))
 
 
 def rank_hf_config(hf_config: dict[str, Any] | None, training: TrainingConfig) -> dict[str, Any] | None:

@@ -93,17 +93,25 @@ def pressure_ratios(paths: list[Path]) -> dict[str, list[float]]:
 
 @dataclass(frozen=True)
 class Overhead:
-    """Bytes on top of predicted allocated memory, per device."""
+    """Bytes on top of predicted allocated memory, per device; ``parameter_block_bytes``: what the caching allocator
+    counts as allocated for the parameters beyond their sizes (:func:`model.recommend.parameter_block_bytes`)."""
 
     fragmentation_bytes: int
     cuda_context_bytes: int
     cublas_workspace_bytes: int
     nccl_bytes: int
     source: str  # "default" or "learned from N cuda rows on <device>"
+    parameter_block_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.fragmentation_bytes + self.cuda_context_bytes + self.cublas_workspace_bytes + self.nccl_bytes
+        return (
+            self.fragmentation_bytes
+            + self.cuda_context_bytes
+            + self.cublas_workspace_bytes
+            + self.nccl_bytes
+            + self.parameter_block_bytes
+        )
 
 
 @dataclass

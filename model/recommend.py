@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memfit.schema import FineTune, ModelSpec, TrainingConfig
-from model.allocator import AllocatorSettings
+from memfit.schema import FineTune, ModelSpec, Quantization, Sharding, TrainingConfig
+from model.allocator import AllocatorSettings, unsplit_block_bytes
+from model.analytic import weight_dtype_bytes
 from model.curve import Curve, CurvePoint, MemoryPredictor
+from model.job import parameter_tensors
 from model.overhead import Overhead, OverheadModel
 from model.reserved import ReservedFit, StreamSource, allowance_fit, simulated_fit
 
@@ -89,6 +91,33 @@ def recompute_fraction(k: int, num_layers: int, training: TrainingConfig) -> flo
     return max(0, k - frozen) / step_units if step_units else 0.0
 
 
+def parameter_block_bytes(
+    model: ModelSpec, training: TrainingConfig, hf_config: dict | None, settings: AllocatorSettings | None = None
+) -> int:
+    """Bytes ``torch.cuda.memory_allocated`` counts for the parameters beyond their sizes, which no trace sees: the
+    constructor allocates every parameter on an empty caching allocator, and a tensor over 10 MiB whose 2 MiB
+    rounding leaves at most 1 MiB gets its whole block (:func:`model.allocator.unsplit_block_bytes` over
+    :func:`model.job.parameter_tensors` in the stored dtype). GPT-2-large in fp32: its two 25 MiB MLP weights per
+    layer hold 1 MiB more each, 72.6 MiB over 36 layers with the embeddings' (the H200 rows' -0.50 % at k = 36).
+
+    0 where the parameters are not allocated one tensor each on an empty allocator as the model declares them, or
+    not modelled: sharded (ZeRO, FSDP), tensor-, pipeline- or expert-parallel, or quantized; and without a config
+    that builds.
+    """
+    if (
+        hf_config is None
+        or training.sharding is not Sharding.NONE
+        or training.quantization is not Quantization.NONE
+        or max(training.tensor_parallel_size, training.pipeline_parallel_size, training.expert_parallel_size) > 1
+    ):
+        return 0
+    tensors = parameter_tensors(hf_config)
+    if tensors is None:
+        return 0
+    size = weight_dtype_bytes(training.precision)
+    return unsplit_block_bytes((n * size for n in tensors.in_order(model.num_layers)), settings)
+
+
 def plan(
     predictor: MemoryPredictor,
     model: ModelSpec,
@@ -131,7 +160,9 @@ def plan(
     nccl = overhead_model.overhead(0, device_name, gpu_count).nccl_bytes
     cublas = overhead_model.cublas_workspace_bytes
     cap = usable - outside
-    bounds = [p.upper_bytes + cublas for p in c.points]  # the streams hold the cuBLAS workspaces too
+    # the streams hold the cuBLAS workspaces too; the parameters' unsplit blocks are allocated bytes no trace sees
+    blocks = parameter_block_bytes(model, training, hf_config, settings)
+    bounds = [p.upper_bytes + cublas + blocks for p in c.points]
     fit = None
     if streams is not None and c.pipeline is None and layout == "block":
         key = getattr(streams, "key", None)
@@ -167,6 +198,7 @@ def plan(
         cublas,
         nccl,
         f"outside PyTorch: {outside_source}; allocator: {fit.notes[0]}",
+        blocks,
     )
     return Plan(
         fits=k is not None,

@@ -878,7 +878,8 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
             f"+ margin to the upper bound ({margin / max(rec.predicted_peak_bytes, 1):.1%} of the point)", gib(margin)
         )
         parts.add_row(
-            "+ overhead: CUDA context (outside PyTorch), cuBLAS workspaces, allocator allowance", gib(overhead)
+            "+ overhead: CUDA context (outside PyTorch), cuBLAS workspaces, parameter blocks, allocator allowance",
+            gib(overhead),
         )
         parts.add_section()
         simulated = rec.fit_method == "simulated"

@@ -414,3 +414,28 @@ def test_replay_of_real_h200_rows(model, precision, k):
         assert r.peak_reserved_bytes - r.peak_allocated_bytes > 10 * GIB
         # under a cap, release-and-retry gets far below the uncapped reserved peak
         assert smallest_capacity(stream) < measured["peak_reserved_bytes"] - 5 * GIB
+
+
+def test_parameters_unsplit_blocks_gpt2_large_and_where_none():
+    """GPT-2-large in fp32: each layer's two 25 MiB MLP weights get 26 MiB blocks left whole (1 MiB would remain:
+    not more than kSmallSize), and the 245.4 MiB token table a 246 MiB one; the 18.75 MiB attention weight's
+    1.25 MiB remainder is split off. Expandable segments split every remainder; sharded parameters are not modelled."""
+    from data import catalog
+    from memfit.schema import TrainingConfig
+    from model.allocator import AllocatorSettings, unsplit_block_bytes
+    from model.recommend import parameter_block_bytes
+
+    mib = 1 << 20
+    assert unsplit_block_bytes([25 * mib] * 3) == 3 * mib
+    assert unsplit_block_bytes([int(18.75 * mib)]) == 0  # 1.25 MiB remains: split, and cached
+    assert unsplit_block_bytes([5 * mib, 13 * mib]) == 0  # the second splits the first's 20 MiB segment
+    assert unsplit_block_bytes([5 * mib, 14 * mib]) == mib  # ... and takes its 15 MiB rest whole
+    assert unsplit_block_bytes([25 * mib], AllocatorSettings.from_conf("expandable_segments:True")) == 0
+    spec, hf = catalog.spec("gpt2-large"), catalog.get("gpt2-large")["hf_config"]
+    amp = TrainingConfig(micro_batch_size=4, seq_len=1024, precision="amp_bf16")
+    table = 50257 * 1280 * 4
+    assert parameter_block_bytes(spec, amp, hf) == 36 * 2 * mib + (-(-table // (2 * mib)) * 2 * mib - table)
+    expandable = AllocatorSettings.from_conf("expandable_segments:True")
+    assert parameter_block_bytes(spec, amp, hf, expandable) == 0
+    zero3 = amp.model_copy(update={"sharding": "zero3", "data_parallel_size": 8})
+    assert parameter_block_bytes(spec, zero3, hf) == 0

@@ -408,6 +408,18 @@ def test_parameter_split_snapshot_covers_the_catalog_and_matches_meta_builds():
         cfg = catalog.get(name)["hf_config"]
         built = _parameter_split(json.dumps(cfg, sort_keys=True))
         assert list(built) == snapshot[config_key(cfg)], name
+    # and the parameter tensors in allocation order (model.recommend.parameter_block_bytes), the same way
+    from model.job import _parameter_tensors, _parameter_tensors_snapshot, parameter_tensors
+
+    tensors = _parameter_tensors_snapshot()
+    assert all(config_key(catalog.get(n)["hf_config"]) in tensors for n in names)
+    for name in random.Random(1).sample(names, 3) + ["gpt2-large"]:
+        cfg = catalog.get(name)["hf_config"]
+        built = _parameter_tensors(json.dumps(cfg, sort_keys=True))
+        assert parameter_tensors(cfg) == built, name
+        # the split counts the same parameters: outside = before + after, one layer = the layer's tensors
+        split = snapshot[config_key(cfg)]
+        assert (sum(built.before) + sum(built.after), sum(built.layer), len(built.layer)) == tuple(split), name
 
 
 def test_cuda_generation_terms_are_not_learned_as_cpu_terms(entries):

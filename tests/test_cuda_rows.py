@@ -64,23 +64,18 @@ def test_every_shipped_cuda_row_meets_the_acceptance_on_its_gpu(on_gpu):
     assert len(on_gpu) == 26 + 28 + 58 and all(s.path == "traced" for s in on_gpu)
     errors = [s.error for s in on_gpu]
     assert max(abs(e) for e in errors) <= 0.01, cr.table(on_gpu)
-    # none under by more than 0.5 %, but for gpt2-large amp_bf16 k = 36/36 (sdpa -0.501 %, eager -0.505 %), 75 MiB
-    # under. Not a kernel choice: the caching allocator's block accounting. Its two 25 MiB weights per layer get
-    # 2 MiB-rounded blocks whose 1 MiB remainder is not split (kSmallSize), counted as allocated (72 MiB; after
-    # the warm-up step the trace is 73 MiB under CUDA beyond the workspaces, gpt2-medium and OPT 2 MiB). The
-    # allocator replay (model.allocator, tracer.allocation.step_allocations) of k = 0, first in its process,
-    # gives 29,766,391,296 B against CUDA's 29,762,547,712 (+0.013 %); k = 36 ran third on one build, and its
-    # blocks depend on that history (replayed alone: +1.15 %)
-    under = sorted((s.error, s.model, s.attention, s.k) for s in on_gpu if s.error < -0.005)
-    assert [(m, a, k) for _, m, a, k in under] == [("gpt2-large", "eager", 36), ("gpt2-large", "sdpa", 36)]
-    assert min(errors) >= -0.0051, cr.table(on_gpu)
-    assert sum(abs(e) <= 0.005 for e in errors) == len(errors) - 2 >= 0.95 * len(errors)
+    # none under by more than 0.5 %: gpt2-large amp_bf16 k = 36/36 was -0.501 % (sdpa) and -0.505 % (eager), 75 MiB
+    # under, until the parameters' unsplit blocks (model.recommend.parameter_block_bytes: 72.6 MiB) were counted
+    assert min(errors) >= -0.005, cr.table(on_gpu)
+    assert sum(abs(e) <= 0.005 for e in errors) == len(errors)
+    large36 = [s for s in on_gpu if s.model == "gpt2-large" and s.k == 36]
+    assert len(large36) == 2 and all(abs(s.error) < 0.001 for s in large36), cr.table(large36)
     # issue 26's rows: Falcon-7B k = 16 was -29.6 %, GPT-2-large amp -14.5 %, Phi-3-mini +6.7 %, Gemma-3-1B +3.4 %
     worst = {}
     for s in on_gpu:
         worst[s.gap] = max(worst.get(s.gap, 0.0), abs(s.error))
     assert worst["falcon"] <= 0.001 and worst["phi-3"] <= 0.001 and worst["gemma-3"] <= 0.003
-    assert worst["gpt2-sdpa-amp"] <= 0.0051 and worst["gpt2-eager-amp"] <= 0.0051 and worst[None] <= 0.0035
+    assert worst["gpt2-sdpa-amp"] <= 0.004 and worst["gpt2-eager-amp"] <= 0.002 and worst[None] <= 0.002
 
 
 def test_answers_name_the_cuda_backend_where_it_changes_the_answer(on_gpu):
