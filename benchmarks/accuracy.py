@@ -14,7 +14,8 @@ provisional path of learned phase coefficients (:mod:`model.coefficients`, compo
 model where they don't cover the configuration) forced on every row. Printed per path: MAPE, p95 and max
 error (%), the error of the checkpointing saving peak(k=0) − peak(k=L) (median over families, %), the
 bound's coverage and mean excess (%), the k recommendation against the measured oracle, and the
-provisional path against our analytic formula per precision × optimizer slice.
+provisional path against our analytic formula per precision × optimizer slice. Then (unless ``--no-reserved``) the
+predicted reserved peak against the clean H200 rows (:func:`reserved_table`).
 
 Exit codes: 0 done, 2 bad input (no rows, unreadable files, bad --params).
 """
@@ -163,6 +164,27 @@ def evaluate_split(
     return lines, out
 
 
+def reserved_table() -> dict:
+    """Print issue 27's reserved-memory table (:mod:`benchmarks.allocator_reserved`: every clean H200 row's step
+    replayed through :mod:`model.allocator` with PyTorch's defaults, and the smallest-cap runs) and return its
+    figures: rows, rows within 2 % or 256 MiB, median and worst |error| (%)."""
+    from benchmarks import allocator_reserved as ar
+    from tracer.allocation import cuda_trace_policy
+
+    t0 = time.perf_counter()
+    context = cuda_trace_policy()
+    rows = ar.reserved_rows(context)
+    pressure = ar.pressure_rows(context)
+    print("\nreserved memory:\n" + ar.render(rows, pressure, context[0], time.perf_counter() - t0), end="", flush=True)
+    errors = [100 * abs(r["sim_reserved"] - r["reserved"]) / r["reserved"] for r in rows]
+    return {
+        "n": len(rows),
+        "within_tolerance": sum(ar.within(r["sim_reserved"], r["reserved"]) for r in rows),
+        "median_abs_err_pct": float(np.median(errors)) if errors else None,
+        "max_abs_err_pct": max(errors, default=None),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__.split("\n\n")[0])
     p.add_argument("--db", help="SQLAlchemy URL of the telemetry store (default: data/telemetry.db)")
@@ -175,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write all figures to this JSON file")
     p.add_argument("--split", choices=SPLITS, action="append", help="run only this split (repeatable; default all)")
     p.add_argument("--no-learned", action="store_true", help="skip the learned-coefficients run")
+    p.add_argument(
+        "--no-reserved",
+        action="store_true",
+        help="skip the reserved-memory table (benchmarks.allocator_reserved: predicted reserved peak vs the clean "
+        "H200 rows' max_memory_reserved)",
+    )
     p.add_argument("--report-dir", help="also write the full report (model.report) here")
     p.add_argument(
         "--jobs",
@@ -242,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             if split == "leave_architecture_out":
                 oof = pred_upper
         results[split] = figs
+    if not a.no_reserved:
+        results["reserved"] = reserved_table()
     if a.json:
         from model.report import json_safe
 

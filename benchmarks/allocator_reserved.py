@@ -14,8 +14,8 @@ The 2026-11-30 pressure runs (``gpu_pressure_{default,expandable}.json``: the sm
 unconstrained reserved peak with ``expandable_segments:True``) are compared with
 :func:`model.allocator.smallest_capacity` and the replay with expandable segments.
 
-Where ``tracer.cuda_policy.cuda_step_semantics`` exists, traces run under its sm90 policy (CUDA's autocast
-lists, fused dropout, SDPA backend); the header says which.
+Traces run under ``tracer.cuda_policy.cuda_step_semantics``'s sm90 policy (CUDA's autocast lists, fused dropout,
+SDPA backend); the header says which. ``python -m benchmarks.accuracy`` prints the same table.
 """
 
 from __future__ import annotations
