@@ -78,9 +78,6 @@ def service(tmp_path_factory, small_registry):
     patch.undo()
 
 
-seen: dict[str, int] = {}
-
-
 @settings(
     max_examples=30,
     deadline=None,
@@ -89,7 +86,7 @@ seen: dict[str, int] = {}
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(body=requests())
-def test_no_5xx_and_no_negative_byte_count(service, body):
+def _answer_one(service, seen: dict[str, int], body):
     r = service.post("/recommend", json=body)
     assert r.status_code < 500, (body, r.text)
     assert r.status_code in (200, 422), (body, r.status_code, r.text)
@@ -100,8 +97,10 @@ def test_no_5xx_and_no_negative_byte_count(service, body):
     seen[str(r.status_code)] = seen.get(str(r.status_code), 0) + 1
 
 
-def test_the_examples_were_answered_and_planned_alternatives():
-    # runs after the property (file order): the random requests were not all refused, and some planned alternatives
-    if not seen:
-        pytest.skip("the property test did not run")
+def test_no_5xx_and_no_negative_byte_count(service):
+    # the examples and the check that they were answered in one test: pytest-xdist may run two tests of a file in
+    # different workers, where a second test's view of the first's examples was empty (it skipped)
+    seen: dict[str, int] = {}
+    _answer_one(service, seen)
+    # the random requests were not all refused, and some planned alternatives
     assert seen.get("200", 0) >= 10 and seen.get("alternatives", 0) >= 3, seen
