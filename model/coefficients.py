@@ -86,6 +86,8 @@ _BASIS_INDEX = (0, 1, 3)
 #: 1e-3 of a layer's activations or of its model states moves no composed peak measurably, and each learned
 #: target is a booster in the artifact
 NEGLIGIBLE = 1e-3
+#: feature rows whose booster values a fitted model keeps (:meth:`CoefficientModel._scaled_targets`)
+PREDICTION_CACHE_ROWS = 4096
 #: artifact format: eager-score, tensor-parallel and MoE scales; constants scaled by the exact parameters outside
 #: and inside one decoder layer (:func:`model.job.parameter_split`), an expert-parallel rank's by its own experts
 #: (:func:`model.job.rank_hf_config`); shared state constants as (count, fixed bytes) pairs
@@ -649,6 +651,7 @@ class CoefficientModel:
         X = np.asarray([_with_family(x, m, self.families_) for x, m in zip(X, specs)])
         Y = np.asarray(Y)
         self.boosters_, self.constants_ = {}, {}
+        self._prediction_cache: dict[bytes, np.ndarray] = {}  # the values of the boosters fitted here
         cat = [FEATURE_NAMES.index(c) for c in [*CATEGORICAL, "model_type"]]
         for j in range(len(TARGETS)):
             y = Y[:, j]
@@ -680,14 +683,32 @@ class CoefficientModel:
             and self.setting(training) in self.settings_
         )
 
+    def _scaled_targets(self, features: list[float]) -> np.ndarray:
+        """The boosters' (and constants') values of one :data:`FEATURE_NAMES` row, the targets over their scales.
+
+        Kept per row (at most :data:`PREDICTION_CACHE_ROWS`): the features hold no micro-batch size or sequence
+        length, so the alternatives of one request and the requests that differ only there share them, and each
+        row costs a LightGBM call per booster (a distinct /recommend planned 8 alternatives, 960 calls).
+        """
+        cache = self.__dict__.setdefault("_prediction_cache", {})
+        key = np.asarray(features, dtype=np.float64).tobytes()
+        y = cache.get(key)
+        if y is None:
+            x = np.asarray([features], dtype=np.float64)
+            y = np.zeros(len(TARGETS))
+            for j, c in self.constants_.items():
+                y[j] = c
+            for j, boosters in self.boosters_.items():
+                y[j] = np.mean([b.predict(x, num_threads=1)[0] for b in boosters])
+            y.flags.writeable = False
+            if len(cache) >= PREDICTION_CACHE_ROWS:
+                cache.clear()
+            cache[key] = y
+        return y
+
     def predict_pieces(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]) -> np.ndarray:
         """Predicted :data:`TARGETS` values in bytes (token coefficients clipped at 0), shape (len(TARGETS),)."""
-        x = np.asarray([_with_family(config_features(model, training, hf_config), model, self.families_)])
-        y = np.zeros(len(TARGETS))
-        for j, c in self.constants_.items():
-            y[j] = c
-        for j, boosters in self.boosters_.items():
-            y[j] = np.mean([b.predict(x, num_threads=1)[0] for b in boosters])
+        y = self._scaled_targets(_with_family(config_features(model, training, hf_config), model, self.families_))
         scale = scales(model, training, hf_config)
         out = y * scale
         shared = self.shared_.get(setting_key(training), {})

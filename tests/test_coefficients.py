@@ -436,3 +436,28 @@ def test_cuda_generation_terms_are_not_learned_as_cpu_terms(entries):
     spec, hf = catalog.spec("qwen2.5-0.5b"), catalog.get("qwen2.5-0.5b")["hf_config"]
     training = TrainingConfig(micro_batch_size=2, seq_len=2048, precision="amp_bf16", optimizer="adamw_foreach")
     np.testing.assert_array_equal(m.predict_pieces(spec, training, hf), cpu_only.predict_pieces(spec, training, hf))
+
+
+def test_booster_values_are_kept_per_feature_row(entries):
+    """The features hold no micro-batch size or sequence length: a second configuration that differs only there
+    calls no booster, and answers what a model without the kept values answers."""
+    chosen = [e for e in entries if e["model_name"] in ("gpt2", "opt-125m", "llama-3.2-1b")]
+    m = CoefficientModel(n_estimators=20, objectives=("l1",)).fit(chosen)
+    spec, hf = catalog.spec("qwen2.5-0.5b"), catalog.get("qwen2.5-0.5b")["hf_config"]
+    short = TrainingConfig(micro_batch_size=2, seq_len=2048, precision="amp_bf16", optimizer="adamw_foreach")
+    long = short.model_copy(update={"micro_batch_size": 4, "seq_len": 8192})
+    first = m.predict_pieces(spec, short, hf)
+    calls = []
+    for boosters in m.boosters_.values():
+        for b in boosters:
+            original = b.predict
+            b.predict = lambda *a, _o=original, **k: calls.append(1) or _o(*a, **k)
+    again, other = m.predict_pieces(spec, short, hf), m.predict_pieces(spec, long, hf)
+    assert not calls
+    np.testing.assert_array_equal(first, again)
+    m._prediction_cache.clear()
+    np.testing.assert_array_equal(other, m.predict_pieces(spec, long, hf))
+    assert len(calls) == sum(len(b) for b in m.boosters_.values())  # one row: one call per booster
+    # a setting the features hold (the optimizer) is another row
+    m.predict_pieces(spec, TrainingConfig(**{**short.model_dump(), "optimizer": "adamw_fused"}), hf)
+    assert len(calls) == 2 * sum(len(b) for b in m.boosters_.values())
