@@ -82,6 +82,18 @@ def _predictor(hf: dict, training: TrainingConfig) -> MemoryPredictor:
             TrainingConfig(micro_batch_size=4, seq_len=32, precision="bf16", optimizer="adafactor", attention="eager"),
             id="llama-tied-bf16-adafactor",
         ),
+        pytest.param(  # tied under sharding: the frozen step computes no gradient for the tied table
+            LLAMA_TIED,
+            TrainingConfig(
+                micro_batch_size=2,
+                seq_len=64,
+                precision="amp_bf16",
+                optimizer="adamw_fused",
+                sharding="fsdp_full_shard",
+                data_parallel_size=4,
+            ),
+            id="llama-tied-fsdp4-amp-fused",
+        ),
     ],
 )
 def test_composed_curve_matches_the_measured_frozen_model(hf, training):
@@ -99,9 +111,9 @@ def test_composed_curve_matches_the_measured_frozen_model(hf, training):
         assert m - 4096 <= p <= m * 1.03 + 64 * 1024, (k, p, m)
     for pt in curve.points:
         assert sum(pt.breakdown.values()) == pt.predicted_bytes
-        assert pt.breakdown["parameters_bytes"] == 4 * spec.total_params // (
-            2 if training.precision.value == "bf16" else 1
-        )
+        shards = training.data_parallel_size if training.sharding.value != "none" else 1
+        weight_bytes = 2 if training.precision.value == "bf16" else 4
+        assert pt.breakdown["parameters_bytes"] == weight_bytes * spec.total_params // shards  # stored shard
 
 
 def _trainable(hf: dict, training: TrainingConfig) -> int:
@@ -207,3 +219,23 @@ def test_a_frozen_request_asks_the_tracer_for_its_base_then_composes_from_it():
     assert len(set(pts[:3])) == 1 and all(b <= a for a, b in itertools.pairwise(pts))
     assert all(sum(p.breakdown.values()) == p.predicted_bytes for p in c.points)
     assert min(pts) >= c.floor_bytes
+
+
+def test_tied_embeddings_under_sharding_compose_but_in_bf16_with_fp32_masters():
+    from model.frozen import not_composable_reason
+
+    spec = model_spec(LLAMA_TIED)
+    amp = TrainingConfig(
+        micro_batch_size=1,
+        seq_len=128,
+        precision="amp_fp16",
+        sharding="fsdp_full_shard",
+        data_parallel_size=64,
+        finetune="frozen",
+        frozen_layers=N,
+    )
+    assert not_composable_reason(spec, amp, LLAMA_TIED) is None
+    masters = TrainingConfig(**{**amp.model_dump(), "precision": "bf16_fp32_master"})
+    assert "fp32 master weights" in not_composable_reason(spec, masters, LLAMA_TIED)
+    untied = model_spec(LLAMA_UNTIED)
+    assert not_composable_reason(untied, masters, LLAMA_UNTIED) is None  # untied: composed, as before
