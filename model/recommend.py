@@ -15,6 +15,7 @@ layers have no backward and checkpointing them recomputes nothing (:mod:`model.f
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from memfit.schema import FineTune, ModelSpec, Quantization, Sharding, TrainingC
 from model.allocator import AllocatorSettings, unsplit_block_bytes
 from model.analytic import weight_dtype_bytes
 from model.curve import Curve, CurvePoint, MemoryPredictor
-from model.job import parameter_tensors
+from model.job import ParameterTensors, parameter_tensors
 from model.overhead import Overhead, OverheadModel
 from model.reserved import ReservedFit, StreamSource, allowance_fit, simulated_fit
 
@@ -114,8 +115,16 @@ def parameter_block_bytes(
     tensors = parameter_tensors(hf_config)
     if tensors is None:
         return 0
-    size = weight_dtype_bytes(training.precision)
-    return unsplit_block_bytes((n * size for n in tensors.in_order(model.num_layers)), settings)
+    return _parameter_block_bytes(tensors, model.num_layers, weight_dtype_bytes(training.precision), settings)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parameter_block_bytes(
+    tensors: ParameterTensors, num_layers: int, element_bytes: int, settings: AllocatorSettings | None
+) -> int:
+    """:func:`parameter_block_bytes` once per model shape, dtype and allocator settings (an 80-layer replay costs
+    about a millisecond, and every plan of a request asks)."""
+    return unsplit_block_bytes((n * element_bytes for n in tensors.in_order(num_layers)), settings)
 
 
 def plan(
