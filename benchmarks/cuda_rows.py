@@ -143,14 +143,14 @@ def workspace_bytes(record: dict[str, Any]) -> int:
 def parameter_blocks(record: dict[str, Any]) -> int:
     """The unsplit parameter blocks a record's model holds on its GPU (:func:`model.recommend.parameter_block_bytes`,
     default allocator settings, as the rows were measured)."""
-    from data import catalog
     from memfit.schema import TrainingConfig
+    from model.job import resolve_architecture
     from model.recommend import parameter_block_bytes
 
-    name = record["model"]["model_name"]
+    arch = resolve_architecture(record["model"]["model_name"])
     t = record["training"]
     training = TrainingConfig.model_validate({f: v for f, v in t.items() if f != "checkpoint_layers"})
-    return parameter_block_bytes(catalog.spec(name), training, catalog.get(name)["hf_config"])
+    return parameter_block_bytes(arch.spec, training, arch.hf_config)
 
 
 def score(rows: list[tuple[str, dict[str, Any]]] | None = None, client: Any = None, gpu: bool = True) -> list[Scored]:

@@ -59,6 +59,7 @@ from model.recommend import (
     candidate_changes,
     longest_fitting_seq_len,
     needs_alternatives,
+    parameter_block_bytes,
     plan,
     rank_alternatives,
 )
@@ -297,14 +298,14 @@ class Recommender:
         Raises:
             InvalidConfiguration: the model or training is invalid (field named).
         """
-        c, spec, training, _ = self._curve(model, training_in, gpu_count)
-        return c, spec, training
+        c, job = self._curve(model, training_in, gpu_count)
+        return c, job.spec, job.training
 
     def _curve(
         self, model: Any, training_in: TrainingIn, gpu_count: int, architecture_fallback: str | None = None
-    ) -> tuple[Curve, ModelSpec, TrainingConfig, tuple[str, ...]]:
+    ) -> tuple[Curve, Job]:
         job = resolve(model, training_in, gpu_count=gpu_count, architecture_fallback=architecture_fallback)
-        return self.curves.curve(job.spec, job.training, job.hf_config), job.spec, job.training, job.warnings
+        return self.curves.curve(job.spec, job.training, job.hf_config), job
 
     def predict(self, item: PredictItem, index: int = 0) -> Prediction:
         """:meth:`_predict` with the cluster's GPU generation as the target of the traced terms
@@ -319,9 +320,10 @@ class Recommender:
             InvalidConfiguration: the item is invalid; the field starts with ``items.<index>``.
         """
         try:
-            c, spec, training, warnings = self._curve(
+            c, job = self._curve(
                 item.model, item.training, item.cluster.gpu_count if item.cluster else 1, item.architecture_fallback
             )
+            spec, training, warnings = job.spec, job.training, job.warnings
             if item.k > spec.num_layers:
                 raise InvalidConfiguration("k", f"an integer in [0, num_layers={spec.num_layers}]", item.k)
         except InvalidConfiguration as err:
@@ -331,7 +333,8 @@ class Recommender:
         if item.cluster is not None:  # the allowance figure /recommend's curve gives without a simulated stream
             outside, _ = self.overhead.outside_pytorch(item.cluster.gpu, item.cluster.gpu_count)
             ratio, _ = self.overhead.allowance_ratio(expandable_segments=False)
-            total = int((p.upper_bytes + self.overhead.cublas_workspace_bytes) * ratio) + outside
+            blocks = parameter_block_bytes(spec, training, job.hf_config)
+            total = int((p.upper_bytes + self.overhead.cublas_workspace_bytes + blocks) * ratio) + outside
         return Prediction(
             predicted_peak_bytes=p.predicted_bytes,
             upper_bound_bytes=p.upper_bytes,
