@@ -220,10 +220,10 @@ def frozen_layer_weight_bytes(model: ModelSpec, training: TrainingConfig) -> tup
     shard_grad_op over 2 ranks, fp32: the frozen step holds the shard and the gathered copy (85 MB + 42.5 MB),
     where :func:`model.analytic.model_state_bytes` counts the gathered copy only.
     """
-    from model.analytic import _WEIGHT_BYTES
+    from model.analytic import weight_dtype_bytes
 
     params = frozen_layer_params(model)
-    w = _WEIGHT_BYTES[training.precision]
+    w = weight_dtype_bytes(training.precision)
     if training.sharding is Sharding.NONE:
         return params * w, 0
     resident = params * w // training.sharding_group_size
