@@ -609,14 +609,20 @@ def layer_period(hf_config: dict[str, Any]) -> int:
     Read from the built HF config's ``layer_types`` (Gemma-2/3, Qwen2 sliding-window, ...) or
     ``attention_layers`` (GPT-Neo); capped at 4.
     """
+    return layer_type_cycle(hf_config, 4) or 4
+
+
+def layer_type_cycle(hf_config: dict[str, Any], max_period: int) -> int | None:
+    """The shortest cycle of the built HF config's decoder-layer types (``layer_types`` or GPT-Neo's
+    ``attention_layers``; 1 without them), or None when there is none of at most ``max_period`` layers."""
     conf = _hf_config(hf_config)
     types = getattr(conf, "layer_types", None) or getattr(conf, "attention_layers", None)
     if not types or len(set(types)) == 1:
         return 1
-    for p in range(1, 5):
+    for p in range(1, max_period + 1):
         if all(t == types[i % p] for i, t in enumerate(types)):
             return p
-    return 4
+    return None
 
 
 #: HF config keys holding the number of routed experts, per family (Mixtral; Qwen-MoE/OLMoE; DeepSeek)

@@ -781,6 +781,12 @@ class AllocationStream:
             step); 0 when the whole stream is measured.
         phases: ``(event index, phase name)`` marks, in order (build, forward, backward, optimizer ...).
         meta: JSON-able facts about what was traced (model, training configuration, torch version).
+        layer_labels: per event, the decoder layer it belongs to, -1 for none, or None when not recorded
+            (``tracer.allocation.RecordingTracker.attach_layers``). In the forward and backward, the layer
+            running (from its forward pre-hook, and from the gradient hook of its output until the next layer's
+            starts; a free outside any layer takes its allocation's label); in the build and the optimizer
+            step, the layer of the parameter the tensor belongs to. :mod:`model.stream_compose` builds a
+            deeper model's stream from these.
     """
 
     handles: list[int]
@@ -788,12 +794,15 @@ class AllocationStream:
     measured_from: int = 0
     phases: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     meta: dict = dataclasses.field(default_factory=dict)
+    layer_labels: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.handles) != len(self.sizes):
             raise ValueError(f"handles and sizes differ in length: {len(self.handles)} != {len(self.sizes)}")
         if not 0 <= self.measured_from <= len(self.sizes):
             raise ValueError(f"measured_from must be in 0..{len(self.sizes)}, got {self.measured_from}")
+        if self.layer_labels is not None and len(self.layer_labels) != len(self.sizes):
+            raise ValueError(f"layer_labels has {len(self.layer_labels)} entries for {len(self.sizes)} events")
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -871,6 +880,7 @@ class AllocationStream:
             phase_at=np.asarray([at for at, _ in self.phases], dtype=np.int64),
             phase_names=np.asarray(json.dumps([n for _, n in self.phases])),
             meta=np.asarray(json.dumps(self.meta, sort_keys=True)),
+            **({} if self.layer_labels is None else {"layer_labels": np.asarray(self.layer_labels, dtype=np.int32)}),
         )
 
     @classmethod
@@ -888,6 +898,7 @@ class AllocationStream:
                 int(z["measured_from"]),
                 list(zip(z["phase_at"].tolist(), names)),
                 json.loads(str(z["meta"])),
+                z["layer_labels"].tolist() if "layer_labels" in z.files else None,
             )
 
 

@@ -12,16 +12,14 @@ within
 context (measured per device, :meth:`model.overhead.OverheadModel.outside_pytorch`) plus NCCL's buffers when
 ``gpu_count > 1``. The cuBLAS workspaces are in the stream (``tracer.allocation.SM90_WORKSPACES``).
 
-**Where the full model's stream comes from.** ``tracer.allocation.cached_step_allocations``: the full model's
-step traced on fake tensors (build, warm-up step, measured step, exactly as the GPU validation runs it), cached
-on disk per configuration and k (about 30 KB each). Rebuilding it from small traced models' per-layer period
-was weighed and not done: the events that matter for fragmentation are the cross-layer ones (a layer's
-activations freed in its backward, gradients freed by the optimizer, fused optimizer state created in the
-warm-up step), whose handles and order a splice must reproduce exactly; a wrong splice would fail silently. A
-full trace costs 5-8 s for an 8B model on two busy cores, so the search visits few k (:func:`search_k`): it
+**Where the full model's stream comes from.** ``tracer.stream_source.stream_source``: the full model's step
+(build, warm-up step, measured step, exactly as the GPU validation runs it) composed from a small template
+model's, recorded once with layer labels (:mod:`model.stream_compose`: 5-10 layers for a period-1 model,
+milliseconds per k), or traced whole on fake tensors where no template applies (about 0.1 s per decoder layer
+of an 8B model). Streams and templates are cached on disk. The search visits few k (:func:`search_k`): it
 starts at the k the measured allowance gives, never below the smallest k whose allocated bound fits (reserved
->= allocated, so nothing below can run), and gallops down or up to the boundary. Issue 27's jobs need 2-4
-traces; a cached configuration answers in milliseconds (the decision is cached in memory by the caller).
+>= allocated, so nothing below can run), and gallops down or up to the boundary; a cached configuration
+answers in milliseconds (the decision is cached in memory by the caller).
 
 **Default allocator: one largest request of room.** Replaying the fake trace, the default allocator runs at
 caps where the GPU ran out of memory: Llama-3-8B k = 21 needs 75.9 GiB simulated but failed at 78.59 GiB on

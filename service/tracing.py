@@ -73,15 +73,36 @@ def _serve_traces(conn, parent_pid: int) -> None:
     conn.send_bytes(json.dumps(["ready", os.getpid()]).encode())
     while True:
         try:
-            hf_config, training_json, *generation = json.loads(conn.recv_bytes())
+            message = json.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
+        if message[0] == TEMPLATE:
+            conn.send_bytes(json.dumps(_record_template(*message[1:])).encode())
+            continue
+        hf_config, training_json, *generation = message
         try:
             training = TrainingConfig.model_validate_json(training_json)
             reply = ["ok", trace_terms(hf_config, training, generation=(generation or [None])[0]).to_json()]
         except Exception as err:  # noqa: BLE001 - reported to the parent with its reason
             reply = ["error", f"{type(err).__name__}: {err}"]
         conn.send_bytes(json.dumps(reply).encode())
+
+
+#: first element of a message asking the tracing process for an allocation-stream template
+TEMPLATE = "template"
+
+
+def _record_template(hf_config: dict[str, Any], training_json: str, num_layers: int, k: int) -> list:
+    """In the tracing process: record the template the fit decision composes the full model's stream at ``k``
+    from (:func:`tracer.stream_source.record_template`); ``["ok", path]`` or ``["error", reason]``."""
+    from tracer.stream_source import record_template, template_path
+
+    try:
+        training = TrainingConfig.model_validate_json(training_json)
+        record_template(hf_config, training, num_layers, k)
+        return ["ok", str(template_path(hf_config, training, num_layers, k))]
+    except Exception as err:  # noqa: BLE001 - reported to the parent with its reason
+        return ["error", f"{type(err).__name__}: {err}"]
 
 
 class TracingProcess:
@@ -153,6 +174,28 @@ class TracingProcess:
             self.close()
             raise RuntimeError("the tracing process died") from err
         status, payload = self._receive(deadline - time.monotonic(), "tracing")
+        if status != "ok":
+            raise RuntimeError(payload)
+        return payload
+
+    def template(
+        self, hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, timeout_s: float
+    ) -> str:
+        """Record the allocation-stream template for the full model at ``k`` in the tracing process
+        (:func:`tracer.stream_source.record_template`); its path.
+
+        Raises:
+            RuntimeError: as :meth:`trace`.
+        """
+        deadline = time.monotonic() + timeout_s
+        self.start(timeout_s)
+        self._traces += 1
+        try:
+            self._conn.send_bytes(json.dumps([TEMPLATE, hf_config, training.model_dump_json(), num_layers, k]).encode())
+        except OSError as err:
+            self.close()
+            raise RuntimeError("the tracing process died") from err
+        status, payload = self._receive(deadline - time.monotonic(), "recording a stream template")
         if status != "ok":
             raise RuntimeError(payload)
         return payload
@@ -268,6 +311,25 @@ class BackgroundTracer:
             )
         return f"tracing it now ({each}); ask again for the traced answer"
 
+    def template(self, hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, path: str) -> None:
+        """Queue the recording of an allocation-stream template (``path``: where it will be, the queue's key),
+        sharing the queue's bounds with the traces; a template already queued, failed or beyond the bounds is
+        not queued (the fit decision stays on the measured allowance and asks again)."""
+        key = f"{TEMPLATE}:{path}"
+        with self._lock:
+            client = CLIENT.get()
+            mine = sum(owner == client for owner in self._owner.values())
+            if key in self.failed or key in self.pending or len(self.pending) >= self.max_pending:
+                return
+            if mine >= self.max_per_client:
+                return
+            self.pending.add(key)
+            self._owner[key] = client
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="memfit-tracer", daemon=True)
+                self._thread.start()
+        self._queue.put((key, hf_config, training, (num_layers, k)))
+
     def _work(self) -> None:
         process = TracingProcess()
         try:
@@ -283,6 +345,10 @@ class BackgroundTracer:
                 continue
             run = self.runner or process.trace
             try:
+                if key.startswith(f"{TEMPLATE}:"):
+                    process.template(hf_config, training, *gen, self.timeout_s)
+                    log.info("recorded a stream template for %s", key[len(TEMPLATE) + 1 :])
+                    continue
                 self.cache.put(key, run(hf_config, training, self.timeout_s, **({"generation": gen} if gen else {})))
                 log.info("traced terms %s", key[:12])
             except Exception as err:  # noqa: BLE001 - a config the tracer can't run stays provisional

@@ -1,11 +1,13 @@
 """The full model's allocation stream per k, for the fit decision (:mod:`model.reserved`), cached on disk.
 
 :func:`stream_source` gives a :data:`model.reserved.StreamSource` for one model and training configuration: k ->
-the stream of the full model's step with its first k decoder layers checkpointed
-(:func:`tracer.allocation.cached_step_allocations`, with the CUDA-semantics trace policy).
-Looking a stream up needs no PyTorch (:func:`stream_path` reads package versions from their metadata), so
-the service can answer from the cache in its serving process; recording one (``record=True``: the command line,
-the GPU check) imports PyTorch and costs 5-8 s for an 8B model on two busy cores.
+the stream of the full model's step with its first k decoder layers checkpointed: a full-model stream from the
+cache, else composed (:mod:`model.stream_compose`) from a small template model's stream recorded with layer
+labels (:func:`record_template`, cached by :func:`template_path`), else the full model traced
+(:func:`tracer.allocation.cached_step_allocations`), all with the CUDA-semantics trace policy. Looking a stream
+up and composing one need no PyTorch (:func:`stream_path` reads package versions from their metadata), so the
+service answers from the cache in its serving process and asks its tracing process for a missing template
+(``request``); the command line records (a template of an 8B model: about 1 s; a full model: 3-8 s).
 
 :func:`unsupported_reason` names the configurations the recorder does not trace as one process runs them
 (several GPUs, sharding, offload, tensor/pipeline/context/expert parallelism, quantized bases, gradient
@@ -24,12 +26,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from memfit.schema import Offload, Quantization, Sharding, TrainingConfig
+from memfit.schema import CheckpointImpl, FineTune, Offload, Quantization, Sharding, TrainingConfig
 from model.allocator import AllocationStream
 from model.cuda_semantics import GpuGeneration, step_workspaces
 
 #: a stream found missing is looked for again after this many seconds (another process may have recorded it)
-MISS_RECHECK_S = 30.0
+MISS_RECHECK_S = 2.0
 #: Bump when the recording changes what a stream holds (part of the cache key).
 STREAM_FORMAT = 2
 #: cuBLAS workspaces (bytes) per phase, as :data:`tracer.allocation.SM90_WORKSPACES` records them
@@ -107,6 +109,71 @@ def unsupported_reason(training: TrainingConfig, gpu_count: int = 1) -> str | No
     return None
 
 
+def composition_period(hf_config: dict[str, Any], num_layers: int) -> int | None:
+    """The layer-type period :mod:`model.stream_compose` composes with (``memfit.hf.layer_type_cycle``), or None
+    where the stream is not composed: a mixture of experts (whose routing the template does not carry), or no
+    cycle of at most half the layers."""
+    from memfit.hf import layer_type_cycle, num_routed_experts
+
+    if num_routed_experts(hf_config) is not None:
+        return None
+    return layer_type_cycle(hf_config, num_layers // 2)
+
+
+def template_path(
+    hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, period: int | None = 0
+) -> Path | None:
+    """Where the labelled template stream for the full model at ``k`` is cached, or None where the stream is
+    not composed (:func:`composition_period`, computed unless ``period`` is given; a template as deep as the
+    model: the model is traced itself)."""
+    from memfit.hf import small_config
+    from model.stream_compose import template_shape
+
+    if period == 0:
+        period = composition_period(hf_config, num_layers)
+    if (
+        period is None
+        or training.checkpoint_impl is not CheckpointImpl.NON_REENTRANT
+        or training.finetune is not FineTune.FULL  # frozen layers differ by index; LoRA's build does not compose
+    ):
+        return None
+    n, kc = template_shape(num_layers, k, period)
+    if n >= num_layers:
+        return None
+    t = training.model_copy(update={"checkpoint_layers": list(range(kc))})
+    return stream_path(small_config(hf_config, n), t, context_name=f"{trace_policy_name()};{LAYERED}")
+
+
+#: part of a template stream's cache key: recorded with layer labels (``tracer.allocation.step_allocations``)
+LAYERED = "layered"
+
+
+def record_template(hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, model_name=None):
+    """Record (or load) the template stream of :func:`template_path`; None where no template is used.
+
+    Raises:
+        ValueError: what :func:`tracer.allocation.step_allocations` raises.
+    """
+    path = template_path(hf_config, training, num_layers, k)
+    if path is None:
+        return None
+    if path.exists():
+        return AllocationStream.load(path)
+    from memfit.hf import small_config
+    from model.stream_compose import template_shape
+    from tracer.allocation import cuda_trace_policy, step_allocations
+
+    n, kc = template_shape(num_layers, k, composition_period(hf_config, num_layers))
+    _, factory = cuda_trace_policy()
+    t = training.model_copy(update={"checkpoint_layers": list(range(kc))})
+    stream = step_allocations(small_config(hf_config, n), t, model_name=model_name, step_context=factory, layered=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    stream.save(tmp)
+    tmp.replace(path)
+    return stream
+
+
 def stream_source(
     hf_config: dict[str, Any],
     training: TrainingConfig,
@@ -114,16 +181,55 @@ def stream_source(
     *,
     model_name: str | None = None,
     record: bool = True,
+    request=None,
 ):
     """A :data:`model.reserved.StreamSource` for ``training`` (its ``checkpoint_layers`` ignored): k -> the stream
-    with layers ``0..k-1`` checkpointed, from the cache, recorded when missing and ``record`` (else None).
+    with layers ``0..k-1`` checkpointed.
+
+    In order: the full model's stream from the cache; the stream composed from a small template model's
+    (:mod:`model.stream_compose`, template cached by :func:`template_path`, recorded when missing and
+    ``record``); the full model traced when ``record`` (where no template applies or its composition fails);
+    else None. Without ``record``, a missing template is asked of ``request`` (``(hf_config, training,
+    num_layers, k, path) -> None``, e.g. the service's tracing queue) when given.
 
     A recording that fails (a model the fake-tensor recorder cannot run) gives None, and the reason is kept in
-    the source's ``failed`` attribute; the caller then falls back to the measured allowance.
+    the source's ``failed`` attribute; the caller then falls back to the measured allowance. The source's
+    ``composed`` attribute lists the k it composed.
     """
+    from model.stream_compose import CompositionError, compose, template_shape
+
     policy = trace_policy_name()
     streams: dict[int, AllocationStream | None] = {}
     looked: dict[int, float] = {}  # k -> when a missing stream was last looked for
+    periods: list[int | None] = []  # computed at the first composition (it builds the HF config)
+
+    def composed(k: int) -> AllocationStream | None:
+        if source.compose_failed is not None:
+            return None
+        if not periods:
+            periods.append(composition_period(hf_config, num_layers))
+        period = periods[0]
+        path = template_path(hf_config, training, num_layers, k, period)
+        if path is None:
+            return None
+        try:
+            if path.exists():
+                template = AllocationStream.load(path)
+            elif record:
+                template = record_template(hf_config, training, num_layers, k, model_name)
+            else:
+                if request is not None:
+                    request(hf_config, training, num_layers, k, str(path))
+                return None
+            stream = compose(template, template_shape(num_layers, k, period)[1], num_layers, k, period)
+        except CompositionError as err:
+            source.compose_failed = str(err)
+            return None
+        except Exception as err:  # noqa: BLE001 - a configuration the recorder cannot run: fall back
+            source.failed = f"{type(err).__name__}: {str(err)[:200]}"
+            return None
+        source.composed.append(k)
+        return stream
 
     def source(k: int) -> AllocationStream | None:
         if streams.get(k) is not None or (k in streams and time.monotonic() - looked[k] < MISS_RECHECK_S):
@@ -134,7 +240,9 @@ def stream_source(
         looked[k] = time.monotonic()
         if path.exists():
             stream = AllocationStream.load(path)
-        elif record and source.failed is None:
+        elif source.failed is None:
+            stream = composed(k)
+        if stream is None and record and source.failed is None and not path.exists():
             from tracer.allocation import cached_step_allocations, cuda_trace_policy
 
             name, factory = cuda_trace_policy()
@@ -148,6 +256,8 @@ def stream_source(
         return stream
 
     source.failed = None
+    source.compose_failed = None
+    source.composed = []
     source.num_layers = num_layers
     source.key = json.dumps(
         [hf_config, training.model_dump(mode="json", exclude={"checkpoint_layers"}), policy],
@@ -165,25 +275,29 @@ def recording_source(
     return stream_source(hf_config, training, num_layers, model_name=model_name, record=record)
 
 
-def cached_source(hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, model_name=None, record=True):
+def cached_source(
+    hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, model_name=None, record=True, request=None
+):
     """:func:`stream_source` that never records (the serving process runs no PyTorch): streams recorded by the
-    command line or the GPU check on this machine are used, others fall back to the measured allowance."""
-    return stream_source(hf_config, training, num_layers, model_name=model_name, record=False)
+    command line or the GPU check on this machine, and streams composed from recorded templates, are used (a
+    missing template is asked of ``request``); others fall back to the measured allowance."""
+    return stream_source(hf_config, training, num_layers, model_name=model_name, record=False, request=request)
 
 
 #: ``MEMFIT_ALLOCATOR_STREAMS``: ``record`` (trace a missing stream), ``cache`` (use recorded ones only) or ``off``
 STREAMS_ENV = "MEMFIT_ALLOCATOR_STREAMS"
 
 
-def configured_source(default: str):
-    """The stream factory a front end uses: :func:`recording_source`, :func:`cached_source` or None (``off``), as
-    ``$MEMFIT_ALLOCATOR_STREAMS`` says, else ``default`` (the command line records, the service reads the cache).
+def configured_source(default: str, request=None):
+    """The stream factory a front end uses: :func:`recording_source`, :func:`cached_source` (asking ``request`` for
+    missing templates) or None (``off``), as ``$MEMFIT_ALLOCATOR_STREAMS`` says, else ``default`` (the command line
+    records, the service reads the cache and queues templates in its tracing process).
 
     Raises:
         ValueError: an unknown value (the variable and the allowed values named).
     """
     mode = (os.environ.get(STREAMS_ENV) or default).strip().lower()
-    sources = {"record": recording_source, "cache": cached_source, "off": None}
+    sources = {"record": recording_source, "cache": functools.partial(cached_source, request=request), "off": None}
     if mode not in sources:
         raise ValueError(f"{STREAMS_ENV} must be one of record, cache, off; got {mode!r}")
     return sources[mode]

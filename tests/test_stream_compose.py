@@ -1,0 +1,100 @@
+"""A deep model's allocation stream composed from a small template's (:mod:`model.stream_compose`) is the stream
+of the deep model traced itself, event by event (frees in a row in allocation order, as the recorder writes
+them), and replays to the same reserved peak; configurations it cannot compose raise, and the stream source
+falls back to tracing the full model."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.hf import small_config
+from memfit.schema import TrainingConfig
+from model.allocator import AllocatorSettings, replay
+from model.stream_compose import CompositionError, compose, layer_templates, template_shape
+
+#: narrow versions of catalog architectures: the events do not depend on the widths, the trace time does
+NARROW = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "vocab_size": 1024}
+
+
+def _config(name: str, **extra) -> dict:
+    from data.catalog import get
+
+    hf = dict(get(name)["hf_config"])
+    if "n_embd" in hf:  # GPT-2
+        hf.update(n_embd=256, n_head=4, vocab_size=1024, **extra)
+    else:
+        hf.update(NARROW, num_key_value_heads=2, head_dim=64, **extra)
+    return hf
+
+
+def _record(hf: dict, layers: int, k: int, **training):
+    from tracer.allocation import cuda_trace_policy, step_allocations
+
+    _, factory = cuda_trace_policy()
+    t = TrainingConfig(micro_batch_size=2, seq_len=128, checkpoint_layers=list(range(k)), **training)
+    return step_allocations(small_config(hf, layers), t, step_context=factory, layered=True)
+
+
+def test_template_shape_keeps_edges_and_one_period():
+    assert template_shape(32, 16, 1) == (10, 5)
+    assert template_shape(32, 2, 1) == (7, 2)
+    assert template_shape(32, 32, 1) == (5, 5)
+    assert template_shape(8, 4, 1) == (8, 4)  # parts of at most period + 4 layers are kept whole
+    assert template_shape(26, 13, 2) == (14, 7)  # each part: 6 + (13 - 6) % 2, its last layer keeps its type
+    t = layer_templates(32, 16, 1)
+    assert t[:3] == [0, 1, 2] and t[13:19] == [2, 3, 4, 5, 6, 7] and t[-2:] == [8, 9]
+    t2 = layer_templates(26, 13, 2)
+    assert all(t2[i] % 2 == i % 2 for i in range(26))  # every layer copies one of its own type
+    with pytest.raises(ValueError, match="k must be in"):
+        template_shape(8, 9, 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "training", "layers", "ks"),
+    [
+        ("llama-3.2-1b", {"precision": "bf16", "optimizer": "adamw_fused"}, 12, [0, 1, 6, 11, 12]),
+        ("gpt2", {"precision": "amp_bf16", "optimizer": "adamw_foreach"}, 12, [0, 5, 12]),  # dropout, autocast cache
+        ("qwen2.5-0.5b", {"precision": "amp_fp16", "optimizer": "adafactor"}, 11, [3, 7]),  # tied embeddings
+    ],
+)
+def test_composed_stream_is_the_traced_stream(name, training, layers, ks):
+    hf = _config(name)
+    for k in ks:
+        n, kc = template_shape(layers, k, 1)
+        composed = compose(_record(hf, n, kc, **training), kc, layers, k, 1)
+        direct = _record(hf, layers, k, **training)
+        assert (composed.handles, composed.sizes) == (direct.handles, direct.sizes), (name, k)
+        assert composed.phases == direct.phases and composed.measured_from == direct.measured_from
+        assert composed.layer_labels == direct.layer_labels
+        for settings in (AllocatorSettings(), AllocatorSettings.from_conf("expandable_segments:True")):
+            a, b = replay(composed, settings), replay(direct, settings)
+            assert (a.peak_reserved_bytes, a.peak_allocated_bytes) == (b.peak_reserved_bytes, b.peak_allocated_bytes)
+
+
+def test_a_template_of_another_shape_or_unlabelled_is_refused():
+    hf = _config("llama-3.2-1b")
+    template = _record(hf, 10, 5, precision="bf16", optimizer="adamw_fused")
+    with pytest.raises(CompositionError, match="template of 10 layers"):
+        compose(template, 5, 12, 2, 1)
+    template.layer_labels = None
+    with pytest.raises(CompositionError, match="no layer labels"):
+        compose(template, 5, 12, 6, 1)
+
+
+def test_stream_source_composes_and_falls_back(tmp_path, monkeypatch):
+    from tracer.stream_source import stream_source, template_path
+
+    monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))
+    hf = _config("llama-3.2-1b")
+    hf["num_hidden_layers"] = 14
+    t = TrainingConfig(micro_batch_size=2, seq_len=128, precision="bf16", optimizer="adamw_fused")
+    source = stream_source(hf, t, 14)
+    stream = source(7)
+    assert source.composed == [7] and template_path(hf, t, 14, 7).exists()
+    direct = _record(hf, 14, 7, precision="bf16", optimizer="adamw_fused")
+    assert (stream.handles, stream.sizes, stream.phases) == (direct.handles, direct.sizes, direct.phases)
+    asked = []
+    cached = stream_source(hf, t, 14, record=False, request=lambda *a: asked.append(a[3]))
+    assert cached(6) is not None and cached(1) is None and asked == [1]  # (10, 5) template recorded; (6, 1) not
+    for update in ({"finetune": "frozen", "frozen_layers": 3}, {"finetune": "lora", "lora_rank": 8}):
+        assert template_path(hf, t.model_copy(update=update), 14, 7) is None  # traced whole
