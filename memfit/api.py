@@ -57,6 +57,22 @@ for _name, _mib in _NVIDIA_SMI_TOTAL_MIB.items():
 GPUS: dict[str, int] = {name: int(gib * GIB) for name, (gib, _src) in GPU_USABLE_GIB.items()}
 
 
+def gpu_catalog_name(device_name: str) -> str:
+    """The :data:`GPUS` name of a board, from its catalog name or the name CUDA reports
+    (``torch.cuda.get_device_name``: ``"NVIDIA H200"`` -> ``H200``, ``"NVIDIA H100 80GB HBM3"`` -> ``H100-80GB``,
+    ``"NVIDIA A100-SXM4-80GB"`` -> ``A100-80GB``, ``"NVIDIA GeForce RTX 4090"`` -> ``RTX-4090``): the catalog name all
+    of whose dash-separated parts are among the name's parts, the most specific when several are; the name itself,
+    stripped, when none is."""
+    key = device_name.strip().upper().replace("_", "-").replace(" ", "-")
+    parts = {p for p in key.split("-") if p not in ("NVIDIA", "GEFORCE", "TESLA")}
+    best = max(
+        (known for known in GPUS if set(known.upper().split("-")) <= parts),
+        key=lambda known: (len(known.split("-")), known),
+        default=None,
+    )
+    return best if best is not None else device_name.strip()
+
+
 def gpu_memory_bytes(name: str) -> int:
     """Usable memory of a known GPU as PyTorch reports it (case-insensitive; ``_``/space/``-`` alike).
 

@@ -45,6 +45,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from memfit.api import gpu_catalog_name
+
 MIB = 1 << 20
 GIB = 1 << 30
 CUDA_CONTEXT_BYTES = 1343 * MIB
@@ -142,6 +144,7 @@ class OverheadModel:
         validation runs (default: :data:`VALIDATION_FILES`)."""
         if len(rows):
             cuda = rows[(rows.get("method") == "cuda") & ~rows["oom"].astype(bool)]
+            cuda = cuda.assign(device_name=cuda["device_name"].map(lambda d: gpu_catalog_name(str(d))))
             for device, g in cuda.groupby("device_name"):
                 outside = g["outside_torch_bytes"].dropna()
                 if len(outside):
@@ -159,6 +162,7 @@ class OverheadModel:
         for device, figures in validation_outside(
             VALIDATION_FILES if validation_files is None else validation_files
         ).items():
+            device = gpu_catalog_name(device)
             if device not in self.outside_by_device and figures:  # telemetry rows first, shipped runs where none
                 self.outside_by_device[device] = int(np.median(figures))
                 self.rows_by_device[device] = len(figures)
@@ -178,6 +182,7 @@ class OverheadModel:
         """Overhead for a predicted allocated peak on ``device_name`` in a job of ``gpu_count`` GPUs."""
         fragmentation = int(allocated_bytes * (self.fragmentation_ratio - 1))
         nccl = NCCL_BYTES if gpu_count > 1 else 0
+        device_name = gpu_catalog_name(device_name) if device_name else device_name
         if device_name in self.outside_by_device:
             # the learned figure comes from single-GPU validation runs: NCCL is added for multi-GPU jobs
             return Overhead(
@@ -215,6 +220,7 @@ class OverheadModel:
         anatomy" guide (older stacks load every kernel at start-up); plus :data:`NCCL_BYTES` when ``gpu_count > 1``."""
         nccl = NCCL_BYTES if gpu_count > 1 else 0
         plus = f" + NCCL {NCCL_BYTES / GIB:.1f} GiB ({gpu_count} GPUs)" if nccl else ""
+        device_name = gpu_catalog_name(device_name) if device_name else device_name
         if device_name in self.outside_by_device:
             n = self.rows_by_device.get(device_name, 0)
             return self.outside_by_device[device_name] + nccl, f"measured on {device_name} ({n} measured rows){plus}"
@@ -230,7 +236,10 @@ class OverheadModel:
         # is 20 % above memfit's bound even with it)
         return (
             CUDA_CONTEXT_BYTES + nccl,
-            f"HF transformers' model memory anatomy guide (V100; not measured on this GPU){plus}",
+            (
+                "1343 MiB from HF transformers' model memory anatomy guide (measured there on a V100; not yet "
+                f"measured on this GPU){plus}"
+            ),
         )
 
     def to_dict(self) -> dict:

@@ -746,13 +746,16 @@ def gib(n: int) -> str:
 
 
 def curve_rows(rec: Recommendation, max_rows: int = 12) -> list:
-    """Curve points to show: about ``max_rows`` evenly spaced, always k = 0, L and the chosen k."""
+    """Curve points to show: about ``max_rows`` evenly spaced, always k = 0, L, the chosen k and the one below it
+    (the boundary), and every k whose step the allocator simulation replayed (the figures the decision rests on)."""
     if not rec.curve:
         return []
     step = max(1, -(-len(rec.curve) // max_rows))
     keep = set(range(0, len(rec.curve), step)) | {len(rec.curve) - 1}
     if rec.k is not None:
-        keep.add(rec.k)
+        keep |= {rec.k, max(rec.k - 1, 0)}
+    if rec.fit_method == "simulated":
+        keep |= {i for i, c in enumerate(rec.curve) if c.predicted_reserved_bytes is not None}
     return [rec.curve[i] for i in sorted(keep)]
 
 
@@ -824,16 +827,21 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
             )
         con.print(stages)
 
+    # a simulated fit is decided on reserved memory: its figures at the k the search replayed ("-" elsewhere); the
+    # reserved figure is the step's with memory to spare, "fits" the replay within the allocator's cap
+    simulated = rec.fit_method == "simulated"
     curve = titled("memory over k (GiB; k = checkpointed layers)")
+    if simulated:
+        curve.caption = (
+            f"fits: the step replayed through the caching allocator runs in {gib(rec.allocator_cap_bytes or 0)}"
+        )
     # the last column only marks the chosen k: none is chosen when nothing fits, and the column stood empty
     marked = rec.k is not None
-    # a simulated fit is decided on reserved memory: its figures at the k the search replayed ("-" elsewhere)
-    simulated = rec.fit_method == "simulated"
     for col in (
         "k",
         "predicted",
         "bound+overhead",
-        *(("reserved",) if simulated else ()),
+        *(("reserved, uncapped",) if simulated else ()),
         "fits",
         *(("",) if marked else ()),
     ):
@@ -877,10 +885,16 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         parts.add_row(
             f"+ margin to the upper bound ({margin / max(rec.predicted_peak_bytes, 1):.1%} of the point)", gib(margin)
         )
-        parts.add_row(
-            "+ overhead: CUDA context (outside PyTorch), cuBLAS workspaces, parameter blocks, allocator allowance",
-            gib(overhead),
-        )
+        # the overhead's parts by name, those it holds (an "allocator allowance" was named where it held none)
+        named = {
+            "cuda_context_bytes": "CUDA context (outside PyTorch)",
+            "cublas_workspace_bytes": "cuBLAS workspaces",
+            "nccl_bytes": "NCCL buffers",
+            "parameter_block_bytes": "parameter blocks",
+            "fragmentation_bytes": "fragmentation allowance",
+        }
+        held = [what for key, what in named.items() if rec.overhead.get(key)]
+        parts.add_row(f"+ overhead: {', '.join(held) or 'none'}", gib(overhead))
         parts.add_section()
         simulated = rec.fit_method == "simulated"
         parts.add_row(
