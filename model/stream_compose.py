@@ -27,9 +27,8 @@ Checked while composing, else :class:`CompositionError` (the caller traces the f
 labelled run lies in a sweep or maps to a layer with that template; every free finds its allocation, of the
 template's size, live. ``tests/test_stream_compose.py`` compares composed streams with full traces, event by
 event, for several architectures, precisions, optimizers and k. The stream source does not compose where a
-layer differs by its index rather than its type (frozen leading layers), for LoRA (whose adapters' build did
-not compose event for event at every k), mixtures of experts, or reentrant checkpointing
-(``tracer.stream_source.template_path``).
+layer differs by its index rather than its type (frozen leading layers), for mixtures of experts, or with
+reentrant checkpointing (``tracer.stream_source.template_path``).
 """
 
 from __future__ import annotations

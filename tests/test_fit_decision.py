@@ -109,6 +109,32 @@ def test_k_is_the_smallest_that_ran_or_one_more(recommender, job, setting, conf)
     assert rec.capacity_bytes - rec.allocator_cap_bytes == 1343 * 2**20  # not measured on these GPUs: the guide figure
 
 
+def test_composed_streams_give_the_traced_streams_answers(recommender, tmp_path, monkeypatch):
+    """The same decisions and reserved figures from streams composed from small templates
+    (:mod:`model.stream_compose`) as from the full models' traced streams kept beside the tests."""
+    from tracer.stream_source import recording_source
+
+    traced = {
+        (job.name, conf): _ask(recommender, job, conf) for job in JOBS for conf in ("", "expandable_segments:True")
+    }
+    monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))  # no full-model stream here: each k is composed
+    composing = Recommender(
+        recommender.est,
+        recommender.version,
+        terms=recommender.predictor.terms,
+        margins=recommender.predictor.margins,
+        coefficients=recommender.predictor.coefficients,
+        streams=recording_source,
+    )
+    for (name, conf), want in traced.items():
+        got = _ask(composing, next(j for j in JOBS if j.name == name), conf)
+        assert (got.k, got.fits, got.predicted_reserved_bytes) == (want.k, want.fits, want.predicted_reserved_bytes)
+        assert [c.predicted_reserved_bytes for c in got.curve] == [c.predicted_reserved_bytes for c in want.curve]
+    assert sorted(p.name for p in tmp_path.glob("*.npz")) and not any(
+        (DATA / "streams" / p.name).exists() for p in tmp_path.glob("*.npz")
+    )  # templates recorded, no full-model stream
+
+
 @pytest.mark.parametrize("job", JOBS, ids=[j.name for j in JOBS])
 def test_expandable_segments_offered_first_where_it_helps(recommender, job):
     rec = _ask(recommender, job, "")

@@ -55,6 +55,12 @@ def test_template_shape_keeps_edges_and_one_period():
         ("llama-3.2-1b", {"precision": "bf16", "optimizer": "adamw_fused"}, 12, [0, 1, 6, 11, 12]),
         ("gpt2", {"precision": "amp_bf16", "optimizer": "adamw_foreach"}, 12, [0, 5, 12]),  # dropout, autocast cache
         ("qwen2.5-0.5b", {"precision": "amp_fp16", "optimizer": "adafactor"}, 11, [3, 7]),  # tied embeddings
+        (
+            "llama-3.2-1b",
+            {"precision": "bf16", "optimizer": "adamw_foreach", "finetune": "lora", "lora_rank": 8},
+            12,
+            [0, 6],
+        ),
     ],
 )
 def test_composed_stream_is_the_traced_stream(name, training, layers, ks):
@@ -96,5 +102,6 @@ def test_stream_source_composes_and_falls_back(tmp_path, monkeypatch):
     asked = []
     cached = stream_source(hf, t, 14, record=False, request=lambda *a: asked.append(a[3]))
     assert cached(6) is not None and cached(1) is None and asked == [1]  # (10, 5) template recorded; (6, 1) not
-    for update in ({"finetune": "frozen", "frozen_layers": 3}, {"finetune": "lora", "lora_rank": 8}):
-        assert template_path(hf, t.model_copy(update=update), 14, 7) is None  # traced whole
+    frozen = TrainingConfig(**{**t.model_dump(), "finetune": "frozen", "frozen_layers": 3})
+    assert template_path(hf, frozen, 14, 7) is None  # the first layers differ from the others by index: traced whole
+    assert template_path(hf, TrainingConfig(**{**t.model_dump(), "finetune": "lora", "lora_rank": 8}), 14, 7)

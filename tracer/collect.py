@@ -65,6 +65,7 @@ from memfit.schema import (
     Attention,
     CheckpointImpl,
     ClusterSpec,
+    FineTune,
     Measurement,
     Method,
     Offload,
@@ -504,6 +505,11 @@ def prepared_model(
             f"seq_len={training.seq_len} exceeds this model's learned position embeddings: allowed 1..{limit}"
         )
     from tracer.moe import balanced_routing
+
+    if training.finetune is FineTune.LORA:
+        # outside the measuring context: importing PEFT makes tensors (default arguments such as
+        # ``torch.tensor(1)`` in its LoHa layer) that the first traced step of a process would count
+        import peft  # noqa: F401
 
     num_experts = num_routed_experts(hf_config)
     ep = training.expert_parallel_size

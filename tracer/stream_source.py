@@ -134,7 +134,7 @@ def template_path(
     if (
         period is None
         or training.checkpoint_impl is not CheckpointImpl.NON_REENTRANT
-        or training.finetune is not FineTune.FULL  # frozen layers differ by index; LoRA's build does not compose
+        or training.finetune is FineTune.FROZEN  # frozen leading layers differ from the others by index
     ):
         return None
     n, kc = template_shape(num_layers, k, period)
