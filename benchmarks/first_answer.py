@@ -5,7 +5,8 @@
     python -m benchmarks.first_answer [--out benchmarks/results/first_answer.json] [--timeout-s 120]
 
 Starts the service (``python -m service``) with an empty allocation-stream cache and telemetry store, waits for
-it to be warmed up, then for each case posts the request every 0.25 s until the answer is full. Target (issue
+it to be warmed up (its tracing process may still be starting), then for each case posts the request every 0.25 s
+until the answer is full. Target (issue
 27): at most 10 s.
 """
 
@@ -37,10 +38,25 @@ def _cases() -> dict[str, dict]:
 
     llama = catalog.get("llama-3-8b")["hf_config"]
     return {
-        # a catalog architecture whose terms are shipped: its allocation streams are not (issue 27's first job)
-        "llama-3-8b bf16 mb2 s4096 on H100-80GB (terms shipped, streams never seen)": {**JOB, "model": "llama-3-8b"},
+        # issue 27's first job: its terms are traced and its stream template recorded
+        "llama-3-8b bf16 fused AdamW mb2 s4096 on H100-80GB": {
+            **JOB,
+            "model": "llama-3-8b",
+        },
         # an architecture never seen: its terms are traced and its stream template recorded
         "llama-3-8b with vocab 100352 (never seen)": {**JOB, "model": {**llama, "vocab_size": 100352}},
+        # issue 27's second job: LoRA on a 24 GB card (nothing fits with the default allocator)
+        "llama-3.2-3b LoRA r16 q,k,v,o bf16 mb2 s4096 on RTX-4090": {
+            **JOB,
+            "model": "llama-3.2-3b",
+            "training": {
+                **JOB["training"],
+                "finetune": "lora",
+                "lora_rank": 16,
+                "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+            },
+            "cluster": {"gpu": "RTX-4090"},
+        },
     }
 
 

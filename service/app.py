@@ -80,7 +80,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         stop = threading.Event()
         warming = None
         if settings.warm_up:
-            warming = threading.Thread(target=_warm_up, args=(warmed_up, stop), name="memfit-warm-up", daemon=True)
+            warming = threading.Thread(
+                target=_warm_up, args=(warmed_up, stop, tracer), name="memfit-warm-up", daemon=True
+            )
             warming.start()
         yield
         # the warm-up builds models on the meta device, and transformers sets process-wide state while it builds
@@ -110,7 +112,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-def _warm_up(done: threading.Event, stop: threading.Event) -> None:
+def _warm_up(done: threading.Event, stop: threading.Event, tracer: BackgroundTracer) -> None:
+    """Resolve the catalog's architectures, then start the tracing process (it imports PyTorch: the first
+    never-seen configuration then waits only for its trace)."""
     from service.recommender import warm_up
 
     try:
@@ -119,3 +123,5 @@ def _warm_up(done: threading.Event, stop: threading.Event) -> None:
         log.exception("warm-up failed")
     finally:
         done.set()
+    if not stop.is_set():
+        tracer.start()

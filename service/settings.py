@@ -48,7 +48,8 @@ class Settings(BaseSettings):
             in all and per client address; beyond them the answer stays provisional with "tracing deferred".
         max_records_per_request: telemetry records accepted in one POST.
         warm_up: at start-up, import transformers and resolve the catalog's HF configs in the
-            background, so the first HF-config request does not pay for it.
+            background, and start the tracing process, so the first HF-config request and the first never-seen
+            configuration do not pay for them.
     """
 
     model_config = SettingsConfigDict(env_prefix="MEMFIT_", validate_default=True)

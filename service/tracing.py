@@ -330,9 +330,22 @@ class BackgroundTracer:
                 self._thread.start()
         self._queue.put((key, hf_config, training, (num_layers, k)))
 
-    def _work(self) -> None:
+    def start(self) -> None:
+        """Start the worker and its tracing process now (the service's warm-up), so that the first never-seen
+        configuration does not wait for the process to spawn and import PyTorch."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, args=(True,), name="memfit-tracer", daemon=True)
+                self._thread.start()
+
+    def _work(self, start_now: bool = False) -> None:
         process = TracingProcess()
         try:
+            if start_now and self.runner is None:
+                try:
+                    process.start(self.timeout_s)
+                except RuntimeError as err:  # the first trace starts one again
+                    log.warning("starting the tracing process failed: %s", err)
             self._trace_queue(process)
         finally:
             process.close()

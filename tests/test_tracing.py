@@ -97,3 +97,29 @@ def test_reentrant_checkpointing_behind_frozen_embeddings_is_traced_as_memfit_ap
     note = next(n for n in c.notes if n.startswith("reentrant checkpointing behind frozen embeddings"))
     assert "enable_input_require_grads()" in note and "use_reentrant=False" in note
     assert c.points[0].predicted_bytes > c.points[-1].predicted_bytes  # checkpointing still saves memory
+
+
+def test_background_tracer_records_stream_templates_in_its_started_process(tmp_path, monkeypatch):
+    """The service's warm-up starts the tracing process; a missing allocation-stream template asked for by the fit
+    decision is recorded there once (queued once however often asked) with its layer labels."""
+    from model.allocator import AllocationStream
+    from tracer.stream_source import template_path
+
+    monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))  # the spawned process inherits it
+    deep = {**SMALL, "num_hidden_layers": 16}
+    path = template_path(deep, TRAINING, 16, 8)
+    tracer = BackgroundTracer(TermsCache(shipped_dir=None))
+    try:
+        tracer.start()
+        tracer.template(deep, TRAINING, 16, 8, str(path))
+        tracer.template(deep, TRAINING, 16, 8, str(path))
+        assert len(tracer.pending) == 1
+        for _ in range(600):
+            if path.exists() and not tracer.pending:
+                break
+            time.sleep(0.1)
+        stream = AllocationStream.load(path)
+        assert stream.layer_labels is not None and max(stream.layer_labels) + 1 == 10  # the (10, 5) template
+        assert not tracer.failed
+    finally:
+        tracer.shutdown()
