@@ -5,6 +5,7 @@ Sizes are bytes; ``*_gib`` inputs are accepted at the edge and converted (1 GiB 
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Self
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, model_validator
@@ -57,6 +58,7 @@ for _name, _mib in _NVIDIA_SMI_TOTAL_MIB.items():
 GPUS: dict[str, int] = {name: int(gib * GIB) for name, (gib, _src) in GPU_USABLE_GIB.items()}
 
 
+@functools.lru_cache(maxsize=256)
 def gpu_catalog_name(device_name: str) -> str:
     """The :data:`GPUS` name of a board, from its catalog name or the name CUDA reports
     (``torch.cuda.get_device_name``: ``"NVIDIA H200"`` -> ``H200``, ``"NVIDIA H100 80GB HBM3"`` -> ``H100-80GB``,

@@ -37,6 +37,7 @@ outside-PyTorch bytes (median) per device name from ``method = cuda`` telemetry.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,13 @@ import pandas as pd
 from memfit.api import gpu_catalog_name
 
 MIB = 1 << 20
+
+
+@functools.lru_cache(maxsize=64)
+def _median(values: tuple[int, ...]) -> int:
+    return int(np.median(values))
+
+
 GIB = 1 << 30
 CUDA_CONTEXT_BYTES = 1343 * MIB
 CUBLAS_WORKSPACE_BYTES = 32 * MIB
@@ -225,7 +233,7 @@ class OverheadModel:
             n = self.rows_by_device.get(device_name, 0)
             return self.outside_by_device[device_name] + nccl, f"measured on {device_name} ({n} measured rows){plus}"
         if self.outside_by_device:
-            figure = int(np.median(list(self.outside_by_device.values())))
+            figure = _median(tuple(self.outside_by_device.values()))
             where = ", ".join(
                 f"{d} ({self.rows_by_device.get(d, 0)} measured rows)" for d in sorted(self.outside_by_device)
             )

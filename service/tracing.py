@@ -63,6 +63,9 @@ def _serve_traces(conn, parent_pid: int) -> None:
     closes. Messages are JSON both ways (``[hf_config, training_json]`` in; ``["ok", terms]`` or
     ``["error", reason]`` out)."""
     _exit_with_parent(parent_pid)
+    # background work: the serving process's requests get the CPU first (a trace or this process's start-up
+    # running beside them took the cores a /recommend answer needs)
+    os.nice(10)
     # the libraries' import-time chatter (DeepSpeed's accelerator notice, transformers' warnings) must not
     # reach the user's terminal or the server's log: the outcome goes back through the pipe
     devnull = os.open(os.devnull, os.O_WRONLY)
