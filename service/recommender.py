@@ -569,9 +569,14 @@ def _missing_stream_reason(source: Any) -> str:
     failed = getattr(source, "failed", None)
     if failed:
         return f"the allocation-stream recorder failed on this model ({failed})"
+    if getattr(source, "requested", None):
+        return (
+            "the allocation-stream template of this configuration is being recorded in the tracing process "
+            "(about 1-3 s for an 8B model); ask again for the fit decided by the caching-allocator simulation"
+        )
     return (
         "no allocation stream recorded yet for this configuration; `memfit recommend` records it locally "
-        "(5-8 s per k for an 8B model)"
+        "(a template model in about 1-3 s for an 8B model; the full model where no template applies, 3-8 s per k)"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +15,11 @@ os.environ["MEMFIT_ANSWER_CACHE"] = "off"
 # the fit decision's allocation streams (tracer.stream_source): no test records a full model's stream unless it asks
 # for one (tests/test_fit_decision.py builds its recommender with shipped streams)
 os.environ["MEMFIT_ALLOCATOR_STREAMS"] = "off"
+# the telemetry store of the command line run in-process (service.cli opens the data directory's store, which it
+# shares with a service there): a temporary one per worker, never the checkout's data/telemetry.db (one created
+# there while test_faults compared the data directory before and after its run failed it). A test that gives a
+# process a data directory of its own drops this (its store is that directory's).
+os.environ.setdefault("MEMFIT_DB_URL", f"sqlite:///{tempfile.mkdtemp(prefix='memfit-tests-')}/telemetry.db")
 
 # one compute thread per pytest-xdist worker (and the processes its tests start): the workers already fill the cores,
 # and OpenMP/MKL threads on top of them spin-wait for each other (test_parallel's real-CPU runs: 132 s wall and 70 s of

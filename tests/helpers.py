@@ -80,6 +80,8 @@ def running_service(registry_dir, db_url: str | None, *, wait_for: str = "/v2/he
 
     port = free_port()
     env = {**os.environ, "MEMFIT_PORT": str(port), "MEMFIT_REGISTRY_DIR": str(registry_dir), **env_extra}
+    if "MEMFIT_DATA_DIR" in env_extra:
+        env.pop("MEMFIT_DB_URL", None)  # the data directory's own store (tests/conftest.py sets a temporary one)
     if db_url is not None:
         env["MEMFIT_DB_URL"] = db_url
     proc = subprocess.Popen(

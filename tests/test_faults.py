@@ -321,6 +321,7 @@ def test_implausible_telemetry_is_quarantined_with_reason(srv):
 def test_no_token_on_a_public_bind_refuses_to_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MEMFIT_TOKEN"}
     env.update(MEMFIT_HOST="0.0.0.0", MEMFIT_PORT="1", MEMFIT_DATA_DIR=str(tmp_path))
+    env.pop("MEMFIT_DB_URL", None)  # the data directory's own store
     done = subprocess.run(
         [sys.executable, "-m", "service"], env=env, cwd=ROOT, capture_output=True, text=True, check=False, timeout=120
     )

@@ -116,6 +116,7 @@ def test_time_wait_port_is_reused_by_the_service_probe():
 def test_restart_after_kill_9_is_not_kept_off_its_port(tmp_path):
     """Kill -9 with a client connection open leaves the server's side in TIME-WAIT; the restart must bind."""
     env = {**os.environ, "MEMFIT_DATA_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env.pop("MEMFIT_DB_URL", None)  # the data directory's own store
     port = _free_port()
     first = _start(env, port)
     try:
@@ -153,6 +154,7 @@ def test_broken_registry_banner_and_refusal(tmp_path):
     """training.main on a data dir whose model is corrupted: re-seeded, and the banner says why."""
     _broken_copy(tmp_path / "models")
     env = {**os.environ, "MEMFIT_DATA_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env.pop("MEMFIT_DB_URL", None)  # the data directory's own store
     out = subprocess.run(
         [sys.executable, "-m", "training.main", "--no-serve"],
         cwd=ROOT,

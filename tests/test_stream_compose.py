@@ -101,7 +101,7 @@ def test_stream_source_composes_and_falls_back(tmp_path, monkeypatch):
     assert (stream.handles, stream.sizes, stream.phases) == (direct.handles, direct.sizes, direct.phases)
     asked = []
     cached = stream_source(hf, t, 14, record=False, request=lambda *a: asked.append(a[3]))
-    assert cached(6) is not None and cached(1) is None and asked == [1]  # (10, 5) template recorded; (6, 1) not
+    assert cached(6) is not None and cached(1) is None and asked == cached.requested == [1]  # (10, 5) kept; (6, 1) not
     frozen = TrainingConfig(**{**t.model_dump(), "finetune": "frozen", "frozen_layers": 3})
     assert template_path(hf, frozen, 14, 7) is None  # the first layers differ from the others by index: traced whole
     assert template_path(hf, TrainingConfig(**{**t.model_dump(), "finetune": "lora", "lora_rank": 8}), 14, 7)

@@ -194,7 +194,7 @@ def stream_source(
 
     A recording that fails (a model the fake-tensor recorder cannot run) gives None, and the reason is kept in
     the source's ``failed`` attribute; the caller then falls back to the measured allowance. The source's
-    ``composed`` attribute lists the k it composed.
+    ``composed`` and ``requested`` attributes list the k it composed and the k whose template it asked for.
     """
     from model.stream_compose import CompositionError, compose, template_shape
 
@@ -220,6 +220,7 @@ def stream_source(
             else:
                 if request is not None:
                     request(hf_config, training, num_layers, k, str(path))
+                    source.requested.append(k)
                 return None
             stream = compose(template, template_shape(num_layers, k, period)[1], num_layers, k, period)
         except CompositionError as err:
@@ -258,6 +259,7 @@ def stream_source(
     source.failed = None
     source.compose_failed = None
     source.composed = []
+    source.requested = []  # the k whose missing template was asked of ``request``
     source.num_layers = num_layers
     source.key = json.dumps(
         [hf_config, training.model_dump(mode="json", exclude={"checkpoint_layers"}), policy],
