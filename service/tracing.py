@@ -168,18 +168,7 @@ class TracingProcess:
             RuntimeError: the trace failed (with the process's reason), took longer than ``timeout_s`` (the
                 process is killed), or the process died.
         """
-        deadline = time.monotonic() + timeout_s
-        self.start(timeout_s)
-        self._traces += 1
-        try:
-            self._conn.send_bytes(json.dumps([hf_config, training.model_dump_json(), generation]).encode())
-        except OSError as err:
-            self.close()
-            raise RuntimeError("the tracing process died") from err
-        status, payload = self._receive(deadline - time.monotonic(), "tracing")
-        if status != "ok":
-            raise RuntimeError(payload)
-        return payload
+        return self._ask([hf_config, training.model_dump_json(), generation], timeout_s, "tracing")
 
     def template(
         self, hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, timeout_s: float
@@ -190,15 +179,26 @@ class TracingProcess:
         Raises:
             RuntimeError: as :meth:`trace`.
         """
+        message = [TEMPLATE, hf_config, training.model_dump_json(), num_layers, k]
+        return self._ask(message, timeout_s, "recording a stream template")
+
+    def _ask(self, message: list, timeout_s: float, what: str) -> Any:
+        """Send one message (starting the process when none runs; that counts towards ``timeout_s``) and return
+        the payload of its ``["ok", payload]`` reply.
+
+        Raises:
+            RuntimeError: an ``["error", reason]`` reply, no reply within ``timeout_s`` (the process is killed),
+                or the process died.
+        """
         deadline = time.monotonic() + timeout_s
         self.start(timeout_s)
         self._traces += 1
         try:
-            self._conn.send_bytes(json.dumps([TEMPLATE, hf_config, training.model_dump_json(), num_layers, k]).encode())
+            self._conn.send_bytes(json.dumps(message).encode())
         except OSError as err:
             self.close()
             raise RuntimeError("the tracing process died") from err
-        status, payload = self._receive(deadline - time.monotonic(), "recording a stream template")
+        status, payload = self._receive(deadline - time.monotonic(), what)
         if status != "ok":
             raise RuntimeError(payload)
         return payload
