@@ -81,7 +81,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         warming = None
         if settings.warm_up:
             warming = threading.Thread(
-                target=_warm_up, args=(warmed_up, stop, tracer), name="memfit-warm-up", daemon=True
+                target=_warm_up,
+                args=(warmed_up, stop, tracer if settings.start_tracer else None),
+                name="memfit-warm-up",
+                daemon=True,
             )
             warming.start()
         yield
@@ -112,9 +115,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-def _warm_up(done: threading.Event, stop: threading.Event, tracer: BackgroundTracer) -> None:
-    """Resolve the catalog's architectures, then start the tracing process (it imports PyTorch: the first
-    never-seen configuration then waits only for its trace)."""
+def _warm_up(done: threading.Event, stop: threading.Event, tracer: BackgroundTracer | None) -> None:
+    """Resolve the catalog's architectures, then start ``tracer``'s process (it imports PyTorch: the first
+    never-seen configuration then waits only for its trace); None: it starts with the first trace."""
     from service.recommender import warm_up
 
     try:
@@ -123,5 +126,5 @@ def _warm_up(done: threading.Event, stop: threading.Event, tracer: BackgroundTra
         log.exception("warm-up failed")
     finally:
         done.set()
-    if not stop.is_set():
+    if tracer is not None and not stop.is_set():
         tracer.start()

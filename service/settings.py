@@ -48,8 +48,9 @@ class Settings(BaseSettings):
             in all and per client address; beyond them the answer stays provisional with "tracing deferred".
         max_records_per_request: telemetry records accepted in one POST.
         warm_up: at start-up, import transformers and resolve the catalog's HF configs in the
-            background, and start the tracing process, so the first HF-config request and the first never-seen
-            configuration do not pay for them.
+            background, so the first HF-config request does not pay for it.
+        start_tracer: after the warm-up, start the tracing process (it imports PyTorch, 2-4 s of CPU), so the
+            first never-seen configuration waits only for its trace.
     """
 
     model_config = SettingsConfigDict(env_prefix="MEMFIT_", validate_default=True)
@@ -70,6 +71,7 @@ class Settings(BaseSettings):
     max_pending_traces_per_client: int = Field(2, ge=1, le=1024)
     max_records_per_request: int = Field(10_000, ge=1)
     warm_up: bool = True
+    start_tracer: bool = True
 
     @model_validator(mode="after")
     def _resolve(self) -> Settings:

@@ -19,6 +19,9 @@ os.environ["MEMFIT_ALLOCATOR_STREAMS"] = "off"
 # shares with a service there): a temporary one per worker, never the checkout's data/telemetry.db (one created
 # there while test_faults compared the data directory before and after its run failed it). A test that gives a
 # process a data directory of its own drops this (its store is that directory's).
+# services started by tests start their tracing process with their first trace, not after the warm-up (each would
+# import PyTorch in a process most tests never use); tests/test_service.py checks the warm-up's start
+os.environ["MEMFIT_START_TRACER"] = "0"
 os.environ.setdefault("MEMFIT_DB_URL", f"sqlite:///{tempfile.mkdtemp(prefix='memfit-tests-')}/telemetry.db")
 
 # one compute thread per pytest-xdist worker (and the processes its tests start): the workers already fill the cores,

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -329,3 +331,21 @@ def test_the_warm_up_ends_with_the_application(tmp_path, small_registry):
     with TestClient(app):
         pass
     assert not any(t.name == "memfit-warm-up" for t in threading.enumerate())
+
+
+def test_the_warm_up_starts_the_tracing_process(tmp_path, small_registry, monkeypatch):
+    """With ``start_tracer`` (the default; tests/conftest.py turns it off for the other tests) the tracing process
+    is started after the warm-up, before any configuration needs a trace."""
+    import service.tracing
+
+    started = []
+    monkeypatch.setattr(service.tracing.BackgroundTracer, "start", lambda self: started.append(self))
+    settings = Settings(
+        db_url=f"sqlite:///{tmp_path / 's.db'}", registry_dir=str(small_registry.root), start_tracer=True
+    )
+    with TestClient(create_app(settings)) as client:
+        for _ in range(600):
+            if client.get("/v2/health/ready").json().get("details", {}).get("warmed_up") and started:
+                break
+            time.sleep(0.1)
+    assert len(started) == 1
