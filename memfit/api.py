@@ -537,6 +537,12 @@ class Recommendation(BaseModel):
     allocator_cap_bytes: int | None = Field(
         None, description="what the caching allocator may reserve: usable bytes less memory outside PyTorch"
     )
+    allocator_room_bytes: int | None = Field(
+        None,
+        description="what the simulated step must leave free under allocator_cap_bytes: its largest request with the "
+        "default allocator (issue 27's GPU runs failed within it), 0 with expandable segments; None where the fit "
+        "was not simulated",
+    )
     recompute_overhead_fraction: float = Field(description="extra compute per step, fraction of step compute")
     host_memory_bytes: int = Field(
         0,

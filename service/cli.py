@@ -832,8 +832,15 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     simulated = rec.fit_method == "simulated"
     curve = titled("memory over k (GiB; k = checkpointed layers)")
     if simulated:
+        cap, room = rec.allocator_cap_bytes or 0, rec.allocator_room_bytes or 0
+        within = (
+            f"{gib(cap - room)} GiB ({gib(cap)} for the allocator less its largest request, {gib(room)}, kept free)"
+            if room
+            else f"{gib(cap)} GiB"
+        )
         curve.caption = (
-            f"fits: the step replayed through the caching allocator runs in {gib(rec.allocator_cap_bytes or 0)}"
+            f"fits: the step replayed through the caching allocator runs in {within}; reserved, uncapped: its peak "
+            "with memory to spare (under a cap the allocator frees its cache and retries first)"
         )
     # the last column only marks the chosen k: none is chosen when nothing fits, and the column stood empty
     marked = rec.k is not None

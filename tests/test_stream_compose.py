@@ -105,3 +105,16 @@ def test_stream_source_composes_and_falls_back(tmp_path, monkeypatch):
     frozen = TrainingConfig(**{**t.model_dump(), "finetune": "frozen", "frozen_layers": 3})
     assert template_path(hf, frozen, 14, 7) is None  # the first layers differ from the others by index: traced whole
     assert template_path(hf, TrainingConfig(**{**t.model_dump(), "finetune": "lora", "lora_rank": 8}), 14, 7)
+
+
+def test_composition_period_is_the_layer_type_cycle_and_kept(tmp_path, monkeypatch):
+    from data.catalog import get
+    from tracer.stream_source import composition_period
+
+    monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))
+    gemma3 = get("gemma-3-1b")["hf_config"]  # 5 sliding-window layers, then a global one (derived by transformers)
+    assert composition_period(gemma3, 26) == 6
+    assert len(list((tmp_path / "periods").glob("*.json"))) == 1  # the next command line reads it, not transformers
+    assert composition_period(gemma3, 26) == 6
+    assert composition_period(get("llama-3-8b")["hf_config"], 32) == 1
+    assert composition_period(get("mixtral-8x7b")["hf_config"], 32) is None  # experts: traced whole

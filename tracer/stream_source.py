@@ -112,12 +112,22 @@ def unsupported_reason(training: TrainingConfig, gpu_count: int = 1) -> str | No
 def composition_period(hf_config: dict[str, Any], num_layers: int) -> int | None:
     """The layer-type period :mod:`model.stream_compose` composes with (``memfit.hf.layer_type_cycle``), or None
     where the stream is not composed: a mixture of experts (whose routing the template does not carry), or no
-    cycle of at most half the layers."""
+    cycle of at most half the layers. Kept on disk next to the streams per config and transformers version:
+    reading the layer types builds the HF config, which imports transformers (3-4 s of a command line's run)."""
     from memfit.hf import layer_type_cycle, num_routed_experts
 
     if num_routed_experts(hf_config) is not None:
         return None
-    return layer_type_cycle(hf_config, num_layers // 2)
+    key = json.dumps([hf_config, num_layers, _version("transformers")], sort_keys=True, default=str)
+    path = stream_cache_dir() / "periods" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    if path.exists():
+        return json.loads(path.read_text())["period"]
+    period = layer_type_cycle(hf_config, num_layers // 2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"period": period}))
+    tmp.replace(path)
+    return period
 
 
 def template_path(
