@@ -65,21 +65,3 @@ def small_registry(tmp_path_factory):
     )
     reg.promote(version)
     return reg
-
-
-#: the slowest tests (``--durations``: 20-60 s each on 2 cores), whole modules or self-contained tests: scheduled first,
-#: so that pytest-xdist spreads them over the workers instead of one worker running the last of them alone
-SLOW_FIRST = (
-    "tests/test_curve.py::test_property_curves_over_10000_random_configurations",
-    "tests/test_retrain.py::",
-    "tests/test_sweep_dask.py::",
-    "tests/test_client_e2e.py::",
-    "tests/test_gpu_validate.py::test_cpu_smoke_pairs_real_and_fake",
-    "tests/test_schemathesis.py::test_stateful_links_in_a_fresh_interpreter",
-    "tests/test_tracing.py::",
-)
-
-
-def pytest_collection_modifyitems(items) -> None:
-    """Run :data:`SLOW_FIRST` first (a stable sort: every other test keeps its place)."""
-    items.sort(key=lambda item: not item.nodeid.startswith(SLOW_FIRST))
