@@ -473,6 +473,11 @@ class Alternative(BaseModel):
     total_upper_bytes: int
     host_memory_bytes: int = Field(0, description="host (CPU) memory needed per node by offloaded states, bytes")
     path: str = Field("traced", description="traced or provisional: the path of the curve that answered")
+    fit_method: str = Field(
+        "allowance",
+        description="simulated (the changed step replayed through the caching-allocator model) or allowance "
+        "(allocated bound x the measured allocator allowance: no stream recorded for the changed configuration)",
+    )
     cost: str = Field("", description="recompute / throughput cost of the change, in words")
     category: str = Field(
         "same_training",

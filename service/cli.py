@@ -929,8 +929,14 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         alt = titled("alternatives (bound + overhead at k)")
         for col in ("#", "change", "fits", "k", "GiB", *(("host GiB",) if host else ())):
             alt.add_column(col, justify="left" if col == "change" else "right", ratio=1 if col == "change" else None)
+        # an alternative judged on the measured allowance beside a simulated decision can say "fits" where the
+        # simulation would not (the allowance keeps no room for the default allocator's largest request)
+        unreplayed = rec.fit_method == "simulated" and any(a.fit_method != "simulated" for a in rec.alternatives)
         for i, a in enumerate(rec.alternatives, 1):
-            change = a.description + ("" if a.path == "traced" else f" [dim]({a.path})[/]")
+            marks = [a.path] if a.path != "traced" else []
+            if unreplayed and a.fit_method != "simulated":
+                marks.append("allocator not simulated")
+            change = a.description + (f" [dim]({', '.join(marks)})[/]" if marks else "")
             alt.add_row(
                 str(i),
                 change,
@@ -940,6 +946,16 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
                 *((gib(a.host_memory_bytes) if a.host_memory_bytes else "-",) if host else ()),
             )
         con.print(alt)
+        legend = []
+        if any(a.path != "traced" for a in rec.alternatives):
+            legend.append("provisional: the changed configuration is not traced yet; the learned model answers")
+        if unreplayed:
+            legend.append(
+                "allocator not simulated: judged on the allocated bound x the measured allowance, which keeps no room "
+                "for the largest request: a 'yes' there is less certain than the answer's own"
+            )
+        for line in legend:
+            hanging(con, Text("  "), Text(line, style="dim"))
         for i, a in enumerate(rec.alternatives, 1):
             hanging(con, Text(f"  {i}. "), Text(f"cost: {a.cost}"))
     for w in rec.warnings:

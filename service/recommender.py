@@ -594,6 +594,7 @@ def _alternative(cand: Candidate, p: Plan, job: Job, req: RecommendRequest) -> A
         total_upper_bytes=p.total_upper_bytes[p.at.k],
         host_memory_bytes=host_memory_bytes(spec, t, ranks),
         path=p.curve.path,
+        fit_method=p.reserved.method,
         cost=f"{cand.cost}; recompute of {p.k or 0}/{spec.num_layers} layers ~{p.recompute_fraction:.0%}"
         " of step compute"
         if p.fits

@@ -143,6 +143,8 @@ def test_expandable_segments_offered_first_where_it_helps(recommender, job):
     first = rec.alternatives[0]
     assert first.change == {"alloc_conf": "expandable_segments:True"}
     assert first.fits and first.category == "same_training" and first.throughput_loss_fraction < 1
+    # it is the same step replayed with the other setting; changes whose streams are not recorded say they were not
+    assert first.fit_method == "simulated" and any(a.fit_method == "allowance" for a in rec.alternatives[1:])
     assert first.k == _ask(recommender, job, "expandable_segments:True").k
     assert rec.k is None or first.k < rec.k
 
