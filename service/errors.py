@@ -215,9 +215,10 @@ def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] 
 
 def with_allowed(message: str, allowed: str | None) -> str:
     """``message (allowed: ...)``: the allowed range appended to a field's problem, unless there is none or the
-    message already names it (an :class:`InvalidConfiguration`'s own ``must be <allowed>`` or ``(allowed: ...)``).
-    The one wording of the allowed range in the service's 422 detail and in ``memfit recommend``'s errors."""
-    if not allowed or str(allowed) in message or "(allowed:" in message:
+    message already names it or its own list (an :class:`InvalidConfiguration`'s own ``must be <allowed>``,
+    ``(allowed: ...)`` or ``; allowed: ...``). The one wording of the allowed range in the service's 422 detail and in
+    ``memfit recommend``'s errors."""
+    if not allowed or str(allowed) in message or "allowed:" in message:
         return message
     return f"{message} (allowed: {allowed})"
 
