@@ -160,6 +160,12 @@ class ReservedFit:
         return self.k is not None and k >= self.k
 
     @property
+    def room_bytes(self) -> int | None:
+        """What the simulated steps had to leave free under :attr:`cap_bytes` (the default allocator's largest
+        request, :func:`default_allocator_allowance_bytes`); None where nothing was simulated."""
+        return max((s.allowance_bytes for s in self.steps.values()), default=None)
+
+    @property
     def shortfall_bytes(self) -> int:
         """When nothing runs: how far the k = L step is over the cap (its reserved peak plus the allowance less
         the cap, at least 1 byte); 0 when a k runs."""
@@ -220,14 +226,14 @@ def simulated_fit(
         f"fit decided by replaying the step through a model of PyTorch's caching allocator "
         f"({settings.describe()} settings) at {cap_bytes / GIB:.2f} GiB for the allocator (k visited: {visited})"
     )
-    notes = [first]
+    fit = ReservedFit("simulated", settings, cap_bytes, k, reserved, steps, [first])
     if not settings.expandable_segments:
-        notes.append(
+        fit.notes.append(
             "default allocator: the step must run with its largest request "
-            f"({max((s.allowance_bytes for s in steps.values()), default=0) / GIB:.2f} GiB) left free, as issue 27's "
+            f"({(fit.room_bytes or 0) / GIB:.2f} GiB) left free, as issue 27's "
             "GPU runs showed; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True needs no such room"
         )
-    return ReservedFit("simulated", settings, cap_bytes, k, reserved, steps, notes)
+    return fit
 
 
 def allowance_fit(

@@ -398,7 +398,7 @@ class Recommender:
             allocator_settings_assumed=settings.describe(),
             fit_method=p.reserved.method,
             allocator_cap_bytes=p.reserved.cap_bytes,
-            allocator_room_bytes=max((st.allowance_bytes for st in p.reserved.steps.values()), default=None),
+            allocator_room_bytes=p.reserved.room_bytes,
             breakdown=at.breakdown,
             peak_phase=at.peak_phase,
             path=p.curve.path,

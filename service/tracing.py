@@ -98,12 +98,11 @@ TEMPLATE = "template"
 def _record_template(hf_config: dict[str, Any], training_json: str, num_layers: int, k: int) -> list:
     """In the tracing process: record the template the fit decision composes the full model's stream at ``k``
     from (:func:`tracer.stream_source.record_template`); ``["ok", path]`` or ``["error", reason]``."""
-    from tracer.stream_source import record_template, template_path
+    from tracer.stream_source import record_template
 
     try:
-        training = TrainingConfig.model_validate_json(training_json)
-        record_template(hf_config, training, num_layers, k)
-        return ["ok", str(template_path(hf_config, training, num_layers, k))]
+        record_template(hf_config, TrainingConfig.model_validate_json(training_json), num_layers, k)
+        return ["ok", None]
     except Exception as err:  # noqa: BLE001 - reported to the parent with its reason
         return ["error", f"{type(err).__name__}: {err}"]
 
@@ -172,15 +171,16 @@ class TracingProcess:
 
     def template(
         self, hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, timeout_s: float
-    ) -> str:
+    ) -> None:
         """Record the allocation-stream template for the full model at ``k`` in the tracing process
-        (:func:`tracer.stream_source.record_template`); its path.
+        (:func:`tracer.stream_source.record_template`).
 
         Raises:
             RuntimeError: as :meth:`trace`.
         """
-        message = [TEMPLATE, hf_config, training.model_dump_json(), num_layers, k]
-        return self._ask(message, timeout_s, "recording a stream template")
+        self._ask(
+            [TEMPLATE, hf_config, training.model_dump_json(), num_layers, k], timeout_s, "recording a stream template"
+        )
 
     def _ask(self, message: list, timeout_s: float, what: str) -> Any:
         """Send one message (starting the process when none runs; that counts towards ``timeout_s``) and return
@@ -300,11 +300,7 @@ class BackgroundTracer:
                 return f"tracing deferred: {full}, so the learned model answers; ask again later for a traced answer"
             self.deferred.pop(key, None)
             ahead = len(self.pending)
-            self.pending.add(key)
-            self._owner[key] = client
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="memfit-tracer", daemon=True)
-                self._thread.start()
+            self._admit(key, client)
         self._queue.put((key, hf_config, training, _generation(key, hf_config, training)))
         each = f"usually 5-30 s, at most {self.timeout_s:g} s"
         if ahead:  # one trace at a time: the wait is the queue's, not one trace's
@@ -326,20 +322,25 @@ class BackgroundTracer:
                 return
             if mine >= self.max_per_client:
                 return
-            self.pending.add(key)
-            self._owner[key] = client
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="memfit-tracer", daemon=True)
-                self._thread.start()
+            self._admit(key, client)
         self._queue.put((key, hf_config, training, (num_layers, k)))
 
     def start(self) -> None:
         """Start the worker and its tracing process now (the service's warm-up), so that the first never-seen
         configuration does not wait for the process to spawn and import PyTorch."""
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, args=(True,), name="memfit-tracer", daemon=True)
-                self._thread.start()
+            self._start_worker(start_now=True)
+
+    def _admit(self, key: str, client: str | None) -> None:
+        """Under the lock: count ``key`` as queued by ``client`` and make sure the worker runs."""
+        self.pending.add(key)
+        self._owner[key] = client
+        self._start_worker()
+
+    def _start_worker(self, start_now: bool = False) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, args=(start_now,), name="memfit-tracer", daemon=True)
+            self._thread.start()
 
     def _work(self, start_now: bool = False) -> None:
         process = TracingProcess()
@@ -356,16 +357,17 @@ class BackgroundTracer:
     def _trace_queue(self, process: TracingProcess) -> None:
         while not self._stop.is_set():
             try:
-                key, hf_config, training, gen = self._queue.get(timeout=0.5)
+                key, hf_config, training, extra = self._queue.get(timeout=0.5)
             except queue.Empty:
                 continue
             run = self.runner or process.trace
             try:
                 if key.startswith(f"{TEMPLATE}:"):
-                    process.template(hf_config, training, *gen, self.timeout_s)
+                    process.template(hf_config, training, *extra, self.timeout_s)  # extra: (num_layers, k)
                     log.info("recorded a stream template for %s", key[len(TEMPLATE) + 1 :])
                     continue
-                self.cache.put(key, run(hf_config, training, self.timeout_s, **({"generation": gen} if gen else {})))
+                gen = {"generation": extra} if extra else {}  # extra: the GPU generation of the terms key
+                self.cache.put(key, run(hf_config, training, self.timeout_s, **gen))
                 log.info("traced terms %s", key[:12])
             except Exception as err:  # noqa: BLE001 - a config the tracer can't run stays provisional
                 self.failed[key] = str(err)[:300]

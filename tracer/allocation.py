@@ -92,8 +92,11 @@ class RecordingTracker(LiveStorageTracker):
             (:attr:`model.allocator.AllocationStream.layer_labels` says what a label means).
     """
 
-    def __init__(self, workspaces: Mapping[str, int] | None = None, kernel_scratch: bool = True) -> None:
+    def __init__(
+        self, workspaces: Mapping[str, int] | None = None, kernel_scratch: bool = True, layered: bool = False
+    ) -> None:
         self.kernel_scratch = kernel_scratch
+        self._will_layer = layered  # attach_layers will be called: the build keeps each tensor's sources
         self._attn_bwd = _attention_backward_ops() if kernel_scratch else ()
         self.handles: list[int] = []
         self.sizes: list[int] = []
@@ -161,7 +164,8 @@ class RecordingTracker(LiveStorageTracker):
     def attach_layers(self, layers, model=None) -> None:
         """Label events by decoder layer from now on (module hooks on ``layers``; tensor hooks on the
         hidden states between layers mark where each layer's backward starts) and label the parameters
-        already built (``model``'s outside ``layers``: -1). Reentrant checkpointing is not supported (its layer outputs carry no gradient hooks).
+        already built (``model``'s outside ``layers``: -1). Reentrant checkpointing is not supported (its layer
+        outputs carry no gradient hooks).
         """
         import torch
 
@@ -293,7 +297,7 @@ class RecordingTracker(LiveStorageTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._layered and self._by_owner():
             self._set_owner(func, args)
-        building = not self._layered and str(self._phase_value) == "init"
+        building = self._will_layer and not self._layered and str(self._phase_value) == "init"
         if building:
             import torch
 
@@ -358,7 +362,7 @@ def _recording_tracker(workspaces: Mapping[str, int] | None, kernel_scratch: boo
     from tracer import collect
 
     original, apply = collect.LiveStorageTracker, collect.checkpoint_as_applied
-    collect.LiveStorageTracker = lambda: RecordingTracker(workspaces, kernel_scratch)
+    collect.LiveStorageTracker = lambda: RecordingTracker(workspaces, kernel_scratch, layered)
 
     def checkpoint_and_attach(model, layers, chosen, use_reentrant):
         plan = apply(model, layers, chosen, use_reentrant)
@@ -459,6 +463,7 @@ def cached_step_allocations(
     step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     context_name: str = "",
     kernel_scratch: bool = True,
+    layered: bool = False,
 ) -> AllocationStream:
     """:func:`step_allocations`, kept in :func:`stream_cache_dir` under a key of everything that shapes the
     stream (:func:`tracer.stream_source.stream_path`: the config, the training configuration, the warm-up, the
@@ -482,6 +487,7 @@ def cached_step_allocations(
         workspaces=workspaces,
         step_context=step_context,
         kernel_scratch=kernel_scratch,
+        layered=layered,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npz")

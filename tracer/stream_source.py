@@ -130,17 +130,14 @@ def composition_period(hf_config: dict[str, Any], num_layers: int) -> int | None
     return period
 
 
-def template_path(
-    hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, period: int | None = 0
-) -> Path | None:
-    """Where the labelled template stream for the full model at ``k`` is cached, or None where the stream is
-    not composed (:func:`composition_period`, computed unless ``period`` is given; a template as deep as the
-    model: the model is traced itself)."""
+def _template_job(
+    hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, period: int | None
+) -> tuple[dict[str, Any], TrainingConfig] | None:
+    """The small model's config and training configuration whose labelled stream is the template for the full
+    model at ``k``, or None where the stream is not composed (see :func:`template_path`)."""
     from memfit.hf import small_config
     from model.stream_compose import template_shape
 
-    if period == 0:
-        period = composition_period(hf_config, num_layers)
     if (
         period is None
         or training.checkpoint_impl is not CheckpointImpl.NON_REENTRANT
@@ -150,38 +147,50 @@ def template_path(
     n, kc = template_shape(num_layers, k, period)
     if n >= num_layers:
         return None
-    t = training.model_copy(update={"checkpoint_layers": list(range(kc))})
-    return stream_path(small_config(hf_config, n), t, context_name=f"{trace_policy_name()};{LAYERED}")
+    return small_config(hf_config, n), training.model_copy(update={"checkpoint_layers": list(range(kc))})
 
 
 #: part of a template stream's cache key: recorded with layer labels (``tracer.allocation.step_allocations``)
 LAYERED = "layered"
 
 
-def record_template(hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, model_name=None):
-    """Record (or load) the template stream of :func:`template_path`; None where no template is used.
+def template_path(
+    hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, period: int | None = 0
+) -> Path | None:
+    """Where the labelled template stream for the full model at ``k`` is cached, or None where the stream is
+    not composed (:func:`composition_period`, computed unless ``period`` is given; a template as deep as the
+    model: the model is traced itself)."""
+    job = _template_job(
+        hf_config, training, num_layers, k, composition_period(hf_config, num_layers) if period == 0 else period
+    )
+    return None if job is None else stream_path(*job, context_name=f"{trace_policy_name()};{LAYERED}")
+
+
+def record_template(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    num_layers: int,
+    k: int,
+    model_name: str | None = None,
+    period: int | None = 0,
+) -> AllocationStream | None:
+    """Record (or load) the template stream of :func:`template_path` (through
+    :func:`tracer.allocation.cached_step_allocations`, layer-labelled); None where no template is used.
 
     Raises:
         ValueError: what :func:`tracer.allocation.step_allocations` raises.
     """
-    path = template_path(hf_config, training, num_layers, k)
-    if path is None:
+    job = _template_job(
+        hf_config, training, num_layers, k, composition_period(hf_config, num_layers) if period == 0 else period
+    )
+    if job is None:
         return None
-    if path.exists():
-        return AllocationStream.load(path)
-    from memfit.hf import small_config
-    from model.stream_compose import template_shape
-    from tracer.allocation import cuda_trace_policy, step_allocations
+    from tracer.allocation import cached_step_allocations, cuda_trace_policy
 
-    n, kc = template_shape(num_layers, k, composition_period(hf_config, num_layers))
-    _, factory = cuda_trace_policy()
-    t = training.model_copy(update={"checkpoint_layers": list(range(kc))})
-    stream = step_allocations(small_config(hf_config, n), t, model_name=model_name, step_context=factory, layered=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
-    stream.save(tmp)
-    tmp.replace(path)
-    return stream
+    name, factory = cuda_trace_policy()
+    return cached_step_allocations(
+        *job, model_name=model_name, step_context=factory, context_name=f"{name};{LAYERED}", layered=True
+    )
 
 
 def stream_source(
@@ -226,7 +235,7 @@ def stream_source(
             if path.exists():
                 template = AllocationStream.load(path)
             elif record:
-                template = record_template(hf_config, training, num_layers, k, model_name)
+                template = record_template(hf_config, training, num_layers, k, model_name, period)
             else:
                 if request is not None:
                     request(hf_config, training, num_layers, k, str(path))
@@ -253,7 +262,7 @@ def stream_source(
             stream = AllocationStream.load(path)
         elif source.failed is None:
             stream = composed(k)
-        if stream is None and record and source.failed is None and not path.exists():
+        if stream is None and record and source.failed is None:
             from tracer.allocation import cached_step_allocations, cuda_trace_policy
 
             name, factory = cuda_trace_policy()
