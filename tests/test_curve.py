@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -14,7 +15,7 @@ from data.catalog import hf_config_of
 from memfit.api import PredictItem, RecommendRequest
 from memfit.errors import UnknownModel
 from memfit.hf import lora_trainable_params
-from memfit.schema import FineTune, TrainingConfig
+from memfit.schema import FineTune, ModelSpec, TrainingConfig
 from model.analytic import model_state_bytes, tensor_parallel_rank_spec
 from model.curve import PROVISIONAL, TRACED, MemoryPredictor
 from model.terms import SHIPPED_DIR, TermsCache, key_training_fields, terms_key
@@ -45,13 +46,18 @@ def predictor() -> MemoryPredictor:
     return MemoryPredictor(None, TermsCache())
 
 
-def _config(entry: dict, mb: int, seq: int):
-    name = entry["model_name"]
+@functools.cache
+def _model(name: str) -> tuple[ModelSpec, dict]:
+    """A terms entry's model spec and HF config (the 10,000 draws below share 120 models)."""
     try:
-        spec, hf_config = catalog.spec(name), catalog.get(name)["hf_config"]
+        return catalog.spec(name), catalog.get(name)["hf_config"]
     except UnknownModel:  # a reduced-width MoE model's terms (training.moe_telemetry)
         hf_config = hf_config_of(name)
-        spec = catalog.spec(hf_config)
+        return catalog.spec(hf_config), hf_config
+
+
+def _config(entry: dict, mb: int, seq: int):
+    spec, hf_config = _model(entry["model_name"])
     t = key_training_fields(entry["training"])
     if t["sharding"] == "none":
         t.pop("data_parallel_size")

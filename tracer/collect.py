@@ -492,12 +492,35 @@ def prepared_model(
 ):
     """Build the model of ``hf_config`` for ``training`` inside the measuring context and yield a
     :class:`PreparedModel`: random weights, fine-tuning applied, no layer checkpointed yet, FSDP2
-    applied for ``zero2``/``zero3``/FSDP sharding over a fake process group of ``data_parallel_size``.
+    applied for ``zero2``/``zero3``/FSDP sharding over a fake process group of ``data_parallel_size``. A fake
+    default process group made for the trace is destroyed on exit (``memfit.describe`` reads the world size of an
+    initialised group: a process that traced a sharded step would describe later jobs as distributed).
 
     Raises:
         ValueError: unsupported configuration (tensor/pipeline parallel > 1, Adafactor under FSDP2) or a
             sequence longer than a learned position table.
     """
+    import torch.distributed as dist
+
+    had_group = dist.is_available() and dist.is_initialized()
+    try:
+        with _prepared_model(hf_config, training, model_name=model_name, device=device, seed=seed) as prepared:
+            yield prepared
+    finally:
+        if not had_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _prepared_model(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    *,
+    model_name: str | None = None,
+    device: str = "fake",
+    seed: int = 0,
+):
+    """:func:`prepared_model` without the process group's clean-up."""
     _check_supported(training)
     limit = max_seq_len(hf_config)
     if limit is not None and training.seq_len > limit:
