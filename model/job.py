@@ -507,10 +507,22 @@ def known_architectures() -> frozenset[str]:
     return frozenset(names | set(CONFIG_MAPPING_NAMES))
 
 
+@cache
+def _parameter_counts_snapshot() -> dict[str, int]:
+    try:
+        return json.loads(PARAMETER_SPLITS_PATH.read_text()).get("params", {})
+    except FileNotFoundError:
+        return {}
+
+
 @lru_cache(maxsize=512)
 def _counted_spec(cfg_json: str) -> ModelSpec:
-    """Spec of a HF config with its parameters counted by a ``meta``-device build (cached by content)."""
+    """Spec of a HF config with its parameters counted by a ``meta``-device build (cached by content); catalog
+    architectures' counts are read from the shipped snapshot (:data:`PARAMETER_SPLITS_PATH`, ``params``)."""
     cfg = json.loads(cfg_json)
+    n = _parameter_counts_snapshot().get(config_key(cfg))
+    if n is not None:
+        return ModelSpec(**spec_fields_from_hf_config(cfg), total_params=n, trainable_params=n)
     try:
         return model_spec(cfg)
     except InvalidConfiguration:

@@ -1,8 +1,9 @@
 """Write ``data/parameter_splits.json``, the snapshot of :func:`model.job.parameter_split` (parameters outside
 the decoder layers, parameters of one layer; meta-device builds under the installed transformers) for every catalog
 architecture and reduced MoE model, and of one expert-parallel rank's shard of each MoE model, which the
-learned-coefficient path reads instead of importing transformers' model code; and of :func:`model.job.parameter_tensors`
-(the parameter tensors in allocation order, for the caching allocator's parameter blocks). Run after changing the catalog
+learned-coefficient path reads instead of importing transformers' model code; of :func:`model.job.parameter_tensors`
+(the parameter tensors in allocation order, for the caching allocator's parameter blocks); and of each one's parameter
+count (``params``: :func:`memfit.hf.count_params_from_config`, the count a resolved architecture's spec carries). Run after changing the catalog
 (``data/architectures``) or the transformers pin:
 
     python scripts/parameter_splits.py
@@ -13,7 +14,7 @@ from importlib.metadata import version
 
 from data import catalog
 from data.reduced_moe import REDUCED_MOE
-from memfit.hf import local_expert_config, num_routed_experts
+from memfit.hf import count_params_from_config, local_expert_config, num_routed_experts
 from model.job import PARAMETER_SPLITS_PATH, _parameter_split, _parameter_tensors, config_key
 
 if __name__ == "__main__":
@@ -26,8 +27,9 @@ if __name__ == "__main__":
         for ep in (2**i for i in range(1, experts.bit_length()))
         if experts % ep == 0
     ]
-    splits, tensors = {}, {}
+    splits, tensors, params = {}, {}, {}
     for cfg in configs:
+        params[config_key(cfg)] = count_params_from_config(cfg)
         split = _parameter_split(json.dumps(cfg, sort_keys=True))
         if split is not None:
             splits[config_key(cfg)] = list(split)
@@ -37,10 +39,13 @@ if __name__ == "__main__":
     snapshot = {
         "transformers": version("transformers"),
         "splits": dict(sorted(splits.items())),
+        "params": dict(sorted(params.items())),
         "tensors": {k: json.dumps(v, separators=(",", ":")) for k, v in sorted(tensors.items())},
     }
     text = json.dumps(snapshot, indent=0)
     for v in snapshot["tensors"].values():  # one line per configuration's tensor list
         text = text.replace(json.dumps(v), v)
     PARAMETER_SPLITS_PATH.write_text(text + "\n")
-    print(f"{len(splits)} splits, {len(tensors)} tensor lists of {len(configs)} configs -> {PARAMETER_SPLITS_PATH}")
+    print(
+        f"{len(splits)} splits, {len(tensors)} tensor lists, {len(params)} counts of {len(configs)} configs -> {PARAMETER_SPLITS_PATH}"
+    )

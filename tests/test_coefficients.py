@@ -420,6 +420,27 @@ def test_parameter_split_snapshot_covers_the_catalog_and_matches_meta_builds():
         # the split counts the same parameters: outside = before + after, one layer = the layer's tensors
         split = snapshot[config_key(cfg)]
         assert (sum(built.before) + sum(built.after), sum(built.layer), len(built.layer)) == tuple(split), name
+    # and the parameter counts of resolved architectures: every catalog one read, sampled ones equal to a meta build
+    from memfit.hf import count_params_from_config
+    from model.job import _counted_spec, _parameter_counts_snapshot, resolve_architecture
+
+    counts = _parameter_counts_snapshot()
+    assert all(config_key(catalog.get(n)["hf_config"]) in counts for n in names)
+    for name in random.Random(2).sample(names, 3) + ["opt-350m", "gemma-3-1b"]:
+        cfg = catalog.get(name)["hf_config"]
+        assert counts[config_key(cfg)] == count_params_from_config(cfg), name
+    _counted_spec.cache_clear()
+    import memfit.hf
+
+    def no_build(cfg):
+        raise AssertionError("a catalog architecture was built to count its parameters")
+
+    original, memfit.hf.count_params_from_config = memfit.hf.count_params_from_config, no_build
+    try:
+        spec = resolve_architecture(catalog.get("llama-3-8b")["hf_config"]).spec
+    finally:
+        memfit.hf.count_params_from_config = original
+    assert spec.total_params == spec.trainable_params == counts[config_key(catalog.get("llama-3-8b")["hf_config"])]
 
 
 def test_cuda_generation_terms_are_not_learned_as_cpu_terms(entries):
