@@ -187,26 +187,15 @@ class OverheadModel:
         return [a + int(a * (self.fragmentation_ratio - 1)) + fixed for a in allocated_bytes]
 
     def overhead(self, allocated_bytes: float, device_name: str | None, gpu_count: int) -> Overhead:
-        """Overhead for a predicted allocated peak on ``device_name`` in a job of ``gpu_count`` GPUs."""
-        fragmentation = int(allocated_bytes * (self.fragmentation_ratio - 1))
-        nccl = NCCL_BYTES if gpu_count > 1 else 0
-        device_name = gpu_catalog_name(device_name) if device_name else device_name
-        if device_name in self.outside_by_device:
-            # the learned figure comes from single-GPU validation runs: NCCL is added for multi-GPU jobs
-            return Overhead(
-                fragmentation,
-                self.outside_by_device[device_name],
-                self.cublas_workspace_bytes,
-                nccl,
-                f"outside PyTorch learned from {self.rows_by_device[device_name]} cuda rows on "
-                f"{device_name}; fragmentation: {self.fragmentation_source}",
-            )
+        """Overhead for a predicted allocated peak on ``device_name`` in a job of ``gpu_count`` GPUs; its CUDA context
+        is :meth:`outside_pytorch`'s figure without NCCL, which is a part of its own."""
+        outside, where = self.outside_pytorch(device_name, 1)
         return Overhead(
-            fragmentation,
-            CUDA_CONTEXT_BYTES,
+            int(allocated_bytes * (self.fragmentation_ratio - 1)),
+            outside,
             self.cublas_workspace_bytes,
-            nccl,
-            f"default; fragmentation: {self.fragmentation_source}",
+            NCCL_BYTES if gpu_count > 1 else 0,
+            f"outside PyTorch: {where}; fragmentation: {self.fragmentation_source}",
         )
 
     def allowance_ratio(self, expandable_segments: bool) -> tuple[float, str]:

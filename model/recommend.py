@@ -16,7 +16,7 @@ layers have no backward and checkpointing them recomputes nothing (:mod:`model.f
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,6 +118,22 @@ def parameter_block_bytes(
     return _parameter_block_bytes(tensors, model.num_layers, weight_dtype_bytes(training.precision), settings)
 
 
+def allocator_bounds(
+    upper_bytes: Sequence[int],
+    model: ModelSpec,
+    training: TrainingConfig,
+    hf_config: dict | None,
+    overhead_model: OverheadModel,
+    settings: AllocatorSettings,
+) -> list[int]:
+    """Allocated bytes the caching allocator holds at each allocated upper bound (bytes, one per k): the bound plus
+    the cuBLAS workspaces (the recorded streams hold them too) and the parameters' unsplit blocks, allocated bytes no
+    trace sees (:func:`parameter_block_bytes`). What :func:`model.reserved.simulated_fit` and
+    :func:`model.reserved.allowance_fit` are given."""
+    extra = overhead_model.cublas_workspace_bytes + parameter_block_bytes(model, training, hf_config, settings)
+    return [u + extra for u in upper_bytes]
+
+
 @functools.lru_cache(maxsize=1024)
 def _parameter_block_bytes(
     tensors: ParameterTensors, num_layers: int, element_bytes: int, settings: AllocatorSettings | None
@@ -167,11 +183,9 @@ def plan(
     usable = int(capacity_bytes * (1 - headroom_fraction))
     outside, outside_source = overhead_model.outside_pytorch(device_name, gpu_count)
     nccl = overhead_model.overhead(0, device_name, gpu_count).nccl_bytes
-    cublas = overhead_model.cublas_workspace_bytes
     cap = usable - outside
-    # the streams hold the cuBLAS workspaces too; the parameters' unsplit blocks are allocated bytes no trace sees
-    blocks = parameter_block_bytes(model, training, hf_config, settings)
-    bounds = [p.upper_bytes + cublas + blocks for p in c.points]
+    bounds = allocator_bounds([p.upper_bytes for p in c.points], model, training, hf_config, overhead_model, settings)
+    cublas, blocks = overhead_model.cublas_workspace_bytes, parameter_block_bytes(model, training, hf_config, settings)
     fit = None
     if streams is not None and c.pipeline is None and layout == "block":
         key = getattr(streams, "key", None)

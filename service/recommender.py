@@ -56,13 +56,14 @@ from model.recommend import (
     SEQ_LEN_STEP_TOKENS,
     Candidate,
     Plan,
+    allocator_bounds,
     candidate_changes,
     longest_fitting_seq_len,
     needs_alternatives,
-    parameter_block_bytes,
     plan,
     rank_alternatives,
 )
+from model.reserved import allowance_fit
 from model.terms import TermsCache
 
 if TYPE_CHECKING:  # LightGBM (2 s to import) loads with a registry's model, not with the request checks
@@ -331,10 +332,11 @@ class Recommender:
         p = c.points[item.k]
         total = None
         if item.cluster is not None:  # the allowance figure /recommend's curve gives without a simulated stream
+            settings = AllocatorSettings()
+            bounds = allocator_bounds([p.upper_bytes], spec, training, job.hf_config, self.overhead, settings)
+            ratio, source = self.overhead.allowance_ratio(settings.expandable_segments)
             outside, _ = self.overhead.outside_pytorch(item.cluster.gpu, item.cluster.gpu_count)
-            ratio, _ = self.overhead.allowance_ratio(expandable_segments=False)
-            blocks = parameter_block_bytes(spec, training, job.hf_config)
-            total = int((p.upper_bytes + self.overhead.cublas_workspace_bytes + blocks) * ratio) + outside
+            total = allowance_fit(bounds, settings, 0, ratio, source, "").reserved_bytes[0] + outside
         return Prediction(
             predicted_peak_bytes=p.predicted_bytes,
             upper_bound_bytes=p.upper_bytes,

@@ -103,7 +103,8 @@ def test_overhead_defaults_and_learning(tmp_path):
     om = OverheadModel()
     ov = om.overhead(10 * GB, "NVIDIA H100 80GB HBM3", gpu_count=8)
     assert ov.cuda_context_bytes == CUDA_CONTEXT_BYTES and ov.nccl_bytes == NCCL_BYTES
-    assert ov.fragmentation_bytes == pytest.approx(0.05 * 10 * GB, rel=1e-6) and ov.source.startswith("default")
+    assert ov.fragmentation_bytes == pytest.approx(0.05 * 10 * GB, rel=1e-6)
+    assert ov.source.startswith("outside PyTorch: 1343 MiB from HF transformers' model memory anatomy guide")
     rows = pd.DataFrame(
         {
             "method": ["cuda"] * 3 + ["fake_tracker"],
@@ -151,6 +152,10 @@ def test_overhead_defaults_and_learning(tmp_path):
     # an unseen device keeps the sourced defaults for context and cuBLAS, with the measured fragmentation
     other = om.overhead(1000, "NVIDIA A100-SXM4-80GB", gpu_count=2)
     assert other.cuda_context_bytes == CUDA_CONTEXT_BYTES and other.fragmentation_bytes == 100
+    # one figure for the bytes outside PyTorch: the overhead's context is outside_pytorch's, NCCL apart
+    for device, gpus in (("H200", 1), ("H200", 8), ("NVIDIA A100-SXM4-80GB", 2), (None, 1)):
+        o, (outside, _) = om.overhead(0, device, gpus), om.outside_pytorch(device, gpus)
+        assert o.cuda_context_bytes + o.nccl_bytes == outside
 
 
 def test_shipped_pressure_measurements():
