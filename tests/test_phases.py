@@ -200,8 +200,9 @@ def test_forked_trace_gives_the_same_terms(monkeypatch):
     # a sliding-window model, so both token regimes and both micro-batch-1 regimes travel back through the pipe
     from tracer import phases
 
-    if not phases._can_fork():
+    if not phases._fork_available():
         pytest.skip("needs Linux with two CPUs")
+    monkeypatch.setattr(phases, "_can_fork", lambda: True)  # a CPU to spare or not (the suite keeps them busy)
     forks = []
     real_fork = phases._Forked
     monkeypatch.setattr(phases, "_Forked", lambda *a: forks.append(a[1:]) or real_fork(*a))
@@ -211,6 +212,19 @@ def test_forked_trace_gives_the_same_terms(monkeypatch):
     assert forks == [(2, 3)]  # model 2 of depth 3 went to the child, once
     forked.pop("trace_s"), alone.pop("trace_s")
     assert forked == alone and forked["long"]["mb1_coef"] is not None
+
+
+def test_the_larger_small_model_is_forked_only_with_a_cpu_to_spare(monkeypatch):
+    import os
+
+    from tracer import phases
+
+    if not phases._fork_available():
+        pytest.skip("needs Linux with two CPUs")
+    cpus = phases._cpus()
+    for load, forks in ((0.0, True), (cpus - 1.0, True), (cpus - 0.5, False), (2.0 * cpus, False)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert phases._can_fork() is forks, load
 
 
 def test_composition_reads_phases_not_one_total():

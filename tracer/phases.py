@@ -574,14 +574,30 @@ class _TracePlan:
         return {"coef": coefs, "linear": linear, "points": fitted_points, "attention": attention}
 
 
-def _can_fork() -> bool:
-    """Whether a small model may be traced in a forked process: Linux (fork is the start method there and safe for a
-    process whose torch ran only under fake tensors) with at least two CPUs for this process."""
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _fork_available() -> bool:
+    """Linux (fork is the start method there and safe for a process whose torch ran only under fake tensors) with at
+    least two CPUs for this process."""
     import os
     import sys
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return sys.platform == "linux" and cpus >= 2 and hasattr(os, "fork")
+    return sys.platform == "linux" and _cpus() >= 2 and hasattr(os, "fork")
+
+
+def _can_fork() -> bool:
+    """Whether a small model may be traced in a forked process: :func:`_fork_available`, and a CPU to spare: the
+    1-minute load average (``os.getloadavg``) at most the CPU count less one. On a busy machine the forked half gets
+    no CPU of its own and the fork only costs: copying the page tables of a process that imported PyTorch, and
+    copy-on-write faults (``tests/test_phases.py`` and ``tests/test_frozen.py`` on 2 cores beside another test worker:
+    106 s wall, 205 s CPU forking; 93 s and 179 s not)."""
+    import os
+
+    return _fork_available() and os.getloadavg()[0] <= _cpus() - 1
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -684,8 +700,8 @@ def trace_terms(
     :func:`token_points`): trace exactly these and fit all five basis columns (and micro-batch 1 on its own traces);
     without it, a regime whose first trace is linear in tokens is traced at three points
     (:func:`linear_token_points`, :func:`timeline_on_fit`). ``parallel`` (default): on Linux with two CPUs or more,
-    the larger small model is traced in a forked process while this one traces the smaller
-    (``benchmarks/results/trace_time.txt``); the terms are the same either way.
+    one of them to spare (:func:`_can_fork`), the larger small model is traced in a forked process while this one
+    traces the smaller (``benchmarks/results/trace_time.txt``); the terms are the same either way.
 
     Raises:
         ValueError: a configuration the collector cannot run (see :func:`tracer.collect.prepared_model`).
