@@ -417,10 +417,16 @@ class MemoryPredictor:
         ``states``. ``gradients_live``: gradients are held in every phase (gradient accumulation).
         """
         point = np.maximum(np.maximum.accumulate(raw[::-1])[::-1], states.total_bytes)
+        # the k' >= k whose peak the envelope takes: the first maximum of raw[k:] (np.argmax's tie rule), one pass
+        values, ats, at = raw.tolist(), [0] * len(raw), len(raw) - 1
+        for k in range(len(raw) - 1, -1, -1):
+            if values[k] >= values[at]:
+                at = k
+            ats[k] = at
         points = []
         for k in range(len(raw)):
             p = math.ceil(point[k])
-            at = int(np.argmax(raw[k:]) + k)
+            at = ats[k]
             phase = phases[at]
             points.append(
                 CurvePoint(
