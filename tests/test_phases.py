@@ -222,7 +222,7 @@ def test_the_larger_small_model_is_forked_only_with_a_cpu_to_spare(monkeypatch):
     if not phases._fork_available():
         pytest.skip("needs Linux with two CPUs")
     cpus = phases._cpus()
-    for load, forks in ((0.0, True), (cpus - 1.0, True), (cpus - 0.5, False), (2.0 * cpus, False)):
+    for load, forks in ((0.0, True), (1.0, True), (cpus - 0.1, True), (float(cpus), False), (2.0 * cpus, False)):
         monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
         assert phases._can_fork() is forks, load
 

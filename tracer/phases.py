@@ -591,13 +591,13 @@ def _fork_available() -> bool:
 
 def _can_fork() -> bool:
     """Whether a small model may be traced in a forked process: :func:`_fork_available`, and a CPU to spare: the
-    1-minute load average (``os.getloadavg``) at most the CPU count less one. On a busy machine the forked half gets
-    no CPU of its own and the fork only costs: copying the page tables of a process that imported PyTorch, and
-    copy-on-write faults (``tests/test_phases.py`` and ``tests/test_frozen.py`` on 2 cores beside another test worker:
-    106 s wall, 205 s CPU forking; 93 s and 179 s not)."""
+    1-minute load average (``os.getloadavg``, which counts this process while it traces) below the CPU count. On a
+    busy machine the forked half gets no CPU of its own and the fork only costs: copying the page tables of a
+    process that imported PyTorch, and copy-on-write faults (``tests/test_phases.py`` and ``tests/test_frozen.py``
+    on 2 cores beside another test worker: 106 s wall, 205 s CPU forking; 93 s and 179 s not)."""
     import os
 
-    return _fork_available() and os.getloadavg()[0] <= _cpus() - 1
+    return _fork_available() and os.getloadavg()[0] < _cpus()
 
 
 def _die_with_parent(parent_pid: int) -> None:
