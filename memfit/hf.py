@@ -514,11 +514,14 @@ def _built_lora_target_shapes(
     return shapes, sorted(names)
 
 
-def model_spec(cfg: dict[str, Any], model=None, *, name: str | None = None) -> ModelSpec:
-    """:class:`ModelSpec` for a config dict; parameter counts from ``model`` if given, else from a meta build."""
+def model_spec(
+    cfg: dict[str, Any], model=None, *, name: str | None = None, total_params: int | None = None
+) -> ModelSpec:
+    """:class:`ModelSpec` for a config dict; parameter counts from ``model`` if given, else ``total_params`` (a count
+    known already, all trainable), else from a meta build."""
     fields = spec_fields_from_hf_config(cfg)
     if model is None:
-        total = count_params_from_config(cfg)
+        total = count_params_from_config(cfg) if total_params is None else total_params
         trainable = total
     else:
         total, trainable = count_params(model)

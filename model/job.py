@@ -520,11 +520,8 @@ def _counted_spec(cfg_json: str) -> ModelSpec:
     """Spec of a HF config with its parameters counted by a ``meta``-device build (cached by content); catalog
     architectures' counts are read from the shipped snapshot (:data:`PARAMETER_SPLITS_PATH`, ``params``)."""
     cfg = json.loads(cfg_json)
-    n = _parameter_counts_snapshot().get(config_key(cfg))
-    if n is not None:
-        return ModelSpec(**spec_fields_from_hf_config(cfg), total_params=n, trainable_params=n)
     try:
-        return model_spec(cfg)
+        return model_spec(cfg, total_params=_parameter_counts_snapshot().get(config_key(cfg)))
     except InvalidConfiguration:
         raise
     except Exception as err:  # transformers refused the config: the user's input, not our bug

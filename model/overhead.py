@@ -49,13 +49,6 @@ import pandas as pd
 from memfit.api import gpu_catalog_name
 
 MIB = 1 << 20
-
-
-@functools.lru_cache(maxsize=64)
-def _median(values: tuple[int, ...]) -> int:
-    return int(np.median(values))
-
-
 GIB = 1 << 30
 CUDA_CONTEXT_BYTES = 1343 * MIB
 CUBLAS_WORKSPACE_BYTES = 32 * MIB
@@ -66,6 +59,11 @@ _VALIDATION_DIR = Path(__file__).resolve().parent.parent / "data" / "telemetry" 
 PRESSURE_FILES = sorted(_VALIDATION_DIR.glob("*/gpu_pressure_*.json"))
 #: Shipped GPU validation runs (``training/gpu_validate.py``): CUDA allocated next to the fake tracker.
 VALIDATION_FILES = sorted(_VALIDATION_DIR.glob("*/gpu_validation.json"))
+
+
+@functools.lru_cache(maxsize=64)
+def _median(values: tuple[int, ...]) -> int:
+    return int(np.median(values))
 
 
 def allocated_residuals(paths: list[Path]) -> list[int]:
@@ -194,9 +192,14 @@ class OverheadModel:
             int(allocated_bytes * (self.fragmentation_ratio - 1)),
             outside,
             self.cublas_workspace_bytes,
-            NCCL_BYTES if gpu_count > 1 else 0,
+            self.nccl_bytes(gpu_count),
             f"outside PyTorch: {where}; fragmentation: {self.fragmentation_source}",
         )
+
+    @staticmethod
+    def nccl_bytes(gpu_count: int) -> int:
+        """NCCL's communicator buffers per device: :data:`NCCL_BYTES` in a job of more than one GPU, else 0."""
+        return NCCL_BYTES if gpu_count > 1 else 0
 
     def allowance_ratio(self, expandable_segments: bool) -> tuple[float, str]:
         """(needed-cap / allocated ratio, its source) for the default allocator or expandable segments: the median
@@ -215,7 +218,7 @@ class OverheadModel:
         telemetry or shipped GPU validation runs (0.75 GiB on the H200, torch 2.11, CUDA 13; issue 27 saw 0.51-0.76
         GiB); on a device never measured, the larger of the measured median and the 1343 MiB of HF's "Model training
         anatomy" guide (older stacks load every kernel at start-up); plus :data:`NCCL_BYTES` when ``gpu_count > 1``."""
-        nccl = NCCL_BYTES if gpu_count > 1 else 0
+        nccl = self.nccl_bytes(gpu_count)
         plus = f" + NCCL {NCCL_BYTES / GIB:.1f} GiB ({gpu_count} GPUs)" if nccl else ""
         device_name = gpu_catalog_name(device_name) if device_name else device_name
         if device_name in self.outside_by_device:

@@ -118,20 +118,12 @@ def parameter_block_bytes(
     return _parameter_block_bytes(tensors, model.num_layers, weight_dtype_bytes(training.precision), settings)
 
 
-def allocator_bounds(
-    upper_bytes: Sequence[int],
-    model: ModelSpec,
-    training: TrainingConfig,
-    hf_config: dict | None,
-    overhead_model: OverheadModel,
-    settings: AllocatorSettings,
-) -> list[int]:
+def allocator_bounds(upper_bytes: Sequence[int], block_bytes: int, overhead_model: OverheadModel) -> list[int]:
     """Allocated bytes the caching allocator holds at each allocated upper bound (bytes, one per k): the bound plus
-    the cuBLAS workspaces (the recorded streams hold them too) and the parameters' unsplit blocks, allocated bytes no
-    trace sees (:func:`parameter_block_bytes`). What :func:`model.reserved.simulated_fit` and
+    the cuBLAS workspaces (the recorded streams hold them too) and the parameters' unsplit blocks (``block_bytes``,
+    :func:`parameter_block_bytes`), allocated bytes no trace sees. What :func:`model.reserved.simulated_fit` and
     :func:`model.reserved.allowance_fit` are given."""
-    extra = overhead_model.cublas_workspace_bytes + parameter_block_bytes(model, training, hf_config, settings)
-    return [u + extra for u in upper_bytes]
+    return [u + overhead_model.cublas_workspace_bytes + block_bytes for u in upper_bytes]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -182,10 +174,10 @@ def plan(
     c = predictor.curve(model, training, hf_config)
     usable = int(capacity_bytes * (1 - headroom_fraction))
     outside, outside_source = overhead_model.outside_pytorch(device_name, gpu_count)
-    nccl = overhead_model.overhead(0, device_name, gpu_count).nccl_bytes
+    nccl = overhead_model.nccl_bytes(gpu_count)
     cap = usable - outside
-    bounds = allocator_bounds([p.upper_bytes for p in c.points], model, training, hf_config, overhead_model, settings)
-    cublas, blocks = overhead_model.cublas_workspace_bytes, parameter_block_bytes(model, training, hf_config, settings)
+    blocks = parameter_block_bytes(model, training, hf_config, settings)
+    bounds = allocator_bounds([p.upper_bytes for p in c.points], blocks, overhead_model)
     fit = None
     if streams is not None and c.pipeline is None and layout == "block":
         key = getattr(streams, "key", None)
@@ -218,7 +210,7 @@ def plan(
     overhead = Overhead(
         allowance,
         outside - nccl,
-        cublas,
+        overhead_model.cublas_workspace_bytes,
         nccl,
         f"outside PyTorch: {outside_source}; allocator: {fit.notes[0]}",
         blocks,

@@ -60,6 +60,7 @@ from model.recommend import (
     candidate_changes,
     longest_fitting_seq_len,
     needs_alternatives,
+    parameter_block_bytes,
     plan,
     rank_alternatives,
 )
@@ -344,7 +345,8 @@ class Recommender:
         total = None
         if item.cluster is not None:  # the allowance figure /recommend's curve gives without a simulated stream
             settings = AllocatorSettings()
-            bounds = allocator_bounds([p.upper_bytes], spec, training, job.hf_config, self.overhead, settings)
+            blocks = parameter_block_bytes(spec, training, job.hf_config, settings)
+            bounds = allocator_bounds([p.upper_bytes], blocks, self.overhead)
             ratio, source = self.overhead.allowance_ratio(settings.expandable_segments)
             outside, _ = self.overhead.outside_pytorch(item.cluster.gpu, item.cluster.gpu_count)
             total = allowance_fit(bounds, settings, 0, ratio, source, "").reserved_bytes[0] + outside

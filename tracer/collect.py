@@ -482,6 +482,21 @@ def close_optimizer(opt) -> None:
 
 
 @contextlib.contextmanager
+def _default_group_restored():
+    """Destroy, on exit, a default process group initialised inside (a trace's fake group, :func:`_fake_process_group`)
+    when none was initialised before: ``memfit.describe`` reads the world size of an initialised group, so a process
+    that traced a sharded step would describe later jobs as distributed."""
+    import torch.distributed as dist
+
+    had_group = dist.is_available() and dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not had_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def prepared_model(
     hf_config: dict[str, Any],
     training: TrainingConfig,
@@ -493,34 +508,12 @@ def prepared_model(
     """Build the model of ``hf_config`` for ``training`` inside the measuring context and yield a
     :class:`PreparedModel`: random weights, fine-tuning applied, no layer checkpointed yet, FSDP2
     applied for ``zero2``/``zero3``/FSDP sharding over a fake process group of ``data_parallel_size``. A fake
-    default process group made for the trace is destroyed on exit (``memfit.describe`` reads the world size of an
-    initialised group: a process that traced a sharded step would describe later jobs as distributed).
+    default process group made for the trace is destroyed on exit (:func:`_default_group_restored`).
 
     Raises:
         ValueError: unsupported configuration (tensor/pipeline parallel > 1, Adafactor under FSDP2) or a
             sequence longer than a learned position table.
     """
-    import torch.distributed as dist
-
-    had_group = dist.is_available() and dist.is_initialized()
-    try:
-        with _prepared_model(hf_config, training, model_name=model_name, device=device, seed=seed) as prepared:
-            yield prepared
-    finally:
-        if not had_group and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _prepared_model(
-    hf_config: dict[str, Any],
-    training: TrainingConfig,
-    *,
-    model_name: str | None = None,
-    device: str = "fake",
-    seed: int = 0,
-):
-    """:func:`prepared_model` without the process group's clean-up."""
     _check_supported(training)
     limit = max_seq_len(hf_config)
     if limit is not None and training.seq_len > limit:
@@ -542,98 +535,104 @@ def _prepared_model(
     world = training.data_parallel_size
     tp = training.tensor_parallel_size
     mesh_device = "cuda" if device == "cuda" else "cpu"
-    group = _fake_process_group(world) if training.sharding is not Sharding.NONE and tp == 1 else None
-    tp_mesh = mesh = None
-    if tp > 1 and training.sharding in _FSDP_RESHARD:
-        # 2-D (data, tensor) mesh as torchtitan builds it: TP inside each data-parallel replica, FSDP2 over
-        # the data-parallel dimension of the already tensor-parallel DTensor parameters
-        from torch.distributed.device_mesh import init_device_mesh
+    with _default_group_restored():  # the fake group made below goes when the trace ends
+        group = _fake_process_group(world) if training.sharding is not Sharding.NONE and tp == 1 else None
+        tp_mesh = mesh = None
+        if tp > 1 and training.sharding in _FSDP_RESHARD:
+            # 2-D (data, tensor) mesh as torchtitan builds it: TP inside each data-parallel replica, FSDP2 over
+            # the data-parallel dimension of the already tensor-parallel DTensor parameters
+            from torch.distributed.device_mesh import init_device_mesh
 
-        _fake_process_group(world * tp)
-        mesh2d = init_device_mesh(mesh_device, (world, tp), mesh_dim_names=("dp", "tp"))  # outside the fake mode
-        tp_mesh, mesh = mesh2d["tp"], mesh2d["dp"]
-    elif tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
+            _fake_process_group(world * tp)
+            mesh2d = init_device_mesh(mesh_device, (world, tp), mesh_dim_names=("dp", "tp"))  # outside the fake mode
+            tp_mesh, mesh = mesh2d["tp"], mesh2d["dp"]
+        elif tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
 
-        _fake_process_group(tp)
-        tp_mesh = init_device_mesh(mesh_device, (tp,))  # outside the fake mode
-    elif training.sharding in _FSDP_RESHARD:
-        from torch.distributed.device_mesh import init_device_mesh
+            _fake_process_group(tp)
+            tp_mesh = init_device_mesh(mesh_device, (tp,))  # outside the fake mode
+        elif training.sharding in _FSDP_RESHARD:
+            from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(mesh_device, (world,))  # outside the fake mode
-    tracker = LiveStorageTracker() if method is not Method.CUDA else None
-    amp_dtype = _HALF.get(training.precision)
-    on = "cuda" if device == "cuda" else "cpu"
-    cluster = _cluster(device, training)
-    sdpa_ctx = _cuda_sdpa_kernels() if device == "fake" else contextlib.nullcontext()
-    quantized = training.quantization is not Quantization.NONE
-    if quantized and device != "cuda":
-        from tracer.bnb import cuda_kernel_choices
+            mesh = init_device_mesh(mesh_device, (world,))  # outside the fake mode
+        tracker = LiveStorageTracker() if method is not Method.CUDA else None
+        amp_dtype = _HALF.get(training.precision)
+        on = "cuda" if device == "cuda" else "cpu"
+        cluster = _cluster(device, training)
+        sdpa_ctx = _cuda_sdpa_kernels() if device == "fake" else contextlib.nullcontext()
+        quantized = training.quantization is not Quantization.NONE
+        if quantized and device != "cuda":
+            from tracer.bnb import cuda_kernel_choices
 
-        kernel_ctx = cuda_kernel_choices()
-    else:
-        kernel_ctx = contextlib.nullcontext()
-    with quiet_transformers(), sdpa_ctx, ctx, tracker or contextlib.nullcontext(), kernel_ctx:
-        model = build_causal_lm(built_config, dtype=param_dtype(training.precision), attention=training.attention.value)
-        if model.config._attn_implementation == "eager" and training.attention is not Attention.EAGER:
-            training = training.model_copy(update={"attention": Attention.EAGER})  # family lacks SDPA
-        if quantized:
-            from tracer.bnb import quantize_base_linears
-
-            half = _HALF.get(training.precision, param_dtype(training.precision))
-            quantize_base_linears(model, training.quantization, storage_dtype=half, compute_dtype=half)
-        layers = decoder_layers(model)
-        model = apply_finetune(model, training, layers)
-        spec = model_spec(built_config, model, name=model_name)  # counts include LoRA adapters
-        if ep > 1:  # the record describes the whole model (all experts), as a user would give it
-            from memfit.hf import count_params_from_config
-
-            extra = spec.total_params - count_params_from_config(built_config)  # LoRA adapters
-            total = count_params_from_config(hf_config) + extra
-            trainable = total if spec.trainable_params == spec.total_params else spec.trainable_params
-            spec = spec.model_copy(
-                update={"num_experts": num_experts, "total_params": total, "trainable_params": trainable}
+            kernel_ctx = cuda_kernel_choices()
+        else:
+            kernel_ctx = contextlib.nullcontext()
+        with quiet_transformers(), sdpa_ctx, ctx, tracker or contextlib.nullcontext(), kernel_ctx:
+            model = build_causal_lm(
+                built_config, dtype=param_dtype(training.precision), attention=training.attention.value
             )
-        check_moe_settings(spec, training)
-        check_quantized_base(spec, training)
-        reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
-        apply_activation_checkpointing(model, [], layers=layers, use_reentrant=reentrant)
-        if tp_mesh is not None:
-            from tracer.parallel import apply_tensor_parallel
+            if model.config._attn_implementation == "eager" and training.attention is not Attention.EAGER:
+                training = training.model_copy(update={"attention": Attention.EAGER})  # family lacks SDPA
+            if quantized:
+                from tracer.bnb import quantize_base_linears
 
-            apply_tensor_parallel(model, layers, tp_mesh, sequence_parallel=training.sequence_parallel)
-        if mesh is not None:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+                half = _HALF.get(training.precision, param_dtype(training.precision))
+                quantize_base_linears(model, training.quantization, storage_dtype=half, compute_dtype=half)
+            layers = decoder_layers(model)
+            model = apply_finetune(model, training, layers)
+            spec = model_spec(built_config, model, name=model_name)  # counts include LoRA adapters
+            if ep > 1:  # the record describes the whole model (all experts), as a user would give it
+                from memfit.hf import count_params_from_config
 
-            kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": _FSDP_RESHARD[training.sharding]}
-            if amp_dtype is not None:
-                kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
-            with _mesh_bookkeeping_outside_modes() if tp_mesh is not None else contextlib.nullcontext():
-                for layer in layers:
-                    fully_shard(layer, **kw)
-                fully_shard(model, **kw)
-        routing = (
-            balanced_routing(
-                model, imbalance_factor=training.moe_imbalance_factor, expert_parallel_size=ep, num_experts=num_experts
+                extra = spec.total_params - count_params_from_config(built_config)  # LoRA adapters
+                total = count_params_from_config(hf_config) + extra
+                trainable = total if spec.trainable_params == spec.total_params else spec.trainable_params
+                spec = spec.model_copy(
+                    update={"num_experts": num_experts, "total_params": total, "trainable_params": trainable}
+                )
+            check_moe_settings(spec, training)
+            check_quantized_base(spec, training)
+            reentrant = training.checkpoint_impl is CheckpointImpl.REENTRANT
+            apply_activation_checkpointing(model, [], layers=layers, use_reentrant=reentrant)
+            if tp_mesh is not None:
+                from tracer.parallel import apply_tensor_parallel
+
+                apply_tensor_parallel(model, layers, tp_mesh, sequence_parallel=training.sequence_parallel)
+            if mesh is not None:
+                from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+                kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": _FSDP_RESHARD[training.sharding]}
+                if amp_dtype is not None:
+                    kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
+                with _mesh_bookkeeping_outside_modes() if tp_mesh is not None else contextlib.nullcontext():
+                    for layer in layers:
+                        fully_shard(layer, **kw)
+                    fully_shard(model, **kw)
+            routing = (
+                balanced_routing(
+                    model,
+                    imbalance_factor=training.moe_imbalance_factor,
+                    expert_parallel_size=ep,
+                    num_experts=num_experts,
+                )
+                if num_experts
+                else contextlib.nullcontext()
             )
-            if num_experts
-            else contextlib.nullcontext()
-        )
-        with routing:
-            yield PreparedModel(
-                model=model,
-                layers=layers,
-                spec=spec,
-                training=training,
-                tracker=tracker,
-                cluster=cluster,
-                use_autocast=amp_dtype is not None and mesh is None,
-                amp_dtype=amp_dtype,
-                on=on,
-                zero1_group=group if training.sharding is Sharding.ZERO1 else None,
-                method=method,
-                vocab_parallel=tp_mesh is not None,
-            )
+            with routing:
+                yield PreparedModel(
+                    model=model,
+                    layers=layers,
+                    spec=spec,
+                    training=training,
+                    tracker=tracker,
+                    cluster=cluster,
+                    use_autocast=amp_dtype is not None and mesh is None,
+                    amp_dtype=amp_dtype,
+                    on=on,
+                    zero1_group=group if training.sharding is Sharding.ZERO1 else None,
+                    method=method,
+                    vocab_parallel=tp_mesh is not None,
+                )
 
 
 def measure(
