@@ -57,6 +57,7 @@ from memfit.schema import GIB, ModelSpec, Offload, Precision, Sharding, Training
 from model.analytic import optimizer_state_bytes_per_param, step_temporary_bytes_per_param
 from model.compose import PEAK_PHASES
 from model.derivation import Draft, Request, peak_phases
+from model.snapshot import config_key, parameter_snapshot
 
 #: DeepSpeed's ``reduce_bucket_size`` default, elements (``deepspeed/runtime/zero/config.py``,
 #: ``DeepSpeedZeroConfig.reduce_bucket_size``)
@@ -160,12 +161,14 @@ def stage2_note(training: TrainingConfig, composed: bool) -> str | None:
 def persistent_parameter_elements(hf_config: dict[str, Any] | None, model: ModelSpec) -> int:
     """Elements of the parameters below ``stage3_param_persistence_threshold`` (norm weights, biases), which
     DeepSpeed's stage 3 keeps unpartitioned on every rank (``deepspeed/runtime/zero/parameter_offload.py``,
-    ``persistent_parameters``): counted on a meta-device build of ``hf_config`` (cached per config); without a
-    config, the norm weights (2 per layer and the final one) of ``hidden_size`` elements each."""
+    ``persistent_parameters``): read from the shipped snapshot (:func:`model.snapshot.parameter_snapshot`,
+    ``persistent``) for catalog architectures, else counted on a meta-device build of ``hf_config`` (cached per
+    config); without a config, the norm weights (2 per layer and the final one) of ``hidden_size`` elements each."""
     if hf_config is None:
         h = model.hidden_size
         return (2 * model.num_layers + 1) * h if h < PERSISTENCE_THRESHOLD_ELEMENTS else 0
-    return _persistent_elements(json.dumps(hf_config, sort_keys=True))
+    hit = parameter_snapshot("persistent").get(config_key(hf_config))
+    return int(hit) if hit is not None else _persistent_elements(json.dumps(hf_config, sort_keys=True))
 
 
 @functools.lru_cache(maxsize=256)

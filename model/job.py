@@ -15,12 +15,10 @@ HTTP 422 in one place (:mod:`service.errors`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from functools import cache, cached_property, lru_cache
-from pathlib import Path
+from functools import cached_property, lru_cache
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
@@ -55,13 +53,8 @@ from model.analytic import ModelStates, model_state_bytes, step_temporary_bytes_
 from model.curve import expert_parallel_rank
 from model.frozen import trainable_params as frozen_trainable_params
 from model.parallel import Stage, pipeline_stages
+from model.snapshot import config_key, parameter_snapshot
 from model.terms import canonical_config, terms_key
-
-
-def config_key(hf_config: dict[str, Any]) -> str:
-    """SHA-256 (hex) of a HF config's canonical form (:func:`model.terms.canonical_config`): one key per model,
-    whether the config is given as its published ``config.json`` fields or serialised in full."""
-    return hashlib.sha256(json.dumps(canonical_config(hf_config), sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True, eq=False)
@@ -361,20 +354,6 @@ def _resolve_config(model: dict[str, Any] | ArchitectureIn, architecture_fallbac
     return Architecture(cfg, _counted_spec(json.dumps(cfg, sort_keys=True)), tuple(warnings))
 
 
-#: :func:`parameter_split` of every catalog architecture and reduced MoE model, by :func:`config_key`
-#: (:attr:`Architecture.key`; ``scripts/parameter_splits.py`` writes it; ``tests/test_coefficients.py`` checks it
-#: against meta builds): the builds import transformers' model code, 4-8 s of a command-line answer on 2 cores
-PARAMETER_SPLITS_PATH = Path(__file__).resolve().parent.parent / "data" / "parameter_splits.json"
-
-
-@cache
-def _parameter_splits_snapshot() -> dict[str, list[int]]:
-    try:
-        return json.loads(PARAMETER_SPLITS_PATH.read_text())["splits"]
-    except FileNotFoundError:
-        return {}
-
-
 class ParameterSplit(NamedTuple):
     """:func:`parameter_split`: parameters outside the decoder layers and in one, and one layer's parameter tensors."""
 
@@ -416,7 +395,7 @@ def parameter_split(hf_config: dict[str, Any] | None) -> ParameterSplit | None:
     """
     if not hf_config:
         return None
-    hit = _parameter_splits_snapshot().get(config_key(hf_config))
+    hit = parameter_snapshot("splits").get(config_key(hf_config))
     if hit is not None:
         return ParameterSplit(*(int(x) for x in hit))
     # built from the config as given: the canonical one leaves out its class's defaults, which the layer count may be
@@ -434,14 +413,6 @@ class ParameterTensors(NamedTuple):
     def in_order(self, num_layers: int) -> list[int]:
         """Every tensor's element count of the ``num_layers``-layer model, in allocation order."""
         return [*self.before, *self.layer * num_layers, *self.after]
-
-
-@cache
-def _parameter_tensors_snapshot() -> dict[str, list[list[int]]]:
-    try:
-        return json.loads(PARAMETER_SPLITS_PATH.read_text()).get("tensors", {})
-    except FileNotFoundError:
-        return {}
 
 
 @lru_cache(maxsize=256)
@@ -478,7 +449,7 @@ def parameter_tensors(hf_config: dict[str, Any] | None) -> ParameterTensors | No
     None without a config or where it does not build."""
     if not hf_config:
         return None
-    hit = _parameter_tensors_snapshot().get(config_key(hf_config))
+    hit = parameter_snapshot("tensors").get(config_key(hf_config))
     if hit is not None:
         return ParameterTensors(*(tuple(int(n) for n in part) for part in hit))
     return _parameter_tensors(json.dumps(hf_config, sort_keys=True))
@@ -507,21 +478,13 @@ def known_architectures() -> frozenset[str]:
     return frozenset(names | set(CONFIG_MAPPING_NAMES))
 
 
-@cache
-def _parameter_counts_snapshot() -> dict[str, int]:
-    try:
-        return json.loads(PARAMETER_SPLITS_PATH.read_text()).get("params", {})
-    except FileNotFoundError:
-        return {}
-
-
 @lru_cache(maxsize=512)
 def _counted_spec(cfg_json: str) -> ModelSpec:
     """Spec of a HF config with its parameters counted by a ``meta``-device build (cached by content); catalog
     architectures' counts are read from the shipped snapshot (:data:`PARAMETER_SPLITS_PATH`, ``params``)."""
     cfg = json.loads(cfg_json)
     try:
-        return model_spec(cfg, total_params=_parameter_counts_snapshot().get(config_key(cfg)))
+        return model_spec(cfg, total_params=parameter_snapshot("params").get(config_key(cfg)))
     except InvalidConfiguration:
         raise
     except Exception as err:  # transformers refused the config: the user's input, not our bug

@@ -130,7 +130,7 @@ def not_traceable_reason(
 
 
 def canonical_config(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """The config part of every key (:func:`terms_key`, :func:`model.job.config_key`): one dict
+    """The config part of every key (:func:`terms_key`, :func:`model.snapshot.config_key`): one dict
     per model, whether it is given as its published ``config.json`` fields or serialised in full
     (:func:`memfit.hf.canonical_hf_config`: built by transformers, provenance, ``use_cache`` and class defaults
     dropped)."""

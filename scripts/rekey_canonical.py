@@ -30,7 +30,7 @@ from pathlib import Path
 
 from data.catalog import hf_config_of
 from memfit.schema import TrainingConfig
-from model.job import PARAMETER_SPLITS_PATH, config_key
+from model.snapshot import PARAMETER_SPLITS_PATH, config_key
 from model.terms import CANONICAL_KEYS_NAME, SHIPPED_DIR, TermsCache, entry_key, key_training_fields, terms_key
 
 TESTS_DATA = Path(__file__).resolve().parent.parent / "tests" / "data"

@@ -392,9 +392,10 @@ def test_parameter_split_snapshot_covers_the_catalog_and_matches_meta_builds():
     sampled entries equal the meta builds under the installed transformers (run the script when this fails)."""
     import json
 
-    from model.job import _parameter_split, _parameter_splits_snapshot, config_key, parameter_split
+    from model.job import _parameter_split, parameter_split
+    from model.snapshot import config_key, parameter_snapshot
 
-    snapshot = _parameter_splits_snapshot()
+    snapshot = parameter_snapshot("splits")
     names = catalog.names()
     assert all(config_key(catalog.get(n)["hf_config"]) in snapshot for n in names)
     from data.reduced_moe import REDUCED_MOE
@@ -409,9 +410,9 @@ def test_parameter_split_snapshot_covers_the_catalog_and_matches_meta_builds():
         built = _parameter_split(json.dumps(cfg, sort_keys=True))
         assert list(built) == snapshot[config_key(cfg)], name
     # and the parameter tensors in allocation order (model.recommend.parameter_block_bytes), the same way
-    from model.job import _parameter_tensors, _parameter_tensors_snapshot, parameter_tensors
+    from model.job import _parameter_tensors, parameter_tensors
 
-    tensors = _parameter_tensors_snapshot()
+    tensors = parameter_snapshot("tensors")
     assert all(config_key(catalog.get(n)["hf_config"]) in tensors for n in names)
     for name in random.Random(1).sample(names, 3) + ["gpt2-large"]:
         cfg = catalog.get(name)["hf_config"]
@@ -422,9 +423,9 @@ def test_parameter_split_snapshot_covers_the_catalog_and_matches_meta_builds():
         assert (sum(built.before) + sum(built.after), sum(built.layer), len(built.layer)) == tuple(split), name
     # and the parameter counts of resolved architectures: every catalog one read, sampled ones equal to a meta build
     from memfit.hf import count_params_from_config
-    from model.job import _counted_spec, _parameter_counts_snapshot, resolve_architecture
+    from model.job import _counted_spec, resolve_architecture
 
-    counts = _parameter_counts_snapshot()
+    counts = parameter_snapshot("params")
     assert all(config_key(catalog.get(n)["hf_config"]) in counts for n in names)
     for name in random.Random(2).sample(names, 3) + ["opt-350m", "gemma-3-1b"]:
         cfg = catalog.get(name)["hf_config"]
@@ -441,6 +442,17 @@ def test_parameter_split_snapshot_covers_the_catalog_and_matches_meta_builds():
     finally:
         memfit.hf.count_params_from_config = original
     assert spec.total_params == spec.trainable_params == counts[config_key(catalog.get("llama-3-8b")["hf_config"])]
+    # and DeepSpeed stage 3's persistent parameter elements: every catalog one read, sampled ones equal to a meta build
+    from model.deepspeed_zero import _persistent_elements, persistent_parameter_elements
+
+    persistent = parameter_snapshot("persistent")
+    assert all(config_key(catalog.get(n)["hf_config"]) in persistent for n in names)
+    for name in random.Random(3).sample(names, 2) + ["llama-3-8b", "mixtral-8x7b"]:
+        cfg = catalog.get(name)["hf_config"]
+        assert persistent[config_key(cfg)] == _persistent_elements(json.dumps(cfg, sort_keys=True)) > 0, name
+    misses = _persistent_elements.cache_info().misses
+    persistent_parameter_elements(catalog.get("mistral-7b-v0.1")["hf_config"], catalog.spec("mistral-7b-v0.1"))
+    assert _persistent_elements.cache_info().misses == misses  # read, not built
 
 
 def test_cuda_generation_terms_are_not_learned_as_cpu_terms(entries):

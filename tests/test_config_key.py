@@ -12,8 +12,8 @@ from memfit.describe import clean_hf_config
 from memfit.hf import _hf_config, canonical_hf_config, spec_fields_from_hf_config
 from memfit.schema import TrainingConfig
 from model.curve import TRACED, MemoryPredictor
-from model.job import PARAMETER_SPLITS_PATH, config_key
 from model.registry import Registry
+from model.snapshot import PARAMETER_SPLITS_PATH, config_key
 from model.terms import SHIPPED_DIR, TermsCache, shipped_entries, terms_key
 
 GIB = 1 << 30

@@ -16,7 +16,8 @@ from memfit.describe import clean_hf_config
 from memfit.errors import InvalidConfiguration, UnknownArchitecture, UnknownModel
 from memfit.hf import _hf_config
 from memfit.schema import DEFAULT_LORA_RANK, ModelSpec, TrainingConfig
-from model.job import Architecture, config_key, resolve, resolve_architecture
+from model.job import Architecture, resolve, resolve_architecture
+from model.snapshot import config_key
 from model.terms import terms_key
 
 ROOT = Path(__file__).resolve().parent.parent
