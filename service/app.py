@@ -87,6 +87,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 daemon=True,
             )
             warming.start()
+        else:  # no start-up work to wait for
+            warmed_up.set()
         yield
         # the warm-up builds models on the meta device, and transformers sets process-wide state while it builds
         # one (the default dtype): it must not outlive the application into whatever the process runs next

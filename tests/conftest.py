@@ -22,6 +22,9 @@ os.environ["MEMFIT_ALLOCATOR_STREAMS"] = "off"
 # services started by tests start their tracing process with their first trace, not after the warm-up (each would
 # import PyTorch in a process most tests never use); tests/test_service.py checks the warm-up's start
 os.environ["MEMFIT_START_TRACER"] = "0"
+# nor do they warm up (resolve the catalog and import every family's modeling code: 4 s of CPU per service start);
+# tests/test_service.py checks the warm-up itself, and the service reports warmed up at once without one
+os.environ["MEMFIT_WARM_UP"] = "0"
 os.environ.setdefault("MEMFIT_DB_URL", f"sqlite:///{tempfile.mkdtemp(prefix='memfit-tests-')}/telemetry.db")
 
 # one compute thread per pytest-xdist worker (and the processes its tests start): the workers already fill the cores,

@@ -327,7 +327,9 @@ def test_the_warm_up_ends_with_the_application(tmp_path, small_registry):
     # the same process made next (tests/test_moe.py after tests/test_field_errors.py)
     import threading
 
-    app = create_app(Settings(db_url=f"sqlite:///{tmp_path / 's.db'}", registry_dir=str(small_registry.root)))
+    app = create_app(
+        Settings(db_url=f"sqlite:///{tmp_path / 's.db'}", registry_dir=str(small_registry.root), warm_up=True)
+    )
     with TestClient(app):
         pass
     assert not any(t.name == "memfit-warm-up" for t in threading.enumerate())
@@ -341,7 +343,10 @@ def test_the_warm_up_starts_the_tracing_process(tmp_path, small_registry, monkey
     started = []
     monkeypatch.setattr(service.tracing.BackgroundTracer, "start", lambda self: started.append(self))
     settings = Settings(
-        db_url=f"sqlite:///{tmp_path / 's.db'}", registry_dir=str(small_registry.root), start_tracer=True
+        db_url=f"sqlite:///{tmp_path / 's.db'}",
+        registry_dir=str(small_registry.root),
+        start_tracer=True,
+        warm_up=True,
     )
     with TestClient(create_app(settings)) as client:
         for _ in range(600):
