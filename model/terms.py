@@ -280,6 +280,31 @@ def shipped_entries(folder: Path | None = SHIPPED_DIR) -> list[dict[str, Any]]:
     return out
 
 
+#: :func:`_shipped_terms` by folder state, oldest first (a few folders: the shipped one, and tests' own)
+_SHIPPED_TERMS: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
+_SHIPPED_TERMS_MAX = 8
+
+
+def _shipped_terms(folder: Path | None) -> dict[str, dict[str, Any]]:
+    """``key -> terms`` of :func:`shipped_entries`, parsed once per folder state (its files' names, sizes and
+    modification times): every :class:`TermsCache` of the process shares the parsed terms dicts, which are never
+    mutated (reading the shipped files takes ~0.35 s)."""
+    if not folder or not Path(folder).is_dir():
+        return {}
+    files = [*sorted(Path(folder).glob("*.jsonl")), Path(folder) / CANONICAL_KEYS_NAME]
+    state = (
+        str(Path(folder).resolve()),
+        *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists()),
+    )
+    hit = _SHIPPED_TERMS.get(state)
+    if hit is None:
+        hit = {entry["key"]: entry["terms"] for entry in shipped_entries(folder)}
+        if len(_SHIPPED_TERMS) >= _SHIPPED_TERMS_MAX:
+            del _SHIPPED_TERMS[next(iter(_SHIPPED_TERMS))]
+        _SHIPPED_TERMS[state] = hit
+    return hit
+
+
 class TermsCache:
     """Traced terms by :func:`terms_key`: shipped JSONL files plus an optional database table.
 
@@ -291,9 +316,7 @@ class TermsCache:
     """
 
     def __init__(self, url: str | None = None, shipped_dir: Path | None = SHIPPED_DIR) -> None:
-        self._mem: dict[str, dict[str, Any]] = {}
-        for entry in shipped_entries(shipped_dir):
-            self._mem[entry["key"]] = entry["terms"]
+        self._mem: dict[str, dict[str, Any]] = dict(_shipped_terms(shipped_dir))
         self._engine = self._table = None
         if url is not None:
             import sqlalchemy as sa
