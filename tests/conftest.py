@@ -30,8 +30,10 @@ os.environ.setdefault("MEMFIT_DB_URL", f"sqlite:///{tempfile.mkdtemp(prefix='mem
 # one compute thread per pytest-xdist worker (and the processes its tests start): the workers already fill the cores,
 # and OpenMP/MKL threads on top of them spin-wait for each other (test_parallel's real-CPU runs: 132 s wall and 70 s of
 # CPU with the default 2 threads beside another worker, 55 s and 40 s with one). Set before torch is imported.
+# Inductor's compile workers likewise (tests/test_checkpointing.py compiles blocks on a cold cache): with its pool of
+# compile processes on top of the workers, a timed command-line test running beside it once took 4.6 s (limit 2 s)
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
         os.environ.setdefault(_var, "1")
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "telemetry.parquet"

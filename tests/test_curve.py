@@ -18,6 +18,7 @@ from memfit.hf import lora_trainable_params
 from memfit.schema import FineTune, ModelSpec, TrainingConfig
 from model.analytic import model_state_bytes, tensor_parallel_rank_spec
 from model.curve import PROVISIONAL, TRACED, MemoryPredictor
+from model.job import resolve_architecture
 from model.terms import SHIPPED_DIR, TermsCache, key_training_fields, terms_key
 from service.recommender import Recommender
 
@@ -51,9 +52,9 @@ def _model(name: str) -> tuple[ModelSpec, dict]:
     """A terms entry's model spec and HF config (the 10,000 draws below share 120 models)."""
     try:
         return catalog.spec(name), catalog.get(name)["hf_config"]
-    except UnknownModel:  # a reduced-width MoE model's terms (training.moe_telemetry)
+    except UnknownModel:  # a reduced-width MoE model's terms (training.moe_telemetry), resolved as the service does
         hf_config = hf_config_of(name)
-        return catalog.spec(hf_config), hf_config
+        return resolve_architecture(hf_config, name=name).spec, hf_config
 
 
 def _config(entry: dict, mb: int, seq: int):
