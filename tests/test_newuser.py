@@ -9,6 +9,17 @@ import pytest
 from memfit.schema import ModelSpec, Optimizer, Precision, TrainingConfig
 from model.offload import host_bytes_per_rank, host_memory_bytes
 
+#: a 2-layer LLaMA-shaped HF config small enough to trace in a second
+TINY_LLAMA_CONFIG = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+}
+
 
 def _llama_8b_spec() -> ModelSpec:
     return ModelSpec(
@@ -241,6 +252,25 @@ def test_trace_terms_ignores_pipeline_and_context_parallel():
     assert a == b
     # the TP trace's fake process group is gone: describe() in this process reads no world size of 2
     assert dist.is_initialized() == was_initialized
+
+
+def test_a_trace_inside_a_real_process_group_refuses_instead_of_destroying_it():
+    # a user's training process with its own gloo/nccl group asks for a sharded trace in-process: the fake group the
+    # trace needs would replace (destroy) the job's group, so the trace refuses and leaves the group as it was
+    import torch.distributed as dist
+
+    from tracer.collect import measure
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        training = TrainingConfig(micro_batch_size=1, seq_len=32, sharding="fsdp_full_shard", data_parallel_size=2)
+        with pytest.raises(RuntimeError, match="real 'gloo' group of world size 1; trace in another process"):
+            measure(TINY_LLAMA_CONFIG, training, device="fake")
+        assert dist.is_initialized() and dist.get_backend() == "gloo" and dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

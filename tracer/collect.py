@@ -180,11 +180,23 @@ def make_optimizer(kind: Optimizer, params, *, lr: float = 1e-4, process_group=N
 
 
 def _fake_process_group(world_size: int):
-    """Initialise (or re-initialise) the default process group as a fake one of ``world_size``."""
+    """Initialise (or re-initialise) the default process group as a fake one of ``world_size``.
+
+    Raises:
+        RuntimeError: the process already has a real default group (backend other than ``fake``, e.g. a
+            training job's ``gloo``/``nccl`` group): a trace would have to destroy it. Trace in another process
+            (the service's tracing process, ``memfit recommend``) instead.
+    """
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
+        backend = dist.get_backend()
+        if backend != "fake":
+            raise RuntimeError(
+                f"tracing a sharded or tensor-parallel step needs a fake default process group, but this process "
+                f"has a real '{backend}' group of world size {dist.get_world_size()}; trace in another process"
+            )
         if dist.get_world_size() == world_size:
             return dist.group.WORLD
         dist.destroy_process_group()
