@@ -545,7 +545,7 @@ class Recommendation(BaseModel):
     allocator_room_bytes: int | None = Field(
         None,
         description="what the simulated step must leave free under allocator_cap_bytes: its largest request with the "
-        "default allocator (issue 27's GPU runs failed within it), 0 with expandable segments; None where the fit "
+        "default allocator (capped H200 runs failed within it), 0 with expandable segments; None where the fit "
         "was not simulated",
     )
     recompute_overhead_fraction: float = Field(description="extra compute per step, fraction of step compute")

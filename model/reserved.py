@@ -230,8 +230,9 @@ def simulated_fit(
     if not settings.expandable_segments:
         fit.notes.append(
             "default allocator: the step must run with its largest request "
-            f"({(fit.room_bytes or 0) / GIB:.2f} GiB) left free, as issue 27's "
-            "GPU runs showed; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True needs no such room"
+            f"({(fit.room_bytes or 0) / GIB:.2f} GiB) left free: capped H200 runs ran out of memory within "
+            "one largest request of the simulated cap; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True needs no "
+            "such room"
         )
     return fit
 
