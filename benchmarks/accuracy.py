@@ -26,8 +26,12 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 from model.evaluate import (
     SPLITS,
@@ -185,6 +189,33 @@ def reserved_table() -> dict:
     }
 
 
+def regressor_params(params_json: str) -> dict:
+    """The ``--params`` JSON object, checked by constructing :class:`model.estimator.PeakMemoryRegressor` with it.
+
+    Raises:
+        ValueError: not JSON. TypeError: not an object, or a parameter the regressor does not take.
+    """
+    from model.estimator import PeakMemoryRegressor
+
+    params = json.loads(params_json)
+    if not isinstance(params, dict):
+        raise TypeError(f"--params must be a JSON object, got {params_json}")
+    PeakMemoryRegressor(**params)
+    return params
+
+
+def valid_rows(db: str | None, files) -> tuple[pd.DataFrame, list[dict]]:
+    """:func:`model.evaluate.load_rows`, refusing an empty result.
+
+    Raises:
+        ValueError: unreadable rows or no valid rows. FileNotFoundError: a missing file.
+    """
+    df, rejected = load_rows(db, files)
+    if df.empty:
+        raise ValueError("no valid rows")
+    return df, rejected
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__.split("\n\n")[0])
     p.add_argument("--db", help="SQLAlchemy URL of the telemetry store (default: data/telemetry.db)")
@@ -219,14 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     from model.terms import TermsCache, shipped_entries
 
     try:
-        params = json.loads(a.params)
-        PeakMemoryRegressor(**params)
-        df, rejected = load_rows(a.db, a.files)
+        params = regressor_params(a.params)
+        df, rejected = valid_rows(a.db, a.files)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    if df.empty:
-        print("error: no valid rows", file=sys.stderr)
         return 2
     terms = TermsCache()
     paths = row_paths(df, terms)

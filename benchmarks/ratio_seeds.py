@@ -18,14 +18,13 @@ Exit codes: 0 done, 2 bad input (no rows, unreadable files, bad --params or --se
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import numpy as np
 
-from benchmarks.accuracy import HEADER, _line
-from model.evaluate import SPLITS, CurveEstimator, cross_evaluate, load_rows
+from benchmarks.accuracy import HEADER, _line, regressor_params, valid_rows
+from model.evaluate import SPLITS, CurveEstimator, cross_evaluate
 
 
 def seed_lines(df, split: str, seeds: list[int], params: dict, n_jobs: int) -> list[str]:
@@ -85,19 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     if any(s < 0 for s in a.seeds):
         p.error(f"--seeds must be >= 0, got {a.seeds}")
 
-    from model.estimator import PeakMemoryRegressor
-
     try:
-        params = json.loads(a.params)
-        if not isinstance(params, dict) or "random_state" in params:
-            raise ValueError("--params must be a JSON object without random_state (--seeds sets it)")
-        PeakMemoryRegressor(**params)
-        df, _rejected = load_rows(a.db, a.files)
+        params = regressor_params(a.params)
+        if "random_state" in params:
+            raise ValueError("--params must not set random_state (--seeds sets it)")
+        df, _rejected = valid_rows(a.db, a.files)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    if df.empty:
-        print("error: no valid rows", file=sys.stderr)
         return 2
     print(f"{len(df)} rows of {df['model_name'].nunique()} architectures; ratio-model params {params or 'default'}")
     for split in a.split or SPLITS:

@@ -8,17 +8,7 @@ import pytest
 
 from memfit.schema import ModelSpec, Optimizer, Precision, TrainingConfig
 from model.offload import host_bytes_per_rank, host_memory_bytes
-
-#: a 2-layer LLaMA-shaped HF config small enough to trace in a second
-TINY_LLAMA_CONFIG = {
-    "model_type": "llama",
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-}
+from tests.helpers import TINY_LLAMA
 
 
 def _llama_8b_spec() -> ModelSpec:
@@ -267,7 +257,7 @@ def test_a_trace_inside_a_real_process_group_refuses_instead_of_destroying_it():
     try:
         training = TrainingConfig(micro_batch_size=1, seq_len=32, sharding="fsdp_full_shard", data_parallel_size=2)
         with pytest.raises(RuntimeError, match="real 'gloo' group of world size 1; trace in another process"):
-            measure(TINY_LLAMA_CONFIG, training, device="fake")
+            measure(TINY_LLAMA, training, device="fake")
         assert dist.is_initialized() and dist.get_backend() == "gloo" and dist.get_world_size() == 1
     finally:
         dist.destroy_process_group()

@@ -11,7 +11,7 @@ from benchmarks import ratio_seeds
     "argv, message",
     [
         (["--files", "no/such.parquet"], "no/such.parquet"),
-        (["--params", '{"random_state": 3}'], "without random_state"),
+        (["--params", '{"random_state": 3}'], "must not set random_state"),
         (["--params", '{"num_leafs": 3}'], "num_leafs"),
         (["--params", "[1]"], "JSON object"),
     ],
