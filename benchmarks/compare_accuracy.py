@@ -2,9 +2,11 @@
 
     python -m benchmarks.compare_accuracy benchmarks/results/accuracy_cb47173_rerun.txt benchmarks/results/accuracy.txt
 
-Reads the printed output (what ``benchmarks/results/`` keeps for every tree, old ones included): per split, the path
-rows' columns (:data:`benchmarks.accuracy.HEADER`) and the per-slice MAPEs of the provisional, analytic and learned
-paths. A figure is better when it is lower, except cover and exact-k (higher) and excess (nearer to zero: the
+Reads the printed output (what ``benchmarks/results/`` keeps for every tree, old ones included): per split, each path
+row's columns (:data:`benchmarks.accuracy.HEADER`), the per-slice MAPEs of the provisional, analytic and learned paths
+and the served curve's MAPE, p95 and cover per setting; then the reserved-memory summary per allocator setting (how many
+smallest caps and reserved peaks within tolerance, the median cap error). A figure is better when it is lower, except
+cover, exact-k and the within-tolerance counts (higher) and excess and the median cap error (nearer to zero: the
 analytic formula's excess is negative, its bias). Figures compared at the printed precision. Prints the counts and
 every worse figure as ``split | row | figure: base -> new``.
 
@@ -19,14 +21,16 @@ import sys
 from pathlib import Path
 
 COLUMNS = ("MAPE", "p95", "max", "saving", "cover", "excess", "exact-k", "OOM", "no-fit")
-HIGHER_IS_BETTER = frozenset({"cover", "exact-k"})
-NEARER_ZERO_IS_BETTER = frozenset({"excess"})
+HIGHER_IS_BETTER = frozenset({"cover", "exact-k", "caps within tolerance", "reserved within tolerance"})
+NEARER_ZERO_IS_BETTER = frozenset({"excess", "cap error median MiB"})
 _SPLIT = re.compile(r"^(leave_architecture_out|small_to_large):")
-_PATH_ROW = re.compile(
-    r"^  (served curve \(all\)|traced path|served provisional rows|provisional on every row|"
-    r"learned coefficients|analytic formula)\s+\d+\s+(.*)$"
-)
+#: a path row: its name, n, then one figure per column
+_PATH_ROW = re.compile(r"^  ([a-z][a-z ()]+?)\s+\d+" + r"\s+(\S+)" * len(COLUMNS) + r"$")
 _SLICE = re.compile(r"^    (\S+/\S+)\s+n=\s*\d+\s+provisional\s+(\S+) \w+\s+analytic\s+(\S+)\s+learned\s+(\S+)")
+_SETTING = re.compile(r"^    (.+?)\s+n=\s*\d+\s+MAPE\s+(\S+)\s+p95\s+(\S+)\s+cover\s+(\S+)\s+traced/provisional")
+_RESERVED = re.compile(
+    r"^(\S+): smallest cap within .*? (\d+) of \d+ \(error median (\S+) MiB.*reserved within tolerance (\d+) of \d+"
+)
 
 #: (split, row, figure) -> value
 Figures = dict[tuple[str, str, str], float]
@@ -39,15 +43,22 @@ def parse_output(text: str) -> Figures:
     for line in text.splitlines():
         if m := _SPLIT.match(line):
             split = m.group(1)
+        elif m := _RESERVED.match(line):
+            names = ("caps within tolerance", "cap error median MiB", "reserved within tolerance")
+            for name, value in zip(names, m.groups()[1:], strict=True):
+                out[("reserved", m.group(1), name)] = float(value)
         elif split is None:
             continue
         elif m := _PATH_ROW.match(line):
-            for column, value in zip(COLUMNS, m.group(2).split(), strict=False):
+            for column, value in zip(COLUMNS, m.groups()[1:], strict=True):
                 if value != "nan":
                     out[(split, m.group(1), column)] = float(value)
         elif m := _SLICE.match(line):
             for path, value in zip(("provisional", "analytic", "learned"), m.groups()[1:], strict=True):
                 out[(split, f"slice {m.group(1)}", path)] = float(value)
+        elif m := _SETTING.match(line):
+            for column, value in zip(("MAPE", "p95", "cover"), m.groups()[1:], strict=True):
+                out[(split, f"setting {m.group(1)}", column)] = float(value)
     return out
 
 
