@@ -232,3 +232,32 @@ def test_offloaded_paged_optimizer_says_nothing_of_unified_memory():
     offloaded = predictor.curve(spec, paged.model_copy(update={"offload_optimizer": Offload.CPU}), hf)
     assert offloaded.path == "traced" and not any("unified memory" in n for n in offloaded.notes)
     assert offloaded.host_memory_bytes > 0
+
+
+def test_provisional_parameter_offload_curve_follows_its_traced_composition(recommender):
+    # Llama-3-8B, ZeRO-3 over 8 ranks with optimizer and parameter offload: the traced composition (the FSDP full-shard
+    # terms less the resident shards) against the provisional curve (the learned base scaled by the analytic
+    # offloaded / not-offloaded backward peak). Scaled by the base's peak, its optimizer step, it was 0.77-0.93 of it.
+    request = RecommendRequest.model_validate(
+        {
+            "model": "llama-3-8b",
+            "training": {
+                "micro_batch_size": 1,
+                "seq_len": 1024,
+                "precision": "bf16_fp32_master",
+                "sharding": "zero3",
+                "offload_optimizer": "cpu",
+                "offload_parameters": "cpu",
+            },
+            "cluster": {"gpu": "H200", "gpu_count": 8},
+        }
+    )
+    traced = recommender.recommend(request)
+    loaded = Registry().load()
+    provisional = Recommender(
+        loaded.estimator, loaded.version, telemetry_range=loaded.meta.get("telemetry_range")
+    ).recommend(request)
+    assert traced.path == "traced" and provisional.path == "provisional"
+    for t, p in zip(traced.curve, provisional.curve, strict=True):
+        assert 0.9 * t.predicted_bytes <= p.predicted_bytes <= 1.2 * t.predicted_bytes, t.k
+        assert p.upper_bytes >= t.predicted_bytes, t.k
