@@ -28,10 +28,9 @@ offloaded / not offloaded (:func:`model.analytic.analytic_estimate`), and the an
 the denominator is the base's backward peak, not its peak: the offloaded device runs no optimizer phase, and the base's
 peak is often its optimizer step (Llama-3-8B ZeRO-3 over 8 ranks, bf16 + fp32 master: states 16.1 GB + step
 temporaries 8.0 GB, against a 21.0 GB backward), whose ratio would scale a backward peak by the step's bytes. Against the
-traced composition of that job (``tests/data/terms_llama3_8b_bf16_master.jsonl``) the provisional curve is then 0.94-1.14
-of it at every k instead of 0.77-0.93. Under optimizer offload alone the device still holds the resident weights and
-gradients through the host's step, as the base's optimizer step does, and the peak ratio stands (exact on the same
-terms).
+traced composition of that job (``tests/data/terms_llama3_8b_bf16_master.jsonl``) the provisional curve is 0.94-1.14 of
+it at every k. Under optimizer offload alone the device still holds the resident weights and gradients through the
+host's step, as the base's optimizer step does, and the peak ratio stands (exact on the same terms).
 
 What is measured and what is composed:
 
