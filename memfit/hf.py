@@ -61,6 +61,21 @@ DTYPES = frozenset(
 )
 
 
+#: families with learned absolute position embeddings, and the config key of the table's size: a sequence longer
+#: than the table cannot be embedded (the lookup raises IndexError); rotary and ALiBi families have no such limit
+LEARNED_POSITIONS = {"gpt2": "n_positions", "opt": "max_position_embeddings", "gpt_neo": "max_position_embeddings"}
+
+
+def max_seq_len(hf_config: dict[str, Any]) -> int | None:
+    """Longest sequence the model can embed (tokens) for families with learned position embeddings
+    (:data:`LEARNED_POSITIONS`), else None. Source: transformers' ``GPT2Model.wpe = nn.Embedding(n_positions, ...)``,
+    ``OPTLearnedPositionalEmbedding`` (max_position_embeddings, offset 2), ``GPTNeoModel.wpe``."""
+    key = LEARNED_POSITIONS.get(hf_config.get("model_type", ""))
+    if key is None:
+        return None
+    return int(hf_config.get(key) or hf_config.get("max_position_embeddings") or 1024)
+
+
 def _int(cfg: dict[str, Any], key: str, field: str, lo: int = 1) -> int:
     """``cfg[key]`` as a strict integer in ``[lo, max]`` (JSON ``true``, ``4.5``, ``"4"`` and ``[4]`` are refused)."""
     value = cfg[key]

@@ -32,6 +32,7 @@ from memfit.hf import (
     layer_period,
     local_expert_config,
     lora_trainable_params,
+    max_seq_len,
     model_spec,
     num_routed_experts,
     quiet_transformers,
@@ -730,8 +731,9 @@ def training_config(
     it out (:meth:`memfit.api.TrainingIn.resolved_quantization`).
 
     Raises:
-        InvalidConfiguration: parallel sizes beyond the cluster, frozen layers beyond the model, a
-            quantization without LoRA or one that contradicts the model's ``quantization_config``.
+        InvalidConfiguration: parallel sizes beyond the cluster, frozen layers beyond the model, a sequence
+            longer than a learned position table (:func:`memfit.hf.max_seq_len`), a quantization without LoRA or one
+            that contradicts the model's ``quantization_config``.
     """
     quantization = t.resolved_quantization((hf_config or {}).get("quantization_config"))
     if quantization is not Quantization.NONE and t.finetune is not FineTune.LORA:
@@ -744,6 +746,11 @@ def training_config(
     if t.frozen_layers > spec.num_layers:
         raise InvalidConfiguration(
             "training.frozen_layers", f"an integer in [0, num_layers={spec.num_layers}]", t.frozen_layers
+        )
+    limit = max_seq_len(hf_config or {})
+    if limit is not None and t.seq_len > limit:
+        raise InvalidConfiguration(
+            "training.seq_len", f"an integer in [1, {limit}] (this model's learned position embeddings)", t.seq_len
         )
     if t.expert_parallel_size > dp or dp % t.expert_parallel_size:
         raise InvalidConfiguration(

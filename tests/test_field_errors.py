@@ -84,3 +84,22 @@ def test_lora_counts_the_models_real_matrices():
     with pytest.raises(InvalidConfiguration) as info:
         lora_trainable_params(catalog.spec("gpt2"), 8, ["q_proj"], gpt2)
     assert info.value.field == "training.lora_target_modules" and "c_attn" in info.value.allowed
+
+
+@pytest.mark.parametrize("model, limit", [("gpt2", 1024), ("opt-125m", 2048), ("gpt-neo-125m", 2048)])
+def test_a_sequence_beyond_a_learned_position_table_is_refused(client, model, limit):
+    # GPT-2, OPT and GPT-Neo look positions up in a learned table: a longer sequence raises IndexError in the real
+    # step, so memfit must not answer for it (it used to, from the learned paths)
+    (err,) = _errors(client, {"seq_len": limit + 1}, model=model)
+    assert err["field"] == "training.seq_len" and f"[1, {limit}]" in err["message"]
+    assert err["message"].startswith("training.seq_len:")
+    at_limit = {"model": model, "training": {"micro_batch_size": 1, "seq_len": limit}, "cluster": {"gpu": "H100-80GB"}}
+    ok = client.post("/recommend", json=at_limit)
+    assert ok.status_code == 200, ok.text
+
+
+def test_rotary_models_have_no_position_table_limit():
+    from memfit.hf import max_seq_len
+
+    assert max_seq_len(catalog.get("llama-3-8b")["hf_config"]) is None
+    assert max_seq_len(catalog.get("gpt2")["hf_config"]) == 1024

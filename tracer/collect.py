@@ -56,6 +56,7 @@ from memfit.hf import (
     build_causal_lm,
     decoder_layers,
     local_expert_config,
+    max_seq_len,
     model_spec,
     num_routed_experts,
     param_dtype,
@@ -313,18 +314,6 @@ def _cuda_sdpa_kernels():
     finally:
         F.scaled_dot_product_attention = orig
         masking_utils.find_packed_sequence_indices = orig_packed
-
-
-# Families with learned absolute position embeddings: sequences longer than the table do not exist.
-LEARNED_POSITIONS = {"gpt2": "n_positions", "opt": "max_position_embeddings", "gpt_neo": "max_position_embeddings"}
-
-
-def max_seq_len(hf_config: dict[str, Any]) -> int | None:
-    """Longest sequence the model can embed, for families with learned position embeddings; else None."""
-    key = LEARNED_POSITIONS.get(hf_config.get("model_type", ""))
-    if key is None:
-        return None
-    return int(hf_config.get(key) or hf_config.get("max_position_embeddings") or 1024)
 
 
 def accumulation_micro_batches(training: TrainingConfig) -> int:

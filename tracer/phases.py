@@ -41,10 +41,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from memfit.hf import layer_period, small_config
+from memfit.hf import layer_period, max_seq_len, small_config
 from memfit.schema import CheckpointImpl, Offload, Sharding, TrainingConfig
 from model.compose import BASIS_NAMES, PHASES, token_basis
-from tracer.collect import _prime_optimizer, checkpoint_as_applied, close_optimizer, max_seq_len, prepared_model
+from tracer.collect import _prime_optimizer, checkpoint_as_applied, close_optimizer, prepared_model
 
 log = logging.getLogger(__name__)
 

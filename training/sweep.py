@@ -165,7 +165,7 @@ class SweepGrid:
 
     def families(self) -> list[Family]:
         from data import catalog
-        from tracer.collect import max_seq_len
+        from memfit.hf import max_seq_len
 
         rng = random.Random(self.seed)
         defaults = {name: info.default for name, info in TrainingConfig.model_fields.items()}
