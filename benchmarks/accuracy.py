@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,6 +44,19 @@ from model.evaluate import (
     oracle_eval,
     row_paths,
     saving_errors,
+)
+
+#: the figures of a path row after n, in :data:`HEADER`'s order: (name, its printed value from :func:`_line`'s figures)
+COLUMNS: tuple[tuple[str, Callable[[dict], float]], ...] = (
+    ("MAPE", lambda f: f["mape_pct"]),
+    ("p95", lambda f: f["p95_rel_err_pct"]),
+    ("max", lambda f: f["max_rel_err_pct"]),
+    ("saving", lambda f: f["saving_median_err_pct"]),
+    ("cover", lambda f: 100 * f["coverage"]),
+    ("excess", lambda f: f["mean_upper_excess_pct"]),
+    ("exact-k", lambda f: 100 * f["oracle"]["exact_k_rate"]),
+    ("OOM", lambda f: 100 * f["oracle"]["oom_rate"]),
+    ("no-fit", lambda f: 100 * f["oracle"]["false_infeasible_rate"]),
 )
 
 

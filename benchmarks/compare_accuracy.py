@@ -20,7 +20,9 @@ import re
 import sys
 from pathlib import Path
 
-COLUMNS = ("MAPE", "p95", "max", "saving", "cover", "excess", "exact-k", "OOM", "no-fit")
+from benchmarks.accuracy import COLUMNS as ACCURACY_COLUMNS
+
+COLUMNS = tuple(name for name, _ in ACCURACY_COLUMNS)
 HIGHER_IS_BETTER = frozenset({"cover", "exact-k", "caps within tolerance", "reserved within tolerance"})
 NEARER_ZERO_IS_BETTER = frozenset({"excess", "cap error median MiB"})
 _SPLIT = re.compile(r"^(leave_architecture_out|small_to_large):")

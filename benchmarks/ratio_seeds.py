@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from benchmarks.accuracy import HEADER, _line, regressor_params, valid_rows
+from benchmarks.accuracy import COLUMNS, HEADER, _line, regressor_params, valid_rows
 from model.evaluate import SPLITS, CurveEstimator, cross_evaluate
 
 
@@ -50,20 +50,7 @@ def seed_lines(df, split: str, seeds: list[int], params: dict, n_jobs: int) -> l
         lines.append(f"{line}  {time.perf_counter() - t0:.0f}s")
         figures.append(figs)
     if len(figures) > 1:
-        spread = {
-            name: [get(f) for f in figures]
-            for name, get in (
-                ("MAPE %", lambda f: f["mape_pct"]),
-                ("p95 %", lambda f: f["p95_rel_err_pct"]),
-                ("max %", lambda f: f["max_rel_err_pct"]),
-                ("saving %", lambda f: f["saving_median_err_pct"]),
-                ("cover %", lambda f: 100 * f["coverage"]),
-                ("excess %", lambda f: f["mean_upper_excess_pct"]),
-                ("exact-k %", lambda f: 100 * f["oracle"]["exact_k_rate"]),
-                ("OOM %", lambda f: 100 * f["oracle"]["oom_rate"]),
-                ("no-fit %", lambda f: 100 * f["oracle"]["false_infeasible_rate"]),
-            )
-        }
+        spread = {f"{name} %": [get(f) for f in figures] for name, get in COLUMNS}
         lines.append("  over the seeds: " + "; ".join(f"{k} {min(v):.2f}-{max(v):.2f}" for k, v in spread.items()))
     return lines
 

@@ -20,6 +20,17 @@ TINY_LLAMA: dict[str, Any] = {
 }
 
 
+#: the public Llama-3-8B job with ZeRO-3, optimizer and parameter offload (8 x RTX-3090, ~13 GB per GPU reported)
+ZERO3_FULL_OFFLOAD_TRAINING = {
+    "micro_batch_size": 1,
+    "seq_len": 1024,
+    "precision": "bf16_fp32_master",
+    "sharding": "zero3",
+    "offload_optimizer": "cpu",
+    "offload_parameters": "cpu",
+}
+
+
 def record(**over: Any) -> TelemetryRecord:
     """A valid record; keyword overrides go to the part that owns the field."""
     parts: dict[str, dict[str, Any]] = {

@@ -15,7 +15,7 @@ from model.offload import host_bytes_per_rank, host_memory_bytes
 from model.registry import Registry
 from model.terms import TermsCache
 from service.recommender import Recommender
-from tests.helpers import TINY_LLAMA
+from tests.helpers import TINY_LLAMA, ZERO3_FULL_OFFLOAD_TRAINING
 
 GB = 10**9
 
@@ -241,14 +241,7 @@ def test_provisional_parameter_offload_curve_follows_its_traced_composition(reco
     request = RecommendRequest.model_validate(
         {
             "model": "llama-3-8b",
-            "training": {
-                "micro_batch_size": 1,
-                "seq_len": 1024,
-                "precision": "bf16_fp32_master",
-                "sharding": "zero3",
-                "offload_optimizer": "cpu",
-                "offload_parameters": "cpu",
-            },
+            "training": ZERO3_FULL_OFFLOAD_TRAINING,
             "cluster": {"gpu": "H200", "gpu_count": 8},
         }
     )

@@ -25,6 +25,7 @@ from model.deepspeed_zero import (
 from model.registry import Registry
 from model.terms import TermsCache
 from service.recommender import Recommender
+from tests.helpers import ZERO3_FULL_OFFLOAD_TRAINING
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -161,14 +162,7 @@ def test_llama_3_8b_zero3_offload_on_8_rtx_3090_within_20_percent_of_13_gb():
         RecommendRequest.model_validate(
             {
                 "model": "llama-3-8b",
-                "training": {
-                    "micro_batch_size": 1,
-                    "seq_len": 1024,
-                    "precision": "bf16_fp32_master",
-                    "sharding": "zero3",
-                    "offload_optimizer": "cpu",
-                    "offload_parameters": "cpu",
-                },
+                "training": ZERO3_FULL_OFFLOAD_TRAINING,
                 "cluster": {"gpu": "RTX-3090", "gpu_count": 8},
             }
         )
