@@ -99,9 +99,16 @@ def reserved_rows(context) -> list[dict]:
 
 def pressure_rows(context) -> list[dict]:
     """The 2026-11-30 pressure runs next to the modelled smallest cap (both settings) and expandable reserved."""
-    from memfit.schema import TrainingConfig
-    from model.allocator import replay, smallest_capacity
+    import pandas as pd
 
+    from memfit.schema import TrainingConfig
+    from model.allocator import AllocatorSettings, replay, smallest_capacity
+    from model.analytic import largest_request_bytes, model_state_bytes
+    from model.job import resolve
+    from model.overhead import OverheadModel
+    from model.reserved import allocator_room_bytes, allowance_fit
+
+    overhead = OverheadModel().fit(pd.DataFrame())
     out = []
     for path in sorted(VALIDATION.glob("*/gpu_pressure_*.json")):
         doc = json.loads(path.read_text())
@@ -116,6 +123,11 @@ def pressure_rows(context) -> list[dict]:
             t0 = time.perf_counter()
             cap = smallest_capacity(stream, conf, resolution_bytes=doc.get("resolution_mib", 32) * MIB)
             res = replay(stream, conf)
+            settings = AllocatorSettings.from_conf(conf)
+            ratio, _ = overhead.allowance_ratio(settings.expandable_segments)
+            spec = resolve(model, training).spec
+            room = allocator_room_bytes(largest_request_bytes(spec, training), settings)
+            states = model_state_bytes(spec, training).total_bytes
             out.append(
                 {
                     "setting": doc.get("tag") or conf,
@@ -126,6 +138,11 @@ def pressure_rows(context) -> list[dict]:
                     "sim_reserved": res.peak_reserved_bytes,
                     "allocated": row["allocated_bytes"],
                     "sim_allocated": res.peak_allocated_bytes,
+                    # the fallback without a stream (model.reserved.allowance_fit) on the measured allocated peak
+                    "allowance_cap": allowance_fit(
+                        [row["allocated_bytes"]], settings, 0, ratio, "", "", 0, states
+                    ).reserved_bytes[0]
+                    + room,
                     "seconds": time.perf_counter() - t0,
                 }
             )
@@ -196,6 +213,12 @@ def render(rows: list[dict], pressure: list[dict], context_name: str, seconds: f
                 f"{setting}: smallest cap within 2 % or 256 MiB {n_cap} of {len(sel)} (error median "
                 f"{statistics.median(cap_err):+.0f} MiB, range {min(cap_err):+.0f}..{max(cap_err):+.0f}); "
                 f"reserved within tolerance {n_res} of {len(sel)}"
+            )
+            over = [(p["allowance_cap"] - p["min_cap"]) / GIB for p in sel]
+            lines.append(
+                f"{setting}: allowance fallback without a stream (model.reserved.allowance_fit on the measured allocated peak, + room) at or "
+                f"above the smallest cap in {sum(o >= 0 for o in over)} of {len(sel)} (excess median "
+                f"{statistics.median(over):+.2f} GiB, range {min(over):+.2f}..{max(over):+.2f})"
             )
     return "\n".join(lines) + "\n"
 

@@ -537,16 +537,17 @@ class Recommendation(BaseModel):
     fit_method: str = Field(
         "allowance",
         description="simulated (the step replayed through a model of PyTorch's caching allocator) or allowance "
-        "(allocated bound x the measured allocator allowance; the warnings say why)",
+        "(allocated bound x the measured reserved / allocated ratio, with allocator_room_bytes kept free; the "
+        "warnings say why)",
     )
     allocator_cap_bytes: int | None = Field(
         None, description="what the caching allocator may reserve: usable bytes less memory outside PyTorch"
     )
     allocator_room_bytes: int | None = Field(
         None,
-        description="what the simulated step must leave free under allocator_cap_bytes: its largest request with the "
-        "default allocator (capped H200 runs failed within it), 0 with expandable segments; None where the fit "
-        "was not simulated",
+        description="what the step must leave free under allocator_cap_bytes: its largest request with the "
+        "default allocator (capped H200 runs failed within it; the recorded stream's when simulated, else the fp32 "
+        "logits or a weight's gradient), 0 with expandable segments; None where no fit was decided",
     )
     recompute_overhead_fraction: float = Field(description="extra compute per step, fraction of step compute")
     host_memory_bytes: int = Field(

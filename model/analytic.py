@@ -22,7 +22,17 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from memfit.schema import FineTune, ModelSpec, Offload, Optimizer, Precision, Quantization, Sharding, TrainingConfig
+from memfit.schema import (
+    Attention,
+    FineTune,
+    ModelSpec,
+    Offload,
+    Optimizer,
+    Precision,
+    Quantization,
+    Sharding,
+    TrainingConfig,
+)
 
 _WEIGHT_BYTES = {
     Precision.FP32: 4,
@@ -377,6 +387,37 @@ def logits_bytes(model: ModelSpec, training: TrainingConfig) -> int:
     and its gradient 4·s·b·v (HF ``ForCausalLMLoss`` upcasts before cross-entropy)."""
     sbv = training.seq_len * training.micro_batch_size * model.vocab_size // training.tensor_parallel_size
     return (activation_dtype_bytes(training.precision) + 8) * sbv
+
+
+def largest_request_bytes(model: ModelSpec, training: TrainingConfig) -> int:
+    """The step's largest single allocation per device (bytes), the request the default caching allocator must
+    find room for (:func:`model.reserved.allocator_room_bytes`) where no allocation stream is recorded.
+
+    The larger of: the fp32 logits HF ``ForCausalLMLoss`` upcasts to (and their gradient), ``4·(s/c)·b·v / t``; the
+    embedding's (or untied head's) gradient under full fine-tuning, ``v·h / t`` elements in the states' dtype
+    (:func:`state_dtype_bytes`: bf16 in pure bf16, fp32 otherwise, the fp32 copy of ``bf16_fp32_master``'s step);
+    under autocast the half-precision copy of the head weight it casts each step, ``2·v·h / t``; and one layer's
+    attention scratch: with eager attention the fp32 softmax of its scores, ``4·b·(a/t)·(s/c)·s``, else
+    FlashAttention-2's fp32 dq accumulator, ``4·b·(a/t)·s·d`` with s rounded up to 128 and d to 32 (the largest only
+    for toy models). Matches the largest request of recorded streams (``tracer.stream_source``) of Qwen3-0.6B,
+    Llama-3.2-1B (amp, bf16, bf16_fp32_master), GPT-2, Qwen2.5-0.5B LoRA and SmolLM2-135M fp32 exactly
+    (``tests/test_largest_request.py`` checks it on a tiny Llama); under sharding it counts the gradient whole, as
+    it is before its reduce-scatter. Shapes: a = num_attention_heads, d = head_dim, s = seq_len, b = micro_batch_size, v = vocab_size,
+    h = hidden_size, t = tensor_parallel_size, c = context_parallel_size (each rank holds s/c tokens).
+    """
+    t = training.tensor_parallel_size
+    vh = -(-model.vocab_size * model.hidden_size // t)
+    b, s = training.micro_batch_size, training.seq_len // training.context_parallel_size
+    logits = -(-4 * b * s * model.vocab_size // t)
+    gradient = vh * state_dtype_bytes(training.precision) if training.finetune is FineTune.FULL else 0
+    cast = 2 * vh if training.precision in (Precision.AMP_BF16, Precision.AMP_FP16) else 0
+    heads = max(1, model.num_attention_heads // t)
+    if training.attention is Attention.EAGER:  # HF's eager attention: the fp32 softmax of one layer's scores
+        attention = 4 * b * heads * s * training.seq_len
+    else:  # FlashAttention-2's fp32 dq accumulator (tracer.allocation.flash_backward_scratch)
+        d = model.head_dim or model.hidden_size // model.num_attention_heads
+        attention = 4 * b * -(-s // 128) * 128 * heads * -(-d // 32) * 32
+    return max(logits, gradient, cast, attention)
 
 
 #: layers whose parameters are gathered at once under parameter offload: the one computing and the one

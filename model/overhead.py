@@ -14,7 +14,8 @@ context, cuBLAS workspace, NCCL buffers). Defaults, each sourced:
 **The fit decision** (:mod:`model.reserved`) no longer adds a fragmentation percentage where the step's allocation
 stream can be replayed through the caching-allocator model: it takes :meth:`OverheadModel.outside_pytorch` (the
 measured context, NCCL on several GPUs) and the cuBLAS residual from here, and falls back to the allocated bound times
-:meth:`OverheadModel.allowance_ratio` (the measured pressure median of the allocator setting) only without a stream.
+:meth:`OverheadModel.allowance_ratio` (the measured reserved / allocated median of the allocator setting, with the
+largest request kept free) only without a stream.
 
 **What the fake tracker does not see.** On one H200 (torch 2.11, 26 pairs, ``gpu_validate``) the CUDA
 peak allocated bytes were the tracker's plus 66 MiB (median; cuBLAS/cuBLASLt workspaces, which PyTorch
@@ -88,13 +89,15 @@ def validation_outside(paths: list[Path]) -> dict[str, list[int]]:
     return out
 
 
-def pressure_ratios(paths: list[Path]) -> dict[str, list[float]]:
-    """Needed-cap / allocated-peak ratios per allocator setting (``"default"`` or the
-    ``PYTORCH_CUDA_ALLOC_CONF`` value) from ``training/gpu_pressure.py`` output files."""
+def pressure_ratios(paths: list[Path], figure: str = "needed_over_allocated") -> dict[str, list[float]]:
+    """Ratios per allocator setting (``"default"`` or the ``PYTORCH_CUDA_ALLOC_CONF`` value) from
+    ``training/gpu_pressure.py`` output files: ``figure`` is ``needed_over_allocated`` (the smallest cap the step
+    ran under over its allocated peak) or ``reserved_over_allocated`` (the unconstrained run's reserved peak over
+    it)."""
     out: dict[str, list[float]] = {}
     for path in paths:
         run = json.loads(Path(path).read_text())
-        ratios = [r["needed_over_allocated"] for r in run["rows"] if "needed_over_allocated" in r]
+        ratios = [r[figure] for r in run["rows"] if figure in r]
         out.setdefault(run.get("alloc_conf") or "default", []).extend(ratios)
     return out
 
@@ -138,7 +141,7 @@ class OverheadModel:
     cublas_workspace_bytes: int = CUBLAS_WORKSPACE_BYTES
     outside_by_device: dict[str, int] = field(default_factory=dict)
     rows_by_device: dict[str, int] = field(default_factory=dict)
-    #: needed-cap / allocated ratio per allocator setting (:meth:`allowance_ratio`), from GPU pressure runs
+    #: reserved / allocated peak ratio per allocator setting (:meth:`allowance_ratio`), from GPU pressure runs
     allowance_by_setting: dict[str, float] = field(default_factory=dict)
 
     def fit(
@@ -156,10 +159,11 @@ class OverheadModel:
                 if len(outside):
                     self.outside_by_device[device] = int(outside.median())
                     self.rows_by_device[device] = len(outside)
-        measured = pressure_ratios(PRESSURE_FILES if pressure_files is None else pressure_files).get("default", [])
+        pressure = PRESSURE_FILES if pressure_files is None else pressure_files
+        measured = pressure_ratios(pressure).get("default", [])
         self.allowance_by_setting = {
             conf: float(max(1.0, np.median(r)))
-            for conf, r in pressure_ratios(PRESSURE_FILES if pressure_files is None else pressure_files).items()
+            for conf, r in pressure_ratios(pressure, "reserved_over_allocated").items()
             if r
         }
         if measured:
@@ -202,15 +206,16 @@ class OverheadModel:
         return NCCL_BYTES if gpu_count > 1 else 0
 
     def allowance_ratio(self, expandable_segments: bool) -> tuple[float, str]:
-        """(needed-cap / allocated ratio, its source) for the default allocator or expandable segments: the median
-        of the shipped ``training/gpu_pressure.py`` runs with that setting (H200, 2026-11-30: 1.076 of 24 default
-        runs, 1.014 of 20 expandable runs); :data:`FRAGMENTATION_RATIO` when none was measured. The fallback of
-        :func:`model.reserved.allowance_fit` where no allocation stream can be simulated."""
+        """(reserved / allocated peak ratio, its source) for the default allocator or expandable segments: the
+        median of the shipped ``training/gpu_pressure.py`` unconstrained runs with that setting (H200, 2026-11-30:
+        1.079 of 24 default runs, 1.098 of 20 expandable runs); :data:`FRAGMENTATION_RATIO` when none was
+        measured. The reserved peak of :func:`model.reserved.allowance_fit` where no allocation stream can be
+        simulated (which also keeps the default allocator's largest request free)."""
         key = "expandable_segments:True" if expandable_segments else "default"
         ratio = self.allowance_by_setting.get(key)
         if ratio is None:
             return FRAGMENTATION_RATIO, "default 5 % (no GPU pressure run with this setting)"
-        return ratio, f"median needed-cap / allocated of the GPU pressure runs with {key}"
+        return ratio, f"median reserved / allocated of the GPU pressure runs with {key}"
 
     def outside_pytorch(self, device_name: str | None, gpu_count: int) -> tuple[int, str]:
         """(bytes, source) of device memory PyTorch's allocator cannot use: the CUDA context (with the cuBLAS and

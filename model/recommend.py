@@ -23,7 +23,7 @@ import numpy as np
 
 from memfit.schema import FineTune, ModelSpec, Quantization, Sharding, TrainingConfig
 from model.allocator import AllocatorSettings, unsplit_block_bytes
-from model.analytic import weight_dtype_bytes
+from model.analytic import largest_request_bytes, weight_dtype_bytes
 from model.curve import Curve, CurvePoint, MemoryPredictor
 from model.job import ParameterTensors, parameter_tensors
 from model.overhead import Overhead, OverheadModel
@@ -178,6 +178,7 @@ def plan(
     cap = usable - outside
     blocks = parameter_block_bytes(model, training, hf_config, settings)
     bounds = allocator_bounds([p.upper_bytes for p in c.points], blocks, overhead_model)
+    largest = largest_request_bytes(model, training)  # the allowance's room; a simulated step has its stream's
     fit = None
     if streams is not None and c.pipeline is None and layout == "block":
         key = getattr(streams, "key", None)
@@ -185,7 +186,7 @@ def plan(
         fit = fit_cache.get(cache_key) if cache_key is not None else None
         if fit is None:
             ratio, source = overhead_model.allowance_ratio(settings.expandable_segments)
-            guess = allowance_fit(bounds, settings, cap, ratio, source, "").k
+            guess = allowance_fit(bounds, settings, cap, ratio, source, "", largest, c.floor_bytes).k
             fit = simulated_fit(bounds, streams, settings, cap, len(bounds) - 1 if guess is None else guess)
             if fit is not None and cache_key is not None:
                 fit_cache[cache_key] = fit
@@ -193,7 +194,7 @@ def plan(
         no_stream_reason = "pipeline stages or an even layout: streams are recorded for the first k layers"
     if fit is None:
         ratio, source = overhead_model.allowance_ratio(settings.expandable_segments)
-        fit = allowance_fit(bounds, settings, cap, ratio, source, no_stream_reason)
+        fit = allowance_fit(bounds, settings, cap, ratio, source, no_stream_reason, largest, c.floor_bytes)
     if fit.method == "simulated":
         totals = [b + outside for b in bounds]
     else:

@@ -32,10 +32,14 @@ could not reuse, the default allocator's simulated step must run within the cap 
 (19 and 25) and no allowance is added.
 
 **Where no stream can be had** (several GPUs, sharding, offload, pipeline, tensor or context parallelism,
-quantized bases, ``layout="even"``, a model the recorder cannot build), the decision falls back to the
-allocated upper bound times the GPU pressure allowance measured for that allocator setting
-(:meth:`model.overhead.OverheadModel.allowance_ratio`: the median needed-cap / allocated ratio of
-``training/gpu_pressure.py`` runs), and the answer's notes say so.
+quantized bases, ``layout="even"``, a model the recorder cannot build, or a stream not recorded yet), the decision
+takes the reserved peak as the resident model states plus the rest of the allocated upper bound times the reserved /
+allocated ratio measured for that allocator setting (:meth:`model.overhead.OverheadModel.allowance_ratio`: the median
+of ``training/gpu_pressure.py``'s unconstrained runs), keeps the same room free as the simulation
+(:func:`allocator_room_bytes` of :func:`model.analytic.largest_request_bytes`), and the answer's notes say so. On the
+24 default-allocator pressure runs (H200, 2026-11-30) that figure is at or above the smallest cap the step ran under
+in 22 (``python -m benchmarks.allocator_reserved``), and in 18 of the 20 expandable-segments runs (the others 0.04
+and 0.30 GiB below).
 """
 
 from __future__ import annotations
@@ -49,13 +53,17 @@ from model.allocator import GIB, AllocationStream, AllocatorSettings, ReplayResu
 StreamSource = Callable[[int], AllocationStream | None]
 
 
-def default_allocator_allowance_bytes(stream: AllocationStream, settings: AllocatorSettings) -> int:
-    """Room kept free in the simulated cap: the step's largest single request (bytes) with the default allocator
+def allocator_room_bytes(largest_request_bytes: int, settings: AllocatorSettings) -> int:
+    """Room the step must leave free under the cap (bytes): its largest single request with the default allocator
     (no expandable segments), 0 with expandable segments. Calibrated on issue 27's four GPU observations (module
-    docstring)."""
-    if settings.expandable_segments:
-        return 0
-    return max(stream.sizes[stream.measured_from :] or stream.sizes or [0])
+    docstring). The one rule of both decisions: :func:`simulated_fit` (the stream's largest request) and
+    :func:`allowance_fit` (:func:`model.analytic.largest_request_bytes`)."""
+    return 0 if settings.expandable_segments else largest_request_bytes
+
+
+def default_allocator_allowance_bytes(stream: AllocationStream, settings: AllocatorSettings) -> int:
+    """:func:`allocator_room_bytes` of a recorded step: its largest request after the warm-up step."""
+    return allocator_room_bytes(max(stream.sizes[stream.measured_from :] or stream.sizes or [0]), settings)
 
 
 @dataclass
@@ -156,13 +164,18 @@ class ReservedFit:
         monotone order the search (:func:`search_k`) assumes; every visited step agrees with it."""
         if self.method == "allowance":
             reserved = self.reserved_bytes[k]
-            return reserved is not None and reserved <= self.cap_bytes
+            return reserved is not None and reserved + (self.allowance_room_bytes or 0) <= self.cap_bytes
         return self.k is not None and k >= self.k
+
+    #: ``allowance``: the room kept free under :attr:`cap_bytes` (:func:`allocator_room_bytes`)
+    allowance_room_bytes: int | None = None
 
     @property
     def room_bytes(self) -> int | None:
-        """What the simulated steps had to leave free under :attr:`cap_bytes` (the default allocator's largest
-        request, :func:`default_allocator_allowance_bytes`); None where nothing was simulated."""
+        """What the step had to leave free under :attr:`cap_bytes` (the default allocator's largest request,
+        :func:`allocator_room_bytes`): the simulated steps' or the allowance's; None where neither was computed."""
+        if self.method == "allowance":
+            return self.allowance_room_bytes
         return max((s.allowance_bytes for s in self.steps.values()), default=None)
 
     @property
@@ -176,7 +189,7 @@ class ReservedFit:
         if step is not None:
             return max(1, step.reserved_bytes + step.allowance_bytes - self.cap_bytes)
         reserved = self.reserved_bytes[last]
-        return max(1, (reserved or 0) - self.cap_bytes)
+        return max(1, (reserved or 0) + (self.allowance_room_bytes or 0) - self.cap_bytes)
 
 
 def simulated_fit(
@@ -238,14 +251,28 @@ def simulated_fit(
 
 
 def allowance_fit(
-    upper_bytes: Sequence[int], settings: AllocatorSettings, cap_bytes: int, ratio: float, source: str, why: str
+    upper_bytes: Sequence[int],
+    settings: AllocatorSettings,
+    cap_bytes: int,
+    ratio: float,
+    source: str,
+    why: str,
+    largest_request_bytes: int = 0,
+    states_bytes: int = 0,
 ) -> ReservedFit:
-    """Fallback without a stream: reserved = allocated upper bound x ``ratio`` (the measured pressure allowance of
-    ``settings``); the smallest k whose figure fits ``cap_bytes``. ``why`` says why no stream was simulated."""
-    reserved: list[int | None] = [int(u * ratio) for u in upper_bytes]
-    k = next((j for j, r in enumerate(reserved) if r <= cap_bytes), None)
+    """Fallback without a stream: the reserved peak per k (bytes) is the resident model states (``states_bytes``,
+    allocated once before the step in blocks of their own) plus the rest of the allocated upper bound x ``ratio``
+    (the measured reserved / allocated ratio of ``settings``); the smallest k whose figure fits ``cap_bytes`` with
+    :func:`allocator_room_bytes` of ``largest_request_bytes`` (:func:`model.analytic.largest_request_bytes`) left
+    free, as :func:`simulated_fit` keeps it. ``why`` says why no stream was simulated."""
+    room = allocator_room_bytes(largest_request_bytes, settings)
+    reserved: list[int | None] = [min(states_bytes, u) + int(max(0, u - states_bytes) * ratio) for u in upper_bytes]
+    k = next((j for j, r in enumerate(reserved) if r + room <= cap_bytes), None)
+    states = "the model states plus the rest of " if states_bytes else ""
     note = (
-        f"allocator not simulated ({why}): reserved memory taken as the allocated bound x {ratio:.3f} ({source}, "
-        f"{settings.describe()} allocator settings)"
+        f"allocator not simulated ({why}): reserved memory taken as {states}the allocated bound x {ratio:.3f} "
+        f"({source}, {settings.describe()} allocator settings)"
     )
-    return ReservedFit("allowance", settings, cap_bytes, k, reserved, {}, [note])
+    if room:
+        note += f", with the largest request ({room / GIB:.2f} GiB, the fp32 logits or a weight's gradient) left free"
+    return ReservedFit("allowance", settings, cap_bytes, k, reserved, {}, [note], allowance_room_bytes=room)

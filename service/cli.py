@@ -904,8 +904,16 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         parts.add_row(f"+ overhead: {', '.join(held) or 'none'}", gib(overhead))
         parts.add_section()
         simulated = rec.fit_method == "simulated"
+        room = rec.allocator_room_bytes or 0
+        test = (
+            "must also be"
+            if simulated
+            else f"fits when it + the largest request, {gib(room)},"
+            if room
+            else "fits when"
+        )
         parts.add_row(
-            f"= upper bound + overhead ({'must also be' if simulated else 'fits when'} <= usable {gib(rec.usable_bytes)})",
+            f"= upper bound + overhead ({test} <= usable {gib(rec.usable_bytes)})",
             gib(rec.total_upper_bytes),
             style="bold",
         )

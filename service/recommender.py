@@ -349,7 +349,7 @@ class Recommender:
             bounds = allocator_bounds([p.upper_bytes], blocks, self.overhead)
             ratio, source = self.overhead.allowance_ratio(settings.expandable_segments)
             outside, _ = self.overhead.outside_pytorch(item.cluster.gpu, item.cluster.gpu_count)
-            total = allowance_fit(bounds, settings, 0, ratio, source, "").reserved_bytes[0] + outside
+            total = allowance_fit(bounds, settings, 0, ratio, source, "", 0, c.floor_bytes).reserved_bytes[0] + outside
         return Prediction(
             predicted_peak_bytes=p.predicted_bytes,
             upper_bound_bytes=p.upper_bytes,
