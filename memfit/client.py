@@ -6,10 +6,12 @@
                                                  cluster={"gpu": "H100-80GB"})
 
 Connection errors, timeouts and 5xx answers are retried (``retries`` times, exponential backoff
-starting at ``backoff_s``). When the service still cannot answer — or answers 4xx — and
-``strict=False`` (the default), :meth:`Client.recommend` returns a :class:`FallbackRecommendation`:
-the stated safe plan **checkpoint every layer**, ``model_version="fallback"``, with the reason in
-``warnings``, and logs one warning on the ``memfit`` logger. With ``strict=True`` it raises instead.
+starting at ``backoff_s``). When the service still cannot answer and ``strict=False`` (the default),
+:meth:`Client.recommend` returns a :class:`FallbackRecommendation`: the stated safe plan **checkpoint every
+layer**, ``model_version="fallback"``, with the reason in ``warnings``, and logs one warning on the ``memfit``
+logger. With ``strict=True`` it raises instead. A request that is invalid (checked here before any I/O) or that the
+service rejects (4xx: an unknown model, a value out of range) always raises, naming the field: it would fail the same
+way on every call, and a fallback would hide the mistake behind a plan that costs a third of a forward pass.
 
 Only httpx and pydantic are needed here.
 """
@@ -104,16 +106,14 @@ def _layer_count(model: Any) -> int:
 
     if isinstance(model, str):
         return catalog_num_layers(model) or 0
-    cfg = request_hf_config(model) or {}  # read leniently: the fallback answers requests the service refused
+    cfg = request_hf_config(model) or {}
     return next((cfg[key] for key in NUM_LAYERS_KEYS if isinstance(cfg.get(key), int) and cfg[key] > 0), 0)
 
 
-def fallback_recommendation(
-    request: RecommendRequest | None, reason: str, *, model: Any = None
-) -> FallbackRecommendation:
-    """The safe "checkpoint every layer" plan for ``request`` (or, when the request itself was
-    invalid, for its ``model`` part); see :class:`FallbackRecommendation`."""
-    L = _layer_count(request.model if request is not None else model)
+def fallback_recommendation(request: RecommendRequest | None, reason: str) -> FallbackRecommendation:
+    """The safe "checkpoint every layer" plan for ``request`` (None: the layer count unknown); see
+    :class:`FallbackRecommendation`."""
+    L = _layer_count(request.model) if request is not None else 0
     capacity = 0
     if request is not None:
         try:
@@ -159,8 +159,8 @@ class Client:
         token: bearer token for write endpoints (``POST /telemetry``).
         timeout_s: per-request timeout in seconds (connect and read).
         retries: extra attempts after the first on connection errors, timeouts and 5xx.
-        strict: raise (:class:`ServiceError`, or ``ValueError`` on a rejected request) instead of
-            returning the fallback.
+        strict: raise :class:`ServiceError` when the service cannot answer instead of returning the fallback
+            (an invalid or rejected request raises either way).
         backoff_s: first backoff in seconds; doubles per retry (capped at 4 s).
         transport: an ``httpx`` transport (tests: ``httpx.MockTransport``).
     """
@@ -239,40 +239,41 @@ class Client:
         0..0.9, ``layout`` ``block``/``even``). Byte fields of the answer are per device.
 
         Returns:
-            :class:`memfit.api.Recommendation`; when the service cannot answer and ``strict=False``,
-            a :class:`FallbackRecommendation` (checkpoint every layer), with one warning logged.
+            :class:`memfit.api.Recommendation`; when the service cannot answer (unreachable, timed out, 5xx
+            after retries, an unreadable answer) and ``strict=False``, a :class:`FallbackRecommendation`
+            (checkpoint every layer), with one warning logged.
 
         Raises:
             TypeError: neither ``request`` nor all of ``model``/``training``/``cluster`` given.
-            Only with ``strict=True``: pydantic.ValidationError — the request is malformed (checked
-            before any I/O); ServiceError — no answer; :class:`RequestRejected` (a ``ValueError``) — the
-            service rejected the request (4xx, with its ``detail`` and per-field ``errors``). Without ``strict`` each of these gives the fallback.
+            pydantic.ValidationError: the request is malformed (checked before any I/O; the field named).
+            RequestRejected (a ``ValueError``): the service rejected the request (4xx, with its ``detail`` and
+                per-field ``errors``: an unknown model, a value out of range).
+            ServiceError: only with ``strict=True``: no answer.
         """
         if request is None and (model is None or training is None or cluster is None):
             raise TypeError("recommend() needs request=... or model=, training= and cluster=")
-        try:
-            if request is None:
-                request = RecommendRequest(
-                    model=model, training=training, cluster=cluster, headroom_fraction=headroom_fraction, layout=layout
-                )
-            elif not isinstance(request, RecommendRequest):
-                model = request.get("model") if isinstance(request, dict) else None
-                request = RecommendRequest.model_validate(request)
-        except ValidationError as err:
-            if self.strict:
-                raise
-            fb = fallback_recommendation(None, f"invalid request: {_short(err)}", model=model)
-            log.warning("memfit: %s", fb.warnings[0])
-            return fb
+        if request is None:
+            request = RecommendRequest(
+                model=model, training=training, cluster=cluster, headroom_fraction=headroom_fraction, layout=layout
+            )
+        elif not isinstance(request, RecommendRequest):
+            request = RecommendRequest.model_validate(request)
         try:
             r = self._request("POST", "/recommend", json=request.model_dump(mode="json", exclude_none=True))
-            if r.status_code >= 400:
-                raise _rejected(r, "request")
-            return Recommendation.model_validate(r.json())
-        except (ServiceError, ValueError, ValidationError) as err:
+        except ServiceError as err:
             if self.strict:
                 raise
-            reason = str(err) if not isinstance(err, ValidationError) else f"unreadable answer: {_short(err)}"
+            fb = fallback_recommendation(request, str(err))
+            log.warning("memfit: %s", fb.warnings[0])
+            return fb
+        if r.status_code >= 400:
+            raise _rejected(r, "request")
+        try:
+            return Recommendation.model_validate(r.json())
+        except (ValueError, ValidationError) as err:
+            if self.strict:
+                raise ServiceError(f"POST {self.url}/recommend: unreadable answer: {err}", r.status_code) from err
+            reason = f"unreadable answer: {_short(err) if isinstance(err, ValidationError) else err}"
             fb = fallback_recommendation(request, reason)
             log.warning("memfit: %s", fb.warnings[0])
             return fb

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from memfit.api import ArchitectureIn, Recommendation, RecommendRequest
 from memfit.checkpointing import apply
-from memfit.client import Client, FallbackRecommendation, ServiceError, is_fallback
+from memfit.client import Client, FallbackRecommendation, RequestRejected, ServiceError, is_fallback
 from memfit.describe import describe, detect_architecture
 from memfit.hf import build_causal_lm, quiet_transformers
 from memfit.reporter import flush_spool, report_peak
@@ -124,27 +124,46 @@ def test_slow_service_falls_back_and_strict_raises():
         mock_client(slow, retries=0, strict=True).recommend(**REQ)
 
 
-def test_rejected_request_falls_back_or_raises_with_the_detail():
+def test_rejected_request_raises_with_the_detail_strict_or_not():
+    # a new user's misspelt model came back as fits=True, k=None (the fallback) with one log line saying the
+    # service "gave no answer": a rejected request is an answer, and every later call would be rejected the same way
     def reject(request):
-        return httpx.Response(422, json={"detail": "model: unknown model 'llama-9'"})
+        return httpx.Response(
+            422,
+            json={
+                "detail": "model: unknown model 'llama-9'",
+                "errors": [{"field": "model", "message": "unknown model 'llama-9'", "allowed": "a catalog name"}],
+            },
+        )
 
-    rec = mock_client(reject).recommend(**REQ)
-    assert is_fallback(rec) and "unknown model 'llama-9'" in rec.warnings[0]
-    with pytest.raises(ValueError, match="HTTP 422.*unknown model"):
-        mock_client(reject, strict=True).recommend(**REQ)
+    for strict in (False, True):
+        with pytest.raises(RequestRejected, match="HTTP 422.*unknown model 'llama-9'") as caught:
+            mock_client(reject, strict=strict).recommend(**REQ)
+        assert caught.value.status_code == 422 and caught.value.errors[0]["field"] == "model"
     with pytest.raises(TypeError, match="needs request"):
         mock_client(reject).recommend(model="gpt2")
 
 
-def test_invalid_request_falls_back_unless_strict():
+def test_invalid_request_raises_before_any_io_strict_or_not():
     def never(request):
         raise AssertionError("no request may be sent")
 
     bad = {**HF_REQ, "training": {"micro_batch_size": 0, "seq_len": 128}}
-    rec = mock_client(never).recommend(bad)
-    assert is_fallback(rec) and "training.micro_batch_size" in rec.reason and rec.layers == list(range(6))
-    with pytest.raises(ValidationError, match="micro_batch_size"):
-        mock_client(never, strict=True).recommend(**bad)
+    for strict in (False, True):
+        with pytest.raises(ValidationError, match="micro_batch_size"):
+            mock_client(never, strict=strict).recommend(bad)
+        with pytest.raises(ValidationError, match="micro_batch_size"):
+            mock_client(never, strict=strict).recommend(**bad)
+
+
+def test_an_unreadable_answer_falls_back_unless_strict():
+    def garbled(request):
+        return httpx.Response(200, json={"k": "three"})
+
+    rec = mock_client(garbled).recommend(**REQ)
+    assert is_fallback(rec) and rec.reason.startswith("unreadable answer")
+    with pytest.raises(ServiceError, match="unreadable answer"):
+        mock_client(garbled, strict=True).recommend(**REQ)
 
 
 def test_telemetry_sends_the_bearer_token():
