@@ -203,8 +203,12 @@ def plan(
     at = k if k is not None else model.num_layers
     if k is None:
         layers = []
-    elif c.pipeline is not None:  # per-stage k chosen by the composition: the first k_i layers of stage i
-        layers = [st.first_layer + j for st, ks in zip(c.pipeline.stages, c.pipeline.stage_k[k]) for j in range(ks)]
+    elif c.pipeline is not None:  # per-stage k chosen by the composition: k_i layers of stage i, laid out per stage
+        layers = [
+            st.first_layer + j
+            for st, ks in zip(c.pipeline.stages, c.pipeline.stage_k[k])
+            for j in layer_indices(ks, st.num_layers, 1, layout)
+        ]
     else:
         layers = layer_indices(k, model.num_layers, training.pipeline_parallel_size, layout)
     allowance = totals[at] - bounds[at] - outside

@@ -7,6 +7,7 @@ import pytest
 from memfit.api import RecommendRequest
 from model.analytic import replicated_params
 from model.job import resolve_architecture
+from model.recommend import layer_indices
 from model.registry import Registry
 from service.recommender import Recommender
 
@@ -106,3 +107,28 @@ def test_qwen25_72b_tensor_8_by_zero3_data_8_holds_a_64th_of_the_states(recommen
     assert any("fake process group of 8 ranks" in w for w in rec.warnings)
     assert 60 * GIB < rec.curve[0].predicted_bytes < 70 * GIB and rec.curve[-1].predicted_bytes < 25 * GIB
     assert rec.fits and rec.k == 0
+
+
+def test_even_layout_spreads_each_stages_k_over_that_stage(recommender):
+    # a new user asked layout "even" with 3 pipeline stages and got the "block" layers [0, 1, 2, 3, 4]: the layout
+    # was applied only without pipeline parallelism
+    def ask(layout):
+        req = RecommendRequest.model_validate(
+            {
+                "model": "llama-3-8b",
+                "training": {"micro_batch_size": 1, "seq_len": 8192, "pipeline_parallel_size": 4},
+                "cluster": {"gpu": "A100-80GB", "gpu_count": 4},
+                "layout": layout,
+            }
+        )
+        return recommender.recommend(req)
+
+    block, even = ask("block"), ask("even")
+    assert block.k == even.k and [s.k for s in block.stages] == [s.k for s in even.stages]
+    assert block.layers != even.layers and len(even.layers) == even.k
+    for stage in even.stages:  # the same count per stage, evenly spaced within it (first and last layer at k >= 2)
+        first = sum(s.num_layers for s in even.stages[: stage.stage])
+        mine = [i - first for i in even.layers if first <= i < first + stage.num_layers]
+        assert mine == layer_indices(stage.k, stage.num_layers, 1, "even")
+        if stage.k >= 2:
+            assert mine[0] == 0 and mine[-1] == stage.num_layers - 1
