@@ -25,8 +25,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--gpu-memory-gib",
         type=float,
-        help="device memory to plan for with --url (GiB); default: a capacity read off the served "
-        "curve so that about half the layers must be checkpointed",
+        help="device memory to plan for with --url (GiB); default: the smallest capacity at which the service "
+        "answers about half the layers checkpointed",
     )
     p.add_argument("--steps", type=int, default=2, help="training steps (default 2: the peak is in the first two)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -41,25 +41,32 @@ def plan_source(args, describe_request, num_layers: int):
     """The recommendation from the service (``--url``), or the first ``--k`` layers.
 
     ``describe_request(gpu_memory_bytes)`` builds the request (``memfit.describe``). Without
-    ``--gpu-memory-gib`` the capacity is read off the served curve (asked at 1 TiB): between the bound
-    at k = L // 2 and the bounds of smaller k, so that the answer is 0 < k < L. A tiny model needs
-    little more than the fixed per-GPU overhead (CUDA context etc.), so any real GPU fits it at k = 0.
+    ``--gpu-memory-gib`` the capacity is the smallest whole MiB at which the service answers k <= L // 2, found by
+    bisection over the service's own answers (its decision is monotone in the capacity), so that the answer is
+    0 < k < L whatever the fit test (allocated bound, simulated caching allocator, the room it keeps free). A tiny
+    model needs little more than the fixed per-GPU overhead (CUDA context etc.), so any real GPU fits it at k = 0.
     """
     if args.url:
         import memfit
 
-        client = memfit.Client(args.url, token=args.token)
+        client = memfit.Client(args.url, token=args.token, strict=True)
         capacity = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
         if capacity is None:
-            probe = describe_request(1 << 40)
-            curve = [c.total_upper_bytes for c in client.recommend(probe).curve]
             k = num_layers // 2
-            if curve and min(curve[:k]) > curve[k]:
-                usable = curve[k] + (min(curve[:k]) - curve[k]) // 2
-                capacity = int(usable / (1 - probe.headroom_fraction))  # the service keeps the headroom free
-                print(f"capacity read off the served curve: {capacity / 2**20:.2f} MiB (forces k={k})")
-            else:
-                capacity = 80 << 30
+
+            def answer(mib: int):
+                return client.recommend(describe_request(mib << 20))
+
+            lo, hi = 1, 1 << 20  # MiB: nothing fits at lo, everything at hi (1 TiB)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                rec = answer(mid)
+                if rec.fits and rec.k <= k:
+                    hi = mid
+                else:
+                    lo = mid
+            capacity = hi << 20
+            print(f"capacity found with the service: {hi} MiB (forces k={answer(hi).k}, asked for k <= {k})")
         rec = client.recommend(describe_request(capacity))
         print(
             f"service answer: k={rec.k} of {rec.num_layers}, model_version={rec.model_version}, "

@@ -3,9 +3,9 @@
 Question: which decoder layers must I checkpoint so this training fits the GPU memory I have?
 
     python examples/hf_trainer.py --k 2                     # no service: checkpoint the first 2 layers
-    python examples/hf_trainer.py --url http://127.0.0.1:8000   # ask the service; the capacity is read
-                                                                # off its curve so about half the layers
-                                                                # must be checkpointed
+    python examples/hf_trainer.py --url http://127.0.0.1:8000   # ask the service; the capacity is the
+                                                                # smallest at which it answers about half
+                                                                # the layers checkpointed
 
 The Trainer enables activation checkpointing on every layer inside train(); the callback re-applies
 the plan at on_train_begin and verifies after the first step that exactly those layers recomputed.
