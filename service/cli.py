@@ -799,7 +799,12 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         t = rec.training or {}
         dp = int(t.get("data_parallel_size") or 1)
         n = rec.parameters_per_rank
-        if t.get("sharding") in ("zero3", "fsdp_full_shard", "fsdp_shard_grad_op") and dp > 1:
+        if t.get("offload_parameters") == "cpu":  # the shards live in host memory: only units in flight are here
+            head.add_row(
+                "parameters per GPU",
+                f"none stored between uses (offloaded to the host), {n / 1e9:.3f} B in all, gathered a unit at a time",
+            )
+        elif t.get("sharding") in ("zero3", "fsdp_full_shard", "fsdp_shard_grad_op") and dp > 1:
             # two new users read the gathered count as the whole model on every GPU: both figures, each named
             head.add_row(
                 "parameters per GPU",

@@ -686,6 +686,18 @@ def test_parameters_per_gpu_says_what_zero3_stores(run, monkeypatch):
     )
     assert code == EXIT_FITS, err
     assert "1.004 B stored between uses (zero3: 1/8 each), 8.030 B gathered while in use" in out
+    # with parameter offload the shards are in host memory (a new user read "1.004 B stored" against a breakdown of
+    # parameters_bytes 0)
+    offload = ("--offload-optimizer", "cpu", "--offload-parameters", "cpu", "--json")
+    code, out, err = run(
+        "recommend", "--model", "llama-3-8b", "--gpu", "H100-80GB", "--gpus", "8", "--zero", "3", *BASE, *offload
+    )
+    assert json.loads(out)["breakdown"]["parameters_bytes"] == 0, err
+    code, out, err = run(
+        "recommend", "--model", "llama-3-8b", "--gpu", "H100-80GB", "--gpus", "8", "--zero", "3", *BASE, *offload[:-1]
+    )
+    assert "none stored between uses (offloaded to the host), 8.030 B in all, gathered a unit at a time" in out
+    assert "stored between uses (zero3" not in out
 
 
 def test_explain_says_where_the_gradients_are_while_they_build_up(run, monkeypatch):
