@@ -298,3 +298,21 @@ def test_service_rejection_reaches_the_user(service):
     for strict in (False, True):  # a rejection is the service's answer: raised, not a fallback plan
         with pytest.raises(ValueError, match="HTTP 422.*unknown model"):
             memfit.Client(service["url"], timeout_s=30, strict=strict).recommend(bad)
+
+
+def test_an_example_asks_the_service_for_about_half_the_layers(service):
+    # the README's `--url` examples read a capacity off the served curve's allocated totals; the fit is decided on
+    # reserved memory with the largest request kept free, so every one got k=None and checkpointed every layer
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "deepspeed_style.py"), "--url", service["url"]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    answer = next(x for x in out.stdout.splitlines() if x.startswith("service answer: k="))
+    k = int(answer.split("k=")[1].split(" ")[0])
+    assert 0 < k <= 3 and answer.endswith("MiB") and " of 6," in answer, out.stdout
+    assert f"applied plan: k={k}" in out.stdout and "verified=True" in out.stdout, out.stdout
