@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from memfit.api import (
+    NO_BF16_GPUS,
     Alternative,
     Prediction,
     PredictItem,
@@ -27,12 +28,14 @@ from memfit.api import (
     RecommendRequest,
     StageOut,
     TrainingIn,
+    gpu_catalog_name,
 )
 from memfit.errors import InvalidConfiguration
 from memfit.schema import (
     GIB,
     FineTune,
     ModelSpec,
+    Precision,
     Quantization,
     TrainingConfig,
 )
@@ -472,6 +475,21 @@ class Recommender:
             hi = self.range.get(f"max_{name}")
             if hi is not None and value > hi:
                 out.append(f"extrapolating: {name}={value} is beyond the telemetry's largest ({int(hi)})")
+        board = gpu_catalog_name(req.cluster.gpu) if req.cluster.gpu else None
+        if board in NO_BF16_GPUS and training.precision in (
+            Precision.AMP_BF16,
+            Precision.BF16,
+            Precision.BF16_FP32_MASTER,
+        ):
+            instead = (
+                "precision=amp_fp16 needs the same memory with fp16 autocast"
+                if training.precision is Precision.AMP_BF16
+                else f"the answer is for {training.precision.value} as asked"
+            )
+            out.append(
+                f"{board} (compute capability {NO_BF16_GPUS[board]}) has no bfloat16 tensor cores: PyTorch runs bf16 "
+                f"emulated, far slower; {instead}"
+            )
         used = training.data_parallel_size * training.model_parallel_size
         asked = req.training.data_parallel_size
         if asked is not None and asked != training.data_parallel_size:  # default_data_parallel_size's reading

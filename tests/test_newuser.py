@@ -455,3 +455,24 @@ def test_adamw_is_pytorchs_default_adamw_the_foreach_one(small_registry, capsys)
     assert "adamw is PyTorch's default torch.optim.AdamW, which runs adamw_foreach on CUDA" in " ".join(
         capsys.readouterr().out.split()
     )
+
+
+def test_bf16_on_a_board_without_bf16_tensor_cores_is_said():
+    # a new user got an amp_bf16 answer (the default) for a T4 and a V100 without a word: neither has bf16 tensor cores
+    from memfit.api import RecommendRequest
+    from model.registry import Registry
+    from service.recommender import Recommender
+
+    loaded = Registry().load()
+    recommender = Recommender(loaded.estimator, loaded.version)
+
+    def warned(gpu, **training):
+        body = {"model": "llama-3.2-1b", "training": {"micro_batch_size": 1, "seq_len": 1024, **training}}
+        rec = recommender.recommend(RecommendRequest.model_validate({**body, "cluster": {"gpu": gpu}}))
+        return [w for w in rec.warnings if "bfloat16" in w]
+
+    (t4,) = warned("T4")
+    assert t4.startswith("T4 (compute capability 7.5) has no bfloat16 tensor cores") and "amp_fp16" in t4
+    (v100,) = warned("V100-32GB", precision="bf16_fp32_master")
+    assert "7.0" in v100 and "the answer is for bf16_fp32_master as asked" in v100
+    assert warned("T4", precision="amp_fp16") == [] and warned("A100-80GB") == []
