@@ -39,7 +39,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from memfit.errors import InvalidConfiguration, Unavailable, pydantic_error_field
+from memfit.errors import InvalidConfiguration, Unavailable, close_names, pydantic_error_field
 
 log = logging.getLogger("memfit.service")
 PROBLEM = "application/problem+json"
@@ -141,6 +141,22 @@ def _unwrap(annotation: Any) -> Any:
         return annotation
 
 
+def model_at(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model of the object at ``loc`` inside ``model`` (list indices skipped), None where it is not
+    one model (a union of several, a plain value)."""
+    for key in loc:
+        if isinstance(key, int) or model is None:
+            continue
+        info = model.model_fields.get(str(key))
+        if info is None:
+            return None
+        inner = _unwrap(info.annotation)
+        if typing.get_origin(inner) is list:
+            inner = _unwrap(typing.get_args(inner)[0])
+        model = inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
+    return model
+
+
 def allowed_range(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | None:
     """The allowed values of the field at ``loc`` inside ``model`` in words, e.g. ``an integer in [1, 16384]``."""
     info = None
@@ -205,7 +221,22 @@ def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] 
         field, msg, allowed = pydantic_error_field(e, path)
         if e.get("type") == "finite_number":
             msg = "must be a finite number (NaN and Infinity are not numbers)"
+        if e.get("type") == "extra_forbidden" and path:  # a misspelt field: name the close ones and every known one
+            known = list(getattr(model_at(body_model, path[:-1]), "model_fields", {}))
+            if known:
+                close = close_names(str(path[-1]), known, n=2)
+                msg = f"unknown field{'; did you mean ' + ' or '.join(map(repr, close)) + '?' if close else ''}"
+                allowed = f"one of {known}"
         allowed = allowed or allowed_range(body_model, path)
+        if e.get("type") == "missing" and path:  # what the section or value is: its fields, else its description
+            msg = "required"
+            section = model_at(body_model, path)
+            parent = model_at(body_model, path[:-1])
+            info = parent.model_fields.get(str(path[-1])) if parent is not None else None
+            if allowed is None and info is not None and info.description:
+                allowed = info.description
+            elif allowed is None and section is not None:
+                allowed = f"an object with fields {list(section.model_fields)}"
         item = {"field": field, "message": msg}
         if allowed:
             item["allowed"] = allowed

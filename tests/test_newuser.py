@@ -476,3 +476,30 @@ def test_bf16_on_a_board_without_bf16_tensor_cores_is_said():
     (v100,) = warned("V100-32GB", precision="bf16_fp32_master")
     assert "7.0" in v100 and "the answer is for bf16_fp32_master as asked" in v100
     assert warned("T4", precision="amp_fp16") == [] and warned("A100-80GB") == []
+
+
+def test_a_misspelt_or_missing_field_is_named_with_what_is_allowed():
+    # a new user's "shardng" got pydantic's "Extra inputs are not permitted" and a missing section "Field required",
+    # neither with the allowed key the README promises for every 422
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from memfit.api import RecommendRequest
+    from service.errors import _validation_errors
+
+    def errors(body):
+        with pytest.raises(ValidationError) as err:
+            RecommendRequest.model_validate(body)
+        exc = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.value.errors()])
+        return {e["field"]: e for e in _validation_errors(exc, RecommendRequest)}
+
+    body = {"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 128, "shardng": "zero3"}}
+    found = errors({**body, "cluster": {"gpu": "L4"}, "headroom": 0.1})
+    assert found["training.shardng"]["message"] == "unknown field; did you mean 'sharding'?"
+    assert "'sharding'" in found["training.shardng"]["allowed"] and "'seq_len'" in found["training.shardng"]["allowed"]
+    assert found["headroom"]["message"] == "unknown field; did you mean 'headroom_fraction'?"
+    missing = errors({"model": "gpt2"})
+    assert missing["training"]["message"] == "required" and "'micro_batch_size'" in missing["training"]["allowed"]
+    assert missing["cluster"]["message"] == "required" and "'gpu'" in missing["cluster"]["allowed"]
+    no_model = errors({"training": {"micro_batch_size": 1, "seq_len": 128}, "cluster": {"gpu": "L4"}})
+    assert no_model["model"]["allowed"].startswith("catalog name")
