@@ -215,6 +215,17 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         )
 
 
+def _memfit_version() -> str:
+    """The installed memfit distribution's version (``pyproject.toml``), or ``unknown`` when run from a tree that
+    was never installed."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("memfit")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``memfit`` argument parser (subcommands ``recommend``, ``models``, ``gpus``)."""
     fmt = _Formatter
@@ -224,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("Exit codes:")[1].join(["exit codes (memfit recommend):", ""]),
         formatter_class=fmt,
     )
+    p.add_argument("--version", action="version", version=f"memfit {_memfit_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{recommend,models,gpus}")
     r = sub.add_parser(
         "recommend",

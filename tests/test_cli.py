@@ -469,6 +469,15 @@ def test_argparse_errors_are_short_and_point_to_help(capsys):
     )
 
 
+def test_version_is_the_installed_distributions(capsys):
+    # a new user's `memfit --version` answered "the following arguments are required: {recommend,models,gpus}"
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"memfit {importlib.metadata.version('memfit')}\n"
+
+
 def test_help_has_text_choices_defaults_and_exit_codes(capsys):
     with pytest.raises(SystemExit) as info:
         main(["recommend", "--help"])
