@@ -205,9 +205,35 @@ def allowed_range(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | 
     )
 
 
+def _union_branch_errors_merged(errors: list[dict[str, Any]], body_model: type[BaseModel] | None) -> list[dict]:
+    """Pydantic reports a value that matches no member of a union once per member, under a tag that is no field
+    (``model.str``, ``model.ArchitectureIn``, ``model.dict[str,any]``): those type errors become one at the field."""
+
+    def union_tag(path: tuple[Any, ...]) -> bool:  # path[-1] names a union member of the field path[-2]
+        if len(path) < 2 or isinstance(path[-1], int):
+            return False
+        holder = model_at(body_model, path[:-2])
+        if holder is None or str(path[-2]) not in holder.model_fields:
+            return False
+        member = model_at(body_model, path[:-1])
+        return member is None or str(path[-1]) not in member.model_fields
+
+    out, seen = [], set()
+    for e in errors:
+        loc = tuple(e["loc"])
+        path = loc[1:] if loc and loc[0] == "body" else loc
+        if not (str(e.get("type", "")).endswith("_type") and union_tag(path)):
+            out.append(e)
+        elif loc[:-1] not in seen:
+            seen.add(loc[:-1])
+            got = "null" if e.get("input") is None else type(e.get("input")).__name__
+            out.append({**e, "loc": loc[:-1], "type": "union_type", "msg": f"wrong type (got {got})"})
+    return out
+
+
 def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] | None) -> list[dict[str, Any]]:
     out = []
-    for e in exc.errors():
+    for e in _union_branch_errors_merged(list(exc.errors()), body_model):
         loc = tuple(e["loc"])
         if e.get("type") == "json_invalid":  # loc holds the character position, not a field
             out.append(
@@ -228,6 +254,13 @@ def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] 
                 msg = f"unknown field{'; did you mean ' + ' or '.join(map(repr, close)) + '?' if close else ''}"
                 allowed = f"one of {known}"
         allowed = allowed or allowed_range(body_model, path)
+        if e.get("type") == "union_type" and allowed is None:  # the field's description says what it may be
+            parent = model_at(body_model, path[:-1])
+            info = parent.model_fields.get(str(path[-1])) if parent is not None else None
+            allowed = info.description if info is not None else None
+        if e.get("type") == "model_type" and allowed is None and model_at(body_model, path) is not None:
+            msg = f"must be an object (got {'null' if e.get('input') is None else type(e.get('input')).__name__})"
+            allowed = f"an object with fields {list(model_at(body_model, path).model_fields)}"
         if e.get("type") == "missing" and path:  # what the section or value is: its fields, else its description
             msg = "required"
             section = model_at(body_model, path)

@@ -503,3 +503,12 @@ def test_a_misspelt_or_missing_field_is_named_with_what_is_allowed():
     assert missing["cluster"]["message"] == "required" and "'gpu'" in missing["cluster"]["allowed"]
     no_model = errors({"training": {"micro_batch_size": 1, "seq_len": 128}, "cluster": {"gpu": "L4"}})
     assert no_model["model"]["allowed"].startswith("catalog name")
+    # a value of no member of a union: one error at the field, not one per member ("model.str: ...; model.dict...")
+    null_model = errors({"model": None, "training": body["training"] | {"shardng": "none"}, "cluster": {"gpu": "L4"}})
+    assert null_model["model"]["message"] == "wrong type (got null)" and not any(
+        f.startswith("model.") for f in null_model
+    )
+    assert null_model["model"]["allowed"].startswith("catalog name")
+    null_cluster = errors({"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 128}, "cluster": None})
+    assert null_cluster["cluster"]["message"] == "must be an object (got null)"
+    assert "'gpu'" in null_cluster["cluster"]["allowed"]
