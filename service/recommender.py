@@ -382,7 +382,7 @@ class Recommender:
         spec, training = job.spec, job.training
         p = self._plan(job, req)
         at = p.at
-        warnings = [*job.warnings, *p.curve.notes, *self._warnings(spec, training, req, p), *p.reserved.notes]
+        warnings = [*job.warnings, *p.curve.notes, *self._warnings(job, training, req, p), *p.reserved.notes]
         alternatives = self._alternatives(job, req, p) if needs_alternatives(p) else []
         expandable = self._expandable_alternative(job, req, p, settings)
         if expandable is not None:  # changes no numerics: offered first
@@ -463,18 +463,25 @@ class Recommender:
         )
         return _alternative(cand, p, job, req)
 
-    def _warnings(self, spec: ModelSpec, training: TrainingConfig, req: RecommendRequest, p: Plan) -> list[str]:
+    def _warnings(self, job: Job, training: TrainingConfig, req: RecommendRequest, p: Plan) -> list[str]:
         out = []
         if req.training.precision is None and training.finetune is FineTune.LORA:
             out.append(default_precision_note(training))
         for name, value in (
-            ("total_params", spec.total_params),
+            ("total_params", job.spec.total_params),
             ("seq_len", training.seq_len),
             ("micro_batch_size", training.micro_batch_size),
         ):
             hi = self.range.get(f"max_{name}")
             if hi is not None and value > hi:
                 out.append(f"extrapolating: {name}={value} is beyond the telemetry's largest ({int(hi)})")
+        trained = (job.hf_config or {}).get("max_position_embeddings")
+        if isinstance(trained, int) and training.seq_len > trained and not (job.hf_config or {}).get("rope_scaling"):
+            out.append(  # learned position tables are refused beyond their size (memfit.hf.max_seq_len); RoPE runs
+                f"seq_len={training.seq_len} is beyond the {trained} positions the model was trained on "
+                "(max_position_embeddings, no rope_scaling): it runs, with quality not guaranteed; the memory answer "
+                "holds"
+            )
         board = gpu_catalog_name(req.cluster.gpu) if req.cluster.gpu else None
         if board in NO_BF16_GPUS and training.precision in (
             Precision.AMP_BF16,

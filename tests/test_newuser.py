@@ -512,3 +512,26 @@ def test_a_misspelt_or_missing_field_is_named_with_what_is_allowed():
     null_cluster = errors({"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 128}, "cluster": None})
     assert null_cluster["cluster"]["message"] == "must be an object (got null)"
     assert "'gpu'" in null_cluster["cluster"]["allowed"]
+
+
+def test_a_sequence_beyond_the_trained_rope_positions_is_said():
+    # a new user asked phi-3-mini-4k (4,096 positions, no rope_scaling) at 65,536 tokens and got no word of it
+    from memfit.api import RecommendRequest
+    from model.registry import Registry
+    from service.recommender import Recommender
+
+    loaded = Registry().load()
+    recommender = Recommender(loaded.estimator, loaded.version)
+
+    def warned(seq_len):
+        body = {
+            "model": "phi-3-mini-4k",
+            "training": {"micro_batch_size": 1, "seq_len": seq_len},
+            "cluster": {"gpu": "H200"},
+        }
+        rec = recommender.recommend(RecommendRequest.model_validate(body))
+        return [w for w in rec.warnings if "positions the model was trained on" in w]
+
+    (beyond,) = warned(65536)
+    assert beyond.startswith("seq_len=65536 is beyond the 4096 positions")
+    assert warned(4096) == []
