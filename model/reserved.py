@@ -148,6 +148,7 @@ class ReservedFit:
             visits a few k; the allowance covers every k).
         steps: the simulated steps, per k visited.
         notes: what the answer should say about the decision.
+        allowance_room_bytes: ``allowance``: the room kept free under ``cap_bytes`` (:func:`allocator_room_bytes`).
     """
 
     method: str
@@ -157,6 +158,7 @@ class ReservedFit:
     reserved_bytes: list[int | None]
     steps: dict[int, SimulatedStep] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    allowance_room_bytes: int | None = None
 
     def runs_at(self, k: int) -> bool:
         """Whether the step at k runs by this decision's test, the test that picked :attr:`k`: the smallest
@@ -166,9 +168,6 @@ class ReservedFit:
             reserved = self.reserved_bytes[k]
             return reserved is not None and reserved + (self.allowance_room_bytes or 0) <= self.cap_bytes
         return self.k is not None and k >= self.k
-
-    #: ``allowance``: the room kept free under :attr:`cap_bytes` (:func:`allocator_room_bytes`)
-    allowance_room_bytes: int | None = None
 
     @property
     def room_bytes(self) -> int | None:

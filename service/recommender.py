@@ -510,18 +510,21 @@ class Recommender:
             out.append(
                 f"data*tensor*pipeline*context parallel size = {used} uses {used} of the {req.cluster.gpu_count} GPUs"
             )
-        if p.fits and p.k is not None and p.total_upper_bytes[p.k] > 0.97 * p.usable_bytes:
+        # the allowance's test keeps the largest request free beside the total (model.reserved.allowance_fit)
+        room = (p.reserved.room_bytes or 0) if p.reserved.method == "allowance" else 0
+        if p.fits and p.k is not None and p.total_upper_bytes[p.k] + room > 0.97 * p.usable_bytes:
             # the smallest k that fits is often close to the line (a new user read the bare warning as noise):
             # say how close, and what one more checkpointed layer buys
-            left = p.usable_bytes - p.total_upper_bytes[p.k]
+            left = p.usable_bytes - p.total_upper_bytes[p.k] - room
+            kept = f" and the largest request kept free ({room / GIB:.2f} GiB)" if room else ""
             msg = (
-                f"headroom thin: at k={p.k} the bound plus overhead leaves {left / GIB:.2f} GiB "
+                f"headroom thin: at k={p.k} the bound plus overhead{kept} leaves {left / GIB:.2f} GiB "
                 f"({100 * left / p.usable_bytes:.1f} % of usable memory, which already keeps the headroom)"
             )
             totals = p.total_upper_bytes
             nxt = next((k for k in range(p.k + 1, len(totals)) if totals[k] < totals[p.k]), None)
             if nxt is not None:
-                msg += f"; k={nxt} leaves {(p.usable_bytes - totals[nxt]) / GIB:.2f} GiB"
+                msg += f"; k={nxt} leaves {(p.usable_bytes - totals[nxt] - room) / GIB:.2f} GiB"
             out.append(msg)
         out.append("torch.compile can erase or invert checkpointing savings; the prediction assumes eager mode")
         if not p.fits:

@@ -269,7 +269,8 @@ def test_mistral_7b_micro_batch_one_with_accumulation_on_an_a100():
             )
         )
     assert plans[1].fits and plans[4].fits
-    assert plans[1].k <= 4 and plans[4].k >= 15
+    # one micro-batch fits unchecked; accumulating four keeps the 13.5 GiB of bf16 gradients live: 14 layers
+    assert plans[1].k == 0 and plans[4].k == 14
     at0 = [p.curve[0].predicted_bytes for p in plans.values()]
     assert at0[1] - at0[0] == pytest.approx(14_483_464_192, rel=0.01)  # the bf16 gradients of 7.24 B parameters
 
