@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from memfit.schema import ClusterSpec, Measurement, ModelSpec, TelemetryRecord, TrainingConfig
@@ -130,3 +133,16 @@ def running_service(registry_dir, db_url: str | None, *, wait_for: str = "/v2/he
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def run_example(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python examples/<script> <args>`` from the repository root, output captured (5 minutes at most)."""
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        [sys.executable, str(root / "examples" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        check=False,
+    )

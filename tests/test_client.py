@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -23,9 +20,8 @@ from memfit.describe import describe, detect_architecture
 from memfit.hf import build_causal_lm, quiet_transformers
 from memfit.reporter import flush_spool, report_peak
 from memfit.schema import TelemetryRecord
-from tests.helpers import TINY_LLAMA
+from tests.helpers import TINY_LLAMA, run_example
 
-ROOT = Path(__file__).resolve().parent.parent
 REQ = {"model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192}, "cluster": {"gpu": "H100-80GB"}}
 HF_REQ = {**REQ, "model": {**TINY_LLAMA, "num_hidden_layers": 6}}
 
@@ -428,14 +424,7 @@ def test_reporter_callback_with_the_trainer(tmp_path):
 # -- examples -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("script, k", [("hf_trainer.py", 2), ("fsdp2.py", 2), ("deepspeed_style.py", 3)])
 def test_examples_run_on_cpu(script, k):
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), "--k", str(k)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=False,
-    )
+    out = run_example(script, "--k", str(k))
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"applied plan: k={k}" in out.stdout and "verified=True" in out.stdout, out.stdout
     assert "warn" not in (out.stdout + out.stderr).lower(), out.stderr[-3000:]  # e.g. FSDP2's view-output warning

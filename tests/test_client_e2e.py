@@ -25,7 +25,7 @@ import torch
 import memfit
 from memfit.hf import decoder_layers, quiet_transformers
 from memfit.reporter import report_peak
-from tests.helpers import HTTP_TIMEOUT_S, free_port, running_service
+from tests.helpers import HTTP_TIMEOUT_S, free_port, run_example, running_service
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "data" / "telemetry" / "telemetry.parquet"
@@ -303,14 +303,7 @@ def test_service_rejection_reaches_the_user(service):
 def test_an_example_asks_the_service_for_about_half_the_layers(service):
     # the README's `--url` examples read a capacity off the served curve's allocated totals; the fit is decided on
     # reserved memory with the largest request kept free, so every one got k=None and checkpointed every layer
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "deepspeed_style.py"), "--url", service["url"]],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=False,
-    )
+    out = run_example("deepspeed_style.py", "--url", service["url"])
     assert out.returncode == 0, out.stderr[-3000:]
     answer = next(x for x in out.stdout.splitlines() if x.startswith("service answer: k="))
     k = int(answer.split("k=")[1].split(" ")[0])
