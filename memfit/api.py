@@ -543,7 +543,7 @@ class Recommendation(BaseModel):
         "allowance",
         description="simulated (the step replayed through a model of PyTorch's caching allocator) or allowance "
         "(allocated bound x the measured reserved / allocated ratio, with allocator_room_bytes kept free; the "
-        "warnings say why)",
+        "warnings say why); fallback in the client's answer when the service gave none",
     )
     allocator_cap_bytes: int | None = Field(
         None, description="what the caching allocator may reserve: usable bytes less memory outside PyTorch"

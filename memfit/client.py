@@ -88,7 +88,7 @@ class FallbackRecommendation(Recommendation):
     The plan is **checkpoint every layer**: the most memory-saving layout activation checkpointing
     offers, at about 1/3 of a forward pass of extra compute per step. Nothing was predicted:
     ``fits`` is True only in the sense that this is the plan to run; all byte figures are 0, and ``path`` is
-    ``"fallback"`` (no curve answered: neither traced nor provisional).
+    ``"fallback"`` (no curve answered: neither traced nor provisional), and so is ``fit_method`` (no fit decided).
     ``layers`` lists every layer when the layer count is known (HF config dict, explicit architecture
     or a catalog name); otherwise (an unknown name) it is empty and ``num_layers`` is 0. Every
     consumer reads a fallback as "every layer" (:class:`memfit.CheckpointPlan`): :func:`memfit.apply`,
@@ -127,6 +127,7 @@ def fallback_recommendation(request: RecommendRequest | None, reason: str) -> Fa
         num_layers=L,
         predicted_peak_bytes=0,
         path="fallback",
+        fit_method="fallback",
         upper_bound_bytes=0,
         total_upper_bytes=0,
         capacity_bytes=capacity,

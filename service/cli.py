@@ -955,7 +955,7 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         for col in ("#", "change", "fits", "k", "GiB", *(("host GiB",) if host else ())):
             alt.add_column(col, justify="left" if col == "change" else "right", ratio=1 if col == "change" else None)
         # an alternative judged on the measured allowance beside a simulated decision can say "fits" where the
-        # simulation would not (the allowance keeps no room for the default allocator's largest request)
+        # simulation would not (the allowance estimates the reserved peak; it does not replay the step)
         unreplayed = rec.fit_method == "simulated" and any(a.fit_method != "simulated" for a in rec.alternatives)
         for i, a in enumerate(rec.alternatives, 1):
             marks = [a.path] if a.path != "traced" else []
@@ -976,8 +976,9 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
             legend.append("provisional: the changed configuration is not traced yet; the learned model answers")
         if unreplayed:
             legend.append(
-                "allocator not simulated: judged on the allocated bound x the measured allowance, which keeps no room "
-                "for the largest request: a 'yes' there is less certain than the answer's own"
+                "allocator not simulated: judged on the reserved peak estimated from the allocated bound (the "
+                "measured reserved / allocated ratio, the largest request kept free), not on a replay of the step: a "
+                "'yes' there is less certain than the answer's own"
             )
         for line in legend:
             hanging(con, Text("  "), Text(line, style="dim"))

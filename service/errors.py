@@ -258,7 +258,10 @@ def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] 
             parent = model_at(body_model, path[:-1])
             info = parent.model_fields.get(str(path[-1])) if parent is not None else None
             allowed = info.description if info is not None else None
-        if e.get("type") == "model_type" and allowed is None and model_at(body_model, path) is not None:
+        # a section that is no object: model_type from pydantic, model_attributes_type as FastAPI validates bodies
+        # (from_attributes=True)
+        section_type = e.get("type") in ("model_type", "model_attributes_type")
+        if section_type and allowed is None and model_at(body_model, path) is not None:
             msg = f"must be an object (got {'null' if e.get('input') is None else type(e.get('input')).__name__})"
             allowed = f"an object with fields {list(model_at(body_model, path).model_fields)}"
         if e.get("type") == "missing" and path:  # what the section or value is: its fields, else its description

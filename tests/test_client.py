@@ -97,6 +97,7 @@ def test_unreachable_gives_the_fallback_with_one_warning(caplog):
         and rec.model_version == "fallback"
         and is_fallback(rec)
         and rec.path == "fallback"
+        and rec.fit_method == "fallback"
     )
     assert rec.k == 6 and rec.layers == list(range(6)) and rec.num_layers == 6  # layer count from the HF config
     assert "checkpoint every layer" in rec.warnings[0] and "unreachable" in rec.warnings[0]

@@ -354,3 +354,24 @@ def test_the_warm_up_starts_the_tracing_process(tmp_path, small_registry, monkey
                 break
             time.sleep(0.1)
     assert len(started) == 1
+
+
+def test_a_section_that_is_no_object_gets_its_fields_as_allowed(client):
+    # a new user's "cluster": null answered pydantic's "Input should be a valid dictionary or object to extract
+    # fields from" with no allowed key (FastAPI validates bodies with from_attributes: model_attributes_type)
+    base = {"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 128}, "cluster": {"gpu": "L4"}}
+    for section, value, got in (("cluster", None, "null"), ("training", [], "list"), ("cluster", "A100", "str")):
+        r = client.post("/recommend", json={**base, section: value})
+        assert r.status_code == 422, r.text
+        (error,) = r.json()["errors"]
+        assert error["field"] == section and error["message"] == f"must be an object (got {got})"
+        assert error["allowed"].startswith("an object with fields [")
+        assert ("'gpu'" if section == "cluster" else "'seq_len'") in error["allowed"]
+    r = client.post("/recommend", json={**base, "model": None})
+    assert r.json()["errors"] == [
+        {
+            "field": "model",
+            "message": "wrong type (got null)",
+            "allowed": "catalog name (e.g. 'llama-3-8b'), a HF config.json dict, or explicit architecture fields",
+        }
+    ]
