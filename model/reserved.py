@@ -265,8 +265,10 @@ def allowance_fit(
     :func:`allocator_room_bytes` of ``largest_request_bytes`` (:func:`model.analytic.largest_request_bytes`) left
     free, as :func:`simulated_fit` keeps it. ``why`` says why no stream was simulated."""
     room = allocator_room_bytes(largest_request_bytes, settings)
-    reserved: list[int | None] = [min(states_bytes, u) + int(max(0, u - states_bytes) * ratio) for u in upper_bytes]
-    k = next((j for j, r in enumerate(reserved) if r + room <= cap_bytes), None)
+    s = states_bytes
+    reserved: list[int | None] = [u if u <= s else s + int((u - s) * ratio) for u in upper_bytes]
+    limit = cap_bytes - room
+    k = next((j for j, r in enumerate(reserved) if r <= limit), None)
     states = "the model states plus the rest of " if states_bytes else ""
     note = (
         f"allocator not simulated ({why}): reserved memory taken as {states}the allocated bound x {ratio:.3f} "
