@@ -50,24 +50,20 @@ def plan_source(args, describe_request, num_layers: int):
         import memfit
 
         client = memfit.Client(args.url, token=args.token, strict=True)
-        capacity = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
-        if capacity is None:
-            k = num_layers // 2
-
-            def answer(mib: int):
-                return client.recommend(describe_request(mib << 20))
-
+        if args.gpu_memory_gib:
+            rec = client.recommend(describe_request(int(args.gpu_memory_gib * 2**30)))
+        else:
+            k, rec = num_layers // 2, None
             lo, hi = 1, 1 << 20  # MiB: nothing fits at lo, everything at hi (1 TiB)
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                rec = answer(mid)
-                if rec.fits and rec.k <= k:
-                    hi = mid
+                answer = client.recommend(describe_request(mid << 20))
+                if answer.fits and answer.k <= k:
+                    hi, rec = mid, answer
                 else:
                     lo = mid
-            capacity = hi << 20
-            print(f"capacity found with the service: {hi} MiB (forces k={answer(hi).k}, asked for k <= {k})")
-        rec = client.recommend(describe_request(capacity))
+            rec = rec or client.recommend(describe_request(hi << 20))
+            print(f"capacity found with the service: {hi} MiB (forces k={rec.k}, asked for k <= {k})")
         print(
             f"service answer: k={rec.k} of {rec.num_layers}, model_version={rec.model_version}, "
             f"predicted peak {rec.predicted_peak_bytes / 2**20:.1f} MiB"

@@ -33,6 +33,7 @@ from memfit.schema import (
     Sharding,
     TrainingConfig,
 )
+from model.cuda_semantics import flash_backward_scratch
 
 _WEIGHT_BYTES = {
     Precision.FP32: 4,
@@ -397,8 +398,8 @@ def largest_request_bytes(model: ModelSpec, training: TrainingConfig) -> int:
     embedding's (or untied head's) gradient under full fine-tuning, ``v·h / t`` elements in the states' dtype
     (:func:`state_dtype_bytes`: bf16 in pure bf16, fp32 otherwise, the fp32 copy of ``bf16_fp32_master``'s step);
     under autocast the half-precision copy of the head weight it casts each step, ``2·v·h / t``; and one layer's
-    attention scratch: with eager attention the fp32 softmax of its scores, ``4·b·(a/t)·(s/c)·s``, else
-    FlashAttention-2's fp32 dq accumulator, ``4·b·(a/t)·s·d`` with s rounded up to 128 and d to 32 (the largest only
+    attention scratch: with eager attention the fp32 softmax of its scores, ``4·b·(a/t)·(s/c)·s``, else the largest of
+    FlashAttention-2's backward scratch tensors (:func:`model.cuda_semantics.flash_backward_scratch`; the largest only
     for toy models). Matches the largest request of recorded streams (``tracer.stream_source``) of Qwen3-0.6B,
     Llama-3.2-1B (amp, bf16, bf16_fp32_master), GPT-2, Qwen2.5-0.5B LoRA and SmolLM2-135M fp32 exactly
     (``tests/test_largest_request.py`` checks it on a tiny Llama); under sharding it counts the gradient whole, as
@@ -414,9 +415,10 @@ def largest_request_bytes(model: ModelSpec, training: TrainingConfig) -> int:
     heads = max(1, model.num_attention_heads // t)
     if training.attention is Attention.EAGER:  # HF's eager attention: the fp32 softmax of one layer's scores
         attention = 4 * b * heads * s * training.seq_len
-    else:  # FlashAttention-2's fp32 dq accumulator (tracer.allocation.flash_backward_scratch)
+    else:  # FlashAttention-2's backward scratch, the largest of its tensors
         d = model.head_dim or model.hidden_size // model.num_attention_heads
-        attention = 4 * b * -(-s // 128) * 128 * heads * -(-d // 32) * 32
+        kv_heads = max(1, model.num_key_value_heads // t)
+        attention = max(flash_backward_scratch((b, heads, s, d), (b, kv_heads, s, d), 2))
     return max(logits, gradient, cast, attention)
 
 

@@ -508,3 +508,27 @@ def step_workspaces(gen: GpuGeneration) -> dict[str, int]:
 def step_workspace_bytes(gen: GpuGeneration) -> int:
     """Bytes of cuBLAS workspace a training step holds (:func:`step_workspaces`, summed)."""
     return sum(step_workspaces(gen).values())
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def flash_backward_scratch(query_shape, key_shape, itemsize: int) -> list[int]:
+    """Bytes of the scratch tensors FlashAttention-2's backward allocates besides its outputs (``mha_bwd``).
+
+    Args:
+        query_shape / key_shape: ``(B, H_q, S_q, D)`` and ``(B, H_k, S_k, D)`` as SDPA takes them.
+        itemsize: bytes per element of q, k, v.
+
+    Returns:
+        ``[softmax_d, dq_accum]`` plus ``[dk_expanded, dv_expanded]`` when ``H_k != H_q``.
+    """
+    b, h, s_q, d = (int(x) for x in query_shape)
+    h_k, s_k = int(key_shape[1]), int(key_shape[2])
+    s_round = _round_up(s_q, 128)
+    d_round = _round_up(d, 32 if d <= 128 else 64)
+    out = [b * h * s_round * 4, b * s_round * h * d_round * 4]
+    if h_k != h:
+        out += [b * s_k * h * d * itemsize] * 2
+    return out

@@ -922,13 +922,11 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         parts.add_section()
         simulated = rec.fit_method == "simulated"
         room = rec.allocator_room_bytes or 0
-        test = (
-            "must also be"
-            if simulated
-            else f"fits when it + the largest request, {gib(room)},"
-            if room
-            else "fits when"
-        )
+        test = "fits when"
+        if simulated:
+            test = "must also be"
+        elif room:
+            test = f"fits when it + the largest request, {gib(room)},"
         parts.add_row(
             f"= upper bound + overhead ({test} <= usable {gib(rec.usable_bytes)})",
             gib(rec.total_upper_bytes),

@@ -254,25 +254,22 @@ def _validation_errors(exc: RequestValidationError, body_model: type[BaseModel] 
                 msg = f"unknown field{'; did you mean ' + ' or '.join(map(repr, close)) + '?' if close else ''}"
                 allowed = f"one of {known}"
         allowed = allowed or allowed_range(body_model, path)
-        if e.get("type") == "union_type" and allowed is None:  # the field's description says what it may be
-            parent = model_at(body_model, path[:-1])
-            info = parent.model_fields.get(str(path[-1])) if parent is not None else None
-            allowed = info.description if info is not None else None
-        # a section that is no object: model_type from pydantic, model_attributes_type as FastAPI validates bodies
-        # (from_attributes=True)
-        section_type = e.get("type") in ("model_type", "model_attributes_type")
-        if section_type and allowed is None and model_at(body_model, path) is not None:
+        # what a section or a union field may be, where allowed_range has no range: the field's description, else
+        # the section's fields
+        section = model_at(body_model, path)
+        parent = model_at(body_model, path[:-1]) if path else None
+        info = parent.model_fields.get(str(path[-1])) if parent is not None else None
+        described = info.description if info is not None and info.description else None
+        fields = f"an object with fields {list(section.model_fields)}" if section is not None else None
+        if e.get("type") == "union_type":
+            allowed = allowed or described
+        elif e.get("type") in ("model_type", "model_attributes_type") and section is not None:
+            # a section that is no object (model_attributes_type as FastAPI validates bodies, from_attributes=True)
             msg = f"must be an object (got {'null' if e.get('input') is None else type(e.get('input')).__name__})"
-            allowed = f"an object with fields {list(model_at(body_model, path).model_fields)}"
-        if e.get("type") == "missing" and path:  # what the section or value is: its fields, else its description
+            allowed = allowed or fields
+        elif e.get("type") == "missing" and path:
             msg = "required"
-            section = model_at(body_model, path)
-            parent = model_at(body_model, path[:-1])
-            info = parent.model_fields.get(str(path[-1])) if parent is not None else None
-            if allowed is None and info is not None and info.description:
-                allowed = info.description
-            elif allowed is None and section is not None:
-                allowed = f"an object with fields {list(section.model_fields)}"
+            allowed = allowed or described or fields
         item = {"field": field, "message": msg}
         if allowed:
             item["allowed"] = allowed

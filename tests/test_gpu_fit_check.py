@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tracer.allocation import flash_backward_scratch
+from model.cuda_semantics import flash_backward_scratch
 from training import gpu_fit_check as fc
 
 

@@ -20,7 +20,7 @@ matters at training sizes is the attention backward: FlashAttention-2's ``mha_bw
 ``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``) allocates, after the gradients it
 returns, an fp32 ``softmax_d`` (B, H, S_q rounded to 128), an fp32 ``dq_accum`` (B, S_q rounded, H, D rounded
 to 32) and, for grouped-query attention, ``dk_expanded``/``dv_expanded`` (B, S_k, H, D) in the inputs' dtype,
-all freed when it returns. :func:`flash_backward_scratch` gives those sizes; the recorder allocates and frees
+all freed when it returns. :func:`model.cuda_semantics.flash_backward_scratch` gives those sizes; the recorder allocates and frees
 them right after each fused attention backward of the trace (``kernel_scratch``).
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 from memfit.schema import CheckpointImpl, TrainingConfig
 from model.allocator import AllocationStream
-from model.cuda_semantics import GpuGeneration, step_workspaces
+from model.cuda_semantics import GpuGeneration, flash_backward_scratch, step_workspaces
 from tracer.stream_source import STREAM_FORMAT, stream_cache_dir, stream_path, trace_policy_name  # noqa: F401 - re-exported
 from tracer.tracker import LiveStorageTracker
 
@@ -42,30 +42,6 @@ SM90_WORKSPACES: Mapping[str, int] = step_workspaces(GpuGeneration.SM90)
 
 
 _CREATED: list[RecordingTracker] = []
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def flash_backward_scratch(query_shape, key_shape, itemsize: int) -> list[int]:
-    """Bytes of the scratch tensors FlashAttention-2's backward allocates besides its outputs (``mha_bwd``).
-
-    Args:
-        query_shape / key_shape: ``(B, H_q, S_q, D)`` and ``(B, H_k, S_k, D)`` as SDPA takes them.
-        itemsize: bytes per element of q, k, v.
-
-    Returns:
-        ``[softmax_d, dq_accum]`` plus ``[dk_expanded, dv_expanded]`` when ``H_k != H_q``.
-    """
-    b, h, s_q, d = (int(x) for x in query_shape)
-    h_k, s_k = int(key_shape[1]), int(key_shape[2])
-    s_round = _round_up(s_q, 128)
-    d_round = _round_up(d, 32 if d <= 128 else 64)
-    out = [b * h * s_round * 4, b * s_round * h * d_round * 4]
-    if h_k != h:
-        out += [b * s_k * h * d * itemsize] * 2
-    return out
 
 
 def _attention_backward_ops() -> tuple:
@@ -401,7 +377,7 @@ def step_allocations(
         warmup: steps before the measured one (>= 0).
         workspaces: bytes allocated at a phase's first entry (default :data:`SM90_WORKSPACES`; ``{}`` for none).
         step_context: a factory of a context the trace runs in (e.g. a CUDA-semantics policy), or None.
-        kernel_scratch: add the attention backward's scratch allocations (:func:`flash_backward_scratch`).
+        kernel_scratch: add the attention backward's scratch allocations (:func:`model.cuda_semantics.flash_backward_scratch`).
         layered: label each event with its decoder layer (:attr:`AllocationStream.layer_labels`); needs
             non-reentrant checkpointing.
 

@@ -236,7 +236,7 @@ class FlashAttentionScratch(torch.autograd.Function):
     memory-efficient kernel's forward (the CPU fake kernels have no CUDA flash forward; it saves the same output,
     an fp32 log-sum-exp (B, H, S) for S a multiple of 32, and the RNG seed and offset), and a backward that, after
     the gradients, allocates and frees the scratch of FlashAttention-2's ``mha_bwd``
-    (:func:`tracer.allocation.flash_backward_scratch`: fp32 ``softmax_d`` and ``dq_accum``; ``dk/dv_expanded``
+    (:func:`model.cuda_semantics.flash_backward_scratch`: fp32 ``softmax_d`` and ``dq_accum``; ``dk/dv_expanded``
     for GQA) while grad_out, the saved tensors and dq, dk, dv are alive, as on the GPU.
 
     Args (forward): q, k, v (B, H, S, D) with equal head counts, ``bias`` None or an additive mask in q's dtype,
@@ -253,7 +253,7 @@ class FlashAttentionScratch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from tracer.allocation import flash_backward_scratch
+        from model.cuda_semantics import flash_backward_scratch
 
         query, key, value, bias, out, lse, seed, offset = ctx.saved_tensors
         dropout_p, is_causal, scale = ctx.args
