@@ -141,24 +141,10 @@ def _unwrap(annotation: Any) -> Any:
         return annotation
 
 
-def model_at(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The pydantic model of the object at ``loc`` inside ``model`` (list indices skipped), None where it is not
-    one model (a union of several, a plain value)."""
-    for key in loc:
-        if isinstance(key, int) or model is None:
-            continue
-        info = model.model_fields.get(str(key))
-        if info is None:
-            return None
-        inner = _unwrap(info.annotation)
-        if typing.get_origin(inner) is list:
-            inner = _unwrap(typing.get_args(inner)[0])
-        model = inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
-    return model
-
-
-def allowed_range(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | None:
-    """The allowed values of the field at ``loc`` inside ``model`` in words, e.g. ``an integer in [1, 16384]``."""
+def _walk(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> tuple[Any, type[BaseModel] | None, bool]:
+    """Follow ``loc`` (list indices skipped) into ``model``: the field info of its last named key (None where a key
+    is not a field), the pydantic model of the object there (None where it is not one model: a union of several,
+    a plain value) and whether ``loc`` ends on a list field itself rather than on one of its items."""
     info = None
     is_list = False
     for key in loc:
@@ -167,12 +153,24 @@ def allowed_range(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | 
             continue
         info = model.model_fields.get(str(key))
         if info is None:
-            return None
+            return None, None, False
         inner = _unwrap(info.annotation)
         is_list = typing.get_origin(inner) is list
         if is_list:
             inner = _unwrap(typing.get_args(inner)[0])
         model = inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
+    return info, model, is_list
+
+
+def model_at(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model of the object at ``loc`` inside ``model`` (list indices skipped), None where it is not
+    one model (a union of several, a plain value) or ``loc`` names no field."""
+    return _walk(model, loc)[1]
+
+
+def allowed_range(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | None:
+    """The allowed values of the field at ``loc`` inside ``model`` in words, e.g. ``an integer in [1, 16384]``."""
+    info, model, is_list = _walk(model, loc)
     if info is not None and is_list:  # the list itself (e.g. an empty batch): its length bounds
         lo = next((m.min_length for m in info.metadata if isinstance(m, at.MinLen)), 0)
         hi = next((m.max_length for m in info.metadata if isinstance(m, at.MaxLen)), None)
