@@ -615,8 +615,9 @@ def _missing_stream_reason(source: Any) -> str:
         return f"the allocation-stream recorder failed on this model ({failed})"
     if getattr(source, "requested", None):
         return (
-            "the allocation-stream template of this configuration is being recorded in the tracing process "
-            "(about 1-3 s for an 8B model); ask again for the fit decided by the caching-allocator simulation"
+            "the allocation-stream templates of this configuration are being recorded in the tracing process "
+            "(1-3 s each for an 8B model; the k the search visits next with it); ask again for the fit decided by "
+            "the caching-allocator simulation"
         )
     return (
         "no allocation stream recorded yet for this configuration; `memfit recommend` records it locally "

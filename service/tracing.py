@@ -97,12 +97,15 @@ TEMPLATE = "template"
 
 def _record_template(hf_config: dict[str, Any], training_json: str, num_layers: int, k: int) -> list:
     """In the tracing process: record the template the fit decision composes the full model's stream at ``k``
-    from (:func:`tracer.stream_source.record_template`); ``["ok", path]`` or ``["error", reason]``."""
-    from tracer.stream_source import record_template
+    from, and those of the k the search visits next (:func:`tracer.stream_source.record_templates_near`);
+    ``["ok", ks]`` (the k whose templates are now cached) or ``["error", reason]``."""
+    from tracer.stream_source import record_templates_near
 
     try:
-        record_template(hf_config, TrainingConfig.model_validate_json(training_json), num_layers, k)
-        return ["ok", None]
+        return [
+            "ok",
+            record_templates_near(hf_config, TrainingConfig.model_validate_json(training_json), num_layers, k),
+        ]
     except Exception as err:  # noqa: BLE001 - reported to the parent with its reason
         return ["error", f"{type(err).__name__}: {err}"]
 
@@ -172,8 +175,8 @@ class TracingProcess:
     def template(
         self, hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, timeout_s: float
     ) -> None:
-        """Record the allocation-stream template for the full model at ``k`` in the tracing process
-        (:func:`tracer.stream_source.record_template`).
+        """Record the allocation-stream template for the full model at ``k``, and its neighbours', in the tracing
+        process (:func:`tracer.stream_source.record_templates_near`).
 
         Raises:
             RuntimeError: as :meth:`trace`.

@@ -107,6 +107,26 @@ def test_stream_source_composes_and_falls_back(tmp_path, monkeypatch):
     assert template_path(hf, TrainingConfig(**{**t.model_dump(), "finetune": "lora", "lora_rank": 8}), 14, 7)
 
 
+def test_templates_near_k_cover_the_search_in_one_request(tmp_path, monkeypatch):
+    """The service's tracing process records, with the asked k's template, those of the k within 4 of it: the
+    search from a guess of 0 on a 12-layer model (every k of its own template) then finds 0..4 composed after one
+    request instead of asking for one more template per visited k; in a deep model's middle the neighbours share
+    the asked template and nothing more is recorded."""
+    from tracer.stream_source import record_templates_near, stream_source, template_path
+
+    monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))
+    hf = _config("llama-3.2-1b")
+    t = TrainingConfig(micro_batch_size=2, seq_len=128, precision="bf16", optimizer="adamw_fused")
+    assert record_templates_near(hf, t, 12, 0) == [0, 1, 2, 3, 4]
+    assert all(template_path(hf, t, 12, j).exists() for j in range(5)) and not template_path(hf, t, 12, 5).exists()
+    asked = []
+    cached = stream_source(hf, t, 12, record=False, request=lambda *a: asked.append(a[3]))
+    assert all(cached(j) is not None for j in range(5)) and cached(5) is None and asked == [5]
+    before = len(list(tmp_path.glob("*.npz")))
+    assert record_templates_near(hf, t, 20, 10) == [10]  # 6..14 all keep the (10, 5) template
+    assert len(list(tmp_path.glob("*.npz"))) == before + 1
+
+
 def test_composition_period_is_the_layer_type_cycle_and_kept(tmp_path, monkeypatch):
     from data.catalog import get
     from tracer.stream_source import composition_period

@@ -193,6 +193,45 @@ def record_template(
     )
 
 
+#: :func:`record_templates_near` records the templates of the k within this distance of the asked one: the search
+#: (:func:`model.reserved.search_k`) gallops 1, 2, 4 from its guess and bisects, so a boundary up to 3 layers from
+#: the guess is decided from these alone
+NEAR_K = 4
+
+
+def record_templates_near(
+    hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, radius: int = NEAR_K
+) -> list[int]:
+    """Record the template for ``k`` (:func:`record_template`), then those of the k within ``radius`` of it,
+    nearest first, that are not cached yet; the k whose template was recorded or found, in that order.
+
+    One request of the service's tracing process then covers the k the fit search visits next: it asks for one
+    missing template at a time, and without the neighbours a small model (GPT-2's 12 layers, where most k have a
+    template of their own) took one request per visited k. k in the middle of a deep model share one template
+    (:func:`model.stream_compose.template_shape`), so there the neighbours add nothing.
+
+    Raises:
+        ValueError: what :func:`record_template` raises for ``k`` itself; a neighbour that fails ends the
+            neighbours quietly (the search asks for it again and gets the error then).
+    """
+    period = composition_period(hf_config, num_layers)
+    record_template(hf_config, training, num_layers, k, period=period)
+    done = [k]
+    seen = {template_path(hf_config, training, num_layers, k, period)}
+    for j in sorted(range(max(0, k - radius), min(num_layers, k + radius) + 1), key=lambda j: (abs(j - k), j)):
+        path = template_path(hf_config, training, num_layers, j, period)
+        if path is None or path in seen:
+            continue
+        seen.add(path)
+        if not path.exists():
+            try:
+                record_template(hf_config, training, num_layers, j, period=period)
+            except Exception:  # noqa: BLE001 - the neighbour's own request reports its error
+                break
+        done.append(j)
+    return done
+
+
 def stream_source(
     hf_config: dict[str, Any],
     training: TrainingConfig,
