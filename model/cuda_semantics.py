@@ -16,9 +16,10 @@ the first backend of ``priority_order`` whose ``can_use_*`` checks all pass runs
   refused (``check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120``); ``is_causal`` needs
   seq_q == seq_k (``check_flash_causal_non_square_seqlens``); equal head counts, or GQA with ``enable_gqa``
   (``check_batch_size_and_num_heads_dense``). Dropout is fine.
-* ``can_use_mem_efficient_attention``: masks and dropout fine; fp32/fp16/bf16 on sm80+; head dims divisible by the
-  GEMM alignment (``check_head_dim_size_mem_efficient``: 8 for 16-bit, 4 for fp32 on sm80+); equal head counts or
-  GQA with ``enable_gqa``.
+* ``can_use_mem_efficient_attention``: masks and dropout fine; sm50..sm121; fp32/fp16/bf16 on sm80+, fp16/fp32
+  before (``less_than_sm80_mem_efficient_dtypes``: bf16 on a V100 or T4 takes math); head dims divisible by the
+  GEMM alignment (``check_head_dim_size_mem_efficient``, ``minimum_gemm_alignment``: 8 for 16-bit, 4 for fp32 on
+  sm80+, 1 for fp32 before); equal head counts or GQA with ``enable_gqa``.
 * ``can_use_cudnn_attention``: fp16/bf16; dropout a multiple of 1/16 (``check_cudnn_dropout``; 0.1 is refused); head
   dim a multiple of 8 and <= 128 (256 on sm90 with cuDNN > 9.22, ``check_cudnn_tensor_shapes``); sm80..sm121.
 * ``math`` always accepts. Head counts: the torch 2.11 checks need equal head counts unless ``enable_gqa`` (a key
@@ -56,6 +57,8 @@ from typing import Any
 class GpuGeneration(StrEnum):
     """CUDA compute capability families the backend table distinguishes."""
 
+    SM70 = "sm70"  # V100
+    SM75 = "sm75"  # T4, RTX 20xx, Titan RTX, Quadro RTX
     SM80 = "sm80"  # A100, A800, A30
     SM86 = "sm86"  # RTX 3090, A40, A10
     SM89 = "sm89"  # L40S, L4, RTX 4090
@@ -78,7 +81,16 @@ DEVICE_GENERATIONS: tuple[tuple[str, GpuGeneration], ...] = (
     ("3090", GpuGeneration.SM86),
     ("a40", GpuGeneration.SM86),
     ("a10", GpuGeneration.SM86),
+    ("v100", GpuGeneration.SM70),
+    ("titan rtx", GpuGeneration.SM75),
+    ("quadro rtx", GpuGeneration.SM75),
+    ("2080", GpuGeneration.SM75),
+    ("2070", GpuGeneration.SM75),
+    ("t4", GpuGeneration.SM75),
 )
+#: generations before Ampere: no FlashAttention-2 or cuDNN attention (both sm80..sm121), memory-efficient attention
+#: in fp16/fp32 only (``less_than_sm80_mem_efficient_dtypes``)
+PRE_AMPERE = frozenset({GpuGeneration.SM70, GpuGeneration.SM75})
 
 
 def generation_of(device_name: str) -> GpuGeneration:
@@ -162,6 +174,8 @@ def _heads_ok(c: SdpaCall, mqa_broadcast: bool) -> bool:
 
 def can_use_flash(c: SdpaCall, gen: GpuGeneration, mqa_broadcast: bool = False) -> bool:
     """``can_use_flash_attention`` for dense inputs on ``gen``."""
+    if gen in PRE_AMPERE:  # check_flash_attention_hardware_support: sm80..sm121
+        return False
     if c.has_mask or c.head_dim > 256 or c.dtype == "fp32":
         return False
     if c.is_causal and c.seq_q != c.seq_k:
@@ -173,8 +187,15 @@ def can_use_flash(c: SdpaCall, gen: GpuGeneration, mqa_broadcast: bool = False) 
 
 
 def can_use_efficient(c: SdpaCall, gen: GpuGeneration, mqa_broadcast: bool = False) -> bool:
-    """``can_use_mem_efficient_attention`` for dense inputs on ``gen`` (sm80 or newer: fp32/fp16/bf16)."""
-    alignment = 8 if c.dtype in ("fp16", "bf16") else 4  # minimum_gemm_alignment on sm80+
+    """``can_use_mem_efficient_attention`` for dense inputs on ``gen``: fp32/fp16/bf16 on sm80 or newer, fp16/fp32
+    before; head dims a multiple of ``minimum_gemm_alignment`` (16-bit: 8 on tensor cores, sm70 on; fp32: 4 on
+    sm80+, 1 before)."""
+    if gen in PRE_AMPERE and c.dtype == "bf16":
+        return False
+    if c.dtype in ("fp16", "bf16"):
+        alignment = 8
+    else:
+        alignment = 1 if gen in PRE_AMPERE else 4
     if c.head_dim % alignment:
         return False
     return _heads_ok(c, mqa_broadcast)
@@ -184,6 +205,8 @@ def can_use_cudnn(
     c: SdpaCall, gen: GpuGeneration, cudnn_version: int | None = None, mqa_broadcast: bool = False
 ) -> bool:
     """``can_use_cudnn_attention`` for dense inputs on ``gen`` (cuDNN 9 or newer assumed)."""
+    if gen in PRE_AMPERE:  # check_cudnn_hardware_support: sm80..sm121
+        return False
     if c.dtype == "fp32" or c.dropout_p * 16.0 != math.floor(c.dropout_p * 16.0):
         return False
     if c.dropout_p > 0.0 and cudnn_version is not None and 91100 < cudnn_version < 91400:
@@ -452,14 +475,25 @@ def cuda_trace_reasons(hf_config: dict[str, Any], training: Any, gen: GpuGenerat
             "fused kernels need equal head counts in PyTorch 2.11), fp32 probabilities saved per layer; the CPU "
             "trace runs a fused kernel"
         )
+    sdpa_dtype = "bf16" if "bf16" in precision else "fp16" if "fp16" in precision else "fp32"
+    math_already = any(r.startswith("attention: math") for r in reasons)
+    if attention != "eager" and gen in PRE_AMPERE and sdpa_dtype == "bf16" and not math_already:
+        reasons.append(
+            f"attention: math backend on {gen.value} (no FlashAttention before sm80, and memory-efficient attention "
+            "takes fp16/fp32 only there), fp32 probabilities saved per layer; the CPU trace runs a fused kernel"
+        )
     drops = _dropouts(hf_config)
     if drops:
         names = ", ".join(f"{k}={v:g}" for k, v in sorted(drops.items()))
-        attn_note = (
-            f"; attention dropout: math fallback on CPU, flash on {gen.value}"
-            if attention != "eager" and any("att" in k for k in drops)
-            else ""
-        )
+        attn_note = ""
+        if attention != "eager" and any("att" in k for k in drops):
+            p = max(v for k, v in drops.items() if "att" in k)
+            hidden = hf_config.get("hidden_size") or hf_config.get("n_embd") or 0
+            head_dim = hf_config.get("head_dim") or (hidden // heads if heads else 64)
+            c = SdpaCall(1, max(heads, 1), max(heads, 1), 128, 128, max(head_dim, 1), sdpa_dtype, dropout_p=p)
+            backend = select_backend(c, gen)
+            name = "memory-efficient" if backend is SdpaBackend.EFFICIENT else backend.value
+            attn_note = f"; attention dropout: math fallback on CPU, {name} on {gen.value}"
         reasons.append(f"dropout ({names}): CUDA's fused dropout keeps a 1-byte mask{attn_note}")
     if precision.startswith("amp"):
         layer_norm = any(hf_config.get(n) is not None for n in ("layer_norm_eps", "layer_norm_epsilon"))
@@ -490,6 +524,8 @@ def cuda_notes(hf_config: dict[str, Any] | None, training: Any, gen: GpuGenerati
 #: (32 MiB) on sm90 and ``:4096:2:16:8`` (8 MiB + 128 KiB) before (``aten/src/ATen/cuda/CublasHandlePool.cpp``,
 #: ``getChosenWorkspaceSize``); cuBLASLt shares it.
 CUBLAS_WORKSPACE_BYTES = {
+    GpuGeneration.SM70: 4096 * 1024 * 2 + 16 * 1024 * 8,
+    GpuGeneration.SM75: 4096 * 1024 * 2 + 16 * 1024 * 8,
     GpuGeneration.SM80: 4096 * 1024 * 2 + 16 * 1024 * 8,
     GpuGeneration.SM86: 4096 * 1024 * 2 + 16 * 1024 * 8,
     GpuGeneration.SM89: 4096 * 1024 * 2 + 16 * 1024 * 8,

@@ -62,7 +62,7 @@ def test_dropout_saves_a_bool_mask_as_cuda_does():
 def test_not_reentrant_and_generation_checked():
     with cuda_step_semantics(), pytest.raises(RuntimeError, match="already active"), cuda_step_semantics():
         pass
-    with pytest.raises(ValueError, match="sm70"), cuda_step_semantics("sm70"):
+    with pytest.raises(ValueError, match="sm60"), cuda_step_semantics("sm60"):
         pass
 
 
@@ -128,3 +128,20 @@ def test_gpt2_under_autocast_traced_as_cuda_runs_it():
         after = trace()
     assert (before - cuda) / cuda == pytest.approx(-0.1203, abs=0.001)
     assert (after - cuda) / cuda == pytest.approx(-0.0119, abs=0.001)  # the cuBLAS workspace and others: ~75 MiB
+
+
+def test_generations_before_ampere_trace_memory_efficient_or_math_attention():
+    """A T4 (sm75) has no FlashAttention-2: GPT-2's dropout attention in fp16 traces the memory-efficient kernel,
+    and bf16 (which that kernel refuses before sm80) the math composite; an A100 takes flash for both."""
+    from model.cuda_semantics import SdpaBackend
+    from tracer.cuda_policy import sdpa_backend
+
+    def backend(gen, dtype):
+        q = torch.empty(2, 4, 128, 64, dtype=dtype)
+        with cuda_step_semantics(gen):
+            return sdpa_backend(q, q, None, 0.1, True, False)
+
+    assert backend("sm75", torch.float16) is SdpaBackend.EFFICIENT
+    assert backend("sm75", torch.bfloat16) is SdpaBackend.MATH
+    assert backend("sm70", torch.float16) is SdpaBackend.EFFICIENT
+    assert backend("sm80", torch.float16) is backend("sm80", torch.bfloat16) is SdpaBackend.FLASH

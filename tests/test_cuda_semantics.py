@@ -34,6 +34,11 @@ def call(**kw) -> SdpaCall:
         ("NVIDIA L40S", SM89),
         ("NVIDIA GeForce RTX 4090", SM89),
         ("NVIDIA GeForce RTX 3090", G.SM86),
+        ("Tesla T4", G.SM75),
+        ("T4", G.SM75),
+        ("NVIDIA GeForce RTX 2080 Ti", G.SM75),
+        ("Tesla V100-SXM2-16GB", G.SM70),
+        ("V100-32GB", G.SM70),
     ],
 )
 def test_generation_of_device_names(name, gen):
@@ -89,6 +94,29 @@ def test_backend_table_per_generation(fields, sm80, sm89, sm90):
     assert select_backend(c, SM80) is sm80
     assert select_backend(c, SM89) is sm89
     assert select_backend(c, SM90, cudnn_version=91600) is sm90
+
+
+# (call fields, sm70/sm75): before Ampere there is no FlashAttention-2 and no cuDNN attention (both sm80..sm121),
+# and memory-efficient attention takes fp16/fp32 only, with fp32 head dims unaligned (no tensor cores)
+PRE_AMPERE_TABLE = [
+    ({"dtype": "fp16"}, B.EFFICIENT),  # causal, no mask: flash on sm80+
+    ({"dtype": "fp16", "dropout_p": 0.1}, B.EFFICIENT),  # GPT-2 on a T4 under amp_fp16
+    ({"dtype": "fp16", "dropout_p": 0.125}, B.EFFICIENT),  # cuDNN on sm90 with a new cuDNN; none here
+    ({"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "enable_gqa": True}, B.MATH),  # bf16: math
+    ({"dtype": "fp16", "has_mask": True, "is_causal": False, "head_dim": 96}, B.EFFICIENT),
+    ({"dtype": "fp32", "head_dim": 66}, B.EFFICIENT),  # alignment 1 for fp32 before sm80 (4 on sm80+)
+    ({"dtype": "fp16", "head_dim": 68}, B.MATH),  # 16-bit on tensor cores: alignment 8
+]
+
+
+@pytest.mark.parametrize("fields,backend", PRE_AMPERE_TABLE)
+def test_backend_table_before_ampere(fields, backend):
+    c = call(**fields)
+    for gen in (G.SM70, G.SM75):
+        assert select_backend(c, gen, cudnn_version=91600) is backend
+        assert not cs.can_use_flash(c, gen) and not can_use_cudnn(c, gen, 92300)
+    if fields == {"dtype": "fp32", "head_dim": 66}:
+        assert select_backend(c, SM80) is B.MATH  # the same call on an A100: 66 is not a multiple of 4
 
 
 def test_mqa_broadcast_of_newer_pytorch_lets_falcon_take_a_fused_kernel():

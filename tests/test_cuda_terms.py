@@ -133,11 +133,23 @@ def test_the_request_gpu_sets_the_key_generation():
     with cs.target_generation("H100-80GB") as gen:
         assert gen is cs.GpuGeneration.SM90 and terms_key(gpt2, amp) == terms_key(gpt2, amp, "sm90")
         assert cs.cuda_notes(gpt2, amp)[0].startswith("traced with sm90 CUDA semantics: dropout")
-    with cs.target_generation("T4") as gen:  # sm75: not in the backend table, the CPU-semantics terms answer
+    # a T4 (sm75) under amp_fp16: no FlashAttention there, so attention dropout runs memory-efficient
+    fp16 = _training(precision="amp_fp16")
+    with cs.target_generation("T4") as gen:
+        assert gen is cs.GpuGeneration.SM75 and terms_key(gpt2, fp16) == terms_key(gpt2, fp16, "sm75")
+        assert "attention dropout: math fallback on CPU, memory-efficient on sm75" in cs.cuda_notes(gpt2, fp16)[0]
+    # Llama in bf16 on a V100 (sm70): memory-efficient attention takes no bf16 before sm80, so math
+    llama, bf16 = hf_config_of("llama-3.2-1b"), _training(precision="bf16")
+    assert cs.cuda_trace_reasons(llama, bf16, "sm90") == ()
+    (reason,) = cs.cuda_trace_reasons(llama, bf16, "sm70")
+    assert reason.startswith("attention: math backend on sm70") and key_generation(llama, bf16, "sm70") == "sm70"
+    assert cs.cuda_trace_reasons(llama, _training(precision="amp_fp16"), "sm70") == ()  # fp16: memory-efficient
+    with cs.target_generation(None) as gen:  # no GPU named (gpu_memory_bytes only): the CPU-semantics terms
         assert gen is None and terms_key(gpt2, amp) == terms_key(gpt2, amp, None)
     assert cs.TARGET_GENERATION.get() is None
     assert cs.step_workspace_bytes(cs.GpuGeneration.SM90) == 64 << 20
     assert cs.step_workspace_bytes(cs.GpuGeneration.SM80) == 2 * ((8 << 20) + (128 << 10))
+    assert cs.step_workspace_bytes(cs.GpuGeneration.SM75) == cs.step_workspace_bytes(cs.GpuGeneration.SM80)
 
 
 def test_background_tracer_traces_with_the_requests_generation():
