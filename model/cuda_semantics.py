@@ -373,6 +373,12 @@ TARGET_GENERATION: contextvars.ContextVar[GpuGeneration | None] = contextvars.Co
 )
 
 
+#: the generation assumed for a request that gives its GPU's memory but not its name: the H100/H200's, whose
+#: kernels the shipped CUDA rows measured. Any CUDA GPU runs CUDA's autocast lists and fused dropout, which the
+#: CPU-semantics terms do not (GPT-2-medium amp_fp16 mb 4 / seq 1024: 12.97 GiB on CPU semantics, 15.09 measured)
+UNNAMED_GPU_GENERATION = GpuGeneration.SM90
+
+
 @contextlib.contextmanager
 def target_generation(device_name: str | GpuGeneration | None):
     """Within the block, :func:`model.terms.terms_key` keys configurations whose CUDA trace differs from the CPU

@@ -40,7 +40,7 @@ from memfit.schema import (
     TrainingConfig,
 )
 from model.allocator import AllocatorConfError, AllocatorSettings
-from model.cuda_semantics import TARGET_GENERATION, target_generation
+from model.cuda_semantics import TARGET_GENERATION, UNNAMED_GPU_GENERATION, cuda_trace_reasons, target_generation
 from model.cuda_terms import generation_curve
 from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.job import (
@@ -326,7 +326,7 @@ class Recommender:
     def predict(self, item: PredictItem, index: int = 0) -> Prediction:
         """:meth:`_predict` with the cluster's GPU generation as the target of the traced terms
         (:func:`model.cuda_semantics.target_generation`, :mod:`model.cuda_terms`)."""
-        with target_generation(item.cluster.gpu if item.cluster is not None else None):
+        with target_generation((item.cluster.gpu or UNNAMED_GPU_GENERATION) if item.cluster is not None else None):
             return self._predict(item, index)
 
     def _predict(self, item: PredictItem, index: int = 0) -> Prediction:
@@ -367,8 +367,9 @@ class Recommender:
         )
 
     def recommend(self, req: RecommendRequest) -> Recommendation:
-        """:meth:`_recommend` with the cluster's GPU generation as the target of the traced terms."""
-        with target_generation(req.cluster.gpu):
+        """:meth:`_recommend` with the cluster's GPU generation as the target of the traced terms
+        (:data:`model.cuda_semantics.UNNAMED_GPU_GENERATION` where only the GPU's memory is given)."""
+        with target_generation(req.cluster.gpu or UNNAMED_GPU_GENERATION):
             return self._recommend(req)
 
     def _recommend(self, req: RecommendRequest) -> Recommendation:
@@ -481,6 +482,12 @@ class Recommender:
                 f"seq_len={training.seq_len} is beyond the {trained} positions the model was trained on "
                 "(max_position_embeddings, no rope_scaling): it runs, with quality not guaranteed; the memory answer "
                 "holds"
+            )
+        if req.cluster.gpu is None and cuda_trace_reasons(job.hf_config or {}, training, UNNAMED_GPU_GENERATION):
+            out.append(
+                f"no GPU named (memory only): the kernels assumed are {UNNAMED_GPU_GENERATION.value}'s (H100/H200); "
+                "name the GPU (cluster.gpu) for its own: a V100 or T4 has no FlashAttention and runs bf16 attention "
+                "on the math backend"
             )
         board = gpu_catalog_name(req.cluster.gpu) if req.cluster.gpu else None
         if board in NO_BF16_GPUS and training.precision in (

@@ -185,8 +185,11 @@ def test_predict_with_a_gpu_uses_its_generations_terms_or_says_it_falls_back():
 
     client = traced_only_client()
     item = {"model": "gpt2", "training": {"micro_batch_size": 4, "seq_len": 1024, "precision": "amp_bf16"}, "k": 0}
-    items = [item, {**item, "cluster": {"gpu": "H200"}}, {**item, "cluster": {"gpu": "A100-80GB"}}]
-    none, h200, a100 = client.post("/predict", json={"items": items}).json()["predictions"]
+    memory_only = {**item, "cluster": {"gpu_memory_bytes": 80 * 2**30}}
+    items = [item, {**item, "cluster": {"gpu": "H200"}}, {**item, "cluster": {"gpu": "A100-80GB"}}, memory_only]
+    none, h200, a100, unnamed = client.post("/predict", json={"items": items}).json()["predictions"]
+    # a cluster that gives the memory but not the GPU: sm90's kernels assumed (a CUDA GPU, not the CPU's kernels)
+    assert unnamed["predicted_peak_bytes"] == h200["predicted_peak_bytes"]
     assert none["path"] == h200["path"] == a100["path"] == "traced"
     assert not any("CUDA" in n for n in none["notes"])
     assert any("attention dropout: math fallback on CPU, flash on sm90" in n for n in h200["notes"])
@@ -194,3 +197,16 @@ def test_predict_with_a_gpu_uses_its_generations_terms_or_says_it_falls_back():
     # the sm90 trace holds GELU's fp32 pow and the 1-byte dropout masks: 0.76 GiB more at k = 0 (CUDA: 7.05 GiB)
     assert h200["predicted_peak_bytes"] - none["predicted_peak_bytes"] == pytest.approx(0.76 * 2**30, rel=0.05)
     assert a100["predicted_peak_bytes"] == none["predicted_peak_bytes"]
+
+
+def test_recommend_without_a_gpu_name_assumes_sm90_and_says_so():
+    from benchmarks.cuda_rows import traced_only_client
+
+    body = {
+        "model": "gpt2",
+        "training": {"micro_batch_size": 4, "seq_len": 1024, "precision": "amp_bf16"},
+        "cluster": {"gpu_memory_bytes": 80 * 2**30},
+    }
+    answer = traced_only_client().post("/recommend", json=body).json()
+    assert any(w.startswith("no GPU named (memory only): the kernels assumed are sm90's") for w in answer["warnings"])
+    assert any("flash on sm90" in w for w in answer["warnings"])
