@@ -96,7 +96,8 @@ class CheckpointPlan:
         """Read a :class:`memfit.api.Recommendation`, a plan or a list of layer indices.
 
         Args:
-            rec: the service's answer, the client's fallback, a :class:`CheckpointPlan`, or indices.
+            rec: the service's answer (a :class:`memfit.api.Recommendation` or its JSON as a dict), the client's
+                fallback, a :class:`CheckpointPlan`, or indices.
             num_layers: decoder layers of the live model when known (checked against the answer's).
             strict: raise instead of adjusting the plan with a :class:`MemfitWarning`.
 
@@ -106,7 +107,12 @@ class CheckpointPlan:
 
         Raises:
             ValueError: with ``strict``, for nothing fits or a layer-count mismatch; an index < 0.
+            pydantic.ValidationError: a dict that is not a recommendation (the fields named).
         """
+        if isinstance(rec, dict):  # a saved answer (``memfit recommend --json``, the service's JSON)
+            from memfit.api import Recommendation
+
+            rec = Recommendation.model_validate(rec)
         if isinstance(rec, CheckpointPlan):
             plan = rec
         elif not hasattr(rec, "layers"):
@@ -135,6 +141,33 @@ class CheckpointPlan:
         if num_layers is not None and plan.num_layers is None:
             plan = CheckpointPlan(plan.layer_indices, num_layers, plan.source, plan.adjusted)
         return plan
+
+
+def checkpointed_layers(model: Any) -> list[int] | None:
+    """The decoder layers (indices into :func:`memfit.hf.decoder_layers`) the live ``model`` checkpoints, read from
+    the layers themselves: wrapped by ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (:func:`apply`
+    on plain PyTorch), else each layer's ``gradient_checkpointing`` flag (transformers' ``GradientCheckpointingLayer``,
+    set per layer by :func:`apply` and for every layer by ``activation_checkpointing_enable`` /
+    ``gradient_checkpointing_enable`` / ``TrainingArguments``).
+
+    Returns:
+        Sorted indices (empty: no layer is checkpointed), or None where the layers show neither (no decoder-layer
+        list, a model that checkpoints inside its own forward, transformers' older model-wide function).
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from memfit.hf import decoder_layers
+
+    layers = decoder_layers(model)
+    if layers is None:
+        return None
+    wrapped = [i for i, layer in enumerate(layers) if isinstance(layer, CheckpointWrapper)]
+    if wrapped:
+        return wrapped
+    flags = [getattr(layer, "gradient_checkpointing", None) for layer in layers]
+    if all(isinstance(f, bool) for f in flags):
+        return [i for i, f in enumerate(flags) if f]
+    return None
 
 
 #: plans whose recomputation the compiled marker op reports to, by id (weak: a dropped plan is forgotten)

@@ -19,10 +19,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from memfit.alloc_conf import alloc_conf_from_env
-from memfit.api import GPUS, ArchitectureIn, ClusterIn, RecommendRequest, TrainingIn
+from memfit.api import GPUS, ArchitectureIn, ClusterIn, RecommendRequest
 from memfit.checkpointing import MemfitWarning
-from memfit.errors import InvalidConfiguration
+from memfit.errors import InvalidConfiguration, invalid_from_validation
 from memfit.hf import logical_numel, quantization_from_hf
 from memfit.schema import (
     Attention,
@@ -389,6 +391,21 @@ def parallel_sizes_from_model(model, device_mesh: Any = None) -> dict[str, int]:
     return out
 
 
+def _zero_stage(stage: Any) -> int:
+    """``zero_optimization.stage`` as DeepSpeed reads it (``DeepSpeedZeroConfig``: an int, ``"3"`` too).
+
+    Raises:
+        InvalidConfiguration: a value DeepSpeed refuses (not 0-3).
+    """
+    try:
+        value = int(stage)
+    except (TypeError, ValueError):
+        value = -1
+    if isinstance(stage, bool) or value not in (0, 1, 2, 3) or (isinstance(stage, float) and stage != value):
+        raise InvalidConfiguration("deepspeed_config.zero_optimization.stage", "one of 0, 1, 2, 3", stage)
+    return value
+
+
 def describe(
     model,
     *,
@@ -509,21 +526,38 @@ def describe(
                 f"training_args.optim={hf_opt!r} is not modelled; allowed: {', '.join(_HF_OPTIM)} "
                 f"(or pass optimizer=, one of {', '.join(o.value for o in Optimizer)})"
             )
+        if ds_opt and ds_opt not in _DS_OPTIM:
+            raise InvalidConfiguration(
+                "deepspeed_config.optimizer.type",
+                f"one of {', '.join(_DS_OPTIM)} (or pass optimizer=, one of {', '.join(o.value for o in Optimizer)})",
+                ds_opt,
+            )
         optimizer = _DS_OPTIM.get(ds_opt) or _HF_OPTIM.get(str(hf_opt)) or Optimizer.ADAMW_FOREACH
 
     if gpu_count is None:
         gpu_count = _world_size() or 1
     found = parallel_sizes_from_model(base, device_mesh)
-    tensor_parallel_size = tensor_parallel_size or found.get("tp", 1)
-    pipeline_parallel_size = pipeline_parallel_size or found.get("pp", 1)
-    context_parallel_size = context_parallel_size or found.get("cp", 1)
+    # an explicit 0 stays 0 and is refused by the request's validation, not read as "not given"
+    tensor_parallel_size = found.get("tp", 1) if tensor_parallel_size is None else tensor_parallel_size
+    pipeline_parallel_size = found.get("pp", 1) if pipeline_parallel_size is None else pipeline_parallel_size
+    context_parallel_size = found.get("cp", 1) if context_parallel_size is None else context_parallel_size
+    for name, size in (
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("pipeline_parallel_size", pipeline_parallel_size),
+        ("context_parallel_size", context_parallel_size),
+        ("gpu_count", gpu_count),
+    ):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            section = "cluster" if name == "gpu_count" else "training"
+            raise InvalidConfiguration(f"{section}.{name}", "an integer >= 1", size)
     sequence_parallel = bool(sequence_parallel) and tensor_parallel_size > 1
     dp = default_data_parallel_size(gpu_count, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
     if sharding is None:
         stage = ((ds or {}).get("zero_optimization") or {}).get("stage", 0)
         fsdp = getattr(args, "fsdp", None) or ""
         fsdp = " ".join(str(getattr(x, "value", x)) for x in fsdp) if isinstance(fsdp, (list, tuple)) else str(fsdp)
-        if isinstance(stage, int) and stage in (1, 2, 3):
+        stage = _zero_stage(stage)
+        if stage in (1, 2, 3):
             sharding = Sharding(f"zero{stage}")
         elif "shard_grad_op" in fsdp:
             sharding = Sharding.FSDP_SHARD_GRAD_OP
@@ -590,7 +624,7 @@ def describe(
         "trainable_params": trainable,
         "offload_optimizer": Offload(offload_optimizer),
         "offload_parameters": Offload(offload_parameters),
-        "gradient_accumulation_steps": gradient_accumulation_steps or 1,
+        "gradient_accumulation_steps": 1 if gradient_accumulation_steps is None else gradient_accumulation_steps,
     }
     adapter = _lora(model)
     if adapter is not None:
@@ -614,12 +648,14 @@ def describe(
         )
     if architecture is None:
         architecture = hf_config_dict(model) or detect_architecture(model, layers)
-    cluster = ClusterIn(**_gpu_memory(gpu, gpu_memory_gib, gpu_memory_bytes), gpu_count=gpu_count)
-    return RecommendRequest(
-        model=architecture,
-        training=TrainingIn(**training),
-        cluster=cluster,
-        headroom_fraction=headroom_fraction,
-        layout=layout,
-        alloc_conf=(alloc_conf_from_env() if alloc_conf is None else alloc_conf) or None,
-    )
+    try:
+        return RecommendRequest(
+            model=architecture,
+            training=training,
+            cluster=ClusterIn(**_gpu_memory(gpu, gpu_memory_gib, gpu_memory_bytes), gpu_count=gpu_count),
+            headroom_fraction=headroom_fraction,
+            layout=layout,
+            alloc_conf=(alloc_conf_from_env() if alloc_conf is None else alloc_conf) or None,
+        )
+    except ValidationError as err:  # one line naming the argument, not pydantic's dump
+        raise invalid_from_validation(err) from None

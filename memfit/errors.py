@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Iterable
+from typing import Any
 
 
 class MemfitError(Exception):
@@ -58,9 +59,21 @@ def pydantic_error_field(error: dict, path: tuple = ()) -> tuple[str, str, str |
     return field, str(error.get("msg", "")).removeprefix("Value error, "), None
 
 
+def invalid_from_validation(err: Any) -> InvalidConfiguration:
+    """The first error of a pydantic ``ValidationError`` as one :class:`InvalidConfiguration` naming its field
+    (dotted location), pydantic's message and the value given, instead of pydantic's multi-line dump."""
+    first = err.errors()[0]
+    field, msg, allowed = pydantic_error_field(first, tuple(first.get("loc", ())))
+    got = first.get("input")
+    shown = "" if isinstance(got, dict) or msg.startswith(field) else f", got {got!r}"[:90]
+    message = msg if msg.startswith(field) else f"{field}: {msg}{shown}"
+    return InvalidConfiguration(field, allowed or msg, message=message)
+
+
 def close_names(name: str, names: Iterable[str], n: int = 4) -> list[str]:
     """Up to ``n`` of ``names`` close to an unknown ``name``, closest first, each once: those that start with it
-    (``H100`` -> ``H100-80GB``), then :func:`difflib.get_close_matches`' (similarity ratio >= 0.6). Compared
+    (``H100`` -> ``H100-80GB``), those it starts with (``T4-16GB`` -> ``T4``), then :func:`difflib.get_close_matches`'
+    (similarity ratio >= 0.6). Compared
     case-insensitively with ``_`` and spaces read as ``-``, as the catalog and the GPU table read names; the names
     are returned as given. The one suggestion of an unknown model name and an unknown GPU name."""
 
@@ -75,7 +88,9 @@ def close_names(name: str, names: Iterable[str], n: int = 4) -> list[str]:
     if not key:
         return []
     ratio = {k: difflib.SequenceMatcher(None, key, k).ratio() for k in by_norm}
+    # names that start with it (H100 -> H100-80GB), then names it starts with (T4-16GB -> T4), closest first
     prefixed = sorted((k for k in by_norm if k.startswith(key)), key=lambda k: -ratio[k])
+    prefixed += sorted((k for k in by_norm if key.startswith(k) and k not in prefixed), key=lambda k: -ratio[k])
     similar = difflib.get_close_matches(key, list(by_norm), n=len(by_norm))
     return [by_norm[k] for k in dict.fromkeys([*prefixed, *similar])][:n]
 

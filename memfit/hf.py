@@ -544,7 +544,11 @@ def model_spec(
 
 
 def decoder_layers(model):
-    """The ``nn.ModuleList`` of decoder layers of a HF causal LM (or PEFT-wrapped one), else None."""
+    """The ``nn.ModuleList`` of decoder layers of a HF causal LM (or PEFT-wrapped one), else None.
+
+    A list of transformers' ``GradientCheckpointingLayer`` wins; else a list named ``layers``, ``h``, ``blocks`` or
+    ``layer``, the outermost first (a block's own inner ``layers`` are not the model's decoder layers), then the
+    longest."""
     import torch
 
     try:
@@ -557,8 +561,8 @@ def decoder_layers(model):
             is_gc = bool(GradientCheckpointingLayer) and isinstance(mod[0], GradientCheckpointingLayer)
             by_name = name.rsplit(".", 1)[-1] in ("layers", "h", "blocks", "layer")
             if is_gc or by_name:
-                candidates.append((is_gc, len(mod), mod))
-    return max(candidates, key=lambda c: (c[0], c[1]))[2] if candidates else None
+                candidates.append((is_gc, -name.count("."), len(mod), mod))
+    return max(candidates, key=lambda c: c[:3])[3] if candidates else None
 
 
 @contextlib.contextmanager

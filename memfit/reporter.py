@@ -24,8 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from memfit.api import RecommendRequest, request_hf_config
 from memfit.client import Client, ServiceError
+from memfit.errors import invalid_from_validation
 from memfit.schema import (
     DEFAULT_LORA_RANK,
     CheckpointImpl,
@@ -123,23 +126,24 @@ def build_record(
     Args:
         model: the live model (architecture from its HF config or modules; counts from its parameters).
         plan: :class:`memfit.checkpointing.AppliedCheckpointing` (layers and recomputed count), a
-            :class:`memfit.api.Recommendation` or a list of layer indices (layers only).
+            :class:`memfit.api.Recommendation` or :class:`memfit.checkpointing.CheckpointPlan` (the layers
+            :func:`memfit.apply` checkpoints for it: every layer for the fallback or "nothing fits"), a list of
+            layer indices, or None (read from the live model's layers).
         request: the job's configuration (:func:`memfit.describe`).
         peak_allocated_bytes / peak_reserved_bytes: measured peak per device, bytes.
         device_memory_bytes: total memory of the device; default the request's capacity.
 
     Raises:
-        pydantic.ValidationError / ValueError: the pieces do not form a valid record.
+        pydantic.ValidationError / ValueError: the pieces do not form a valid record; no plan and the model's
+            layers do not show which are checkpointed.
     """
     t = request.training
     gpus = request.cluster.gpu_count
     dp = default_data_parallel_size(
         gpus, t.tensor_parallel_size, t.pipeline_parallel_size, t.context_parallel_size, t.data_parallel_size
     )
-    if isinstance(plan, (list, tuple)):
-        layers = [int(i) for i in plan]
-    else:
-        layers = list(getattr(plan, "layer_indices", None) or getattr(plan, "layers", None) or [])
+    spec = _model_spec(model, request, model_name or getattr(plan, "model_name", None))
+    layers = _checkpointed(model, plan, spec.num_layers)
     fields = t.model_dump(exclude={"trainable_params", "data_parallel_size"})
     fields["quantization"] = t.resolved_quantization()
     if t.finetune is FineTune.LORA:
@@ -147,26 +151,50 @@ def build_record(
         fields["lora_target_modules"] = _lora_targets(model)
     if getattr(plan, "use_reentrant", None) is not None:
         fields["checkpoint_impl"] = CheckpointImpl.REENTRANT if plan.use_reentrant else CheckpointImpl.NON_REENTRANT
-    training = TrainingConfig(**fields, data_parallel_size=dp, checkpoint_layers=layers)
-    cluster = ClusterSpec(
-        device_name=device_name,
-        device_memory_bytes=device_memory_bytes or request.cluster.memory_bytes,
-        gpu_count=gpus,
-        **_versions(),
-    )
-    recomputed = getattr(plan, "recomputed", None)
-    measurement = Measurement(
-        peak_allocated_bytes=int(peak_allocated_bytes),
-        method=method,
-        source=Source.USER_JOB,
-        peak_reserved_bytes=peak_reserved_bytes if method is Method.CUDA else None,
-        step_time_s=step_time_s,
-        recomputed_layers=len(recomputed) if recomputed is not None else None,
-    )
-    name = model_name or getattr(plan, "model_name", None)
-    return TelemetryRecord(
-        model=_model_spec(model, request, name), training=training, cluster=cluster, measurement=measurement
-    )
+    try:  # one line naming the field (report_peak returns it as the result's detail), not pydantic's dump
+        training = TrainingConfig(**fields, data_parallel_size=dp, checkpoint_layers=layers)
+        cluster = ClusterSpec(
+            device_name=device_name,
+            device_memory_bytes=device_memory_bytes or request.cluster.memory_bytes,
+            gpu_count=gpus,
+            **_versions(),
+        )
+        recomputed = getattr(plan, "recomputed", None)
+        measurement = Measurement(
+            peak_allocated_bytes=int(peak_allocated_bytes),
+            method=method,
+            source=Source.USER_JOB,
+            peak_reserved_bytes=peak_reserved_bytes if method is Method.CUDA else None,
+            step_time_s=step_time_s,
+            recomputed_layers=len(recomputed) if recomputed is not None else None,
+        )
+        return TelemetryRecord(model=spec, training=training, cluster=cluster, measurement=measurement)
+    except ValidationError as err:
+        raise invalid_from_validation(err) from None
+
+
+def _checkpointed(model: Any, plan: Any, num_layers: int) -> list[int]:
+    """The layers a report says were checkpointed: the applied plan's, a plan's or recommendation's as
+    :func:`memfit.apply` carries it out (every layer for the client's fallback or a "nothing fits" answer), else
+    (no plan) what the live model's layers show (:func:`memfit.checkpointing.checkpointed_layers`).
+
+    Raises:
+        ValueError: no plan and the model's layers do not show which are checkpointed; an index out of range.
+    """
+    from memfit.checkpointing import AppliedCheckpointing, CheckpointPlan, checkpointed_layers
+
+    if isinstance(plan, AppliedCheckpointing):
+        return list(plan.layer_indices)
+    if plan is None:
+        found = checkpointed_layers(model)
+        if found is None:
+            raise ValueError(
+                "plan: none given, and the model's layers do not show which are checkpointed (no per-layer "
+                "gradient_checkpointing flags or checkpoint wrappers): pass what memfit.apply returned, or the "
+                "checkpointed layer indices"
+            )
+        return found
+    return CheckpointPlan.from_recommendation(plan, num_layers=num_layers).indices(num_layers)
 
 
 def _measure_cuda() -> dict[str, Any] | None:
@@ -184,6 +212,17 @@ def _measure_cuda() -> dict[str, Any] | None:
     }
 
 
+def _append_lines(path: Path, text: str) -> None:
+    """Append ``text`` (whole lines, newline-terminated) to ``path``, first ending a torn last line (a crash mid-write)
+    so that the new lines are read on their own and only the torn fragment is quarantined."""
+    with path.open("a+b") as f:
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write(text.encode("utf-8"))
+
+
 def spool(record: TelemetryRecord, path: str | Path | None = None) -> Path:
     """Append one record to the JSONL spool; returns its path.
 
@@ -192,8 +231,7 @@ def spool(record: TelemetryRecord, path: str | Path | None = None) -> Path:
     """
     p = Path(path) if path is not None else default_spool_path()
     p.parent.mkdir(parents=True, exist_ok=True)
-    with p.open("a", encoding="utf-8") as f:
-        f.write(record.model_dump_json() + "\n")
+    _append_lines(p, record.model_dump_json() + "\n")
     return p
 
 
@@ -300,9 +338,7 @@ def quarantine_path(spool_path: str | Path | None = None) -> Path:
 
 
 def _quarantine(spool_path: Path, items: list[tuple[str, str]]) -> None:
-    with quarantine_path(spool_path).open("a", encoding="utf-8") as f:
-        for reason, line in items:
-            f.write(json.dumps({"reason": reason, "line": line}) + "\n")
+    _append_lines(quarantine_path(spool_path), "".join(json.dumps({"reason": r, "line": ln}) + "\n" for r, ln in items))
 
 
 def flush_spool(
@@ -320,8 +356,8 @@ def flush_spool(
     try:
         if p.exists():
             if work.exists():  # a previous flush was interrupted: merge
-                with work.open("a", encoding="utf-8") as f:
-                    f.write(p.read_text(encoding="utf-8", errors="replace"))
+                text = p.read_text(encoding="utf-8", errors="replace")
+                _append_lines(work, text if text.endswith("\n") or not text else text + "\n")
                 p.unlink()
             else:
                 p.rename(work)
@@ -371,8 +407,7 @@ def flush_spool(
                 quarantine_path(p),
             )
         if keep:
-            with p.open("a", encoding="utf-8") as f:
-                f.write("\n".join(keep) + "\n")
+            _append_lines(p, "\n".join(keep) + "\n")
         work.unlink()
     except OSError as err:
         _log_once("flush-io", "memfit: cannot rewrite the spool %s: %s", p, err)

@@ -191,9 +191,17 @@ def deepspeed_activation_checkpointing_config(rec: Any, *, num_layers: int | Non
     every-layer plan (the client's fallback, or nothing fits) it is the layer count, or DeepSpeed's
     default ``None`` (no buffer sizing) when the count is unknown. Merge it with ``ds_config.update(...)``;
     DeepSpeed's ``DeepSpeedActivationCheckpointingConfig`` parses it to the same values.
+
+    Raises:
+        ValueError: ``rec`` a bool, or a k or layer index outside the model's layers (``[0, num_layers]``; k >= 0
+            when the count is unknown).
     """
+    if isinstance(rec, bool) or (isinstance(rec, int) and not 0 <= rec <= (rec if num_layers is None else num_layers)):
+        allowed = "an integer >= 0" if num_layers is None else f"an integer in [0, {num_layers}]"
+        raise ValueError(f"k={rec!r} must be {allowed}")
     plan = CheckpointPlan.from_recommendation(rec if not isinstance(rec, int) else range(rec), num_layers=num_layers)
-    k = plan.k(num_layers)
+    n = num_layers if num_layers is not None else plan.num_layers
+    k = len(plan.indices(n)) if n is not None else plan.k()
     return {
         "activation_checkpointing": {
             "partition_activations": False,
