@@ -267,6 +267,17 @@ def test_bad_input_exits_2(db, tmp_path, capsys, args):
     assert Registry(tmp_path / "models").versions() == []
 
 
+def test_defaults_are_the_services_store_and_registry(tmp_path, capsys, monkeypatch):
+    """Without --db/--files and --registry the retrain reads and writes where the service does
+    (``MEMFIT_DATA_DIR``, service.settings): it read the checkout's data/ and promoted where no service looked."""
+    monkeypatch.setenv("MEMFIT_DATA_DIR", str(tmp_path))
+    for name in ("MEMFIT_DB_URL", "MEMFIT_REGISTRY_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    code, s = _run(capsys, "--dry-run", "--quiet")
+    assert code == EXIT_BAD_INPUT and s["rows"] == 0  # an empty store there, not the checkout's 15,168 rows
+    assert s["registry"] == str(tmp_path / "models") and (tmp_path / "telemetry.db").exists()
+
+
 def test_dask_engine(db, tmp_path, capsys):
     from distributed import LocalCluster
 

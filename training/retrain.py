@@ -121,16 +121,17 @@ def train_booster_dask(X: pd.DataFrame, y: np.ndarray, est, address: str, log: C
 
 
 def _parser() -> argparse.ArgumentParser:
-    from model.registry import DEFAULT_ROOT
-
     p = argparse.ArgumentParser(prog="python -m training.retrain", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--db",
-        help="SQLAlchemy URL of the telemetry store (default: data/telemetry.db; read "
-        "when given or when no --files are)",
+        help="SQLAlchemy URL of the telemetry store (default: the service's, <MEMFIT_DATA_DIR>/telemetry.db or "
+        "$MEMFIT_DB_URL; read when given or when no --files are)",
     )
-    p.add_argument("--files", nargs="*", default=[], help=".parquet/.csv telemetry files")
-    p.add_argument("--registry", default=str(DEFAULT_ROOT), help=f"model registry root (default {DEFAULT_ROOT})")
+    p.add_argument("--files", nargs="*", default=[], help=".parquet/.csv/.jsonl telemetry files")
+    p.add_argument(
+        "--registry",
+        help="model registry root (default: the service's, <MEMFIT_DATA_DIR>/models or $MEMFIT_REGISTRY_DIR)",
+    )
     p.add_argument(
         "--report-dir", help="report folder (default <registry>/<version>/report; a temp folder with --dry-run)"
     )
@@ -445,6 +446,19 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse: 2 on bad arguments, 0 on --help
         return int(e.code or 0)
     log = (lambda _m: None) if a.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    if a.registry is None or (a.db is None and not a.files):  # the service's store and registry (service.settings)
+        from pydantic import ValidationError
+
+        from service.settings import Settings
+
+        try:
+            settings = Settings()
+        except ValidationError as err:
+            print(f"error: MEMFIT_* settings: {err.errors()[0]['loc']}: {err.errors()[0]['msg']}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        a.registry = a.registry or str(settings.registry_dir)
+        if a.db is None and not a.files:
+            a.db = settings.db_url
     summary: dict[str, Any] = {"status": None, "engine": a.engine, "dry_run": a.dry_run, "registry": a.registry}
     try:
         code = run(a, log, summary)
