@@ -331,6 +331,32 @@ def test_megatron_recompute_fields_per_stage_are_accepted_by_transformer_config(
         megatron_recompute_config(rec_for([0, 5], num_layers=8, pp=2))
 
 
+def test_megatron_interleaved_schedule_counts_per_model_chunk():
+    """Under interleaved 1F1B a rank holds `chunks` TransformerBlocks (rank 0 of pp 2 with 2 chunks of 8 layers:
+    layers 0-1 and 4-5), and the block method recomputes the first recompute_num_layers of each: a stage planned
+    for 3 layers gets 2 per chunk (4 recomputed, never fewer than planned), not 3 per chunk (6)."""
+    from memfit.integrations.megatron import megatron_flags, megatron_recompute_config
+
+    rec = rec_for([0, 1, 2, 4], num_layers=8, pp=2)
+    rec.training = {"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "pipeline_chunks_per_rank": 2}
+    stages = megatron_recompute_config(rec)
+    assert [s["recompute_num_layers"] for s in stages] == [2, 1]
+    assert megatron_flags(rec)[-1] == "2"
+    fields = stages[0]
+    config = transformer_config(
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.bfloat16,
+        **fields,
+    )
+    assert (config.recompute_method, config.recompute_num_layers) == ("block", 2)
+    assert (
+        megatron_recompute_config([0, 1, 2, 4], num_layers=8, pipeline_parallel_size=2)[0]["recompute_num_layers"] == 3
+    )
+    with pytest.raises(ValueError, match="pipeline_chunks_per_rank=3 must be >= 1 and divide the 4 layers"):
+        megatron_recompute_config(rec, pipeline_chunks_per_rank=3)
+
+
 def test_megatron_settings_match_what_apply_checkpoints():
     """One plan, two readers: Megatron's block fields name the same layers apply() checkpoints."""
     from memfit.integrations.megatron import megatron_recompute_config

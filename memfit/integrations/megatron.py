@@ -4,7 +4,8 @@ Megatron's ``recompute_method="block"`` with ``recompute_granularity="full"`` ch
 the first ``recompute_num_layers`` layers *of each pipeline stage* — memfit's ``block`` layout
 (``megatron.core.transformer.transformer_config.TransformerConfig``, field docs). A stage may need a
 different count (k not divisible by the stages: the first stages take one more), so the settings are
-given per stage; each pipeline rank builds its ``TransformerConfig`` with its own stage's fields::
+given per stage; each pipeline rank builds its ``TransformerConfig`` with its own stage's fields (under the
+interleaved schedule a rank's layers are several model chunks, and the count is per chunk)::
 
     fields = megatron_recompute_config(rec, pipeline_parallel_size=pp)[pp_rank]
     config = TransformerConfig(num_layers=..., hidden_size=..., ..., **fields)
@@ -28,15 +29,32 @@ EVERY_LAYER: dict[str, Any] = {
 }
 
 
+def _training(rec: Any) -> dict[str, Any]:
+    training = getattr(rec, "training", None) or {}
+    return training if isinstance(training, dict) else {}
+
+
 def _stages(rec: Any, pipeline_parallel_size: int | None) -> int:
     if pipeline_parallel_size is not None:
         return pipeline_parallel_size
-    training = getattr(rec, "training", None) or {}
-    return int(training.get("pipeline_parallel_size", 1)) if isinstance(training, dict) else 1
+    return int(_training(rec).get("pipeline_parallel_size", 1))
+
+
+def _chunks(rec: Any, pipeline_chunks_per_rank: int | None) -> int:
+    """Model chunks per pipeline rank: given, else the recommendation's (``interleaved_1f1b``), else 1."""
+    if pipeline_chunks_per_rank is not None:
+        return pipeline_chunks_per_rank
+    t = _training(rec)
+    return int(t.get("pipeline_chunks_per_rank") or 2) if t.get("pipeline_schedule") == "interleaved_1f1b" else 1
 
 
 def megatron_recompute_config(
-    rec: Any, *, pipeline_parallel_size: int | None = None, num_layers: int | None = None, strict: bool = False
+    rec: Any,
+    *,
+    pipeline_parallel_size: int | None = None,
+    num_layers: int | None = None,
+    strict: bool = False,
+    pipeline_chunks_per_rank: int | None = None,
 ) -> list[dict[str, Any]]:
     """``TransformerConfig`` recompute fields for each pipeline stage (index = pipeline rank).
 
@@ -46,6 +64,12 @@ def megatron_recompute_config(
         pipeline_parallel_size: stages (default: the recommendation's resolved training, else 1).
         num_layers: the model's layer count, when the recommendation does not carry it.
         strict: raise instead of adjusting the plan (nothing fits, layer-count mismatch).
+        pipeline_chunks_per_rank: virtual-pipeline model chunks per rank (default: the recommendation's under
+            ``interleaved_1f1b``, else 1). Megatron-Core builds one ``TransformerBlock`` per chunk, and the block
+            method recomputes the first ``recompute_num_layers`` layers of each block
+            (``megatron/core/transformer/transformer_block.py``, ``_checkpointed_forward``): a stage that plans
+            k_s layers gets ``ceil(k_s / chunks)`` per chunk, at least the k_s layers memfit's stage model counts
+            (it weighs a stage's layers alike: :func:`model.parallel.micro_batches_in_flight`).
 
     Returns:
         One dict per stage with ``recompute_granularity``, ``recompute_method`` and
@@ -69,11 +93,24 @@ def megatron_recompute_config(
         raise ValueError("num_layers is required: the model's layer count (the plan does not carry it)")
     if L % stages:
         raise ValueError(f"num_layers={L} must be divisible by pipeline_parallel_size={stages}")
+    chunks = _chunks(rec, pipeline_chunks_per_rank)
+    if chunks < 1 or (L // stages) % chunks:
+        raise ValueError(
+            f"pipeline_chunks_per_rank={chunks} must be >= 1 and divide the {L // stages} layers of each stage"
+        )
     chosen = set(plan.indices(L))
     per_stage = L // stages
     out = []
     for s in range(stages):
         mine = sorted(i - s * per_stage for i in chosen if s * per_stage <= i < (s + 1) * per_stage)
+        if chunks > 1:  # the stage's layers sit in `chunks` blocks spread over the model: a count per block
+            per_chunk = -(-len(mine) // chunks)
+            out.append(
+                {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": per_chunk}
+                if per_chunk
+                else dict(NO_RECOMPUTE)
+            )
+            continue
         if mine != list(range(len(mine))):
             raise ValueError(
                 f"stage {s} checkpoints layers {[i + s * per_stage for i in mine]}, not its first "
@@ -88,7 +125,13 @@ def megatron_recompute_config(
     return out
 
 
-def megatron_flags(rec: Any, *, pipeline_parallel_size: int | None = None, num_layers: int | None = None) -> list[str]:
+def megatron_flags(
+    rec: Any,
+    *,
+    pipeline_parallel_size: int | None = None,
+    num_layers: int | None = None,
+    pipeline_chunks_per_rank: int | None = None,
+) -> list[str]:
     """Megatron-LM command-line flags for the same plan: ``["--recompute-granularity", "full",
     "--recompute-method", "block", "--recompute-num-layers", str(k)]``; ``[]`` when nothing recomputes.
 
@@ -98,7 +141,12 @@ def megatron_flags(rec: Any, *, pipeline_parallel_size: int | None = None, num_l
     Raises:
         ValueError: as :func:`megatron_recompute_config`.
     """
-    stages = megatron_recompute_config(rec, pipeline_parallel_size=pipeline_parallel_size, num_layers=num_layers)
+    stages = megatron_recompute_config(
+        rec,
+        pipeline_parallel_size=pipeline_parallel_size,
+        num_layers=num_layers,
+        pipeline_chunks_per_rank=pipeline_chunks_per_rank,
+    )
     active = [s for s in stages if s["recompute_granularity"] is not None]
     if not active:
         return []
