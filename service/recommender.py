@@ -220,6 +220,19 @@ class CurveCache:
         return c
 
 
+#: training fields whose allowed values depend on the GPU count (a /predict item without a cluster has one GPU)
+_PARALLEL_FIELDS = frozenset(
+    {
+        "sharding",
+        "data_parallel_size",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "context_parallel_size",
+        "expert_parallel_size",
+    }
+)
+
+
 class Recommender:
     """Holds one model version and answers requests."""
 
@@ -343,6 +356,12 @@ class Recommender:
             if item.k > spec.num_layers:
                 raise InvalidConfiguration("k", f"an integer in [0, num_layers={spec.num_layers}]", item.k)
         except InvalidConfiguration as err:
+            if item.cluster is None and err.field.split(".")[-1] in _PARALLEL_FIELDS:  # the cause: no cluster given
+                err = InvalidConfiguration(
+                    err.field,
+                    err.allowed,
+                    message=f"{err.message} (this item gives no cluster, so one GPU: add cluster.gpu_count)",
+                )
             raise err.within(f"items.{index}") from err
         p = c.points[item.k]
         total = None

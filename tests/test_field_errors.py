@@ -103,3 +103,20 @@ def test_rotary_models_have_no_position_table_limit():
 
     assert max_seq_len(catalog.get("llama-3-8b")["hf_config"]) is None
     assert max_seq_len(catalog.get("gpt2")["hf_config"]) == 1024
+
+
+def test_predict_without_a_cluster_says_the_cluster_is_missing(client):
+    """A /predict item without a cluster has one GPU: a ZeRO-3 item is refused for that cause, which the message
+    names (it blamed training.sharding alone)."""
+    item = {"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 512, "sharding": "zero3"}, "k": 0}
+    r = client.post("/predict", json={"items": [item]})
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["errors"]
+    assert err["field"] == "items.0.training.sharding" and "this item gives no cluster, so one GPU" in err["message"]
+    ok = client.post("/predict", json={"items": [{**item, "cluster": {"gpu": "H100-80GB", "gpu_count": 8}}]})
+    assert ok.status_code == 200, ok.text
+
+
+def test_gpu_memory_gib_has_the_same_floor_as_gpu_memory_bytes(client):
+    (err,) = _errors(client, cluster={"gpu_memory_gib": 1e-9})
+    assert err["field"] == "cluster.gpu_memory_gib"
