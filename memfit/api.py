@@ -388,7 +388,7 @@ class TrainingIn(_In):
 class ClusterIn(_In):
     gpu: str | None = Field(None, max_length=64, description=f"known GPU name: {', '.join(GPUS)}")
     gpu_memory_bytes: StrictInt | None = Field(None, ge=1 << 20, le=MAX_DEVICE_MEMORY_BYTES)
-    gpu_memory_gib: float | None = Field(None, ge=(1 << 20) / GIB, le=MAX_DEVICE_MEMORY_BYTES / GIB)
+    gpu_memory_gib: float | None = Field(None, gt=0, le=MAX_DEVICE_MEMORY_BYTES / GIB)
     gpu_count: StrictInt = Field(1, ge=1, le=MAX_WORLD)
     gpus_per_node: StrictInt | None = Field(
         None, ge=1, le=1024, description="for host memory per node; default min(gpu_count, 8)"

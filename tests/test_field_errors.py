@@ -115,8 +115,3 @@ def test_predict_without_a_cluster_says_the_cluster_is_missing(client):
     assert err["field"] == "items.0.training.sharding" and "this item gives no cluster, so one GPU" in err["message"]
     ok = client.post("/predict", json={"items": [{**item, "cluster": {"gpu": "H100-80GB", "gpu_count": 8}}]})
     assert ok.status_code == 200, ok.text
-
-
-def test_gpu_memory_gib_has_the_same_floor_as_gpu_memory_bytes(client):
-    (err,) = _errors(client, cluster={"gpu_memory_gib": 1e-9})
-    assert err["field"] == "cluster.gpu_memory_gib"
