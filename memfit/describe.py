@@ -537,7 +537,7 @@ def describe(
     if gpu_count is None:
         gpu_count = _world_size() or 1
     found = parallel_sizes_from_model(base, device_mesh)
-    # an explicit 0 stays 0 and is refused by the request's validation, not read as "not given"
+    # an explicit 0 is refused below, not read as "not given"
     tensor_parallel_size = found.get("tp", 1) if tensor_parallel_size is None else tensor_parallel_size
     pipeline_parallel_size = found.get("pp", 1) if pipeline_parallel_size is None else pipeline_parallel_size
     context_parallel_size = found.get("cp", 1) if context_parallel_size is None else context_parallel_size

@@ -134,8 +134,8 @@ def build_record(
         device_memory_bytes: total memory of the device; default the request's capacity.
 
     Raises:
-        pydantic.ValidationError / ValueError: the pieces do not form a valid record; no plan and the model's
-            layers do not show which are checkpointed.
+        InvalidConfiguration (a ValueError): the pieces do not form a valid record (one line naming the field).
+        ValueError: no plan and the model's layers do not show which are checkpointed; a layer index out of range.
     """
     t = request.training
     gpus = request.cluster.gpu_count
