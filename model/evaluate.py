@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -95,6 +96,18 @@ def as_measured(record: TelemetryRecord) -> TelemetryRecord:
     return record
 
 
+def _require_sqlite_file(db_url: str | None) -> None:
+    """Raise FileNotFoundError where ``db_url`` names a SQLite file that does not exist."""
+    if db_url is None:
+        return
+    from sqlalchemy.engine import make_url
+
+    url = make_url(db_url)
+    named = url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:")
+    if named and not Path(url.database).exists():
+        raise FileNotFoundError(f"no telemetry store at {url.database} (--db {db_url})")
+
+
 def load_rows(
     db_url: str | None = None, files: Iterable[str] = (), *, use_store: bool | None = None
 ) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
@@ -117,7 +130,8 @@ def load_rows(
         "n_duplicates", "sources"}``; ``rejected`` is a list of ``{"record_id", "reason", "source"}``.
 
     Raises:
-        FileNotFoundError / ValueError: a file is missing or not ``.parquet``/``.csv``.
+        FileNotFoundError / ValueError: a file is missing or not ``.parquet``/``.csv``; ``db_url`` names a SQLite
+            file that does not exist (reading would create an empty store there).
     """
     from data.store import TelemetryStore, read_rows
 
@@ -126,6 +140,7 @@ def load_rows(
         use_store = db_url is not None or not files
     sources: list[tuple[str, list[dict[str, Any]]]] = []
     if use_store:
+        _require_sqlite_file(db_url)
         store = TelemetryStore(db_url)
         sdf = store.dataframe().drop(columns=["content_hash"], errors="ignore")
         sdf = sdf.astype(object).where(sdf.notna(), None)

@@ -274,8 +274,14 @@ def test_defaults_are_the_services_store_and_registry(tmp_path, capsys, monkeypa
     for name in ("MEMFIT_DB_URL", "MEMFIT_REGISTRY_DIR"):
         monkeypatch.delenv(name, raising=False)
     code, s = _run(capsys, "--dry-run", "--quiet")
-    assert code == EXIT_BAD_INPUT and s["rows"] == 0  # an empty store there, not the checkout's 15,168 rows
-    assert s["registry"] == str(tmp_path / "models") and (tmp_path / "telemetry.db").exists()
+    # no store there: said, not the checkout's 15,168 rows read, and no empty store created by the reading
+    assert code == EXIT_BAD_INPUT and s["error"] == (
+        f"no telemetry store at {tmp_path / 'telemetry.db'} (--db sqlite:///{tmp_path / 'telemetry.db'})"
+    )
+    assert s["registry"] == str(tmp_path / "models") and not (tmp_path / "telemetry.db").exists()
+    TelemetryStore(f"sqlite:///{tmp_path / 'telemetry.db'}")  # an empty store the service created
+    code, s = _run(capsys, "--dry-run", "--quiet")
+    assert code == EXIT_BAD_INPUT and s["rows"] == 0
 
 
 def test_dask_engine(db, tmp_path, capsys):
