@@ -154,6 +154,13 @@ class IngestReport:
         return len(self.stored) + len(self.duplicates) + len(self.rejected) + len(self.quarantined)
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The file a ``sqlite:///`` URL names, or None (another database, or SQLite in memory)."""
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        return Path(url.removeprefix("sqlite:///"))
+    return None
+
+
 class TelemetryStore:
     """Append-only telemetry table.
 
@@ -180,8 +187,9 @@ class TelemetryStore:
         self.url = url or DEFAULT_URL
         self.physics = physics
         self.busy_timeout_s = busy_timeout_s
-        if self.url.startswith("sqlite:///") and self.url != "sqlite:///:memory:":
-            Path(self.url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        path = sqlite_file(self.url)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
         self.engine = sa.create_engine(self.url)
         if self.engine.dialect.name == "sqlite":
             ms = int(busy_timeout_s * 1000)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -96,18 +95,6 @@ def as_measured(record: TelemetryRecord) -> TelemetryRecord:
     return record
 
 
-def _require_sqlite_file(db_url: str | None) -> None:
-    """Raise FileNotFoundError where ``db_url`` names a SQLite file that does not exist."""
-    if db_url is None:
-        return
-    from sqlalchemy.engine import make_url
-
-    url = make_url(db_url)
-    named = url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:")
-    if named and not Path(url.database).exists():
-        raise FileNotFoundError(f"no telemetry store at {url.database} (--db {db_url})")
-
-
 def load_rows(
     db_url: str | None = None, files: Iterable[str] = (), *, use_store: bool | None = None
 ) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
@@ -133,14 +120,16 @@ def load_rows(
         FileNotFoundError / ValueError: a file is missing or not ``.parquet``/``.csv``; ``db_url`` names a SQLite
             file that does not exist (reading would create an empty store there).
     """
-    from data.store import TelemetryStore, read_rows
+    from data.store import TelemetryStore, read_rows, sqlite_file
 
     files = [str(f) for f in files]
     if use_store is None:
         use_store = db_url is not None or not files
     sources: list[tuple[str, list[dict[str, Any]]]] = []
     if use_store:
-        _require_sqlite_file(db_url)
+        path = sqlite_file(db_url) if db_url is not None else None
+        if path is not None and not path.exists():  # reading would create an empty store there
+            raise FileNotFoundError(f"no telemetry store at {path} (--db {db_url})")
         store = TelemetryStore(db_url)
         sdf = store.dataframe().drop(columns=["content_hash"], errors="ignore")
         sdf = sdf.astype(object).where(sdf.notna(), None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.checkpointing import CheckpointPlan
+from memfit.schema import PipelineSchedule, TrainingConfig
 
 NO_RECOMPUTE: dict[str, Any] = {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
 EVERY_LAYER: dict[str, Any] = {
@@ -45,7 +46,9 @@ def _chunks(rec: Any, pipeline_chunks_per_rank: int | None) -> int:
     if pipeline_chunks_per_rank is not None:
         return pipeline_chunks_per_rank
     t = _training(rec)
-    return int(t.get("pipeline_chunks_per_rank") or 2) if t.get("pipeline_schedule") == "interleaved_1f1b" else 1
+    if t.get("pipeline_schedule") != PipelineSchedule.INTERLEAVED_1F1B.value:
+        return 1
+    return int(t.get("pipeline_chunks_per_rank") or TrainingConfig.model_fields["pipeline_chunks_per_rank"].default)
 
 
 def megatron_recompute_config(
