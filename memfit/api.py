@@ -54,10 +54,6 @@ _USABLE_RATIO = 79.15 * 1024 / 81920
 for _name, _mib in _NVIDIA_SMI_TOTAL_MIB.items():
     GPU_USABLE_GIB[_name] = (round(_mib * _USABLE_RATIO / 1024, 2), "nvidia-smi Total x 0.9894 (no public OOM figure)")
 
-#: Catalog GPUs older than Ampere (compute capability below 8.0) and theirs: no bfloat16 tensor cores (NVIDIA's Ampere
-#: architecture whitepaper introduced them), so ``torch.cuda.is_bf16_supported(including_emulation=False)`` is False
-#: (``torch/cuda/__init__.py``: major >= 8) and bf16 runs emulated.
-NO_BF16_GPUS: dict[str, str] = {"V100-32GB": "7.0", "V100-16GB": "7.0", "T4": "7.5"}
 
 #: GPU name -> usable device memory in bytes (see :data:`GPU_USABLE_GIB`).
 GPUS: dict[str, int] = {name: int(gib * GIB) for name, (gib, _src) in GPU_USABLE_GIB.items()}

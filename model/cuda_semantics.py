@@ -89,7 +89,9 @@ DEVICE_GENERATIONS: tuple[tuple[str, GpuGeneration], ...] = (
     ("t4", GpuGeneration.SM75),
 )
 #: generations before Ampere: no FlashAttention-2 or cuDNN attention (both sm80..sm121), memory-efficient attention
-#: in fp16/fp32 only (``less_than_sm80_mem_efficient_dtypes``)
+#: in fp16/fp32 only (``less_than_sm80_mem_efficient_dtypes``), and no bfloat16 tensor cores (NVIDIA's Ampere
+#: whitepaper introduced them; ``torch.cuda.is_bf16_supported(including_emulation=False)`` needs major >= 8): bf16 runs
+#: emulated there
 PRE_AMPERE = frozenset({GpuGeneration.SM70, GpuGeneration.SM75})
 
 

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from memfit.api import (
-    NO_BF16_GPUS,
     Alternative,
     Prediction,
     PredictItem,
@@ -40,7 +39,13 @@ from memfit.schema import (
     TrainingConfig,
 )
 from model.allocator import AllocatorConfError, AllocatorSettings
-from model.cuda_semantics import TARGET_GENERATION, UNNAMED_GPU_GENERATION, cuda_trace_reasons, target_generation
+from model.cuda_semantics import (
+    PRE_AMPERE,
+    TARGET_GENERATION,
+    UNNAMED_GPU_GENERATION,
+    cuda_trace_reasons,
+    target_generation,
+)
 from model.cuda_terms import generation_curve
 from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.job import (
@@ -508,8 +513,8 @@ class Recommender:
                 "name the GPU (cluster.gpu) for its own: a V100 or T4 has no FlashAttention and runs bf16 attention "
                 "on the math backend"
             )
-        board = gpu_catalog_name(req.cluster.gpu) if req.cluster.gpu else None
-        if board in NO_BF16_GPUS and training.precision in (
+        gen = TARGET_GENERATION.get() if req.cluster.gpu else None  # the named GPU's (recommend sets it)
+        if gen in PRE_AMPERE and training.precision in (
             Precision.AMP_BF16,
             Precision.BF16,
             Precision.BF16_FP32_MASTER,
@@ -520,7 +525,8 @@ class Recommender:
                 else f"the answer is for {training.precision.value} as asked"
             )
             out.append(
-                f"{board} (compute capability {NO_BF16_GPUS[board]}) has no bfloat16 tensor cores: PyTorch runs bf16 "
+                f"{gpu_catalog_name(req.cluster.gpu)} (compute capability {gen.value[2]}.{gen.value[3:]}) has no "
+                "bfloat16 tensor cores: PyTorch runs bf16 "
                 f"emulated, far slower; {instead}"
             )
         used = training.data_parallel_size * training.model_parallel_size
