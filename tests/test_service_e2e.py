@@ -172,12 +172,11 @@ def test_models_hot_swap_and_refusal(server):
         == new_dir.name
     )
     reg.promote(first)  # rollback = moving the alias
-    assert (
-        httpx.post(base + "/models/reload", headers={"Authorization": "Bearer tok"}, timeout=HTTP_TIMEOUT_S).json()[
-            "serving"
-        ]
-        == first
-    )
+    back = httpx.post(base + "/models/reload", headers={"Authorization": "Bearer tok"}, timeout=HTTP_TIMEOUT_S).json()
+    assert back == {"serving": first, "previous": new_dir.name, "reloaded": True, "swapped": True, "last_error": None}
+    # reloading the version already served reads it again but swaps nothing
+    again = httpx.post(base + "/models/reload", headers={"Authorization": "Bearer tok"}, timeout=HTTP_TIMEOUT_S).json()
+    assert again == {"serving": first, "previous": first, "reloaded": True, "swapped": False, "last_error": None}
 
 
 def test_metrics_exposes_k_histogram(server):

@@ -36,11 +36,19 @@ def models(holder: Annotated[ModelHolder, Depends(get_holder)]) -> dict[str, Any
 
 @router.post("/models/reload", dependencies=[Depends(require_token)])
 def reload(holder: Annotated[ModelHolder, Depends(get_holder)]) -> dict[str, Any]:
-    """Load the registry's current version now (it is refused, and the serving one kept, if it fails a check)."""
-    swapped = holder.refresh(force=True)
+    """Load the registry's current version now (it is refused, and the serving one kept, if it fails a check).
+
+    Returns ``serving`` (the version now served), ``previous`` (the one served before), ``reloaded`` (the current
+    version was loaded and passed its checks, the same version included: its files are read again), ``swapped``
+    (the served version changed) and ``last_error`` (why a version was refused, else None)."""
+    previous = holder.recommender.version if holder.recommender else None
+    reloaded = holder.refresh(force=True)
+    serving = holder.recommender.version if holder.recommender else None
     return {
-        "serving": holder.recommender.version if holder.recommender else None,
-        "swapped": swapped,
+        "serving": serving,
+        "previous": previous,
+        "reloaded": reloaded,
+        "swapped": serving != previous,
         "last_error": holder.last_error,
     }
 
