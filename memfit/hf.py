@@ -14,6 +14,7 @@ import contextlib
 import copy
 import functools
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -692,6 +693,17 @@ def param_dtype(precision: Precision) -> torch.dtype:
     return torch.bfloat16 if precision in (Precision.BF16, Precision.BF16_FP32_MASTER) else torch.float32
 
 
+def _targets_conv1d(model, targets) -> bool:
+    """Whether the LoRA target modules (names matched as PEFT matches a list: the module name or its last part)
+    are transformers' ``Conv1D`` (GPT-2's weight layout, (in, out))."""
+    from transformers.pytorch_utils import Conv1D
+
+    names = {targets} if isinstance(targets, str) else set(targets or ())
+    return any(
+        isinstance(m, Conv1D) and (n in names or n.rsplit(".", 1)[-1] in names) for n, m in model.named_modules()
+    )
+
+
 def apply_finetune(model, training: TrainingConfig, layers) -> Any:
     if training.finetune is FineTune.LORA:
         from peft import LoraConfig, get_peft_model
@@ -706,8 +718,14 @@ def apply_finetune(model, training: TrainingConfig, layers) -> Any:
             lora_dropout=0.0,
             target_modules=targets,
             task_type="CAUSAL_LM",
+            # GPT-2-style Conv1D projections store (in, out): PEFT sets this itself for them, with a warning
+            fan_in_fan_out=_targets_conv1d(model, targets),
         )
-        with _module_to_via_set_data():
+        # PEFT reads transformers' deprecated ``is_gradient_checkpointing`` (a FutureWarning per model built)
+        with _module_to_via_set_data(), warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+            )
             return get_peft_model(model, cfg)
     if training.finetune is FineTune.FROZEN:
         model.get_input_embeddings().requires_grad_(False)

@@ -80,3 +80,34 @@ def test_describe_takes_a_bf16_loaded_lora_base_as_bf16(tmp_path):
     req = describe(model, seq_len=128, training_args=args, gpu="RTX-4090")
     # the Trainer's bf16=True autocasts over the bf16 base PEFT left as it was loaded: not an fp32 base
     assert req.training.precision is Precision.BF16 and req.training.finetune is FineTune.LORA
+
+
+@pytest.mark.parametrize("model_type,conv1d", [("gpt2", True), ("llama", False)])
+def test_lora_adapters_are_built_without_library_warnings(model_type, conv1d):
+    """The tracer's LoRA model (memfit.hf.apply_finetune): GPT-2's Conv1D projections get fan_in_fan_out set (PEFT
+    warned and set it itself), and PEFT's read of transformers' deprecated is_gradient_checkpointing no longer warns
+    once per model built (the retraining job printed one per traced LoRA configuration)."""
+    import warnings
+
+    from memfit.hf import apply_finetune, build_causal_lm, decoder_layers
+    from memfit.schema import TrainingConfig
+
+    if model_type == "gpt2":
+        cfg = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 128, "n_positions": 64}
+    else:
+        cfg = {
+            "model_type": "llama",
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 128,
+        }
+    model = build_causal_lm(cfg)
+    training = TrainingConfig(micro_batch_size=1, seq_len=16, finetune="lora", lora_rank=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        peft_model = apply_finetune(model, training, decoder_layers(model))
+    assert peft_model.peft_config["default"].fan_in_fan_out is conv1d
+    assert peft_model.num_parameters(only_trainable=True) > 0
