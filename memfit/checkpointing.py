@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -91,46 +92,73 @@ class CheckpointPlan:
 
     @classmethod
     def from_recommendation(
-        cls, rec: Any, *, num_layers: int | None = None, strict: bool = False, stacklevel: int = 3
+        cls,
+        rec: Any,
+        *,
+        num_layers: int | None = None,
+        strict: bool = False,
+        stacklevel: int = 3,
+        pipeline_stage: int | None = None,
     ) -> CheckpointPlan:
-        """Read a :class:`memfit.api.Recommendation`, a plan or a list of layer indices.
+        """Read a :class:`memfit.api.Recommendation`, a plan, a list of layer indices or a k (the first k layers).
 
         Args:
             rec: the service's answer (a :class:`memfit.api.Recommendation` or its JSON as a dict), the client's
-                fallback, a :class:`CheckpointPlan`, or indices.
-            num_layers: decoder layers of the live model when known (checked against the answer's).
+                fallback, a :class:`CheckpointPlan`, layer indices (integers), or an integer k.
+            num_layers: decoder layers of the live model when known (checked against the answer's, or against
+                the stage's with ``pipeline_stage``).
             strict: raise instead of adjusting the plan with a :class:`MemfitWarning`.
+            pipeline_stage: for an answer with ``pipeline_parallel_size > 1``, the stage this process runs
+                (0-based): the plan is then that stage's layers, indexed from 0 within the stage (the answer's
+                ``stages``: its ``first_layer`` and ``num_layers``).
 
         The client's fallback (``model_version == "fallback"``) is every layer, silently (the client
         already warned). A ``k=None`` answer (nothing fits) and an answer made for another layer count
         become every layer, with a warning.
 
         Raises:
-            ValueError: with ``strict``, for nothing fits or a layer-count mismatch; an index < 0.
+            ValueError: with ``strict``, for nothing fits or a layer-count mismatch; an index < 0 or not an
+                integer; a k outside [0, num_layers]; ``pipeline_stage`` outside the answer's stages, given for an
+                answer without them, or missing where a pipeline-parallel answer meets a stage's layer count.
             pydantic.ValidationError: a dict that is not a recommendation (the fields named).
         """
         if isinstance(rec, dict):  # a saved answer (``memfit recommend --json``, the service's JSON)
             from memfit.api import Recommendation
 
             rec = Recommendation.model_validate(rec)
+        if isinstance(rec, bool) or (isinstance(rec, int) and not 0 <= rec <= (num_layers or max(rec, 0))):
+            allowed = "an integer >= 0" if num_layers is None else f"an integer in [0, {num_layers}]"
+            raise ValueError(f"k={rec!r} must be {allowed}")
+        if isinstance(rec, int):
+            rec = range(rec)
         if isinstance(rec, CheckpointPlan):
             plan = rec
+            if plan.num_layers is not None and num_layers is not None and plan.num_layers != num_layers:
+                return cls._mismatch(plan.num_layers, num_layers, plan.source, strict, stacklevel + 1)
         elif not hasattr(rec, "layers"):
-            chosen = tuple(sorted({int(i) for i in rec}))
+            iterable = hasattr(rec, "__iter__") and not isinstance(rec, (str, bytes))
+            items = list(rec) if iterable else []
+            if not iterable or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in items):
+                raise ValueError(f"layer indices must be integers >= 0, got {rec!r}")
+            chosen = tuple(sorted({int(i) for i in items}))
             if any(i < 0 for i in chosen):
                 raise ValueError(f"layer indices {[i for i in chosen if i < 0]} must be >= 0")
             plan = cls(chosen, num_layers)
         else:
             version = getattr(rec, "model_version", None)
             n = getattr(rec, "num_layers", 0) or None
+            stages = int((getattr(rec, "training", None) or {}).get("pipeline_parallel_size") or 1)
+            if pipeline_stage is not None:
+                return cls._stage_plan(rec, pipeline_stage, num_layers, strict, stacklevel + 1)
             if version == FALLBACK_VERSION:
                 return cls(None, num_layers or n, version, "memfit service gave no answer (client fallback)")
             if n is not None and num_layers is not None and n != num_layers:
-                msg = f"recommendation is for {n} layers but the model has {num_layers}: it was made for another model"
-                if strict:
-                    raise ValueError(msg)
-                _warn(f"memfit: {msg}; checkpointing every layer instead", stacklevel=stacklevel)
-                return cls(None, num_layers, version, msg)
+                hint = (
+                    f"; for one stage of its {stages}-stage pipeline pass pipeline_stage= (this rank's stage)"
+                    if stages > 1
+                    else ""
+                )
+                return cls._mismatch(n, num_layers, version, strict, stacklevel + 1, hint)
             if rec.k is None:
                 msg = "recommendation says no k fits (see its alternatives)"
                 if strict:
@@ -141,6 +169,43 @@ class CheckpointPlan:
         if num_layers is not None and plan.num_layers is None:
             plan = CheckpointPlan(plan.layer_indices, num_layers, plan.source, plan.adjusted)
         return plan
+
+    @classmethod
+    def _mismatch(
+        cls, planned: int, num_layers: int, source: str | None, strict: bool, stacklevel: int, hint: str = ""
+    ) -> CheckpointPlan:
+        """Every layer of the live model, for a plan made for another layer count (or raise with ``strict``)."""
+        msg = f"recommendation is for {planned} layers but the model has {num_layers}: it was made for another model"
+        if strict:
+            raise ValueError(msg + hint)
+        _warn(f"memfit: {msg}{hint}; checkpointing every layer instead", stacklevel=stacklevel)
+        return cls(None, num_layers, source, msg)
+
+    @classmethod
+    def _stage_plan(
+        cls, rec: Any, pipeline_stage: int, num_layers: int | None, strict: bool, stacklevel: int
+    ) -> CheckpointPlan:
+        """One pipeline stage's plan from the answer's ``stages`` (indices within the stage)."""
+        stages = list(getattr(rec, "stages", None) or [])
+        version = getattr(rec, "model_version", None)
+        if not stages:
+            raise ValueError(
+                "pipeline_stage: the recommendation carries no pipeline stages (pipeline_parallel_size 1, a "
+                "provisional answer, or the client's fallback): apply it to the whole model without pipeline_stage"
+            )
+        if isinstance(pipeline_stage, bool) or not 0 <= pipeline_stage < len(stages):
+            raise ValueError(f"pipeline_stage={pipeline_stage!r} must be an integer in [0, {len(stages) - 1}]")
+        st = stages[pipeline_stage]
+        if num_layers is not None and num_layers != st.num_layers:
+            return cls._mismatch(st.num_layers, num_layers, version, strict, stacklevel + 1, f" (stage {st.stage})")
+        if rec.k is None:
+            msg = "recommendation says no k fits (see its alternatives)"
+            if strict:
+                raise ValueError(msg)
+            _warn(f"memfit: {msg}; checkpointing every layer of the stage", stacklevel=stacklevel)
+            return cls(None, st.num_layers, version, msg)
+        first, last = st.first_layer, st.first_layer + st.num_layers
+        return cls(tuple(sorted(i - first for i in rec.layers if first <= i < last)), st.num_layers, version)
 
 
 def checkpointed_layers(model: Any) -> list[int] | None:
@@ -353,6 +418,11 @@ def checkpoint_layers(
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+    if not any(m is layers for m in model.modules()):  # entries are replaced: a copy would leave the model as it was
+        raise ValueError(
+            f"layers: a {type(layers).__name__} that is not one of the model's modules; pass the model's own "
+            "nn.ModuleList or nn.Sequential of blocks (its entries are replaced by checkpoint wrappers)"
+        )
     plan = AppliedCheckpointing(chosen, L, "checkpoint_wrapper", use_reentrant)
     impl = CheckpointImpl.REENTRANT if use_reentrant else CheckpointImpl.NO_REENTRANT
     for i in range(L):
@@ -480,6 +550,7 @@ def apply(
     use_reentrant: bool = False,
     layers=None,
     deepspeed_config: dict[str, Any] | None = None,
+    pipeline_stage: int | None = None,
 ) -> AppliedCheckpointing:
     """Checkpoint exactly the recommended layers of ``model``; the others keep their activations.
 
@@ -493,6 +564,8 @@ def apply(
         use_reentrant: ``torch.utils.checkpoint`` flavour (non-reentrant recommended).
         layers: the block list, when it cannot be found automatically.
         deepspeed_config: the job's DeepSpeed config dict, used to detect ZeRO-3.
+        pipeline_stage: with a pipeline-parallel answer, the stage ``model`` is (its layers are the stage's):
+            :meth:`CheckpointPlan.from_recommendation`.
 
     Traps handled (each warns with :class:`MemfitWarning`):
 
@@ -522,7 +595,7 @@ def apply(
     if layers is None:
         raise ValueError("model has no nn.ModuleList of decoder layers; pass layers=...")
     checkpoint_plan = CheckpointPlan.from_recommendation(
-        recommendation, num_layers=len(layers), strict=strict, stacklevel=4
+        recommendation, num_layers=len(layers), strict=strict, stacklevel=4, pipeline_stage=pipeline_stage
     )
     chosen = checkpoint_plan.indices(len(layers))
     if _is_compiled(model) and chosen and not use_reentrant:

@@ -21,12 +21,13 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from memfit.api import Recommendation, RecommendRequest
-from memfit.checkpointing import MemfitWarning, apply, checkpoint_layers
+from memfit.api import Recommendation, RecommendRequest, StageOut
+from memfit.checkpointing import CheckpointPlan, MemfitWarning, apply, checkpoint_layers
 from memfit.client import fallback_recommendation
 from memfit.hf import build_causal_lm, decoder_layers, quiet_transformers
 from tests.helpers import TINY_LLAMA
@@ -36,7 +37,23 @@ deepspeed = pytest.importorskip("deepspeed")
 
 
 def rec_for(layers: list[int], num_layers: int = 4, k: int | None = -1, pp: int = 1) -> Recommendation:
+    """A hand-made answer; with pp > 1 it carries the service's per-stage split (even stages here)."""
+    per = num_layers // pp
+    stages = [
+        StageOut(
+            stage=s,
+            first_layer=s * per,
+            num_layers=per,
+            k=sum(s * per <= i < (s + 1) * per for i in layers),
+            micro_batches_in_flight=float(pp - s),
+            predicted_peak_bytes=1,
+            parameters=1,
+        )
+        for s in range(pp)
+        if pp > 1
+    ]
     return Recommendation(
+        stages=stages,
         fits=k is not None,
         k=len(layers) if k == -1 else k,
         layers=layers,
@@ -367,3 +384,100 @@ def test_megatron_settings_match_what_apply_checkpoints():
     (fields,) = megatron_recompute_config(rec)
     assert plan.layer_indices == list(range(fields["recompute_num_layers"]))
     assert [layer.gradient_checkpointing for layer in decoder_layers(model)] == [True, True, False, False]
+
+
+# -- one pipeline stage per process, saved answers, bad plans (a new user's trial, 2026-12-06) ----------------------
+def test_a_pipeline_stage_checkpoints_its_own_layers_at_every_step():
+    """A 2-stage answer for 8 layers that checkpoints layers 0-2 (stage 0) and 4 (stage 1), carried out in a process
+    that runs one 4-layer stage. The patch counted calls modulo the whole model's 8 layers: step 0 recomputed
+    layers 0-2 and step 1 none, with verify() passing after step 0."""
+    from memfit.integrations.deepspeed import patch_deepspeed_checkpointing
+
+    rec = rec_for([0, 1, 2, 4], num_layers=8, pp=2)
+    with pytest.raises(ValueError, match=r"pipeline_stage: .*pipeline_parallel_size=2.*0\.\.1"):
+        patch_deepspeed_checkpointing(rec)
+    for stage, expected in ((0, {0, 1, 2}), (1, {0})):
+        torch.manual_seed(0)
+        model = MegatronDeepSpeedStyle()  # this process's stage: 4 layers
+        counts = count_backward_forwards(model)
+        with patch_deepspeed_checkpointing(rec.model_dump(mode="json"), pipeline_stage=stage) as patch:
+            assert patch.plan.num_layers == 4 and patch.plan.layer_indices == sorted(expected)
+            for step in range(3):
+                for c in counts:
+                    counts[c] = 0
+                ds_step(model, seed=step)
+                assert {i for i, n in counts.items() if n} == expected, f"stage {stage} step {step}"
+    with pytest.raises(ValueError, match=r"pipeline_stage=2 must be an integer in \[0, 1\]"):
+        patch_deepspeed_checkpointing(rec, pipeline_stage=2)
+    with pytest.raises(ValueError, match="carries no pipeline stages"):
+        patch_deepspeed_checkpointing(rec_for([0], num_layers=4), pipeline_stage=0)
+
+    plain = MegatronDeepSpeedStyle()
+    plain.checkpointing = False
+    applied = apply(plain, rec, pipeline_stage=1)  # memfit.apply on a stage module: the same reading
+    assert applied.layer_indices == [0] and applied.num_layers == 4
+    with pytest.warns(MemfitWarning, match="pass pipeline_stage="):
+        assert apply(MegatronDeepSpeedStyle(), rec).k == 4  # a stage without its index: every layer
+
+
+def test_a_saved_pipeline_answer_gives_every_stage_its_megatron_fields():
+    from memfit.integrations.megatron import megatron_recompute_config
+
+    rec = rec_for([0, 1, 2, 4], num_layers=8, pp=2)
+    saved = json.loads(rec.model_dump_json())  # `memfit recommend --json` output, read back
+    assert megatron_recompute_config(saved) == megatron_recompute_config(rec)
+    assert [f["recompute_num_layers"] for f in megatron_recompute_config(saved)] == [3, 1]
+
+
+def test_patches_undone_in_any_order_restore_deepspeed_and_evaluation_forwards_are_not_counted():
+    from memfit.integrations.deepspeed import patch_deepspeed_checkpointing
+
+    real = deepspeed.checkpointing.checkpoint
+    p1 = patch_deepspeed_checkpointing([0], num_layers=4)
+    p2 = patch_deepspeed_checkpointing([1], num_layers=4)
+    p1.undo()
+    torch.manual_seed(0)
+    model = MegatronDeepSpeedStyle()
+    counts = count_backward_forwards(model)
+    ds_step(model)
+    assert {i for i, n in counts.items() if n} == {1}  # the later patch still rules
+    p2.undo()
+    assert deepspeed.checkpointing.checkpoint is real
+
+    # the client's fallback for an unknown model learns the layer count from the first training step; an
+    # evaluation forward under no_grad before it made the plan 8 layers of a 4-layer model
+    from memfit.client import fallback_recommendation
+
+    req = RecommendRequest(
+        model="my-private-model", training={"micro_batch_size": 1, "seq_len": 16}, cluster={"gpu": "H100-80GB"}
+    )
+    with patch_deepspeed_checkpointing(fallback_recommendation(req, "unreachable")) as patch:
+        with torch.no_grad():
+            model(torch.randint(0, 64, (2, 8)))
+        ds_step(model)
+        ds_step(model)
+        assert patch.plan.layer_indices == [0, 1, 2, 3] and patch.plan.verify()
+
+
+def test_plans_that_cannot_be_carried_out_are_refused():
+    model = MegatronDeepSpeedStyle()
+    model.checkpointing = False
+    with pytest.raises(ValueError, match="not one of the model's modules"):
+        apply(model, [0, 1], layers=list(model.layers))  # a Python list: the model would stay unchanged
+    for bad in ([True], ["1"], [1.5], "1"):
+        with pytest.raises(ValueError, match="layer indices must be integers"):
+            apply(model, bad)
+    with pytest.raises(ValueError, match=r"k=5 must be an integer in \[0, 4\]"):
+        apply(model, 5)
+    assert apply(model, 3).layer_indices == [0, 1, 2]  # an integer is k: the first k layers
+    assert apply(model, np.array([2, 0])).layer_indices == [0, 2]
+    with pytest.warns(MemfitWarning, match="recommendation is for 12 layers but the model has 4"):
+        assert apply(model, CheckpointPlan((0, 1), num_layers=12)).k == 4
+    from memfit.integrations.deepspeed import deepspeed_activation_checkpointing_config
+
+    assert (
+        deepspeed_activation_checkpointing_config(2, num_layers=4)["activation_checkpointing"]["number_checkpoints"]
+        == 2
+    )
+    with pytest.raises(ValueError, match="layer indices must be integers"):
+        deepspeed_activation_checkpointing_config(2.0, num_layers=4)

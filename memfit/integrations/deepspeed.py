@@ -89,6 +89,7 @@ class DeepSpeedCheckpointPatch:
         self._index_of = {id(m): i for i, m in enumerate(layers)} if layers is not None else {}
         self._chosen = set(plan.layer_indices)
         self._every_layer = every_layer
+        self._undone = False
         module.checkpoint = self._checkpoint
 
     def reset(self) -> None:
@@ -110,6 +111,12 @@ class DeepSpeedCheckpointPatch:
         return i
 
     def _checkpoint(self, function, *args, **kwargs):
+        if self._undone:  # undone under a later patch: pass through to what was there before this one
+            return self.original(function, *args, **kwargs)
+        import torch
+
+        if not torch.is_grad_enabled():  # an evaluation forward: nothing to recompute, and not a counted step
+            return function(*args, **kwargs)
         i = self._index(function, args)
         if self._every_layer:
             if i not in self._chosen:
@@ -121,9 +128,16 @@ class DeepSpeedCheckpointPatch:
         return function(*args)
 
     def undo(self) -> None:
-        """Put the original ``checkpoint`` back."""
+        """Put the original ``checkpoint`` back. Patches may be undone in any order: one undone under a later
+        patch passes its calls through until that one is undone, which then restores what was there before both."""
+        self._undone = True
         if self.module.checkpoint == self._checkpoint:  # bound methods compare equal, never identical
-            self.module.checkpoint = self.original
+            original = self.original
+            while (
+                isinstance(getattr(original, "__self__", None), DeepSpeedCheckpointPatch) and original.__self__._undone
+            ):
+                original = original.__self__.original
+            self.module.checkpoint = original
 
     def __enter__(self) -> Self:
         return self
@@ -140,6 +154,7 @@ def patch_deepspeed_checkpointing(
     layers: Sequence[Any] | None = None,
     layer_index: Callable[..., int | None] | None = None,
     strict: bool = False,
+    pipeline_stage: int | None = None,
 ) -> DeepSpeedCheckpointPatch:
     """Make ``module.checkpoint`` (default ``deepspeed.checkpointing.checkpoint``) recompute only the
     recommended layers; see the module docstring for the call convention.
@@ -154,15 +169,31 @@ def patch_deepspeed_checkpointing(
         layers: the layer modules, to index calls by ``function.__self__``.
         layer_index: ``f(function, *args) -> index or None`` for other conventions.
         strict: raise instead of adjusting the plan (nothing fits, layer-count mismatch).
+        pipeline_stage: for a pipeline-parallel answer, this process's stage: the calls are then that stage's
+            layers (:meth:`CheckpointPlan.from_recommendation`).
+
+    Calls under ``torch.no_grad()`` (evaluation forwards) run the layer directly and are not counted.
 
     Raises:
         ImportError: deepspeed is not installed and no ``module`` was given.
         ValueError: the layer count is unknown for a plan of chosen layers, or an index is outside
-            ``[0, num_layers)``.
+            ``[0, num_layers)``; a pipeline-parallel answer without ``pipeline_stage`` and without the
+            stage's ``num_layers`` (counting the calls of one stage modulo the whole model's layers would stop
+            checkpointing after the first step).
     """
     module = module if module is not None else checkpointing_module()
     given = num_layers or (len(layers) if layers is not None else None)
-    plan = CheckpointPlan.from_recommendation(rec, num_layers=given, strict=strict)
+    if isinstance(rec, dict):  # a saved ``--json`` answer
+        from memfit.api import Recommendation
+
+        rec = Recommendation.model_validate(rec)
+    stages = int((getattr(rec, "training", None) or {}).get("pipeline_parallel_size") or 1)
+    if stages > 1 and pipeline_stage is None and given is None:
+        raise ValueError(
+            f"pipeline_stage: the recommendation is for pipeline_parallel_size={stages}; pass pipeline_stage= "
+            f"(this rank's stage, 0..{stages - 1}) so the calls count the stage's layers"
+        )
+    plan = CheckpointPlan.from_recommendation(rec, num_layers=given, strict=strict, pipeline_stage=pipeline_stage)
     # An every-layer plan needs no count (every call is checkpointed); the recommendation's count is
     # only trusted for a plan of chosen layers.
     L = given or (None if plan.every_layer else plan.num_layers)
@@ -196,10 +227,7 @@ def deepspeed_activation_checkpointing_config(rec: Any, *, num_layers: int | Non
         ValueError: ``rec`` a bool, or a k or layer index outside the model's layers (``[0, num_layers]``; k >= 0
             when the count is unknown).
     """
-    if isinstance(rec, bool) or (isinstance(rec, int) and not 0 <= rec <= (rec if num_layers is None else num_layers)):
-        allowed = "an integer >= 0" if num_layers is None else f"an integer in [0, {num_layers}]"
-        raise ValueError(f"k={rec!r} must be {allowed}")
-    plan = CheckpointPlan.from_recommendation(rec if not isinstance(rec, int) else range(rec), num_layers=num_layers)
+    plan = CheckpointPlan.from_recommendation(rec, num_layers=num_layers)
     n = num_layers if num_layers is not None else plan.num_layers
     k = len(plan.indices(n)) if n is not None else plan.k()
     return {

@@ -31,7 +31,8 @@ EVERY_LAYER: dict[str, Any] = {
 
 
 def _training(rec: Any) -> dict[str, Any]:
-    training = getattr(rec, "training", None) or {}
+    """The answer's resolved training configuration (a saved ``--json`` answer is a dict), else {}."""
+    training = (rec.get("training") if isinstance(rec, dict) else getattr(rec, "training", None)) or {}
     return training if isinstance(training, dict) else {}
 
 
