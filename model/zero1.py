@@ -54,8 +54,10 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
+from model.analytic import model_state_bytes
 from model.compose import PEAK_PHASES
 from model.derivation import Draft, Request, peak_phases
+from model.parallel import pipeline_stages
 
 #: the allocator's block (``model.analytic.BLOCK_BYTES``, ``tracer.tracker.BLOCK_BYTES``)
 BLOCK_BYTES = 512
@@ -292,8 +294,10 @@ class Zero1Derivation:
         if draft is not None or training.sharding is not Sharding.ZERO1 or hf_config is None:
             return draft
         base_training_ = base_training(training)
-        if not_composable_reason(training) or self.not_traceable_reason(model, base_training_, hf_config):
+        if self.not_traceable_reason(model, base_training_, hf_config):
             return None
+        if not_composable_reason(training):
+            return unsharded_bound(predictor, request, base_training_) if bounded_by_base(training) else None
         base = predictor.curve(model, base_training_, hf_config)  # asks the tracer for the base's key
         if base.phase_bytes is None:
             return None
@@ -322,3 +326,49 @@ class Zero1Derivation:
             margin_sharding=base_training_.sharding,
             gradients_live=training.accumulates_gradients,
         )
+
+
+def bounded_by_base(training: TrainingConfig) -> bool:
+    """Whether a ZeRO-1 configuration that is not composed (:func:`not_composable_reason`) is answered by its
+    unsharded base as an upper bound: with tensor, pipeline or context parallelism (and nothing else that blocks
+    the composition). ZeRO-1 only removes other ranks' optimizer states and their step temporaries from what an
+    unsharded rank holds (module docstring), so the base's curve is never below it."""
+    parallel = (
+        training.tensor_parallel_size > 1 or training.pipeline_parallel_size > 1 or training.context_parallel_size > 1
+    )
+    unparallel = training.model_copy(
+        update={"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "context_parallel_size": 1}
+    )
+    return parallel and not_composable_reason(unparallel) is None
+
+
+def unsharded_bound(predictor: Any, request: Request, base_training_: TrainingConfig) -> Draft | None:
+    """The unsharded base's curve (per pipeline stage where it has stages) as the answer for a ZeRO-1 request with
+    tensor, pipeline or context parallelism (:func:`bounded_by_base`); None while the base is not traced (the
+    next step answers: the provisional models hold no parallel layout)."""
+    model, training, hf_config = request.model, request.training, request.hf_config
+    base = predictor.curve(model, base_training_, hf_config)  # asks the tracer for the base's key
+    if base.path != "traced":
+        return None
+    stage_states = [model_state_bytes(st.spec, base_training_) for st in pipeline_stages(model, base_training_)]
+    note = (
+        f"ZeRO-1 over {training.data_parallel_size} ranks with tensor, pipeline or context parallelism is not "
+        "composed (model.zero1): answered as the same configuration without sharding, an upper bound (ZeRO-1 only "
+        "removes the other ranks' optimizer states)"
+    )
+    return Draft(
+        path=base.path,
+        raw=np.asarray(base.raw_bytes, dtype=np.float64),
+        phases=[p.peak_phase for p in base.points],
+        phase_bytes=base.phase_bytes,
+        states=max(stage_states, key=lambda x: x.total_bytes),
+        stage_states=stage_states,
+        pipeline=base.pipeline,
+        terms_key=base.terms_key,
+        reason=base.reason,
+        notes=[*base.notes, note],
+        learned=base.learned_coefficients,
+        composed_from="zero1",
+        margin_sharding=base_training_.sharding,
+        gradients_live=training.accumulates_gradients,
+    )

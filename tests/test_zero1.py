@@ -272,3 +272,39 @@ def test_row_paths_leave_frozen_zero1_rows_provisional():
     d = df[(df["finetune"] == "frozen") & (df["sharding"] == "zero1")].reset_index(drop=True)
     assert len(d) > 0
     assert set(row_paths(d, TermsCache())) == {"provisional"}
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"pipeline_parallel_size": 2, "num_micro_batches": 4},
+        {"context_parallel_size": 2},
+        {"tensor_parallel_size": 2},
+    ],
+    ids=["pipeline", "context", "tensor"],
+)
+def test_zero1_with_model_parallelism_is_the_unsharded_curve_not_a_rank_holding_every_layer(parallel):
+    """ZeRO-1 with pipeline, context or tensor parallelism is not composed from the whole-parameter partition; it
+    fell to the learned ratio model, which holds no parallel layout (a rank with every layer: Llama-3-8B on 8 H100s
+    with 4 stages said nothing fits under ZeRO-1 while it fit without sharding and under ZeRO-3). It is now the
+    unsharded configuration's traced curve, an upper bound, with a note; without that base traced it stays
+    unanswered by this step (here: no provisional model, so the predictor raises)."""
+    from tracer.phases import trace_terms
+
+    training = TrainingConfig(
+        micro_batch_size=2, seq_len=64, precision="amp_bf16", sharding="zero1", data_parallel_size=2, **parallel
+    )
+    base = training.model_copy(update={"sharding": Sharding.NONE, "data_parallel_size": 1})
+    spec = model_spec(TINY, name="tiny")
+    with pytest.raises(ValueError, match="no provisional model"):
+        MemoryPredictor(None, TermsCache(shipped_dir=None)).curve(spec, training, TINY)
+    cache = TermsCache(shipped_dir=None)
+    cache.put(terms_key(TINY, base), trace_terms(TINY, base).to_json())
+    predictor = MemoryPredictor(None, cache)
+    curve, unsharded = predictor.curve(spec, training, TINY), predictor.curve(spec, base, TINY)
+    assert curve.path == TRACED
+    assert [p.predicted_bytes for p in curve.points] == [p.predicted_bytes for p in unsharded.points]
+    assert any("answered as the same configuration without sharding, an upper bound" in n for n in curve.notes)
+    assert (curve.pipeline is None) == (training.tensor_parallel_size > 1)  # stages with pipeline or context parallel
+    for pt in curve.points:
+        assert sum(pt.breakdown.values()) == pt.predicted_bytes
