@@ -517,17 +517,29 @@ class AccumulatedTerms:
 
 class LearnedCoefficients:
     """The :class:`model.derivation.Derivation` answering an untraced request the learned phase coefficients
-    cover (:class:`model.coefficients.CoefficientModel`), composed per phase as traced terms are."""
+    cover (:class:`model.coefficients.CoefficientModel`), composed per phase as traced terms are; with pipeline or
+    context parallelism, per stage (:func:`model.parallel.compose_pipeline`) from the coefficients of the same
+    configuration on one stage (the terms key holds neither size: they are composed on top)."""
 
     def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
         model, training, hf_config = request.model, request.training, request.hf_config
-        if draft.raw is not None or predictor.coefficients is None or _pipeline_or_context(training):
+        if draft.raw is not None or predictor.coefficients is None:
             return draft
-        if not predictor.coefficients.covers(draft.rank_model, training, hf_config):
+        staged = _pipeline_or_context(training)
+        one_stage = (
+            training.model_copy(update={"pipeline_parallel_size": 1, "context_parallel_size": 1})
+            if staged
+            else training
+        )
+        if not predictor.coefficients.covers(draft.rank_model, one_stage, hf_config):
             return draft
-        coef = predictor.coefficients.predict_coef(draft.rank_model, training, hf_config)
-        c = compose(coef, model.num_layers, training.micro_batch_size, training.seq_len)
+        coef = predictor.coefficients.predict_coef(draft.rank_model, one_stage, hf_config)
         draft.path, draft.learned = PROVISIONAL, True
+        if staged:
+            draft.pipeline = compose_pipeline(coef, (1, 2), model, training)
+            draft.raw, draft.phases = draft.pipeline.peak_bytes.astype(np.float64), draft.pipeline.phase
+            return draft
+        c = compose(coef, model.num_layers, training.micro_batch_size, training.seq_len)
         draft.raw, draft.phases, draft.phase_bytes = c.peak_bytes.astype(np.float64), c.phase, c.phase_bytes
         return draft
 

@@ -494,3 +494,31 @@ def test_booster_values_are_kept_per_feature_row(entries):
     # a setting the features hold (the optimizer) is another row
     m.predict_pieces(spec, TrainingConfig(**{**short.model_dump(), "optimizer": "adamw_fused"}), hf)
     assert len(calls) == 2 * sum(len(b) for b in m.boosters_.values())
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{"pipeline_parallel_size": 2, "num_micro_batches": 4}, {"context_parallel_size": 2}],
+    ids=["pipeline", "context"],
+)
+def test_pipeline_and_context_parallel_requests_are_composed_per_stage_from_learned_coefficients(
+    entries, held_out_model, parallel
+):
+    """An untraced pipeline- or context-parallel request (the service's first answer while it traces) went to the
+    ratio model, which holds no parallel layout: a rank with every layer, Llama-3-8B on 4 stages "does not fit"
+    until the trace came. The learned coefficients of the one-stage configuration are composed per stage as traced
+    terms are; on a held-out architecture the curve is checked against the shipped terms' composition
+    (within 2.4 % at every k here)."""
+    entry = _entry(entries, "llama-3.2-3b", precision="amp_bf16", sharding="none")
+    job = entry_configuration(entry)
+    training = job.training.model_copy(update={"micro_batch_size": 2, "seq_len": 8192, **parallel})
+    learned = MemoryPredictor(None, TermsCache(shipped_dir=None), coefficients=held_out_model).curve(
+        job.spec, training, job.hf_config
+    )
+    traced = MemoryPredictor(None, TermsCache()).curve(job.spec, training, job.hf_config)
+    assert traced.path == "traced" and learned.path == PROVISIONAL and learned.learned_coefficients
+    assert learned.pipeline is not None and len(learned.pipeline.stages) == training.pipeline_parallel_size
+    errors = [lp.predicted_bytes / tp.predicted_bytes - 1 for lp, tp in zip(learned.points, traced.points)]
+    assert max(abs(e) for e in errors) < 0.05, errors
+    for p in learned.points:
+        assert sum(p.breakdown.values()) == p.predicted_bytes
