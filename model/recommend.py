@@ -472,6 +472,29 @@ def candidate_changes(training: TrainingConfig, model: ModelSpec, gpu_count: int
     return out
 
 
+def combined_changes(candidates: list[Candidate]) -> list[Candidate]:
+    """Pairs of same-hardware changes from :func:`candidate_changes`, for when no single change fits: ZeRO-3 /
+    FSDP full-shard over the same GPUs (it cuts the model states) with each smaller micro-batch under gradient
+    accumulation (it cuts the activations), the two costs added."""
+    sharded = [
+        c
+        for c in candidates
+        if c.change.get("sharding") == "zero3" and set(c.change) == {"sharding", "data_parallel_size"}
+    ]
+    smaller = [c for c in candidates if set(c.change) == {"micro_batch_size", "gradient_accumulation_steps"}]
+    return [
+        Candidate(
+            f"{s.description}, {m.description}",
+            {**s.change, **m.change},
+            "same_training",
+            s.throughput_loss_fraction + m.throughput_loss_fraction,
+            f"{s.cost}; {m.cost}",
+        )
+        for s in sharded[:1]
+        for m in smaller
+    ]
+
+
 def longest_fitting_seq_len(seq_len: int, fits: Callable[[int], bool], step: int = SEQ_LEN_STEP_TOKENS) -> int | None:
     """The longest multiple of ``step`` below ``seq_len`` for which ``fits(length)`` holds, by bisection; None when
     not even ``step`` fits (or ``seq_len <= step``). ``fits`` is taken as monotone (a length fits when a longer one

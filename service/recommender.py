@@ -66,6 +66,7 @@ from model.recommend import (
     Plan,
     allocator_bounds,
     candidate_changes,
+    combined_changes,
     longest_fitting_seq_len,
     needs_alternatives,
     parameter_block_bytes,
@@ -566,21 +567,29 @@ class Recommender:
     def _alternatives(self, job: Job, req: RecommendRequest, current: Plan) -> list[Alternative]:
         """Each candidate change planned through the same curve; ranked by :func:`model.recommend.rank_alternatives`.
 
-        A candidate the schema refuses (e.g. ZeRO on one GPU) is skipped. Returned: the candidates that fit
+        A candidate the schema refuses (e.g. ZeRO on one GPU) is skipped. When no single change fits on the same
+        GPUs, pairs of them are planned too (:func:`model.recommend.combined_changes`). Returned: the candidates that fit
         (with heavy recompute: only those that need less recompute than ``current``), ranked; when none
         fits, the three closest to fitting.
         """
         out = []
-        for cand in candidate_changes(job.training, job.architecture.spec, req.cluster.gpu_count):
-            fields = {k: v for k, v in cand.change.items() if k != "gpu_count"}
-            gpus = cand.change.get("gpu_count", req.cluster.gpu_count)
-            try:
-                t_in = TrainingIn.model_validate({**req.training.model_dump(), **fields})
-                changed = resolve(job.architecture, t_in, req.cluster, gpu_count=gpus)
-            except (ValidationError, InvalidConfiguration):
-                continue
-            p = self._plan(changed, req, self._alternative_curves)
-            out.append(_alternative(cand, p, changed, req))
+
+        def planned(candidates) -> None:
+            for cand in candidates:
+                fields = {k: v for k, v in cand.change.items() if k != "gpu_count"}
+                gpus = cand.change.get("gpu_count", req.cluster.gpu_count)
+                try:
+                    t_in = TrainingIn.model_validate({**req.training.model_dump(), **fields})
+                    changed = resolve(job.architecture, t_in, req.cluster, gpu_count=gpus)
+                except (ValidationError, InvalidConfiguration):
+                    continue
+                p = self._plan(changed, req, self._alternative_curves)
+                out.append(_alternative(cand, p, changed, req))
+
+        singles = candidate_changes(job.training, job.architecture.spec, req.cluster.gpu_count)
+        planned(singles)
+        if not any(a.fits and a.category == "same_training" for a in out):  # two changes on the same GPUs
+            planned(combined_changes(singles))
         if not current.fits and job.training.seq_len >= LONG_CONTEXT_TOKENS:
             shorter = self._shorter_sequence(job.architecture, req)
             if shorter is not None:

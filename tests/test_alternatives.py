@@ -290,3 +290,31 @@ def test_llama_3_8b_at_32k_on_one_h100_is_offered_a_shorter_sequence_and_context
             assert not direct.fits
         else:
             assert direct.fits and direct.k == by_change[tuple(sorted(change.items()))].k
+
+
+def test_when_no_single_change_fits_sharding_and_a_smaller_micro_batch_are_offered_together(shipped_recommender):
+    """Llama-3-8B, micro-batch 4, seq 8192, 8 A100-80GB, no sharding (a new user's trial): nothing fits, and neither
+    did any single change on the same GPUs (ZeRO-3 keeps micro-batch 4's activations, micro-batch 1 keeps 16 B of
+    states per parameter): the three closest were CPU offload and ZeRO-3 over 32 and 64 GPUs, none fitting, while
+    ZeRO-3 with micro-batch 1 and 4x accumulation fits on the 8 GPUs. Pairs are planned when no single change fits."""
+    from memfit.api import RecommendRequest
+    from model.recommend import candidate_changes, combined_changes
+
+    body = {
+        "model": "llama-3-8b",
+        "training": {"micro_batch_size": 4, "seq_len": 8192},
+        "cluster": {"gpu": "A100-80GB", "gpu_count": 8},
+    }
+    rec = shipped_recommender.recommend(RecommendRequest.model_validate(body))
+    assert not rec.fits
+    first = rec.alternatives[0]
+    assert first.fits and first.category == "same_training", [(a.description, a.fits) for a in rec.alternatives]
+    assert first.change["sharding"] == "zero3" and first.change["data_parallel_size"] == 8
+    assert first.change["micro_batch_size"] * first.change["gradient_accumulation_steps"] == 4
+    # the pairs: ZeRO-3 on the same GPUs with each halving of the micro-batch, costs added
+    from data import catalog
+
+    singles = candidate_changes(TrainingConfig(micro_batch_size=4, seq_len=8192), catalog.spec("llama-3-8b"), 8)
+    pairs = combined_changes(singles)
+    assert [p.change["micro_batch_size"] for p in pairs] == [2, 1]
+    assert [p.throughput_loss_fraction for p in pairs] == pytest.approx([0.1, 0.15])
