@@ -449,8 +449,8 @@ def _utc(moment: datetime) -> datetime:
 def _parse(item: Any) -> TelemetryRecord:
     if not isinstance(item, dict):
         raise TypeError(f"record must be an object, got {type(item).__name__}")
-    if "model" in item:
-        return TelemetryRecord.model_validate(item)
+    if "model" in item:  # posted JSON, checked as JSON and strictly: an integer field refuses "4", 4.0 and true
+        return TelemetryRecord.model_validate_json(json.dumps(item), strict=True)
     row = dict(item)
     if isinstance(row.get("created_at"), str):
         row["created_at"] = datetime.fromisoformat(row["created_at"])

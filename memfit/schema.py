@@ -36,7 +36,7 @@ import hashlib
 import json
 import math
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, Self
 
@@ -584,6 +584,10 @@ def _row_fields() -> dict[str, tuple[str, Any]]:
     return out
 
 
+#: how far a record's ``created_at`` may lie ahead of the receiving clock (clocks of a cluster and a service differ)
+CLOCK_SKEW = timedelta(days=1)
+
+
 class TelemetryRecord(_Part):
     """One measured training step. ``record_id`` makes ingestion idempotent."""
 
@@ -600,6 +604,9 @@ class TelemetryRecord(_Part):
     def _check(self) -> Self:
         L = self.model.num_layers
         t = self.training
+        made = self.created_at if self.created_at.tzinfo is not None else self.created_at.replace(tzinfo=UTC)
+        if made > datetime.now(UTC) + CLOCK_SKEW:
+            raise ValueError(f"created_at={self.created_at.isoformat()} is in the future (allowed: up to now + 1 day)")
         if t.num_checkpointed_layers > L:
             raise ValueError(f"checkpointed layers k={t.num_checkpointed_layers} must be in [0, num_layers={L}]")
         if any(i >= L for i in t.checkpoint_layers):

@@ -153,3 +153,22 @@ def test_lookup_keeps_the_instant_of_timestamps(store):
     assert stored is None and len(held) == 1 and held[0]["received_at"].utcoffset() is not None
     assert abs((datetime.now(UTC) - held[0]["received_at"]).total_seconds()) < 60
     assert store.lookup("tz-999999") == (None, [])
+
+
+def test_posted_records_are_checked_strictly_and_not_dated_in_the_future(store):
+    """A posted record's integers are strict, as every request body's are (the README's promise): "4" and 4.0
+    were coerced and stored. A created_at in the year 2999 was stored too."""
+    good = record(record_id="rec-eeeeeeee").model_dump(mode="json")
+    as_text = good | {"record_id": "rec-ffffffff"}
+    as_text["measurement"] = {
+        **good["measurement"],
+        "peak_allocated_bytes": str(good["measurement"]["peak_allocated_bytes"]),
+    }
+    as_float = good | {"record_id": "rec-gggggggg"}
+    as_float["training"] = {**good["training"], "micro_batch_size": 2.0}
+    future = good | {"record_id": "rec-hhhhhhhh", "created_at": "2999-01-01T00:00:00"}
+    rep = store.add([good, as_text, as_float, future])
+    assert rep.stored == ["rec-eeeeeeee"]
+    reasons = {r["index"]: r["reason"] for r in rep.rejected}
+    assert "peak_allocated_bytes" in reasons[1] and "micro_batch_size" in reasons[2]
+    assert "created_at=2999-01-01T00:00:00 is in the future" in reasons[3]
