@@ -406,6 +406,40 @@ def _zero_stage(stage: Any) -> int:
     return value
 
 
+def _batch_from_deepspeed(
+    ds: dict[str, Any] | None, micro_batch_size: int | None, gradient_accumulation_steps: int | None, dp: int
+) -> tuple[int, int | None]:
+    """(micro-batch size, gradient accumulation steps) with what DeepSpeed derives from ``train_batch_size`` = micro
+    x accumulation x data-parallel size filled in (``deepspeed/runtime/config.py``,
+    ``DeepSpeedConfig._configure_train_batch_size``: a missing accumulation is 1 when the micro-batch is missing too).
+
+    Raises:
+        InvalidConfiguration: ``train_batch_size`` not a multiple of the other two.
+        ValueError: no micro-batch size anywhere.
+    """
+    total = _int_or_none((ds or {}).get("train_batch_size"))
+    if total is not None and (micro_batch_size is None or gradient_accumulation_steps is None):
+        if micro_batch_size is None:
+            per = (gradient_accumulation_steps or 1) * dp
+            what = f"gradient_accumulation_steps x data-parallel size = {per}"
+        else:
+            per = micro_batch_size * dp
+            what = f"micro-batch size x data-parallel size = {per}"
+        derived, rest = divmod(total, per)
+        if rest or derived < 1:
+            raise InvalidConfiguration("deepspeed_config.train_batch_size", f"a positive multiple of {what}", total)
+        if micro_batch_size is None:
+            micro_batch_size, gradient_accumulation_steps = derived, gradient_accumulation_steps or 1
+        else:
+            gradient_accumulation_steps = derived
+    if micro_batch_size is None:
+        raise ValueError(
+            "micro_batch_size is required: give micro_batch_size=, a DeepSpeed config with "
+            "train_micro_batch_size_per_gpu or train_batch_size, or training_args with per_device_train_batch_size"
+        )
+    return micro_batch_size, gradient_accumulation_steps
+
+
 def describe(
     model,
     *,
@@ -440,7 +474,8 @@ def describe(
     """A :class:`RecommendRequest` for a live model and its training setup.
 
     Explicit keyword arguments win; then the DeepSpeed config (``deepspeed_config`` or
-    ``training_args.deepspeed``: ``train_micro_batch_size_per_gpu``, ``zero_optimization.stage``,
+    ``training_args.deepspeed``: ``train_micro_batch_size_per_gpu`` (else derived from ``train_batch_size``, as
+    DeepSpeed derives it), ``zero_optimization.stage``,
     ``bf16``/``fp16.enabled`` — ``"auto"`` resolved from ``training_args``); then HF
     ``TrainingArguments`` (``per_device_train_batch_size``, ``bf16``/``fp16``, ``optim``, ``fsdp``,
     ``activation_checkpointing_kwargs``/``gradient_checkpointing_kwargs``); then the model.
@@ -499,12 +534,6 @@ def describe(
         gradient_accumulation_steps = _int_or_none(ds.get("gradient_accumulation_steps"))
     if gradient_accumulation_steps is None and args is not None:
         gradient_accumulation_steps = _int_or_none(getattr(args, "gradient_accumulation_steps", None))
-    if micro_batch_size is None:
-        raise ValueError(
-            "micro_batch_size is required: give micro_batch_size=, a DeepSpeed config with "
-            "train_micro_batch_size_per_gpu, or training_args with per_device_train_batch_size"
-        )
-
     base = unwrap(model)
     params = list(base.parameters())
     half = bool(params) and params[0].dtype.is_floating_point and params[0].element_size() == 2
@@ -552,6 +581,9 @@ def describe(
             raise InvalidConfiguration(f"{section}.{name}", "an integer >= 1", size)
     sequence_parallel = bool(sequence_parallel) and tensor_parallel_size > 1
     dp = default_data_parallel_size(gpu_count, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
+    micro_batch_size, gradient_accumulation_steps = _batch_from_deepspeed(
+        ds, micro_batch_size, gradient_accumulation_steps, dp
+    )
     if sharding is None:
         stage = ((ds or {}).get("zero_optimization") or {}).get("stage", 0)
         fsdp = getattr(args, "fsdp", None) or ""

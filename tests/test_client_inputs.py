@@ -87,6 +87,23 @@ def test_deepspeed_config_values_as_deepspeed_reads_them():
         sharding({**base, "optimizer": {"type": "Lamb"}})
 
 
+def test_the_micro_batch_is_derived_from_deepspeeds_train_batch_size():
+    """DeepSpeed derives the micro-batch from train_batch_size = micro x accumulation x data-parallel ranks; describe
+    said "micro_batch_size is required" for such a config."""
+    model = llama(4)
+
+    def batch(ds, **kw):
+        t = describe(model, seq_len=128, deepspeed_config=ds, gpu="A100-80GB", gpu_count=8, **kw).training
+        return t.micro_batch_size, t.gradient_accumulation_steps
+
+    assert batch({"train_batch_size": 64, "gradient_accumulation_steps": 4}) == (2, 4)
+    assert batch({"train_batch_size": 64}) == (8, 1)
+    assert batch({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2}) == (2, 4)
+    assert batch({"train_batch_size": 64, "gradient_accumulation_steps": 4}, tensor_parallel_size=2) == (4, 4)
+    with pytest.raises(InvalidConfiguration, match=r"train_batch_size: must be a positive multiple of .* = 24"):
+        batch({"train_batch_size": 64, "gradient_accumulation_steps": 3})
+
+
 @pytest.mark.parametrize(
     ("kw", "field"),
     [
