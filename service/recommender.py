@@ -520,11 +520,14 @@ class Recommender:
             Precision.BF16,
             Precision.BF16_FP32_MASTER,
         ):
-            instead = (
-                "precision=amp_fp16 needs the same memory with fp16 autocast"
-                if training.precision is Precision.AMP_BF16
-                else f"the answer is for {training.precision.value} as asked"
-            )
+            instead = {
+                Precision.AMP_BF16: "precision=amp_fp16 needs the same memory with fp16 autocast",
+                # memfit.describe reads DeepSpeed's fp16 block as bf16_fp32_master: the same model-state bytes
+                Precision.BF16_FP32_MASTER: "the answer is for bf16_fp32_master as asked; fp16 weights with fp32 "
+                "masters (DeepSpeed's or Megatron's fp16, which memfit.describe reads as this precision) hold the "
+                "same states, and their attention runs the memory-efficient kernel here, not bf16's math fallback: "
+                "for them the answer errs high",
+            }.get(training.precision, f"the answer is for {training.precision.value} as asked")
             out.append(
                 f"{gpu_catalog_name(req.cluster.gpu)} (compute capability {gen.value[2]}.{gen.value[3:]}) has no "
                 "bfloat16 tensor cores: PyTorch runs bf16 "

@@ -475,6 +475,10 @@ def test_bf16_on_a_board_without_bf16_tensor_cores_is_said():
     assert t4.startswith("T4 (compute capability 7.5) has no bfloat16 tensor cores") and "amp_fp16" in t4
     (v100,) = warned("V100-32GB", precision="bf16_fp32_master")
     assert "7.0" in v100 and "the answer is for bf16_fp32_master as asked" in v100
+    # a DeepSpeed fp16 job is described as bf16_fp32_master (same states): the warning says how the answer reads then
+    assert "DeepSpeed's or Megatron's fp16" in v100 and "errs high" in v100
+    (pure,) = warned("V100-32GB", precision="bf16")
+    assert "the answer is for bf16 as asked" in pure and "fp16" not in pure
     assert warned("T4", precision="amp_fp16") == [] and warned("A100-80GB") == []
 
 
