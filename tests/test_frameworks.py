@@ -481,3 +481,11 @@ def test_plans_that_cannot_be_carried_out_are_refused():
     )
     with pytest.raises(ValueError, match="layer indices must be integers"):
         deepspeed_activation_checkpointing_config(2.0, num_layers=4)
+
+
+def test_a_pipeline_size_megatron_cannot_split_evenly_is_refused_with_the_reason():
+    from memfit.integrations.megatron import megatron_recompute_config
+
+    # the service answers 5 stages of 32 layers (6/6/6/7/7); Megatron-Core's stages are num_layers / pp each
+    with pytest.raises(ValueError, match=r"num_layers=32 must be divisible by pipeline_parallel_size=5: Megatron-Core"):
+        megatron_recompute_config(rec_for([0, 1], num_layers=32, pp=5))

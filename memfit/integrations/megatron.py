@@ -96,7 +96,11 @@ def megatron_recompute_config(
     if not L:
         raise ValueError("num_layers is required: the model's layer count (the plan does not carry it)")
     if L % stages:
-        raise ValueError(f"num_layers={L} must be divisible by pipeline_parallel_size={stages}")
+        raise ValueError(
+            f"num_layers={L} must be divisible by pipeline_parallel_size={stages}: Megatron-Core gives each stage "
+            "num_layers / pipeline_parallel_size layers (the answer's stages split the remainder over the last ones, "
+            "which Megatron's layer settings do not express); ask for a pipeline size that divides the layers"
+        )
     chunks = _chunks(rec, pipeline_chunks_per_rank)
     if chunks < 1 or (L // stages) % chunks:
         raise ValueError(
