@@ -117,20 +117,22 @@ class CheckpointPlan:
         become every layer, with a warning.
 
         Raises:
-            ValueError: with ``strict``, for nothing fits or a layer-count mismatch; an index < 0 or not an
-                integer; a k outside [0, num_layers]; ``pipeline_stage`` outside the answer's stages, given for an
-                answer without them, or missing where a pipeline-parallel answer meets a stage's layer count.
+            ValueError: with ``strict``, for nothing fits, a layer-count mismatch (a pipeline-parallel answer met
+                by one stage's layers without ``pipeline_stage``) or ``pipeline_stage`` given for an answer without
+                stages (without ``strict``: every layer, with a warning); an index < 0 or not an integer; a k outside
+                [0, num_layers]; ``pipeline_stage`` outside the answer's stages.
             pydantic.ValidationError: a dict that is not a recommendation (the fields named).
         """
         if isinstance(rec, dict):  # a saved answer (``memfit recommend --json``, the service's JSON)
             from memfit.api import Recommendation
 
             rec = Recommendation.model_validate(rec)
-        if isinstance(rec, bool) or (isinstance(rec, int) and not 0 <= rec <= (num_layers or max(rec, 0))):
+        k_given = isinstance(rec, numbers.Integral)
+        if isinstance(rec, bool) or (k_given and not 0 <= rec <= (num_layers or max(rec, 0))):
             allowed = "an integer >= 0" if num_layers is None else f"an integer in [0, {num_layers}]"
             raise ValueError(f"k={rec!r} must be {allowed}")
-        if isinstance(rec, int):
-            rec = range(rec)
+        if k_given:
+            rec = range(int(rec))
         if isinstance(rec, CheckpointPlan):
             plan = rec
             if plan.num_layers is not None and num_layers is not None and plan.num_layers != num_layers:
@@ -148,10 +150,11 @@ class CheckpointPlan:
             version = getattr(rec, "model_version", None)
             n = getattr(rec, "num_layers", 0) or None
             stages = int((getattr(rec, "training", None) or {}).get("pipeline_parallel_size") or 1)
+            if version == FALLBACK_VERSION:  # every layer; of a stage, the live model's count (the answer's is the model's)
+                count = num_layers if pipeline_stage is not None else num_layers or n
+                return cls(None, count, version, "memfit service gave no answer (client fallback)")
             if pipeline_stage is not None:
                 return cls._stage_plan(rec, pipeline_stage, num_layers, strict, stacklevel + 1)
-            if version == FALLBACK_VERSION:
-                return cls(None, num_layers or n, version, "memfit service gave no answer (client fallback)")
             if n is not None and num_layers is not None and n != num_layers:
                 hint = (
                     f"; for one stage of its {stages}-stage pipeline pass pipeline_stage= (this rank's stage)"
@@ -189,10 +192,14 @@ class CheckpointPlan:
         stages = list(getattr(rec, "stages", None) or [])
         version = getattr(rec, "model_version", None)
         if not stages:
-            raise ValueError(
-                "pipeline_stage: the recommendation carries no pipeline stages (pipeline_parallel_size 1, a "
-                "provisional answer, or the client's fallback): apply it to the whole model without pipeline_stage"
+            msg = (
+                "pipeline_stage: the recommendation carries no pipeline stages (pipeline_parallel_size 1, or a "
+                "provisional answer without a per-stage split)"
             )
+            if strict:
+                raise ValueError(msg)
+            _warn(f"memfit: {msg}; checkpointing every layer of the stage", stacklevel=stacklevel)
+            return cls(None, num_layers, version, msg)
         if isinstance(pipeline_stage, bool) or not 0 <= pipeline_stage < len(stages):
             raise ValueError(f"pipeline_stage={pipeline_stage!r} must be an integer in [0, {len(stages) - 1}]")
         st = stages[pipeline_stage]

@@ -409,8 +409,27 @@ def test_a_pipeline_stage_checkpoints_its_own_layers_at_every_step():
                 assert {i for i, n in counts.items() if n} == expected, f"stage {stage} step {step}"
     with pytest.raises(ValueError, match=r"pipeline_stage=2 must be an integer in \[0, 1\]"):
         patch_deepspeed_checkpointing(rec, pipeline_stage=2)
+    no_stages = rec_for([0], num_layers=4)  # every layer, with a warning: a job is never broken
+    with (
+        pytest.warns(MemfitWarning, match="carries no pipeline stages"),
+        patch_deepspeed_checkpointing(no_stages, pipeline_stage=0, num_layers=4) as patch,
+    ):
+        assert patch.plan.k == 4
     with pytest.raises(ValueError, match="carries no pipeline stages"):
-        patch_deepspeed_checkpointing(rec_for([0], num_layers=4), pipeline_stage=0)
+        patch_deepspeed_checkpointing(rec_for([0], num_layers=4), pipeline_stage=0, strict=True)
+    # the client's fallback (service unreachable) for a pipeline job: every layer of the stage, never an error
+    req = RecommendRequest(
+        model="llama-3-8b",
+        training={"micro_batch_size": 1, "seq_len": 4096, "pipeline_parallel_size": 2},
+        cluster={"gpu": "H100-80GB", "gpu_count": 2},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemfitWarning)
+        with patch_deepspeed_checkpointing(fallback_recommendation(req, "unreachable")) as patch:
+            assert patch.plan.layer_indices == [] and patch.plan.num_layers == 0  # every call checkpointed
+        with patch_deepspeed_checkpointing(fallback_recommendation(req, "unreachable"), pipeline_stage=1) as patch:
+            assert patch.plan.num_layers == 0
+        assert apply(MegatronDeepSpeedStyle(), fallback_recommendation(req, "unreachable"), pipeline_stage=1).k == 4
 
     plain = MegatronDeepSpeedStyle()
     plain.checkpointing = False
@@ -471,6 +490,7 @@ def test_plans_that_cannot_be_carried_out_are_refused():
         apply(model, 5)
     assert apply(model, 3).layer_indices == [0, 1, 2]  # an integer is k: the first k layers
     assert apply(model, np.array([2, 0])).layer_indices == [0, 2]
+    assert apply(model, np.int64(1)).layer_indices == [0]
     with pytest.warns(MemfitWarning, match="recommendation is for 12 layers but the model has 4"):
         assert apply(model, CheckpointPlan((0, 1), num_layers=12)).k == 4
     from memfit.integrations.deepspeed import deepspeed_activation_checkpointing_config

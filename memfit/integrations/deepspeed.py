@@ -187,13 +187,13 @@ def patch_deepspeed_checkpointing(
         from memfit.api import Recommendation
 
         rec = Recommendation.model_validate(rec)
+    plan = CheckpointPlan.from_recommendation(rec, num_layers=given, strict=strict, pipeline_stage=pipeline_stage)
     stages = int((getattr(rec, "training", None) or {}).get("pipeline_parallel_size") or 1)
-    if stages > 1 and pipeline_stage is None and given is None:
+    if stages > 1 and pipeline_stage is None and given is None and not plan.every_layer:
         raise ValueError(
             f"pipeline_stage: the recommendation is for pipeline_parallel_size={stages}; pass pipeline_stage= "
             f"(this rank's stage, 0..{stages - 1}) so the calls count the stage's layers"
         )
-    plan = CheckpointPlan.from_recommendation(rec, num_layers=given, strict=strict, pipeline_stage=pipeline_stage)
     # An every-layer plan needs no count (every call is checkpointed); the recommendation's count is
     # only trusted for a plan of chosen layers.
     L = given or (None if plan.every_layer else plan.num_layers)
