@@ -150,7 +150,9 @@ class CheckpointPlan:
             version = getattr(rec, "model_version", None)
             n = getattr(rec, "num_layers", 0) or None
             stages = int((getattr(rec, "training", None) or {}).get("pipeline_parallel_size") or 1)
-            if version == FALLBACK_VERSION:  # every layer; of a stage, the live model's count (the answer's is the model's)
+            if (
+                version == FALLBACK_VERSION
+            ):  # every layer; of a stage, the live model's count (the answer's is the model's)
                 count = num_layers if pipeline_stage is not None else num_layers or n
                 return cls(None, count, version, "memfit service gave no answer (client fallback)")
             if pipeline_stage is not None:
