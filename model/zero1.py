@@ -312,20 +312,25 @@ class Zero1Derivation:
             f"{model.trainable_params:,} trainable parameters (ZeroRedundancyOptimizer's "
             "whole-parameter partition)"
         )
-        return Draft(
-            path=base.path,
-            raw=raw,
-            phases=phases,
-            phase_bytes=dev,
-            states=rank0_states(model, training, split),
-            terms_key=base.terms_key,
-            reason=base.reason,
-            notes=[*base.notes, note],
-            learned=base.learned_coefficients,
-            composed_from="zero1",
-            margin_sharding=base_training_.sharding,
-            gradients_live=training.accumulates_gradients,
+        return _from_base(
+            base, training, note, raw=raw, phases=phases, phase_bytes=dev, states=rank0_states(model, training, split)
         )
+
+
+def _from_base(base: Any, training: TrainingConfig, note: str, **composed: Any) -> Draft:
+    """The draft of a ZeRO-1 request composed from its unsharded base's curve ``base``: the base's path, key, reason,
+    notes (with ``note``) and learned flag, the base's margin group (sharding none), and the ``composed`` fields."""
+    return Draft(
+        path=base.path,
+        terms_key=base.terms_key,
+        reason=base.reason,
+        notes=[*base.notes, note],
+        learned=base.learned_coefficients,
+        composed_from="zero1",
+        margin_sharding=base_training(training).sharding,
+        gradients_live=training.accumulates_gradients,
+        **composed,
+    )
 
 
 def bounded_by_base(training: TrainingConfig) -> bool:
@@ -356,19 +361,14 @@ def unsharded_bound(predictor: Any, request: Request, base_training_: TrainingCo
         "composed (model.zero1): answered as the same configuration without sharding, an upper bound (ZeRO-1 only "
         "removes the other ranks' optimizer states)"
     )
-    return Draft(
-        path=base.path,
+    return _from_base(
+        base,
+        training,
+        note,
         raw=np.asarray(base.raw_bytes, dtype=np.float64),
         phases=[p.peak_phase for p in base.points],
         phase_bytes=base.phase_bytes,
         states=max(stage_states, key=lambda x: x.total_bytes),
         stage_states=stage_states,
         pipeline=base.pipeline,
-        terms_key=base.terms_key,
-        reason=base.reason,
-        notes=[*base.notes, note],
-        learned=base.learned_coefficients,
-        composed_from="zero1",
-        margin_sharding=base_training_.sharding,
-        gradients_live=training.accumulates_gradients,
     )

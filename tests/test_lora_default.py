@@ -91,19 +91,10 @@ def test_lora_adapters_are_built_without_library_warnings(model_type, conv1d):
 
     from memfit.hf import apply_finetune, build_causal_lm, decoder_layers
     from memfit.schema import TrainingConfig
+    from tests.helpers import TINY_LLAMA
 
-    if model_type == "gpt2":
-        cfg = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 128, "n_positions": 64}
-    else:
-        cfg = {
-            "model_type": "llama",
-            "num_hidden_layers": 2,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 128,
-        }
+    gpt2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 128, "n_positions": 64}
+    cfg = gpt2 if model_type == "gpt2" else TINY_LLAMA
     model = build_causal_lm(cfg)
     training = TrainingConfig(micro_batch_size=1, seq_len=16, finetune="lora", lora_rank=4)
     with warnings.catch_warnings():
