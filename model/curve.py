@@ -352,13 +352,13 @@ class MemoryPredictor:
             notes.append(
                 f"pipeline parallelism composed per stage ({training.pipeline_parallel_size} stages, "
                 f"{training.pipeline_schedule.value}, {training.micro_batches_per_step} micro-batches)"
-                + ("" if path == TRACED else ": the provisional answer is for a rank holding all layers")
+                + ("" if draft.pipeline is not None else ": the provisional answer is for a rank holding all layers")
             )
         if training.context_parallel_size > 1:
             notes.append(
                 f"context parallelism composed: {training.seq_len // training.context_parallel_size} tokens "
                 "per rank plus ring-attention key/value buffers"
-                + ("" if path == TRACED else ": the provisional answer is for the whole sequence")
+                + ("" if draft.pipeline is not None else ": the provisional answer is for the whole sequence")
             )
         if training.sharding is not Sharding.NONE and path == TRACED:
             # what the trace was, not a fault: the memory is rank 0's, traced in one process (no GPUs, no network)

@@ -347,14 +347,17 @@ def bounded_by_base(training: TrainingConfig) -> bool:
     return parallel and not_composable_reason(unparallel) is None
 
 
-def unsharded_bound(predictor: Any, request: Request, base_training_: TrainingConfig) -> Draft | None:
+def unsharded_bound(predictor: Any, request: Request, base_training_: TrainingConfig) -> Draft:
     """The unsharded base's curve (per pipeline stage where it has stages) as the answer for a ZeRO-1 request with
-    tensor, pipeline or context parallelism (:func:`bounded_by_base`); None while the base is not traced (the
-    next step answers: the provisional models hold no parallel layout)."""
+    tensor, pipeline or context parallelism (:func:`bounded_by_base`), on the base's path: traced, or provisional
+    (learned coefficients composed per stage, or the ratio model) with the base's terms key, so that a service's
+    cached answer is recomputed once the base's trace lands (:class:`service.recommender.CurveCache`).
+
+    Raises:
+        ValueError: the base has no path to an answer (:meth:`model.curve.MemoryPredictor.curve`).
+    """
     model, training, hf_config = request.model, request.training, request.hf_config
     base = predictor.curve(model, base_training_, hf_config)  # asks the tracer for the base's key
-    if base.path != "traced":
-        return None
     stage_states = [model_state_bytes(st.spec, base_training_) for st in pipeline_stages(model, base_training_)]
     note = (
         f"ZeRO-1 over {training.data_parallel_size} ranks with tensor, pipeline or context parallelism is not "

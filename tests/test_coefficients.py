@@ -518,6 +518,8 @@ def test_pipeline_and_context_parallel_requests_are_composed_per_stage_from_lear
     traced = MemoryPredictor(None, TermsCache()).curve(job.spec, training, job.hf_config)
     assert traced.path == "traced" and learned.path == PROVISIONAL and learned.learned_coefficients
     assert learned.pipeline is not None and len(learned.pipeline.stages) == training.pipeline_parallel_size
+    composed = [n for n in learned.notes if n.startswith(("pipeline parallelism", "context parallelism"))]
+    assert len(composed) == 1 and "provisional answer is for" not in composed[0]  # it is per stage
     errors = [lp.predicted_bytes / tp.predicted_bytes - 1 for lp, tp in zip(learned.points, traced.points)]
     assert max(abs(e) for e in errors) < 0.05, errors
     for p in learned.points:

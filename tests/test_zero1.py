@@ -308,3 +308,36 @@ def test_zero1_with_model_parallelism_is_the_unsharded_curve_not_a_rank_holding_
     assert (curve.pipeline is None) == (training.tensor_parallel_size > 1)  # stages with pipeline or context parallel
     for pt in curve.points:
         assert sum(pt.breakdown.values()) == pt.predicted_bytes
+
+
+def test_zero1_pipeline_answered_before_its_base_is_traced_is_recomputed_once_the_base_lands(small_registry):
+    """A fresh service answered ZeRO-1 with pipeline parallelism from the ratio model with no terms key while its
+    unsharded base was being traced (Llama-3.2-3B, 4 stages, 8 H100s: 101.95 GiB), and the cached answer never
+    refreshed. It is now the base's provisional curve with the base's key, recomputed once that key is traced."""
+    from model.curve import PROVISIONAL
+    from service.recommender import CurveCache
+    from tracer.phases import trace_terms
+
+    training = TrainingConfig(
+        micro_batch_size=2,
+        seq_len=64,
+        precision="amp_bf16",
+        sharding="zero1",
+        data_parallel_size=2,
+        pipeline_parallel_size=2,
+        num_micro_batches=4,
+    )
+    base = training.model_copy(update={"sharding": Sharding.NONE, "data_parallel_size": 1})
+    spec, cache = model_spec(TINY, name="tiny"), TermsCache(shipped_dir=None)
+    predictor = MemoryPredictor(small_registry.load().estimator, cache)
+    curves = CurveCache(predictor, recheck_s=0.0)
+    first, unsharded = curves.curve(spec, training, TINY), predictor.curve(spec, base, TINY)
+    assert first.path == PROVISIONAL and first.terms_key == terms_key(TINY, base)
+    assert [p.predicted_bytes for p in first.points] == [p.predicted_bytes for p in unsharded.points]
+    assert any("an upper bound" in n for n in first.notes)
+    cache.put(terms_key(TINY, base), trace_terms(TINY, base).to_json())  # the background trace landed
+    second = curves.curve(spec, training, TINY)
+    assert second.path == TRACED and second.pipeline is not None
+    assert [p.predicted_bytes for p in second.points] == [
+        p.predicted_bytes for p in predictor.curve(spec, base, TINY).points
+    ]
