@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any, Self
 
 import httpx
@@ -186,9 +187,12 @@ class Client:
         self.backoff_s = backoff_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers, transport=transport)
+        # a client never closed (``memfit.Client(url).recommend(...)``) closes its connections when collected
+        self._close = weakref.finalize(self, self._http.close)
 
     def close(self) -> None:
-        self._http.close()
+        """Close the connection pool (idempotent; also done when the client is garbage-collected or on exit)."""
+        self._close()
 
     def __enter__(self) -> Self:
         return self

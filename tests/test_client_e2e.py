@@ -300,6 +300,18 @@ def test_service_rejection_reaches_the_user(service):
             memfit.Client(service["url"], timeout_s=30, strict=strict).recommend(bad)
 
 
+def test_a_client_never_closed_closes_its_connections_when_collected(service):
+    """``memfit.Client(url).models()`` left the keep-alive socket to the garbage collector (ResourceWarning)."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert memfit.Client(service["url"], timeout_s=30).models()
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+
+
 def test_an_example_asks_the_service_for_about_half_the_layers(service):
     # the README's `--url` examples read a capacity off the served curve's allocated totals; the fit is decided on
     # reserved memory with the largest request kept free, so every one got k=None and checkpointed every layer
