@@ -526,8 +526,14 @@ class LearnedCoefficients:
         if draft.raw is not None or predictor.coefficients is None:
             return draft
         staged = _pipeline_or_context(training)
-        one_stage = (
-            training.model_copy(update={"pipeline_parallel_size": 1, "context_parallel_size": 1})
+        one_stage = (  # context-parallel ranks stay in the sharding group (TrainingConfig.sharding_group_size)
+            training.model_copy(
+                update={
+                    "pipeline_parallel_size": 1,
+                    "context_parallel_size": 1,
+                    "data_parallel_size": training.sharding_group_size,
+                }
+            )
             if staged
             else training
         )

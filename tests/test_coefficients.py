@@ -524,3 +524,22 @@ def test_pipeline_and_context_parallel_requests_are_composed_per_stage_from_lear
     assert max(abs(e) for e in errors) < 0.05, errors
     for p in learned.points:
         assert sum(p.breakdown.values()) == p.predicted_bytes
+
+
+def test_context_parallel_ranks_stay_in_the_sharding_group_of_the_learned_coefficients(entries, held_out_model):
+    """The one-stage configuration the learned coefficients answer kept ``data_parallel_size`` and dropped the
+    context-parallel ranks, so ZeRO-3 over 1 data x 8 context ranks was predicted unsharded: Llama-3-8B, mb4
+    s8192 on 8 GPUs said 222.7 GiB at every k, traced 44.1 down to 20.6. Held out here: Pythia-410M, ZeRO-3 over
+    8 ranks as 1 x 8 and 4 x 2, against the shipped terms' composition."""
+    job = entry_configuration(_entry(entries, "pythia-410m", sharding="zero3", data_parallel_size=8))
+    for cp in (8, 2):
+        training = job.training.model_copy(
+            update={"micro_batch_size": 2, "seq_len": 8192, "context_parallel_size": cp, "data_parallel_size": 8 // cp}
+        )
+        learned = MemoryPredictor(None, TermsCache(shipped_dir=None), coefficients=held_out_model).curve(
+            job.spec, training, job.hf_config
+        )
+        traced = MemoryPredictor(None, TermsCache()).curve(job.spec, training, job.hf_config)
+        assert traced.path == "traced" and learned.path == PROVISIONAL and learned.learned_coefficients
+        errors = [lp.predicted_bytes / tp.predicted_bytes - 1 for lp, tp in zip(learned.points, traced.points)]
+        assert max(abs(e) for e in errors) < 0.05, (cp, errors)
