@@ -349,20 +349,39 @@ def candidate_changes(training: TrainingConfig, model: ModelSpec, gpu_count: int
                 "backward: often 2x slower or more (ZeRO-Infinity, arXiv 2104.07857, Sec. 8)",
             )
         )
-    # long sequences: context parallelism splits the activations along the sequence (model.parallel)
+    # long sequences: context parallelism splits the activations along the sequence (model.parallel); on the same
+    # GPUs it takes cp of the data-parallel replicas, and gradient accumulation cp-fold keeps the samples per step
     cp = 1 << (n.bit_length() - 1) if n > 1 else 1
     while cp > 1 and training.seq_len % cp:
         cp //= 2
     if cp > 1 and training.context_parallel_size == 1 and training.seq_len >= 8192:
+        within = {
+            "context_parallel_size": cp,
+            "data_parallel_size": n // cp,
+            "gradient_accumulation_steps": training.gradient_accumulation_steps * cp,
+        }
+        ring = f"ring attention exchanges K/V blocks each layer: ~10% slower; {cp}x gradient accumulation"
         out.append(
             Candidate(
-                f"context parallel over {cp} GPUs (activations split along the sequence)",
-                {"context_parallel_size": cp, "data_parallel_size": n // cp},
+                f"context parallel over {cp} GPUs (activations split along the sequence; {cp}x gradient "
+                "accumulation keeps the samples per step)",
+                within,
                 "same_training",
                 0.1,
-                "ring attention exchanges K/V blocks each layer: ~10% slower",
+                ring,
             )
         )
+        if training.sharding in (Sharding.NONE, Sharding.ZERO1):  # torchtitan's layout: FSDP over dp x cp ranks
+            out.append(
+                Candidate(
+                    f"context parallel over {cp} GPUs with ZeRO-3 / FSDP full-shard over all {n} "
+                    f"({cp}x gradient accumulation keeps the samples per step)",
+                    {**within, "sharding": "zero3"},
+                    "same_training",
+                    0.15,
+                    ring + "; 1.5x data-parallel communication",
+                )
+            )
     if training.context_parallel_size == 1 and training.seq_len >= LONG_CONTEXT_TOKENS:
         # more GPUs, each holding 1/cp of the sequence; the data-parallel size and the sharding group follow the
         # request schema's rules for the new gpu_count (the caller validates the changed request)

@@ -151,9 +151,21 @@ def test_candidates_offer_8bit_adamw_qlora_and_context_parallel_where_they_apply
     assert {"optimizer": "adamw_8bit"} not in changes  # not an AdamW run
     long = [c.change for c in candidate_changes(TrainingConfig(micro_batch_size=1, seq_len=12288), spec, 8)]
     # the largest power of two <= 8 GPUs that divides the sequence: 12288 = 3 * 4096
-    assert {"context_parallel_size": 8, "data_parallel_size": 1} in long
+    # on the same GPUs: cp of the replicas go, cp-fold gradient accumulation keeps the samples per step
+    assert {"context_parallel_size": 8, "data_parallel_size": 1, "gradient_accumulation_steps": 8} in long
+    # unsharded: also with ZeRO-3 / FSDP over the data x context-parallel ranks
+    assert {
+        "context_parallel_size": 8,
+        "data_parallel_size": 1,
+        "gradient_accumulation_steps": 8,
+        "sharding": "zero3",
+    } in long
+    zero3 = TrainingConfig(micro_batch_size=1, seq_len=12288, sharding="zero3", data_parallel_size=8)
+    assert [c.change for c in candidate_changes(zero3, spec, 8) if "context_parallel_size" in c.change][:1] == [
+        {"context_parallel_size": 8, "data_parallel_size": 1, "gradient_accumulation_steps": 8}
+    ]
     even = [c.change for c in candidate_changes(TrainingConfig(micro_batch_size=1, seq_len=10002), spec, 8)]
-    assert {"context_parallel_size": 2, "data_parallel_size": 4} in even  # 10002 = 2 * 5001
+    assert {"context_parallel_size": 2, "data_parallel_size": 4, "gradient_accumulation_steps": 2} in even  # 2 * 5001
     odd = [c.change for c in candidate_changes(TrainingConfig(micro_batch_size=1, seq_len=9001), spec, 8)]
     assert not any("context_parallel_size" in c for c in odd)
 
@@ -293,16 +305,17 @@ def test_llama_3_8b_at_32k_on_one_h100_is_offered_a_shorter_sequence_and_context
 
 
 def test_when_no_single_change_fits_sharding_and_a_smaller_micro_batch_are_offered_together(shipped_recommender):
-    """Llama-3-8B, micro-batch 4, seq 8192, 8 A100-80GB, no sharding (a new user's trial): nothing fits, and neither
-    did any single change on the same GPUs (ZeRO-3 keeps micro-batch 4's activations, micro-batch 1 keeps 16 B of
-    states per parameter): the three closest were CPU offload and ZeRO-3 over 32 and 64 GPUs, none fitting, while
-    ZeRO-3 with micro-batch 1 and 4x accumulation fits on the 8 GPUs. Pairs are planned when no single change fits."""
+    """Llama-3-8B, micro-batch 8, seq 4096, 8 A100-80GB, no sharding (a new user's trial at mb4 s8192): nothing
+    fits, and neither did any single change on the same GPUs (ZeRO-3 keeps micro-batch 8's activations, micro-batch
+    1 keeps 16 B of states per parameter): the three closest were CPU offload and ZeRO-3 over 32 and 64 GPUs, none
+    fitting, while ZeRO-3 with micro-batch 1 and 8x accumulation fits on the 8 GPUs. Pairs are planned when no
+    single change fits."""
     from memfit.api import RecommendRequest
     from model.recommend import candidate_changes, combined_changes
 
     body = {
         "model": "llama-3-8b",
-        "training": {"micro_batch_size": 4, "seq_len": 8192},
+        "training": {"micro_batch_size": 8, "seq_len": 4096},
         "cluster": {"gpu": "A100-80GB", "gpu_count": 8},
     }
     rec = shipped_recommender.recommend(RecommendRequest.model_validate(body))
@@ -310,7 +323,7 @@ def test_when_no_single_change_fits_sharding_and_a_smaller_micro_batch_are_offer
     first = rec.alternatives[0]
     assert first.fits and first.category == "same_training", [(a.description, a.fits) for a in rec.alternatives]
     assert first.change["sharding"] == "zero3" and first.change["data_parallel_size"] == 8
-    assert first.change["micro_batch_size"] * first.change["gradient_accumulation_steps"] == 4
+    assert first.change["micro_batch_size"] * first.change["gradient_accumulation_steps"] == 8
     # the pairs: ZeRO-3 on the same GPUs with each halving of the micro-batch, costs added
     from data import catalog
 
@@ -318,3 +331,26 @@ def test_when_no_single_change_fits_sharding_and_a_smaller_micro_batch_are_offer
     pairs = combined_changes(singles)
     assert [p.change["micro_batch_size"] for p in pairs] == [2, 1]
     assert [p.throughput_loss_fraction for p in pairs] == pytest.approx([0.1, 0.15])
+
+
+def test_long_sequences_are_offered_context_parallel_with_zero3_on_the_same_gpus(shipped_recommender):
+    """Llama-3-8B, micro-batch 4, seq 8192, 8 A100-80GB, no sharding: the context-parallel alternatives were all on
+    more GPUs (the one on the same GPUs kept every rank's full model states), though the README offers context
+    parallelism within the GPUs. ZeRO-3 over the 1 x 8 data x context ranks fits at k = 0 (1,024 tokens a rank),
+    with 8x gradient accumulation keeping the 32 sequences a step."""
+    from memfit.api import RecommendRequest
+
+    body = {
+        "model": "llama-3-8b",
+        "training": {"micro_batch_size": 4, "seq_len": 8192},
+        "cluster": {"gpu": "A100-80GB", "gpu_count": 8},
+    }
+    rec = shipped_recommender.recommend(RecommendRequest.model_validate(body))
+    first = rec.alternatives[0]
+    assert not rec.fits and first.fits and first.category == "same_training" and first.k == 0
+    assert first.change == {
+        "context_parallel_size": 8,
+        "data_parallel_size": 1,
+        "gradient_accumulation_steps": 8,
+        "sharding": "zero3",
+    }
