@@ -30,7 +30,7 @@ import numbers
 import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 log = logging.getLogger("memfit")
@@ -60,12 +60,14 @@ class CheckpointPlan:
             None for a plain list of indices.
         adjusted: why the plan differs from the recommendation's ``layers`` (fallback, nothing fits,
             layer-count mismatch), else None.
+        pipeline_parallel_size: the recommendation's pipeline-parallel size (1 for a plan not read from one).
     """
 
     layer_indices: tuple[int, ...] | None
     num_layers: int | None = None
     source: str | None = None
     adjusted: str | None = None
+    pipeline_parallel_size: int = 1
 
     @property
     def every_layer(self) -> bool:
@@ -147,33 +149,42 @@ class CheckpointPlan:
                 raise ValueError(f"layer indices {[i for i in chosen if i < 0]} must be >= 0")
             plan = cls(chosen, num_layers)
         else:
-            version = getattr(rec, "model_version", None)
-            n = getattr(rec, "num_layers", 0) or None
             stages = int((getattr(rec, "training", None) or {}).get("pipeline_parallel_size") or 1)
-            if (
-                version == FALLBACK_VERSION
-            ):  # every layer; of a stage, the live model's count (the answer's is the model's)
-                count = num_layers if pipeline_stage is not None else num_layers or n
-                return cls(None, count, version, "memfit service gave no answer (client fallback)")
-            if pipeline_stage is not None:
-                return cls._stage_plan(rec, pipeline_stage, num_layers, strict, stacklevel + 1)
-            if n is not None and num_layers is not None and n != num_layers:
-                hint = (
-                    f"; for one stage of its {stages}-stage pipeline pass pipeline_stage= (this rank's stage)"
-                    if stages > 1
-                    else ""
-                )
-                return cls._mismatch(n, num_layers, version, strict, stacklevel + 1, hint)
-            if rec.k is None:
-                msg = "recommendation says no k fits (see its alternatives)"
-                if strict:
-                    raise ValueError(msg)
-                _warn(f"memfit: {msg}; checkpointing every layer, the most memory it can save", stacklevel=stacklevel)
-                return cls(None, num_layers or n, version, msg)
-            plan = cls(tuple(sorted(int(i) for i in rec.layers)), n, version)
+            plan = replace(
+                cls._answer_plan(rec, num_layers, strict, stacklevel + 1, pipeline_stage),
+                pipeline_parallel_size=stages,
+            )
         if num_layers is not None and plan.num_layers is None:
-            plan = CheckpointPlan(plan.layer_indices, num_layers, plan.source, plan.adjusted)
+            plan = replace(plan, num_layers=num_layers)
         return plan
+
+    @classmethod
+    def _answer_plan(
+        cls, rec: Any, num_layers: int | None, strict: bool, stacklevel: int, pipeline_stage: int | None
+    ) -> CheckpointPlan:
+        """The plan of a :class:`memfit.api.Recommendation` (:meth:`from_recommendation`, same arguments)."""
+        version = getattr(rec, "model_version", None)
+        n = getattr(rec, "num_layers", 0) or None
+        stages = int((getattr(rec, "training", None) or {}).get("pipeline_parallel_size") or 1)
+        if version == FALLBACK_VERSION:  # every layer; of a stage, the live model's count (the answer's is the model's)
+            count = num_layers if pipeline_stage is not None else num_layers or n
+            return cls(None, count, version, "memfit service gave no answer (client fallback)")
+        if pipeline_stage is not None:
+            return cls._stage_plan(rec, pipeline_stage, num_layers, strict, stacklevel + 1)
+        if n is not None and num_layers is not None and n != num_layers:
+            hint = (
+                f"; for one stage of its {stages}-stage pipeline pass pipeline_stage= (this rank's stage)"
+                if stages > 1
+                else ""
+            )
+            return cls._mismatch(n, num_layers, version, strict, stacklevel + 1, hint)
+        if rec.k is None:
+            msg = "recommendation says no k fits (see its alternatives)"
+            if strict:
+                raise ValueError(msg)
+            _warn(f"memfit: {msg}; checkpointing every layer, the most memory it can save", stacklevel=stacklevel)
+            return cls(None, num_layers or n, version, msg)
+        return cls(tuple(sorted(int(i) for i in rec.layers)), n, version)
 
     @classmethod
     def _mismatch(

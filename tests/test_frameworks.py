@@ -396,6 +396,11 @@ def test_a_pipeline_stage_checkpoints_its_own_layers_at_every_step():
     rec = rec_for([0, 1, 2, 4], num_layers=8, pp=2)
     with pytest.raises(ValueError, match=r"pipeline_stage: .*pipeline_parallel_size=2.*0\.\.1"):
         patch_deepspeed_checkpointing(rec)
+    with pytest.raises(ValueError, match=r"pipeline_stage: .*pipeline_parallel_size=2"):  # a saved --json answer
+        patch_deepspeed_checkpointing(rec.model_dump(mode="json"))
+    assert CheckpointPlan.from_recommendation(rec.model_dump(mode="json")).pipeline_parallel_size == 2
+    assert CheckpointPlan.from_recommendation(rec, pipeline_stage=1).pipeline_parallel_size == 2
+    assert CheckpointPlan.from_recommendation([0, 1]).pipeline_parallel_size == 1
     for stage, expected in ((0, {0, 1, 2}), (1, {0})):
         torch.manual_seed(0)
         model = MegatronDeepSpeedStyle()  # this process's stage: 4 layers

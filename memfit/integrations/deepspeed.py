@@ -183,12 +183,8 @@ def patch_deepspeed_checkpointing(
     """
     module = module if module is not None else checkpointing_module()
     given = num_layers or (len(layers) if layers is not None else None)
-    if isinstance(rec, dict):  # a saved ``--json`` answer
-        from memfit.api import Recommendation
-
-        rec = Recommendation.model_validate(rec)
     plan = CheckpointPlan.from_recommendation(rec, num_layers=given, strict=strict, pipeline_stage=pipeline_stage)
-    stages = int((getattr(rec, "training", None) or {}).get("pipeline_parallel_size") or 1)
+    stages = plan.pipeline_parallel_size
     if stages > 1 and pipeline_stage is None and given is None and not plan.every_layer:
         raise ValueError(
             f"pipeline_stage: the recommendation is for pipeline_parallel_size={stages}; pass pipeline_stage= "
