@@ -23,6 +23,7 @@ from memfit.schema import (
     MAX_HIDDEN,
     MAX_LAYERS,
     MAX_VOCAB,
+    Attention,
     FineTune,
     ModelSpec,
     Precision,
@@ -343,6 +344,54 @@ def _config_assumptions(cfg_json: str) -> str | None:
 def _class_defaults_json(config_class) -> str:
     """A config class's defaults, serialised in full (``to_json_string(use_diff=False)``)."""
     return config_class().to_json_string(use_diff=False)
+
+
+#: model types whose causal-LM class lacks SDPA in the transformers it was written with, a snapshot
+#: (``scripts/sdpa_support.py`` writes it; ``tests/test_catalog.py`` checks it against the installed transformers)
+SDPA_SUPPORT_PATH = Path(__file__).with_name("sdpa_support.json")
+
+
+@functools.cache
+def _without_sdpa_snapshot() -> frozenset[str] | None:
+    """The snapshot's model types without SDPA, or None when it was written with another transformers."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        snapshot = json.loads(SDPA_SUPPORT_PATH.read_text())
+        installed = version("transformers")
+    except (OSError, ValueError, PackageNotFoundError):
+        return None
+    return frozenset(snapshot["without_sdpa"]) if snapshot.get("transformers_version") == installed else None
+
+
+@functools.lru_cache(maxsize=256)
+def _supports_sdpa(model_type: str) -> bool:
+    """Whether transformers builds ``model_type``'s causal LM with SDPA attention when asked (its class's
+    ``_supports_sdpa``): from the snapshot, else from the class itself; True for a type transformers does not
+    know (it is built as Llama, :func:`_hf_config`)."""
+    snapshot = _without_sdpa_snapshot()
+    if snapshot is not None:
+        return model_type not in snapshot
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+        with quiet_transformers():
+            cls = getattr(transformers, names[0] if isinstance(names, (list, tuple)) else names)
+    except (ImportError, KeyError, AttributeError):
+        return True
+    return bool(getattr(cls, "_supports_sdpa", False))
+
+
+def attention_that_runs(model_type: str | None, attention: Attention) -> Attention:
+    """The attention a step of ``model_type`` runs when ``attention`` is asked: eager for a family whose
+    transformers class has no SDPA (BLOOM, Gemma-2, GPT-Neo: :func:`build_causal_lm` falls back to it, and the
+    collector records such runs as eager, ``tracer/collect.py``), else ``attention``. Its (b, heads, s, s) scores
+    are what the analytic formula and the learned coefficients must count."""
+    if attention is Attention.EAGER or model_type is None or _supports_sdpa(model_type):
+        return attention
+    return Attention.EAGER
 
 
 def build_causal_lm(cfg: dict[str, Any], *, dtype=None, attention: str = "sdpa"):

@@ -22,6 +22,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from memfit.hf import attention_that_runs
 from memfit.schema import (
     Attention,
     FineTune,
@@ -352,8 +353,8 @@ def activation_bytes_per_layer(model: ModelSpec, training: TrainingConfig) -> in
     * grouped-query attention: K and V are ``s·b·kv·d`` each instead of ``s·b·h``;
     * gated (SwiGLU/GeGLU) MLP of width f: input 2sbh + gate, up, activation and product 4·2·sbf,
       instead of 2sbh + GeLU input 8sbh + second-linear input 8sbh;
-    * the ``5·a·s²·b`` score term only with eager attention (SDPA/flash save an fp32 log-sum-exp
-      ``4·a·s·b`` instead).
+    * the ``5·a·s²·b`` score term only with eager attention, asked or the family's only one
+      (:func:`memfit.hf.attention_that_runs`; SDPA/flash save an fp32 log-sum-exp ``4·a·s·b`` instead).
 
     Scaled by 2 in fp32 training. Shapes: s = seq_len, b = micro_batch_size, h = hidden, a = heads.
     """
@@ -365,7 +366,7 @@ def activation_bytes_per_layer(model: ModelSpec, training: TrainingConfig) -> in
     dropout = model.architecture in ("gpt2", "opt", "bloom")
     sbh = s * b * h
     attn = 2 * sbh + 2 * s * b * q + 2 * 2 * s * b * kv + 2 * s * b * q  # QKV input, Q, K+V, out-proj input
-    if training.attention.value == "eager":
+    if attention_that_runs(model.architecture, training.attention) is Attention.EAGER:
         attn += 5 * a * s * s * b if dropout else 4 * a * s * s * b  # softmax output (+mask) and its use
     else:
         attn += 4 * a * s * b  # fp32 log-sum-exp; the attention output is the out-proj input counted above
@@ -413,7 +414,7 @@ def largest_request_bytes(model: ModelSpec, training: TrainingConfig) -> int:
     gradient = vh * state_dtype_bytes(training.precision) if training.finetune is FineTune.FULL else 0
     cast = 2 * vh if training.precision in (Precision.AMP_BF16, Precision.AMP_FP16) else 0
     heads = max(1, model.num_attention_heads // t)
-    if training.attention is Attention.EAGER:  # HF's eager attention: the fp32 softmax of one layer's scores
+    if attention_that_runs(model.architecture, training.attention) is Attention.EAGER:  # fp32 softmax of the scores
         attention = 4 * b * heads * s * training.seq_len
     else:  # FlashAttention-2's backward scratch, the largest of its tensors
         d = model.head_dim or model.hidden_size // model.num_attention_heads

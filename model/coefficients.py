@@ -53,6 +53,7 @@ from typing import Any
 import lightgbm as lgb
 import numpy as np
 
+from memfit.hf import attention_that_runs
 from memfit.schema import (
     Attention,
     FineTune,
@@ -718,7 +719,7 @@ class CoefficientModel:
         for j, (_p, _q, c) in enumerate(TARGETS):
             if c != "1":
                 out[j] = max(out[j], 0.0)
-        if training.attention is not Attention.EAGER:
+        if attention_that_runs(model.architecture, training.attention) is not Attention.EAGER:
             out[[j for j, t in enumerate(TARGETS) if t[2] == "b*s^2"]] = 0.0
         return out
 

@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from memfit.hf import attention_that_runs
 from memfit.schema import (
     Attention,
     CheckpointImpl,
@@ -159,6 +160,7 @@ def feature_row(
         "num_checkpointed_layers": k,
     }
     cats = {c: _CODES[c][getattr(training, c).value] for c in CATEGORIES}
+    cats["attention"] = _CODES["attention"][attention_that_runs(model.architecture, training.attention).value]
     e = analytic_estimate(model, training) if estimate is None else estimate
     per_layer = activation_bytes_per_layer(model, training) if per_layer is None else per_layer
     analytic = {

@@ -169,3 +169,20 @@ def test_shipped_pressure_measurements():
     residual_mib = np.array(allocated_residuals(VALIDATION_FILES)) / 2**20
     assert len(residual_mib) >= 20 and 60 < np.median(residual_mib) < 70
     assert np.mean((residual_mib > 50) & (residual_mib < 120)) > 0.8
+
+
+def test_a_family_without_sdpa_is_counted_with_the_eager_scores_it_runs():
+    """BLOOM asked for SDPA runs eager attention (transformers has no SDPA for it; the collector records its rows as
+    eager): the analytic layer activations and the largest request count its (b, heads, s, s) scores either way."""
+    from data import catalog
+    from model.analytic import largest_request_bytes
+
+    bloom, llama = catalog.spec("bloom-7b1"), catalog.spec("llama-3-8b")
+    sdpa, eager = (
+        TrainingConfig(micro_batch_size=2, seq_len=4096),
+        TrainingConfig(micro_batch_size=2, seq_len=4096, attention="eager"),
+    )
+    assert activation_bytes_per_layer(bloom, sdpa) == activation_bytes_per_layer(bloom, eager)
+    long_sdpa, long_eager = (t.model_copy(update={"seq_len": 16384}) for t in (sdpa, eager))  # scores over logits
+    assert largest_request_bytes(bloom, long_sdpa) == largest_request_bytes(bloom, long_eager) == 4 * 2 * 32 * 16384**2
+    assert activation_bytes_per_layer(llama, sdpa) < activation_bytes_per_layer(llama, eager)

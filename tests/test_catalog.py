@@ -124,6 +124,33 @@ def test_gemma_legacy_gelu_builds_the_tanh_approximation_and_leaves_the_dict_alo
     assert cfg["hidden_act"] == "gelu"
 
 
+def test_sdpa_support_snapshot_is_the_installed_transformers_and_the_families_build_as_it_says():
+    """memfit reads which families have no SDPA (BLOOM, Gemma-2, GPT-Neo run eager whatever is asked) from a snapshot
+    of transformers' classes: it must be the installed transformers' (after a pin change, run
+    `python scripts/sdpa_support.py`), and a meta build of every catalog family must run the attention it names."""
+    import json
+
+    import torch
+    import transformers
+
+    from memfit.hf import SDPA_SUPPORT_PATH, attention_that_runs, build_causal_lm
+    from memfit.schema import Attention
+
+    snapshot = json.loads(SDPA_SUPPORT_PATH.read_text())
+    assert snapshot["transformers_version"] == transformers.__version__
+    assert {"bloom", "gemma2", "gpt_neo"} <= set(snapshot["without_sdpa"])
+    for mt in sorted({catalog.get(n)["hf_config"]["model_type"] for n in catalog.names()} - {"gpt_neo"}):
+        cfg = next(
+            catalog.get(n)["hf_config"] for n in catalog.names() if catalog.get(n)["hf_config"]["model_type"] == mt
+        )
+        with torch.device("meta"):
+            built = build_causal_lm({**cfg, "num_hidden_layers": 2}, attention="sdpa")
+        assert built.config._attn_implementation == attention_that_runs(mt, Attention.SDPA).value, mt
+    assert attention_that_runs("gpt_neo", Attention.FLASH) is Attention.EAGER
+    assert attention_that_runs("llama", Attention.FLASH) is Attention.FLASH
+    assert attention_that_runs("no-such-family", Attention.SDPA) is Attention.SDPA
+
+
 def test_peft_lora_target_snapshot_is_peft_mapping():
     # memfit reads PEFT's default LoRA targets from a snapshot (importing peft costs most of a CLI answer); it must
     # be the installed PEFT's dict: after a PEFT pin change, run `python scripts/peft_lora_targets.py`

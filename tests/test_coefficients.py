@@ -543,3 +543,22 @@ def test_context_parallel_ranks_stay_in_the_sharding_group_of_the_learned_coeffi
         assert traced.path == "traced" and learned.path == PROVISIONAL and learned.learned_coefficients
         errors = [lp.predicted_bytes / tp.predicted_bytes - 1 for lp, tp in zip(learned.points, traced.points)]
         assert max(abs(e) for e in errors) < 0.05, (cp, errors)
+
+
+def test_a_family_without_sdpa_keeps_its_eager_score_term_when_sdpa_is_asked(entries, held_out_model):
+    """BLOOM has no SDPA in transformers: asked for SDPA (the default) it runs eager attention and keeps its
+    (b, heads, s, s) scores, as its traced terms do. The learned coefficients dropped the score term whenever eager
+    was not asked: BLOOM-7B1, mb2 s4096, said 149.4 GiB at k = 0 where the trace composes 329.2 (-55 %); now the
+    same answer as asking for eager."""
+    from memfit.schema import Attention
+
+    job = entry_configuration(_entry(entries, "bloom-7b1", attention="sdpa", sharding="none", finetune="full"))
+    asked = job.training.model_copy(update={"micro_batch_size": 2, "seq_len": 4096})
+    assert asked.attention is Attention.SDPA
+    learned = MemoryPredictor(None, TermsCache(shipped_dir=None), coefficients=held_out_model)
+    sdpa = learned.curve(job.spec, asked, job.hf_config)
+    eager = learned.curve(job.spec, asked.model_copy(update={"attention": Attention.EAGER}), job.hf_config)
+    traced = MemoryPredictor(None, TermsCache()).curve(job.spec, asked, job.hf_config)
+    assert traced.path == "traced" and sdpa.path == PROVISIONAL and sdpa.learned_coefficients
+    assert abs(sdpa.points[0].predicted_bytes / traced.points[0].predicted_bytes - 1) < 0.05
+    assert sdpa.points[0].predicted_bytes > 0.9 * eager.points[0].predicted_bytes
