@@ -31,7 +31,7 @@ def test_client_wheel_installs_only_memfit(tmp_path):
     )
     wheel = next((tmp_path / "dist").glob("memfit-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "memfit/peft_lora_targets.json" in names  # package data memfit.hf reads
+    assert {"memfit/peft_lora_targets.json", "memfit/sdpa_support.json"} <= set(names)  # package data memfit.hf reads
     tops = {n.split("/")[0] for n in names}
     assert tops == {"memfit", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     venv = tmp_path / "fresh"
