@@ -55,10 +55,11 @@ What is measured and what is composed:
 half-precision weights of every parameter), divided among the data-parallel ranks that shard them,
 times the ranks on the node, times DeepSpeed's ``additional_buffer_factor`` 1.5 (pinned buffers,
 fragmentation), and at least DeepSpeed's per-process fp32 copy of the model at load time (4 B per
-parameter per rank) when parameters are not offloaded. This reproduces DeepSpeed's
+parameter per rank) except under ZeRO-3 (``zero.Init`` builds the parameters partitioned). This reproduces DeepSpeed's
 ``estimate_zero2_model_states_mem_needs`` (``deepspeed/runtime/zero/stage_1_and_2.py``:
 ``total_params × max(4 × gpus, 16) × 1.5``) and ``estimate_zero3_model_states_mem_needs``
-(``deepspeed/runtime/zero/stage3.py``: ``total_params × 16 (18 with offload_param) / nodes × 1.5``) for
+(``deepspeed/runtime/zero/stage3.py``: ``total_params × 16 (18 with offload_param) / nodes × 1.5``, its
+``zero_init=True`` case) for
 mixed-precision AdamW full fine-tunes, and extends them to other optimizers, LoRA and pure bf16.
 """
 
@@ -137,8 +138,9 @@ def host_memory_bytes(
     """Host (CPU) memory one node needs for the offloaded model states, bytes; 0 without offload.
 
     ``host_bytes_per_rank × ranks_per_node × buffer_factor``, and at least DeepSpeed's fp32 model copy
-    per process at load time (``4 × total_params × ranks_per_node × buffer_factor``) unless parameters
-    are offloaded (then ZeRO-3's ``zero.Init`` builds them partitioned). Sources in the module docstring.
+    per process at load time (``4 × total_params × ranks_per_node × buffer_factor``) except under ZeRO-3, whose
+    ``zero.Init`` builds the parameters partitioned (DeepSpeed's ``zero_init=True`` default; transformers'
+    ``from_pretrained`` enters it whenever ZeRO-3 is configured). Sources in the module docstring.
 
     Raises:
         ValueError: ``ranks_per_node`` < 1 or ``buffer_factor`` < 1.
@@ -150,7 +152,7 @@ def host_memory_bytes(
     if not offloaded(training):
         return 0
     host = host_bytes_per_rank(model, training) * ranks_per_node
-    if training.offload_parameters is not Offload.CPU:
+    if training.sharding is not Sharding.ZERO3:  # ZeRO-3's zero.Init builds the parameters partitioned
         host = max(host, 4 * model.total_params * ranks_per_node)
     return int(host * buffer_factor)
 
