@@ -209,7 +209,10 @@ class Client:
 
         Raises:
             ServiceError: no 2xx/4xx answer after the retries (the last error in the message).
+            RuntimeError: the client was closed.
         """
+        if self._http.is_closed:
+            raise RuntimeError(f"{self!r} is closed: make a new memfit.Client (or use one inside `with`)")
         last, status = "no attempt", None
         for attempt in range(self.retries + 1):
             if attempt:

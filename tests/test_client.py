@@ -433,3 +433,14 @@ def test_examples_run_on_cpu(script, k):
     measured = float(line.split("measured ")[1].split(" MiB")[0])
     assert measured > 1.0  # MiB: at least the tiny model's weights, gradients and Adam states
     assert "predicted" in line
+
+
+def test_a_closed_client_says_so():
+    """After close(), a call raised httpx's bare "Cannot send a request, as the client has been closed"."""
+    client = mock_client(lambda request: httpx.Response(200, json=answer()))
+    client.close()
+    client.close()  # idempotent
+    with pytest.raises(RuntimeError, match=r"Client\('http://memfit.test', strict=False\) is closed: make a new"):
+        client.models()
+    with pytest.raises(RuntimeError, match="is closed"):  # not the fallback plan: the script's own fault
+        client.recommend(REQ)
