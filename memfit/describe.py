@@ -516,10 +516,17 @@ def describe(
             without CUDA.
 
     Raises:
+        TypeError: ``model`` is not a module (a catalog name or config dict: build the request itself).
         ValueError: a missing essential (names the field: ``seq_len``, ``micro_batch_size``, ``gpu``)
             or an architecture that cannot be detected. InvalidConfiguration (a ValueError): an unknown
             ``sharding``, ``offload_optimizer`` or ``offload_parameters`` value (names it and the allowed values).
     """
+    if not hasattr(model, "parameters"):
+        raise TypeError(
+            f"model: describe() reads a live torch.nn.Module, got {type(model).__name__} {model!r:.60}; for a catalog "
+            "name or an HF config dict without a model, build the request itself: memfit.RecommendRequest(model=..., "
+            "training=..., cluster=...)"
+        )
     if seq_len is None:
         raise ValueError("seq_len is required: tokens per training sequence (e.g. seq_len=4096)")
     args = training_args

@@ -170,3 +170,13 @@ def test_a_gpu_name_with_its_memory_suggests_the_gpu():
 
     assert close_names("T4-16GB", GPUS)[0] == "T4"  # it suggested V100-16GB only
     assert close_names("H100", GPUS)[:2] == ["H100-80GB", "H100-94GB"]
+
+
+@pytest.mark.parametrize("model", ["gpt2", {"model_type": "gpt2", "n_layer": 2}])
+def test_describe_given_a_name_or_a_config_says_it_reads_a_live_module(model):
+    """A new user's first try: describe("gpt2", ...) raised AttributeError: 'str' object has no attribute
+    'parameters' from inside describe."""
+    with pytest.raises(
+        TypeError, match=r"^model: describe\(\) reads a live torch.nn.Module, got (str|dict) .*RecommendRequest"
+    ):
+        describe(model, seq_len=4096, micro_batch_size=2, gpu="T4")
