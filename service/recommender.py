@@ -493,6 +493,11 @@ class Recommender:
         out = []
         if req.training.precision is None and training.finetune is FineTune.LORA:
             out.append(default_precision_note(training))
+        if req.training.lora_rank is None and training.finetune is FineTune.LORA:
+            out.append(
+                f"lora_rank: {training.lora_rank} (LoRA without a rank): PEFT's LoraConfig default r; give "
+                "lora_rank for the adapters you train"
+            )
         for name, value in (
             ("total_params", job.spec.total_params),
             ("seq_len", training.seq_len),

@@ -51,6 +51,26 @@ def test_mistral_7b_lora_r16_fits_one_rtx_4090_with_the_default(recommender):
     assert rec.breakdown["parameters_bytes"] < 2.1 * 7.24e9
 
 
+def test_a_lora_job_without_a_rank_is_told_the_rank_assumed(recommender):
+    """A new user's trial: finetune=lora without lora_rank was answered for rank 8 with no word of it."""
+    given = _ask(recommender)
+    assert not any(w.startswith("lora_rank:") for w in given.warnings)  # rank 16 given
+    rec = recommender.recommend(
+        RecommendRequest.model_validate(
+            {
+                "model": "mistral-7b",
+                "cluster": {"gpu": "RTX-4090"},
+                "training": {"micro_batch_size": 1, "seq_len": 2048, "finetune": "lora"},
+            }
+        )
+    )
+    assert rec.training["lora_rank"] == 8
+    assert (
+        "lora_rank: 8 (LoRA without a rank): PEFT's LoraConfig default r; give lora_rank for the adapters you train"
+        in (rec.warnings)
+    )
+
+
 def test_an_explicit_fp32_base_is_told_the_free_change_first(recommender):
     rec = _ask(recommender, precision="amp_bf16")
     assert not rec.fits and not any(w.startswith("precision:") for w in rec.warnings)
