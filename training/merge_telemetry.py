@@ -1,6 +1,6 @@
 """Merge collected telemetry files into the shipped dataset, through the store's validation.
 
-    python -m training.merge_telemetry data/telemetry/incoming/*.jsonl          # into the shipped parquet
+    python -m training.merge_telemetry OUT_DIR/records.jsonl          # a sweep's --jsonl file, into the shipped parquet
     python -m training.merge_telemetry --into out.parquet a.jsonl b.parquet --dry-run
 
 The target (default ``data/telemetry/telemetry.parquet``) and every input go into a temporary
