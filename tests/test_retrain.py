@@ -282,6 +282,9 @@ def test_defaults_are_the_services_store_and_registry(tmp_path, capsys, monkeypa
     TelemetryStore(f"sqlite:///{tmp_path / 'telemetry.db'}")  # an empty store the service created
     code, s = _run(capsys, "--dry-run", "--quiet")
     assert code == EXIT_BAD_INPUT and s["rows"] == 0
+    # a new user's first retrain: the empty store is said, with the way to train on the shipped rows
+    assert s["error"].startswith("0 valid rows < --min-rows 100; the store is empty until telemetry arrives")
+    assert s["error"].endswith("pass --files data/telemetry/telemetry.parquet to train on those")
 
 
 def test_dask_engine(db, tmp_path, capsys):

@@ -248,7 +248,13 @@ def run(a: argparse.Namespace, log: Callable[[str], None], summary: dict[str, An
     for r in rejected[:5]:
         log(f"      rejected {r['record_id']}: {r['reason'][:200]}")
     if len(df) < a.min_rows:
-        raise BadInput(f"{len(df)} valid rows < --min-rows {a.min_rows}")
+        hint = (
+            "; the store is empty until telemetry arrives (POST /telemetry) or the shipped rows are loaded "
+            "(scripts/main.sh): pass --files data/telemetry/telemetry.parquet to train on those"
+            if not a.files and at["n_input"] == 0
+            else ""
+        )
+        raise BadInput(f"{len(df)} valid rows < --min-rows {a.min_rows}{hint}")
     groups = group_labels(df)
     if len(set(groups)) < MIN_ARCHITECTURES:
         raise BadInput(
