@@ -1011,14 +1011,18 @@ def hanging(con: Any, lead: Any, text: Any) -> None:
 
 
 def curve_chart(rec: Recommendation, width: int = 40) -> Any:
-    """The curve as horizontal bars (bound + overhead per k), ``│`` at usable memory, the chosen k marked.
+    """The curve as horizontal bars (bound + overhead per k), ``│`` at usable memory, ``┆`` at the limit the bar
+    is tested against when the allowance keeps the largest request free (usable − :attr:`allocator_room_bytes`),
+    the chosen k marked.
 
     Bars start at 80 % of the smallest value shown, so the differences between k stay visible.
     """
     from rich.text import Text
 
     rows = curve_rows(rec, max_rows=16)
-    values = [rec.usable_bytes, *(c.total_upper_bytes for c in rows)]
+    room = 0 if rec.fit_method == "simulated" else (rec.allocator_room_bytes or 0)
+    limit = rec.usable_bytes - room
+    values = [rec.usable_bytes, limit, *(c.total_upper_bytes for c in rows)]
     lo, hi = 0.8 * min(values), max(values)
     span = (hi - lo) or 1.0
 
@@ -1026,12 +1030,15 @@ def curve_chart(rec: Recommendation, width: int = 40) -> Any:
         return min(width - 1, max(0, round((v - lo) / span * (width - 1))))
 
     usable_col = col(rec.usable_bytes)
-    text = Text(
-        f"bound + overhead over k: bars from {lo / GIB:.1f} GiB, │ = usable {gib(rec.usable_bytes)} GiB\n", style="bold"
-    )
+    heading = f"bound + overhead over k: bars from {lo / GIB:.1f} GiB, │ = usable {gib(rec.usable_bytes)} GiB"
+    if room:
+        heading += f", ┆ = usable - the largest request ({gib(room)}) = {gib(limit)} GiB: a fitting bar ends left of it"
+    text = Text(heading + "\n", style="bold")
     for c in rows:
         n = col(c.total_upper_bytes) + 1
         bar = ["█" if i < n else " " for i in range(width)]
+        if room:
+            bar[col(limit)] = "┆"
         bar[usable_col] = "│"
         text.append(f"k={c.k:>4} ")
         text.append("".join(bar), style="green" if c.fits else "red")

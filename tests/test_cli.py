@@ -744,6 +744,11 @@ def test_explain_says_where_the_gradients_are_while_they_build_up(run, monkeypat
     total = row(f"= upper bound + overhead (fits when it + the largest request, {room:.2f}, <= usable")
     assert total == f"{rec['total_upper_bytes'] / gib:.2f}" == row("│ upper bound + overhead ")
     assert "breakdown at k=" in out and "(GiB, each rounded to 0.01)" in out
+    # the chart marks the limit the bars are tested against, not only usable memory (a new user read bars left of
+    # "usable" marked "no" as a contradiction)
+    limit = (rec["usable_bytes"] - rec["allocator_room_bytes"]) / gib
+    assert f"┆ = usable - the largest request ({room:.2f}) = {limit:.2f} GiB: a fitting bar ends left of it" in out
+    assert all("┆" in line for line in out.splitlines() if line.startswith("k=") and "█" in line)
 
 
 def test_readme_commands_parse_into_valid_requests():
