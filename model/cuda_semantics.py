@@ -53,6 +53,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from memfit.hf import attention_that_runs
+from memfit.schema import Attention
+
 
 class GpuGeneration(StrEnum):
     """CUDA compute capability families the backend table distinguishes."""
@@ -466,7 +469,10 @@ def cuda_trace_reasons(hf_config: dict[str, Any], training: Any, gen: GpuGenerat
     gen = GpuGeneration(gen)
     mtype = hf_config.get("model_type", "")
     precision = str(getattr(training.precision, "value", training.precision))
-    attention = str(getattr(training.attention, "value", training.attention))
+    # the attention that runs: a family without SDPA runs eager whatever is asked (memfit.hf.attention_that_runs)
+    attention = attention_that_runs(
+        mtype or None, Attention(getattr(training.attention, "value", training.attention))
+    ).value
     reasons = []
     if attention == "eager":
         reasons.append("attention eager: CUDA's softmax backward holds a grad*output temporary the size of the scores")

@@ -126,6 +126,9 @@ def test_backend_table_decides_which_keys_hold_the_generation():
     assert any("math backend on sm90" in r for r in cs.cuda_trace_reasons(falcon, bf16, "sm90"))
     assert cs.cuda_trace_reasons(falcon, bf16, None) == ()
     assert any("softmax backward" in r for r in cs.cuda_trace_reasons(llama, _training(attention="eager"), "sm80"))
+    # BLOOM has no SDPA: asked for it (the default) it runs eager, with CUDA's softmax-backward temporary
+    bloom = hf_config_of("bloom-560m")
+    assert any("softmax backward" in r for r in cs.cuda_trace_reasons(bloom, _training(precision="bf16"), "sm90"))
 
 
 def test_the_request_gpu_sets_the_key_generation():
