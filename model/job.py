@@ -27,6 +27,7 @@ from data import catalog
 from memfit.api import ArchitectureIn, ClusterIn, TrainingIn
 from memfit.errors import InvalidConfiguration, UnknownArchitecture, pydantic_error_field
 from memfit.hf import (
+    attention_that_runs,
     build_causal_lm,
     count_params,
     layer_period,
@@ -41,6 +42,7 @@ from memfit.hf import (
 )
 from memfit.schema import (
     DEFAULT_LORA_RANK,
+    Attention,
     FineTune,
     ModelSpec,
     Quantization,
@@ -645,7 +647,7 @@ def tensor_parallel_sizes(spec: ModelSpec) -> list[int]:
 
 def check_parallel(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> int:
     """Data, tensor, sequence, context and pipeline parallel settings that cannot run on ``gpu_count`` GPUs or
-    split this model (only its shape is read), as 422s naming the field and the allowed values. Returns the
+    split this model (only its shape and family are read), as 422s naming the field and the allowed values. Returns the
     data-parallel size (:func:`memfit.schema.default_data_parallel_size`: the request's, read as the data x
     context-parallel sharding group where only that fits the cluster, else the GPUs left by the model-parallel
     sizes)."""
@@ -695,6 +697,13 @@ def check_parallel(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> int:
             "training.attention",
             "sdpa or flash with context_parallel_size > 1 (ring attention runs the fused kernels)",
             t.attention.value,
+        )
+    if cp > 1 and attention_that_runs(spec.architecture, Attention(t.attention.value)) is Attention.EAGER:
+        raise InvalidConfiguration(
+            "training.context_parallel_size",
+            f"1 for {spec.architecture}: transformers has no SDPA for it, so it runs eager attention, and ring "
+            "attention runs the fused kernels",
+            cp,
         )
     tp_sizes = tensor_parallel_sizes(spec)
     if tp not in tp_sizes:

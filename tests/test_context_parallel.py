@@ -133,6 +133,25 @@ def test_a_data_parallel_size_that_fits_neither_way_names_the_field(traced_recom
     assert err.value.field == "training.data_parallel_size"
 
 
+def test_context_parallel_of_a_family_without_sdpa_is_refused_naming_the_field():
+    """BLOOM has no SDPA in transformers: it runs eager attention whatever is asked, which ring attention cannot
+    split (eager asked was refused already; SDPA asked was answered as if it ran)."""
+    from model.job import check_parallel, model_shape
+
+    training = RecommendRequest.model_validate(
+        {
+            "model": "bloom-560m",
+            "training": {"micro_batch_size": 1, "seq_len": 8192, "context_parallel_size": 2},
+            "cluster": {"gpu": "H100-80GB", "gpu_count": 2},
+        }
+    ).training
+    with pytest.raises(InvalidConfiguration) as err:
+        check_parallel(training, model_shape("bloom-560m"), 2)
+    assert err.value.field == "training.context_parallel_size"
+    assert "1 for bloom: transformers has no SDPA for it" in str(err.value)
+    assert check_parallel(training, model_shape("qwen2.5-0.5b"), 2) == 1
+
+
 def test_context_parallel_telemetry_goes_through_post_telemetry_and_is_stored(tmp_path, small_registry):
     # issue 29: the reporter's data-parallel default left out cp, build_record raised a ValidationError
     # (4 x 2 ranks on 4 GPUs) and report_peak swallowed it: every context-parallel job's telemetry was lost
