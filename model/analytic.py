@@ -275,9 +275,12 @@ def _model_state_bytes(model: ModelSpec, training: TrainingConfig, zero1_lower_b
             n_q, q_bytes = frozen, q_bytes * frozen // n_q
         weights = (frozen - n_q) * w + q_bytes + trainable * 4
         grads = trainable * 4
+        # ZeRO-2 / shard-grad-op under autocast: the packed 4-bit codes are gathered as they are stored (no cast)
+        gathered_half = (frozen - n_q) * 2 + q_bytes + trainable * 2
     else:
         weights = total * w
         grads = trainable * w
+        gathered_half = 2 * total
     if training.optimizer_in_backward:
         grads = 0
     opt = int(trainable * states_per_param)
@@ -301,7 +304,7 @@ def _model_state_bytes(model: ModelSpec, training: TrainingConfig, zero1_lower_b
         # gathered copy is half precision and the fp32 weights are a shard (FSDP2 MixedPrecisionPolicy,
         # DeepSpeed's fp16/bf16 params + partitioned fp32 master: ZeRO paper 2Ψ + 14Ψ/N)
         if training.precision in (Precision.AMP_BF16, Precision.AMP_FP16):
-            weights = 2 * total + shard(weights, share)
+            weights = gathered_half + shard(weights, share)
         grads, opt = shard(grads, trainable_share), shard(opt, trainable_share)
     elif s is Sharding.ZERO1:
         opt = 0 if zero1_lower_bound else shard(opt, trainable_share)
