@@ -482,6 +482,7 @@ class TracedTerms:
             depths = tuple(terms.get("depths", (p, 2 * p)))
             d.pipeline = compose_pipeline(coef, depths, model, training)
             d.raw, d.phases = d.pipeline.peak_bytes.astype(np.float64), d.pipeline.phase
+            d.phase_bytes = d.pipeline.phase_bytes  # one stage (context parallel alone): its phases
         else:
             c = compose_terms(terms, model.num_layers, training.micro_batch_size, training.seq_len)
             d.raw, d.phases, d.phase_bytes = c.peak_bytes.astype(np.float64), c.phase, c.phase_bytes
@@ -544,6 +545,7 @@ class LearnedCoefficients:
         if staged:
             draft.pipeline = compose_pipeline(coef, (1, 2), model, training)
             draft.raw, draft.phases = draft.pipeline.peak_bytes.astype(np.float64), draft.pipeline.phase
+            draft.phase_bytes = draft.pipeline.phase_bytes
             return draft
         c = compose(coef, model.num_layers, training.micro_batch_size, training.seq_len)
         draft.raw, draft.phases, draft.phase_bytes = c.peak_bytes.astype(np.float64), c.phase, c.phase_bytes

@@ -238,6 +238,9 @@ class ParallelCurve:
             the stage, Megatron's ``block`` method).
         stage_peak_bytes: int64, shape (L+1, pp).
         stages: the stages.
+        phase_bytes: float64, shape (L+1, len(PEAK_PHASES)): every phase's live bytes at each k with one stage
+            (context parallelism alone: the rank holds every layer, so compositions on a base's phases apply);
+            None with several stages (each holds its own share of the model states).
     """
 
     peak_bytes: np.ndarray
@@ -245,6 +248,7 @@ class ParallelCurve:
     stage_k: np.ndarray
     stage_peak_bytes: np.ndarray
     stages: list[Stage]
+    phase_bytes: np.ndarray | None = None
 
     def bottleneck(self, k: int) -> int:
         """The stage with the highest peak at total k."""
@@ -283,4 +287,5 @@ def compose_pipeline(
         stage_k=np.array(stage_k),
         stage_peak_bytes=np.array(stage_peak),
         stages=stages,
+        phase_bytes=composed[0] if len(stages) == 1 else None,
     )
