@@ -334,22 +334,17 @@ def _from_base(base: Any, training: TrainingConfig, note: str, **composed: Any) 
 
 
 def bounded_by_base(training: TrainingConfig) -> bool:
-    """Whether a ZeRO-1 configuration that is not composed (:func:`not_composable_reason`) is answered by its
-    unsharded base as an upper bound: with tensor, pipeline or context parallelism (and nothing else that blocks
-    the composition). ZeRO-1 only removes other ranks' optimizer states and their step temporaries from what an
-    unsharded rank holds (module docstring), so the base's curve is never below it."""
-    parallel = (
-        training.tensor_parallel_size > 1 or training.pipeline_parallel_size > 1 or training.context_parallel_size > 1
-    )
-    unparallel = training.model_copy(
-        update={"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "context_parallel_size": 1}
-    )
-    return parallel and not_composable_reason(unparallel) is None
+    """Whether a ZeRO-1 configuration that is not composed (:func:`not_composable_reason`: tensor, pipeline or
+    context parallelism, bitsandbytes optimizers, a step in backward, a quantized base) is answered by its unsharded
+    base as an upper bound: always but with expert parallelism (the base, one data-parallel rank, cannot hold the
+    expert-parallel split). ZeRO-1 only removes other ranks' optimizer states and their step temporaries from what
+    an unsharded rank holds (module docstring), so the base's curve is never below it."""
+    return not_composable_reason(training) is not None and training.expert_parallel_size == 1
 
 
 def unsharded_bound(predictor: Any, request: Request, base_training_: TrainingConfig) -> Draft:
-    """The unsharded base's curve (per pipeline stage where it has stages) as the answer for a ZeRO-1 request with
-    tensor, pipeline or context parallelism (:func:`bounded_by_base`), on the base's path: traced, or provisional
+    """The unsharded base's curve (per pipeline stage where it has stages) as the answer for a ZeRO-1 request that
+    is not composed (:func:`bounded_by_base`), on the base's path: traced, or provisional
     (learned coefficients composed per stage, or the ratio model) with the base's terms key, so that a service's
     cached answer is recomputed once the base's trace lands (:class:`service.recommender.CurveCache`).
 
@@ -360,9 +355,9 @@ def unsharded_bound(predictor: Any, request: Request, base_training_: TrainingCo
     base = predictor.curve(model, base_training_, hf_config)  # asks the tracer for the base's key
     stage_states = [model_state_bytes(st.spec, base_training_) for st in pipeline_stages(model, base_training_)]
     note = (
-        f"ZeRO-1 over {training.data_parallel_size} ranks with tensor, pipeline or context parallelism is not "
-        "composed (model.zero1): answered as the same configuration without sharding, an upper bound (ZeRO-1 only "
-        "removes the other ranks' optimizer states)"
+        f"ZeRO-1 over {training.data_parallel_size} ranks: {not_composable_reason(training)} (model.zero1); "
+        "answered as the same configuration without sharding, an upper bound (ZeRO-1 only removes the other ranks' "
+        "optimizer states)"
     )
     return _from_base(
         base,
