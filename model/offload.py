@@ -71,9 +71,17 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import ModelSpec, Offload, Precision, Sharding, TrainingConfig
-from model.analytic import _BNB_STATE_BYTES, _STATES, analytic_estimates, model_state_bytes, state_dtype_bytes
+from model.analytic import (
+    _BNB_STATE_BYTES,
+    _STATES,
+    analytic_estimates,
+    expert_parallel_rank_spec,
+    model_state_bytes,
+    state_dtype_bytes,
+)
 from model.compose import PEAK_PHASES
 from model.derivation import Draft, Request, peak_phases
+from model.parallel import pipeline_stages
 
 #: DeepSpeed's ``additional_buffer_factor`` default in both estimators (pinned buffers, fragmentation)
 HOST_BUFFER_FACTOR = 1.5
@@ -195,13 +203,19 @@ class OffloadDerivation:
             return draft
         base_training = traced_base(training)
         base = predictor.curve(model, base_training, hf_config)
+        # what one rank holds: its tensor- and expert-parallel shard, the fullest pipeline stage (the base's phases
+        # are a rank's: the whole model's states subtracted from them dropped a tensor-parallel rank's activations)
+        rank = max(
+            (st.spec for st in pipeline_stages(expert_parallel_rank_spec(model, training), training)),
+            key=lambda spec: model_state_bytes(spec, training).total_bytes,
+        )
         # the stand-in FSDP trace of parameter offload on one rank is not the user's sharding: don't say it is
         notes = [n for n in base.notes if base_training.sharding is training.sharding or not n.startswith("sharding")]
         # offloaded optimizer states live in host memory, not in CUDA unified memory: drop the paged-states note
         notes = [n for n in notes if "unified memory" not in n]
         if base.phase_bytes is not None:
             raw, phases = peak_phases(
-                offload_device_phases(base.phase_bytes, list(PEAK_PHASES), model, training), PEAK_PHASES
+                offload_device_phases(base.phase_bytes, list(PEAK_PHASES), rank, training), PEAK_PHASES
             )
             notes.append("offload composed from the traced phases without offload (model.offload)")
         else:
@@ -219,7 +233,7 @@ class OffloadDerivation:
             path=base.path,
             raw=raw,
             phases=phases,
-            states=model_state_bytes(model, training),
+            states=model_state_bytes(rank, training),
             terms_key=base.terms_key,
             reason=base.reason,
             notes=notes,

@@ -258,3 +258,26 @@ def test_provisional_parameter_offload_curve_follows_its_traced_composition(reco
     for t, p in zip(traced.curve, provisional.curve, strict=True):
         assert 0.9 * t.predicted_bytes <= p.predicted_bytes <= 1.2 * t.predicted_bytes, t.k
         assert p.upper_bytes >= t.predicted_bytes, t.k
+
+
+def test_optimizer_offload_with_tensor_parallelism_subtracts_one_ranks_states():
+    """The offload composition subtracted the whole model's resident states from a tensor-parallel rank's phases
+    and took the whole model's states as the floor: Llama-3.2-1B bf16 + fp32 master, tp 2, optimizer offloaded,
+    said 4.60 GiB flat at every k (weights and gradients of both ranks, activations 0). It is one rank's now:
+    below the same job without offload at every k, and checkpointing buys memory down again."""
+    from data import catalog
+    from model.analytic import model_state_bytes as states_of
+    from model.analytic import tensor_parallel_rank_spec
+    from model.curve import MemoryPredictor
+
+    loaded = Registry().load()
+    predictor = MemoryPredictor(loaded.estimator, TermsCache(), coefficients=loaded.coefficients)
+    spec, hf = catalog.spec("llama-3.2-1b"), catalog.hf_config_of("llama-3.2-1b")
+    tp2 = TrainingConfig(micro_batch_size=2, seq_len=1024, precision="bf16_fp32_master", tensor_parallel_size=2)
+    off = tp2.model_copy(update={"offload_optimizer": Offload.CPU})
+    offloaded, resident = predictor.curve(spec, off, hf), predictor.curve(spec, tp2, hf)
+    rank = states_of(tensor_parallel_rank_spec(spec, off), off)
+    assert offloaded.floor_bytes == rank.total_bytes < states_of(spec, off).total_bytes
+    assert all(o.predicted_bytes < r.predicted_bytes for o, r in zip(offloaded.points, resident.points))
+    assert offloaded.points[0].predicted_bytes > offloaded.points[-1].predicted_bytes
+    assert offloaded.points[0].breakdown["activations_bytes"] > 0
