@@ -341,7 +341,7 @@ def activation_dtype_bytes(precision: Precision) -> int:
     return 4 if precision is Precision.FP32 else 2
 
 
-def activation_bytes_per_layer(model: ModelSpec, training: TrainingConfig) -> int:
+def activation_bytes_per_layer(model: ModelSpec, training: TrainingConfig, *, count_scores: bool = True) -> int:
     """Activations one decoder layer saves for backward, per device (bytes).
 
     Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
@@ -360,6 +360,8 @@ def activation_bytes_per_layer(model: ModelSpec, training: TrainingConfig) -> in
       (:func:`memfit.hf.attention_that_runs`; SDPA/flash save an fp32 log-sum-exp ``4·a·s·b`` instead).
 
     Scaled by 2 in fp32 training. Shapes: s = seq_len, b = micro_batch_size, h = hidden, a = heads.
+    ``count_scores=False`` counts the layer as SDPA runs it whatever runs (the per-token scale of
+    :func:`model.coefficients.scales`, which keeps the score term out).
     """
     s, b, h, a = training.seq_len, training.micro_batch_size, model.hidden_size, model.num_attention_heads
     t = training.tensor_parallel_size
@@ -369,7 +371,7 @@ def activation_bytes_per_layer(model: ModelSpec, training: TrainingConfig) -> in
     dropout = model.architecture in ("gpt2", "opt", "bloom")
     sbh = s * b * h
     attn = 2 * sbh + 2 * s * b * q + 2 * 2 * s * b * kv + 2 * s * b * q  # QKV input, Q, K+V, out-proj input
-    if attention_that_runs(model.architecture, training.attention) is Attention.EAGER:
+    if count_scores and attention_that_runs(model.architecture, training.attention) is Attention.EAGER:
         attn += 5 * a * s * s * b if dropout else 4 * a * s * s * b  # softmax output (+mask) and its use
     else:
         attn += 4 * a * s * b  # fp32 log-sum-exp; the attention output is the out-proj input counted above

@@ -352,7 +352,7 @@ def scales(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any]
     routed = model.model_copy(
         update={"intermediate_size": model.intermediate_size * (model.num_experts_per_token or 1)}
     )
-    layer = float(max(activation_bytes_per_layer(routed, one_token), 1))
+    layer = float(max(activation_bytes_per_layer(routed, one_token, count_scores=False), 1))
     if training.finetune is FineTune.LORA and not _mlp_adapted(training):
         # frozen linears need no input saved for a weight gradient: with PEFT's attention-only default targets the
         # out-projection, MLP input and second-linear inputs (Korthikanti's accounting, as above) are not saved
