@@ -40,11 +40,13 @@ from memfit.checkpointing import FALLBACK_VERSION
 
 log = logging.getLogger("memfit")
 
-_RETRY_STATUS = frozenset({500, 502, 503, 504})
+#: answers worth asking again: the server's errors, a request timeout (408: the service's body deadline) and
+#: rate limiting (429); RFC 9110 Sec. 15.5.9 and 15.6, RFC 6585 Sec. 4
+_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
 class ServiceError(RuntimeError):
-    """The service could not give an answer (unreachable, timed out, 5xx after retries, or 4xx).
+    """The service could not give an answer (unreachable, timed out, 408/429/5xx after retries).
 
     Attributes:
         status_code: HTTP status when the service answered, else None.
@@ -157,14 +159,17 @@ class Client:
     """Client of the memfit service.
 
     Args:
-        url: base URL, e.g. ``http://127.0.0.1:8000``.
+        url: base URL, e.g. ``http://127.0.0.1:8000`` (``http``/``https`` with a host).
         token: bearer token for write endpoints (``POST /telemetry``).
         timeout_s: per-request timeout in seconds (connect and read).
-        retries: extra attempts after the first on connection errors, timeouts and 5xx.
+        retries: extra attempts after the first on connection errors, timeouts, 408, 429 and 5xx.
         strict: raise :class:`ServiceError` when the service cannot answer instead of returning the fallback
             (an invalid or rejected request raises either way).
         backoff_s: first backoff in seconds; doubles per retry (capped at 4 s).
         transport: an ``httpx`` transport (tests: ``httpx.MockTransport``).
+
+    Raises:
+        ValueError: ``url`` not an http(s) URL with a host; ``retries`` < 0; ``timeout_s`` <= 0.
     """
 
     def __init__(
@@ -178,6 +183,12 @@ class Client:
         backoff_s: float = 0.25,
         transport: httpx.BaseTransport | None = None,
     ):
+        try:
+            parsed = httpx.URL(url) if isinstance(url, str) else None
+        except httpx.InvalidURL:
+            parsed = None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(f"url={url!r} must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000")
         if retries < 0:
             raise ValueError(f"retries={retries} must be >= 0")
         if timeout_s <= 0:
@@ -205,7 +216,7 @@ class Client:
 
     # -- transport ------------------------------------------------------------------------------
     def _request(self, method: str, path: str, json: Any = None) -> httpx.Response:
-        """One call with retries on transport errors and 5xx.
+        """One call with retries on transport errors and the statuses of :data:`_RETRY_STATUS`.
 
         Raises:
             ServiceError: no 2xx/4xx answer after the retries (the last error in the message).

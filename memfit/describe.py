@@ -480,8 +480,9 @@ def describe(
     ``TrainingArguments`` (``per_device_train_batch_size``, ``bf16``/``fp16``, ``optim``, ``fsdp``,
     ``activation_checkpointing_kwargs``/``gradient_checkpointing_kwargs``); then the model.
 
-    * model: its HF config dict when it has one (``model.config``), else :func:`detect_architecture`
-      (or ``architecture=`` to override: catalog name, HF config dict or :class:`ArchitectureIn`).
+    * model: its HF config dict when it has one (``model.config``), else :func:`detect_architecture` (a
+      Llama-style decoder of the detected shape; a :class:`MemfitWarning` says so), or ``architecture=`` to
+      override (catalog name, HF config dict or :class:`ArchitectureIn`).
     * parameters: trainable count from ``requires_grad`` (LoRA adapters, frozen layers); PEFT LoRA
       sets ``finetune="lora"`` with the active adapter's rank and target modules; fully frozen
       leading layers set ``finetune="frozen"``. A bitsandbytes-quantized base under LoRA (QLoRA) sets
@@ -686,7 +687,18 @@ def describe(
             stacklevel=2,
         )
     if architecture is None:
-        architecture = hf_config_dict(model) or detect_architecture(model, layers)
+        architecture = hf_config_dict(model)
+    if architecture is None:
+        architecture = detect_architecture(model, layers)
+        warnings.warn(
+            f"memfit: the model has no HF config; its shape was read from its modules ({architecture.num_layers} "
+            f"layers, hidden {architecture.hidden_size}, {architecture.num_attention_heads} heads, FFN "
+            f"{architecture.intermediate_size}, vocabulary {architecture.vocab_size}) and is predicted as a "
+            "Llama-style pre-norm decoder of that shape (memfit.describe.detect_architecture); pass architecture= "
+            "(a catalog name, a HF config dict or ArchitectureIn) where it is another family",
+            MemfitWarning,
+            stacklevel=2,
+        )
     try:
         return RecommendRequest(
             model=architecture,

@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from memfit.api import RecommendRequest, request_hf_config
-from memfit.client import Client, ServiceError
+from memfit.client import Client, RequestRejected, ServiceError
 from memfit.errors import invalid_from_validation
 from memfit.schema import (
     DEFAULT_LORA_RANK,
@@ -63,7 +63,8 @@ class ReportResult:
     """Outcome of :func:`report_peak`.
 
     Attributes:
-        status: ``sent``, ``duplicate``, ``spooled``, ``rejected``, ``skipped`` or ``error``.
+        status: ``sent``, ``duplicate``, ``spooled``, ``quarantined`` (kept apart by the service, never trained on),
+            ``rejected``, ``skipped`` or ``error``.
         record: the record built (None when skipped before building, or on error).
         detail: the service's answer or the reason.
     """
@@ -236,31 +237,54 @@ def spool(record: TelemetryRecord, path: str | Path | None = None) -> Path:
 
 
 def send_or_spool(client: Client, record: TelemetryRecord, spool_path: str | Path | None = None) -> ReportResult:
-    """POST one record; spool it when the service is unreachable or refuses the token. Never raises."""
+    """POST one record. Never raises, and never drops the record without the service's verdict on it: it is spooled
+    (:func:`flush_spool` sends it later) unless the service stored it, already had it, quarantined it (kept apart,
+    its reason in the result) or refused it as invalid (HTTP 422, or its ``rejected`` list). An unreachable
+    service, a refused token, any other 4xx (a wrong URL path: 404; 413), an answer that is not the ingest
+    answer (a proxy's HTML page) or one that names no verdict for the record: spooled."""
     try:
         ans = client.send_telemetry([record])
+    except RequestRejected as err:
+        if err.status_code == 422:
+            _log_once("rejected", "memfit: telemetry rejected by the service: %s", err)
+            return ReportResult("rejected", record, str(err))
+        return _spool_one(record, spool_path, str(err))
     except (ServiceError, PermissionError) as err:
-        try:
-            where = spool(record, spool_path)
-        except OSError as io_err:
-            _log_once("spool-failed", "memfit: telemetry not sent (%s) and not spooled (%s)", err, io_err)
-            return ReportResult("error", record, f"{err}; spool failed: {io_err}")
-        _log_once(
-            "spooled", "memfit: telemetry not sent (%s); spooled to %s (memfit.reporter.flush_spool later)", err, where
-        )
-        return ReportResult("spooled", record, str(err))
-    except Exception as err:  # noqa: BLE001 - never break training
-        _log_once("send-error", "memfit: telemetry not sent: %s: %s", type(err).__name__, err)
-        return ReportResult("error", record, f"{type(err).__name__}: {err}")
-    if record.record_id in ans.get("stored", []):
-        log.info(
-            "memfit: telemetry %s stored (peak %d bytes)", record.record_id, record.measurement.peak_allocated_bytes
-        )
+        return _spool_one(record, spool_path, str(err))
+    except Exception as err:  # noqa: BLE001 - never break training (an unreadable answer: not JSON)
+        return _spool_one(record, spool_path, f"unreadable answer: {type(err).__name__}: {err}")
+    if not isinstance(ans, dict):
+        return _spool_one(record, spool_path, f"unreadable answer: {type(ans).__name__}, not the ingest answer")
+    rid = record.record_id
+    if rid in ans.get("stored", []):
+        log.info("memfit: telemetry %s stored (peak %d bytes)", rid, record.measurement.peak_allocated_bytes)
         return ReportResult("sent", record, json.dumps(ans))
-    if record.record_id in ans.get("duplicates", []):
+    if rid in ans.get("duplicates", []):
         return ReportResult("duplicate", record, json.dumps(ans))
-    _log_once("rejected", "memfit: telemetry rejected by the service: %s", ans.get("rejected"))
-    return ReportResult("rejected", record, json.dumps(ans.get("rejected")))
+    for status in ("quarantined", "rejected"):
+        mine = [
+            r for r in ans.get(status, []) if isinstance(r, dict) and (r.get("record_id") == rid or r.get("index") == 0)
+        ]
+        if mine:
+            reason = "; ".join(str(r.get("reason")) for r in mine)
+            _log_once(status, "memfit: telemetry %s by the service: %s", status, reason)
+            return ReportResult(status, record, reason)
+    return _spool_one(
+        record, spool_path, f"the service's answer names no verdict for record {rid}: {json.dumps(ans)[:200]}"
+    )
+
+
+def _spool_one(record: TelemetryRecord, spool_path: str | Path | None, why: str) -> ReportResult:
+    """Spool ``record`` because it was not sent (``why``); ``error`` only when the spool cannot be written."""
+    try:
+        where = spool(record, spool_path)
+    except OSError as io_err:
+        _log_once("spool-failed", "memfit: telemetry not sent (%s) and not spooled (%s)", why, io_err)
+        return ReportResult("error", record, f"{why}; spool failed: {io_err}")
+    _log_once(
+        "spooled", "memfit: telemetry not sent (%s); spooled to %s (memfit.reporter.flush_spool later)", why, where
+    )
+    return ReportResult("spooled", record, why)
 
 
 def report_peak(
@@ -392,11 +416,22 @@ def flush_spool(
             _log_once("flush-error", "memfit: spool flush failed: %s: %s", type(err).__name__, err)
             keep.extend(ln for ln, _rec in records[start:])
             break
-        sent += len(ans.get("stored", [])) + len(ans.get("duplicates", []))
+        if not isinstance(ans, dict):
+            _log_once("flush-error", "memfit: spool flush stopped: the answer is not the ingest answer")
+            keep.extend(ln for ln, _rec in records[start:])
+            break
+        taken = set(ans.get("stored", [])) | set(ans.get("duplicates", []))
+        judged = set()
         for r in list(ans.get("rejected", [])) + list(ans.get("quarantined", [])):
-            i = r.get("index")
-            if isinstance(i, int) and 0 <= i < len(chunk):
+            i = r.get("index") if isinstance(r, dict) else None
+            if isinstance(i, int) and 0 <= i < len(chunk) and i not in judged:
+                judged.add(i)
                 held.append((f"service: {r.get('reason')}", chunk[i][0]))
+        for i, (ln, rec) in enumerate(chunk):
+            if rec.get("record_id") in taken:
+                sent += 1
+            elif i not in judged:  # no verdict on it in the answer: sent again by the next flush
+                keep.append(ln)
     try:
         if held:
             _quarantine(p, held)

@@ -14,7 +14,7 @@ import torch
 from pydantic import ValidationError
 
 from memfit.api import ArchitectureIn, Recommendation, RecommendRequest
-from memfit.checkpointing import apply
+from memfit.checkpointing import MemfitWarning, apply
 from memfit.client import Client, FallbackRecommendation, RequestRejected, ServiceError, is_fallback
 from memfit.describe import describe, detect_architecture
 from memfit.hf import build_causal_lm, quiet_transformers
@@ -292,7 +292,9 @@ def test_describe_plain_model_detects_the_architecture():
         1000,
     )
     assert arch.total_params == sum(p.numel() for p in Plain().parameters())
-    req = describe(Plain(), micro_batch_size=2, seq_len=64, gpu="L4")
+    # a module without a HF config is predicted as a Llama-style decoder of its shape, and describe says so
+    with pytest.warns(MemfitWarning, match=r"no HF config; its shape was read from its modules \(3 layers, hidden 64"):
+        req = describe(Plain(), micro_batch_size=2, seq_len=64, gpu="L4")
     assert isinstance(req.model, ArchitectureIn) and req.model.num_layers == 3
     with pytest.raises(ValueError, match="could not detect num_attention_heads, intermediate_size, vocab_size"):
         detect_architecture(
@@ -389,6 +391,94 @@ def test_report_peak_never_raises():
     # a broken input (no seq_len) is an error result, not an exception
     res = report_peak(mock_client(svc), model, [0], micro_batch_size=1, gpu="L4", peak_allocated_bytes=1)
     assert res.status == "error" and "seq_len" in res.detail
+
+
+def test_report_peak_spools_whatever_has_no_verdict_and_says_quarantined(tmp_path):
+    """A new-user trial: a wrong URL path (404), a 413, a proxy's HTML page and an answer naming no verdict
+    returned "error" or "rejected" and dropped the record; a quarantined record came back as "rejected: []". Only
+    the service's verdict on the record ends its trip; everything else is spooled and sent by the next flush."""
+    model = llama(2)
+    plan = _trained_plan(model, [1])
+    spool = tmp_path / "spool.jsonl"
+
+    def report(handler):
+        return report_peak(
+            mock_client(handler, retries=0),
+            model,
+            plan,
+            micro_batch_size=2,
+            seq_len=16,
+            gpu="L4",
+            peak_allocated_bytes=4096,
+            spool_path=spool,
+        )
+
+    answers = [
+        httpx.Response(404, json={"detail": "Not Found"}),
+        httpx.Response(413, json={"detail": "too large"}),
+        httpx.Response(200, text="<html>sign in</html>"),
+        httpx.Response(200, json={"ok": True}),
+        httpx.Response(200, json=["stored"]),
+    ]
+    for answer in answers:
+        res = report(lambda request, a=answer: a)
+        assert res.status == "spooled", (answer.status_code, res)
+    assert len(spool.read_text().splitlines()) == len(answers)
+
+    why = "peak_allocated_bytes below the 1019904 bytes of weights"
+
+    def quarantining(request):
+        rid = json.loads(request.content)[0]["record_id"]
+        body = {
+            "stored": [],
+            "duplicates": [],
+            "rejected": [],
+            "quarantined": [{"index": 0, "record_id": rid, "reason": why}],
+        }
+        return httpx.Response(200, json=body)
+
+    res = report(quarantining)
+    assert res.status == "quarantined" and res.detail == why
+    invalid = report(lambda request: httpx.Response(422, json={"detail": "invalid", "errors": []}))
+    assert invalid.status == "rejected" and "HTTP 422" in invalid.detail
+    assert len(spool.read_text().splitlines()) == len(answers)  # neither spooled
+
+    # a flush whose answer names no verdict for some records keeps them for the next flush
+    def half(request):
+        body = json.loads(request.content)
+        return httpx.Response(200, json={"stored": [body[0]["record_id"]], "duplicates": [], "rejected": []})
+
+    assert flush_spool(mock_client(half), spool) == 1
+    assert len(spool.read_text().splitlines()) == len(answers) - 1
+    up = FakeService()
+    assert flush_spool(mock_client(up), spool) == len(answers) - 1
+    assert not spool.exists() or not spool.read_text().strip()
+
+
+def test_a_url_without_scheme_or_host_is_refused_when_the_client_is_made():
+    for url in ("127.0.0.1:8000", "localhost:8000", "http://", "ftp://memfit.test", None, 8000):
+        with pytest.raises(ValueError, match=r"url=.* must be an http:// or https:// URL with a host"):
+            Client(url)
+    assert Client("https://memfit.test/").url == "https://memfit.test"
+
+
+def test_request_timeout_and_rate_limit_are_asked_again_then_fall_back():
+    calls = []
+
+    def busy(request):
+        calls.append(1)
+        return httpx.Response(429 if len(calls) % 2 else 408, json={"detail": "busy"})
+
+    rec = mock_client(busy, retries=2).recommend(
+        model="llama-3-8b", training={"micro_batch_size": 1, "seq_len": 512}, cluster={"gpu": "H100-80GB"}
+    )
+    assert len(calls) == 3 and rec.path == "fallback" and "HTTP 429" in rec.reason
+    calls.clear()
+    ok = [httpx.Response(429, json={"detail": "busy"}), httpx.Response(200, json=answer())]
+    rec = mock_client(lambda request: ok.pop(0), retries=2).recommend(
+        model="llama-3-8b", training={"micro_batch_size": 1, "seq_len": 512}, cluster={"gpu": "H100-80GB"}
+    )
+    assert rec.path != "fallback" and not ok
 
 
 def test_reporter_callback_with_the_trainer(tmp_path):
