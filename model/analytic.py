@@ -492,7 +492,7 @@ def expert_parallel_rank_spec(model: ModelSpec, training: TrainingConfig) -> Mod
     A rank holds ``num_layers · num_experts / P`` routed experts (:func:`model.analytic.routed_expert_params`)
     plus everything else; trainable parameters shrink in
     proportion under full fine-tuning and stay as given otherwise (LoRA adapters are not on the experts by
-    default). :func:`model.curve.expert_parallel_rank` counts the same thing exactly on a meta build when the
+    default). :func:`model.parallel.expert_parallel_rank` counts the same thing exactly on a meta build when the
     HF config is known.
     """
     ep = training.expert_parallel_size

@@ -51,8 +51,6 @@ A new way to derive a curve is one more object in that tuple.
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,13 +58,13 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import GIB, CheckpointImpl, FineTune, ModelSpec, Sharding, TrainingConfig
-from model.analytic import ModelStates, model_state_bytes, optimizer_state_bytes_per_param
+from model.analytic import ModelStates, optimizer_state_bytes_per_param
 from model.compose import PEAK_PHASES, compose, compose_terms
 from model.deepspeed_zero import DeepSpeedStage2Derivation, DeepSpeedStage3BuffersDerivation
 from model.derivation import PROVISIONAL, TRACED, Derivation, Draft, Request, peak_phases
 from model.frozen import FrozenLayersDerivation
 from model.offload import OffloadDerivation
-from model.parallel import ParallelCurve, compose_pipeline, pipeline_stages
+from model.parallel import ParallelCurve, compose_pipeline, rank_share
 from model.terms import TermsCache, not_traceable_reason, terms_key
 from model.zero1 import Zero1Derivation
 
@@ -222,37 +220,6 @@ def breakdown(
         raise ValueError(f"predicted {predicted_bytes} B is below the model states {sum(parts.values())} B")
     parts["optimizer_temporaries_bytes" if phase == "opt" else "activations_bytes"] = rest
     return parts
-
-
-def expert_parallel_rank(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> ModelSpec:
-    """The part of ``model`` one expert-parallel rank holds: its parameter counts with num_experts / P
-    routed experts (counted on a meta build of that shard's config; from the shapes,
-    :func:`model.analytic.expert_parallel_rank_spec`, when no HF config is given); ``model`` itself when P = 1.
-
-    Full fine-tuning trains every parameter of the shard; otherwise (LoRA) the trainable count stays.
-    """
-    ep = training.expert_parallel_size
-    if ep == 1 or model.num_experts is None:
-        return model
-    if hf_config is None:
-        from model.analytic import expert_parallel_rank_spec
-
-        return expert_parallel_rank_spec(model, training)  # from the shapes
-    from memfit.hf import local_expert_config
-
-    local = _param_count(json.dumps(local_expert_config(hf_config, ep), sort_keys=True))
-    extra = model.total_params - _param_count(json.dumps(hf_config, sort_keys=True))  # LoRA adapters in model
-    total = local + max(extra, 0)
-    trainable = total if model.trainable_params >= model.total_params else min(model.trainable_params, total)
-    return model.model_copy(update={"total_params": total, "trainable_params": trainable})
-
-
-@functools.lru_cache(maxsize=256)
-def _param_count(hf_config_json: str) -> int:
-    """Parameters of the model a HF config (JSON text) describes, counted on a meta build, memoised."""
-    from memfit.hf import count_params_from_config
-
-    return count_params_from_config(json.loads(hf_config_json))
 
 
 class MemoryPredictor:
@@ -451,13 +418,12 @@ class TracedTerms:
         if draft is not None:
             return draft
         model, training, hf_config = request.model, request.training, request.hf_config
-        rank_model = expert_parallel_rank(model, training, hf_config)  # MoE: one rank's share of the experts
-        stage_states = [model_state_bytes(st.spec, training) for st in pipeline_stages(rank_model, training)]
+        share = rank_share(model, training, hf_config)
         d = Draft(
-            states=max(stage_states, key=lambda x: x.total_bytes),  # per rank: TP-sharded, the fullest stage
+            states=share.fullest_states,
             reason=not_traceable_reason(model, training, hf_config),
-            rank_model=rank_model,
-            stage_states=stage_states,
+            rank_model=share.model,
+            stage_states=share.stage_states,
         )
         if d.reason is None and hf_config is None:
             d.reason = "no HF config to trace"
@@ -604,7 +570,12 @@ class GradientAccumulation:
                 "gradient live"
             )
         else:  # the learned paths know steps of one micro-batch: add the whole gradient buffer (an upper bound)
-            draft.raw = draft.raw + draft.states.gradients_bytes
+            if draft.pipeline is not None:  # context parallel (pipelines accumulate over num_micro_batches instead)
+                draft.pipeline = draft.pipeline.plus([st.gradients_bytes for st in draft.stage_states])
+                draft.raw = draft.pipeline.peak_bytes.astype(np.float64)
+                draft.phase_bytes = draft.pipeline.phase_bytes
+            else:
+                draft.raw = draft.raw + draft.states.gradients_bytes
             draft.notes.append(
                 f"gradient accumulation over {steps} micro-batches: "
                 "the learned answer for one micro-batch plus the whole gradient buffer (an upper bound)"

@@ -81,8 +81,9 @@ from typing import Any
 
 import numpy as np
 
-from memfit.hf import layer_period
+from memfit.hf import build_causal_lm, count_params, decoder_layers, layer_period, quiet_transformers
 from memfit.schema import FineTune, ModelSpec, Precision, Sharding, TrainingConfig
+from model.analytic import model_state_bytes, step_temporary_bytes_per_param, weight_dtype_bytes
 from model.compose import PEAK_PHASES
 from model.derivation import PROVISIONAL, Draft, Request, peak_phases
 
@@ -147,8 +148,6 @@ def trainable_params(model: ModelSpec, frozen_layers: int, hf_config: dict[str, 
 def _trainable_on_meta(hf_config_json: str, frozen_layers: int) -> int:
     import torch
 
-    from memfit.hf import build_causal_lm, count_params, decoder_layers, quiet_transformers
-
     with torch.device("meta"), quiet_transformers():
         model = build_causal_lm(json.loads(hf_config_json))
     model.get_input_embeddings().requires_grad_(False)
@@ -162,8 +161,6 @@ def _runs_trainable_before_layers(hf_config_json: str) -> str | None:
     """Name of the first trainable parameter registered before the first decoder layer once the input
     embeddings are frozen (HF decoders register modules in data-flow order), or None. Meta build."""
     import torch
-
-    from memfit.hf import build_causal_lm, decoder_layers, quiet_transformers
 
     with torch.device("meta"), quiet_transformers():
         model = build_causal_lm(json.loads(hf_config_json))
@@ -197,6 +194,10 @@ def not_composable_reason(model: ModelSpec, training: TrainingConfig, hf_config:
         )
     if model.num_experts is not None:
         return "frozen fine-tuning of MoE models is not composed"
+    if training.tensor_parallel_size > 1 or training.pipeline_parallel_size > 1:
+        # the frozen layers sit on the first stages, and a tensor-parallel rank holds a shard of each: the states
+        # added and removed here (device_phases) are those of one rank holding the whole model
+        return "frozen fine-tuning with tensor or pipeline parallelism is not composed"
     if training.frozen_layers % layer_period(hf_config):
         return "frozen layers do not keep the layer-type pattern of the trainable layers in phase"
     name = _runs_trainable_before_layers(json.dumps(hf_config, sort_keys=True))
@@ -220,8 +221,6 @@ def frozen_layer_weight_bytes(model: ModelSpec, training: TrainingConfig) -> tup
     shard_grad_op over 2 ranks, fp32: the frozen step holds the shard and the gathered copy (85 MB + 42.5 MB),
     where :func:`model.analytic.model_state_bytes` counts the gathered copy only.
     """
-    from model.analytic import weight_dtype_bytes
-
     params = frozen_layer_params(model)
     w = weight_dtype_bytes(training.precision)
     if training.sharding is Sharding.NONE:
@@ -246,8 +245,6 @@ def device_phases(base_phase_bytes, phase_names: list[str], model: ModelSpec, tr
         float array (L+1, phases): row k is the base's row max(0, k − N) with the rules of the module
         docstring applied (bytes).
     """
-    from model.analytic import model_state_bytes, step_temporary_bytes_per_param
-
     base = np.asarray(base_phase_bytes, dtype=np.float64)
     n, L = training.frozen_layers, model.num_layers
     if base.shape[0] != L - n + 1:
@@ -297,8 +294,6 @@ class FrozenLayersDerivation:
             notes.append(
                 f"provisional answer (learned phase coefficients of the base, composed per phase): {base.reason}"
             )
-        from model.analytic import model_state_bytes
-
         return Draft(
             path=base.path,
             raw=raw,

@@ -53,9 +53,9 @@ from memfit.schema import (
     default_precision,
 )
 from model.analytic import ModelStates, model_state_bytes, step_temporary_bytes_per_param
-from model.curve import expert_parallel_rank
 from model.frozen import trainable_params as frozen_trainable_params
-from model.parallel import Stage, pipeline_stages
+from model.offload import host_memory_bytes
+from model.parallel import RankShare, Stage, rank_share
 from model.snapshot import config_key, parameter_snapshot
 from model.terms import canonical_config, terms_key
 
@@ -173,10 +173,16 @@ class Job:
         return self.spec.num_layers
 
     @cached_property
+    def share(self) -> RankShare:
+        """What one rank holds (:func:`model.parallel.rank_share`): its expert-parallel share of :attr:`spec`, that
+        share's pipeline stages (tensor parallelism applied) and their model states."""
+        return rank_share(self.spec, self.training, self.hf_config)
+
+    @property
     def rank_spec(self) -> ModelSpec:
-        """What one expert-parallel rank holds (:func:`model.curve.expert_parallel_rank`; :attr:`spec` without
+        """What one expert-parallel rank holds (:func:`model.parallel.expert_parallel_rank`; :attr:`spec` without
         expert parallelism)."""
-        return expert_parallel_rank(self.spec, self.training, self.hf_config)
+        return self.share.model
 
     @cached_property
     def rank_hf_config(self) -> dict[str, Any] | None:
@@ -184,10 +190,10 @@ class Job:
         :attr:`hf_config` without expert parallelism; None where the experts do not split that way)."""
         return rank_hf_config(self.hf_config, self.training)
 
-    @cached_property
+    @property
     def stages(self) -> list[Stage]:
         """The pipeline stages of one rank (:func:`model.parallel.pipeline_stages` of :attr:`rank_spec`)."""
-        return pipeline_stages(self.rank_spec, self.training)
+        return self.share.stages
 
     @cached_property
     def parameters_per_rank(self) -> int:
@@ -198,6 +204,16 @@ class Job:
     def states(self) -> ModelStates:
         """Weights, gradients and optimizer states per device, bytes (:func:`model.analytic.model_state_bytes`)."""
         return model_state_bytes(self.spec, self.training)
+
+    def host_memory_bytes(self, ranks_per_node: int) -> int:
+        """Host memory one node needs for the offloaded model states, bytes (:func:`model.offload.host_memory_bytes`
+        of the rank holding the fullest pipeline stage, times ``ranks_per_node``): a rank offloads its own tensor-,
+        pipeline- and expert-parallel share, so tensor-parallel ranks on one node add up to one model, not one each.
+
+        Raises:
+            ValueError: ``ranks_per_node`` < 1.
+        """
+        return host_memory_bytes(self.share.fullest_spec, self.training, ranks_per_node)
 
     @cached_property
     def step_temporary_bytes_per_param(self) -> int:

@@ -75,13 +75,12 @@ from model.analytic import (
     _BNB_STATE_BYTES,
     _STATES,
     analytic_estimates,
-    expert_parallel_rank_spec,
     model_state_bytes,
     state_dtype_bytes,
 )
 from model.compose import PEAK_PHASES
 from model.derivation import Draft, Request, peak_phases
-from model.parallel import pipeline_stages
+from model.parallel import rank_share
 
 #: DeepSpeed's ``additional_buffer_factor`` default in both estimators (pinned buffers, fragmentation)
 HOST_BUFFER_FACTOR = 1.5
@@ -205,10 +204,8 @@ class OffloadDerivation:
         base = predictor.curve(model, base_training, hf_config)
         # what one rank holds: its tensor- and expert-parallel shard, the fullest pipeline stage (the base's phases
         # are a rank's: the whole model's states subtracted from them dropped a tensor-parallel rank's activations)
-        rank = max(
-            (st.spec for st in pipeline_stages(expert_parallel_rank_spec(model, training), training)),
-            key=lambda spec: model_state_bytes(spec, training).total_bytes,
-        )
+        share = rank_share(model, training, hf_config)
+        rank = share.fullest_spec
         # the stand-in FSDP trace of parameter offload on one rank is not the user's sharding: don't say it is
         notes = [n for n in base.notes if base_training.sharding is training.sharding or not n.startswith("sharding")]
         # offloaded optimizer states live in host memory, not in CUDA unified memory: drop the paged-states note
@@ -233,12 +230,12 @@ class OffloadDerivation:
             path=base.path,
             raw=raw,
             phases=phases,
-            states=model_state_bytes(rank, training),
+            states=share.fullest_states,
             terms_key=base.terms_key,
             reason=base.reason,
             notes=notes,
             learned=base.learned_coefficients,
-            host_memory_bytes=host_memory_bytes(model, training),
+            host_memory_bytes=host_memory_bytes(rank, training),
             composed_from="offload",
             margin_sharding=base_training.sharding,
             report_group=False,

@@ -33,13 +33,23 @@ block in flight).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from memfit.hf import count_params_from_config, local_expert_config
 from memfit.schema import FineTune, ModelSpec, PipelineSchedule, TrainingConfig
-from model.analytic import activation_dtype_bytes, model_state_bytes, tensor_parallel_rank_spec
+from model.analytic import (
+    ModelStates,
+    activation_dtype_bytes,
+    expert_parallel_rank_spec,
+    model_state_bytes,
+    tensor_parallel_rank_spec,
+)
 from model.compose import PEAK_PHASES, compose, layer_values
 
 #: model families whose decoder layers follow the Llama-style tensor-parallel plan of
@@ -179,6 +189,66 @@ def pipeline_stages(model: ModelSpec, training: TrainingConfig) -> list[Stage]:
     return out
 
 
+def expert_parallel_rank(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> ModelSpec:
+    """The part of ``model`` one expert-parallel rank holds: its parameter counts with num_experts / P
+    routed experts (counted on a meta build of that shard's config; from the shapes,
+    :func:`model.analytic.expert_parallel_rank_spec`, when no HF config is given); ``model`` itself when P = 1.
+
+    Full fine-tuning trains every parameter of the shard; otherwise (LoRA) the trainable count stays.
+    """
+    ep = training.expert_parallel_size
+    if ep == 1 or model.num_experts is None:
+        return model
+    if hf_config is None:
+        return expert_parallel_rank_spec(model, training)  # from the shapes
+    local = _param_count(json.dumps(local_expert_config(hf_config, ep), sort_keys=True))
+    extra = model.total_params - _param_count(json.dumps(hf_config, sort_keys=True))  # LoRA adapters in model
+    total = local + max(extra, 0)
+    trainable = total if model.trainable_params >= model.total_params else min(model.trainable_params, total)
+    return model.model_copy(update={"total_params": total, "trainable_params": trainable})
+
+
+@functools.lru_cache(maxsize=256)
+def _param_count(hf_config_json: str) -> int:
+    """Parameters of the model a HF config (JSON text) describes, counted on a meta build, memoised."""
+    return count_params_from_config(json.loads(hf_config_json))
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank of a job holds: its expert-parallel share of the model (:func:`expert_parallel_rank`), that
+    share's pipeline stages (tensor parallelism applied, :func:`pipeline_stages`) and each stage's model states
+    (:func:`model.analytic.model_state_bytes`, bytes). Made by :func:`rank_share`."""
+
+    model: ModelSpec
+    stages: list[Stage]
+    stage_states: list[ModelStates]
+
+    @property
+    def fullest(self) -> int:
+        """Index of the stage whose rank holds the most model-state bytes (the first of equals)."""
+        totals = [st.total_bytes for st in self.stage_states]
+        return totals.index(max(totals))
+
+    @property
+    def fullest_spec(self) -> ModelSpec:
+        """Parameter counts of the fullest stage's rank."""
+        return self.stages[self.fullest].spec
+
+    @property
+    def fullest_states(self) -> ModelStates:
+        """Model states of the fullest stage's rank: the floor of a per-rank peak."""
+        return self.stage_states[self.fullest]
+
+
+def rank_share(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> RankShare:
+    """One rank's share of ``model`` under ``training``'s expert, tensor and pipeline parallelism (the one place
+    the traced composition, ZeRO-1's unsharded bound and offload take their per-rank states from)."""
+    ep_rank = expert_parallel_rank(model, training, hf_config)
+    stages = pipeline_stages(ep_rank, training)
+    return RankShare(ep_rank, stages, [model_state_bytes(st.spec, training) for st in stages])
+
+
 def compose_stage(
     coef: dict[Any, Any], depths: tuple[int, int], model: ModelSpec, training: TrainingConfig, stage: Stage
 ) -> np.ndarray:
@@ -253,6 +323,21 @@ class ParallelCurve:
     def bottleneck(self, k: int) -> int:
         """The stage with the highest peak at total k."""
         return int(np.argmax(self.stage_peak_bytes[k]))
+
+    def plus(self, stage_bytes: list[int]) -> ParallelCurve:
+        """This curve with ``stage_bytes[i]`` more bytes on stage i at every k (one per stage): the peak is the new
+        bottleneck's; the split of k and the phases stay.
+
+        Raises:
+            ValueError: not one value per stage.
+        """
+        if len(stage_bytes) != len(self.stages):
+            raise ValueError(f"stage_bytes has {len(stage_bytes)} values for {len(self.stages)} stages")
+        stage_peak = self.stage_peak_bytes + np.asarray(stage_bytes, dtype=np.int64)[None, :]
+        phases = None if self.phase_bytes is None else self.phase_bytes + float(stage_bytes[0])
+        return dataclasses.replace(
+            self, peak_bytes=stage_peak.max(axis=1), stage_peak_bytes=stage_peak, phase_bytes=phases
+        )
 
 
 def compose_pipeline(

@@ -27,6 +27,7 @@ from model.analytic import largest_request_bytes, weight_dtype_bytes
 from model.curve import Curve, CurvePoint, MemoryPredictor
 from model.job import ParameterTensors, parameter_tensors
 from model.overhead import Overhead, OverheadModel
+from model.parallel import stage_layer_counts
 from model.reserved import ReservedFit, StreamSource, allowance_fit, simulated_fit
 
 
@@ -60,7 +61,8 @@ class Plan:
 
 def layer_indices(k: int, num_layers: int, pipeline_parallel_size: int = 1, method: str = "block") -> list[int]:
     """Which layers to checkpoint: ``block`` = the first layers of each pipeline stage (Megatron's
-    ``--recompute-method block``), ``even`` = evenly spaced over the model.
+    ``--recompute-method block``; the stages of :func:`model.parallel.stage_layer_counts`, k dealt to them one
+    layer at a time, a full stage's share going to the others), ``even`` = evenly spaced over the model.
 
     Raises:
         ValueError: k outside [0, num_layers] or an unknown method.
@@ -71,13 +73,14 @@ def layer_indices(k: int, num_layers: int, pipeline_parallel_size: int = 1, meth
         return sorted({round(x) for x in np.linspace(0, num_layers - 1, k)}) if k else []
     if method != "block":
         raise ValueError(f"method must be 'block' or 'even', got {method!r}")
-    stages = max(1, pipeline_parallel_size)
-    per_stage = num_layers // stages
-    out: list[int] = []
-    for s in range(stages):
-        take = k // stages + (1 if s < k % stages else 0)
-        out.extend(range(s * per_stage, s * per_stage + min(take, per_stage)))
-    return sorted(out)
+    counts = stage_layer_counts(num_layers, max(1, pipeline_parallel_size))
+    take, left = [0] * len(counts), k
+    while left:  # one layer per stage in turn, skipping full stages (k <= num_layers: ends)
+        for s, n in enumerate(counts):
+            if left and take[s] < n:
+                take[s], left = take[s] + 1, left - 1
+    starts = np.cumsum([0, *counts[:-1]])
+    return [int(start) + j for start, n in zip(starts, take) for j in range(n)]
 
 
 def recompute_fraction(k: int, num_layers: int, training: TrainingConfig) -> float:

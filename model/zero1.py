@@ -53,11 +53,18 @@ from typing import Any
 
 import numpy as np
 
-from memfit.schema import ModelSpec, Optimizer, Precision, Sharding, TrainingConfig
-from model.analytic import model_state_bytes
+from memfit.hf import apply_finetune, build_causal_lm, decoder_layers, param_dtype, quiet_transformers
+from memfit.schema import ModelSpec, Optimizer, Precision, Quantization, Sharding, TrainingConfig
+from model.analytic import (
+    _MASTER_BYTES,
+    ModelStates,
+    model_state_bytes,
+    optimizer_state_bytes_per_param,
+    step_temporary_bytes_per_param,
+)
 from model.compose import PEAK_PHASES
 from model.derivation import Draft, Request, peak_phases
-from model.parallel import pipeline_stages
+from model.parallel import rank_share
 
 #: the allocator's block (``model.analytic.BLOCK_BYTES``, ``tracer.tracker.BLOCK_BYTES``)
 BLOCK_BYTES = 512
@@ -80,8 +87,8 @@ def not_composable_reason(training: TrainingConfig) -> str | None:
     """Why a ZeRO-1 configuration is not composed from its unsharded base (None when it is).
 
     Not composed: bitsandbytes optimizers (not run under ``ZeroRedundancyOptimizer`` by the collector),
-    tensor parallelism (the collector runs it with sharding none or FSDP only), pipeline or context
-    parallelism (their curves carry no per-phase bytes to subtract from), an optimizer step in backward
+    tensor parallelism (the collector runs it with sharding none or FSDP only), pipeline parallelism (its curve
+    carries no per-phase bytes to subtract from: each stage holds its own states), an optimizer step in backward
     (one optimizer per parameter, not partitioned) and quantized bases (collected without sharding only).
     """
     if training.optimizer not in _TORCH_OPTIMIZERS:
@@ -90,14 +97,12 @@ def not_composable_reason(training: TrainingConfig) -> str | None:
         )
     if training.tensor_parallel_size > 1:
         return "ZeRO-1 with tensor parallelism is not measured"
-    if training.pipeline_parallel_size > 1 or training.context_parallel_size > 1:
-        return "ZeRO-1 with pipeline or context parallelism is not composed"
+    if training.pipeline_parallel_size > 1:
+        return "ZeRO-1 with pipeline parallelism is not composed"
     if training.expert_parallel_size > 1:
         return "expert parallelism is traced with sharding=none only"
     if training.optimizer_in_backward:
         return "an optimizer step in backward is traced without sharding only"
-    from memfit.schema import Quantization
-
     if training.quantization is not Quantization.NONE:
         return "a quantized base is traced without sharding only"
     return None
@@ -121,8 +126,6 @@ class TrainableParameters:
 @functools.lru_cache(maxsize=64)
 def _trainable_parameters(hf_config_json: str, training_json: str) -> TrainableParameters:
     import torch
-
-    from memfit.hf import apply_finetune, build_causal_lm, decoder_layers, param_dtype, quiet_transformers
 
     hf_config = json.loads(hf_config_json)
     training = TrainingConfig.model_validate_json(training_json)
@@ -205,8 +208,6 @@ def step_temporary_bytes(shape: tuple[int, ...], dtype_bytes: int, training: Tra
     """Bytes one stepped parameter adds to the optimizer step's peak temporaries, as allocated:
     :func:`model.analytic.step_temporary_bytes_per_param` in the tensor's state dtype (``dtype_bytes``) per
     element, in 512-byte blocks (foreach AdamW and Adafactor one copy, 0 otherwise)."""
-    from model.analytic import step_temporary_bytes_per_param
-
     per_element = step_temporary_bytes_per_param(training, dtype_bytes)
     return _blocks(int(np.prod(shape, dtype=np.int64)) * per_element) if per_element else 0
 
@@ -227,10 +228,11 @@ class Zero1Split:
 
 
 def zero1_split(hf_config: dict[str, Any], training: TrainingConfig) -> Zero1Split:
-    """:class:`Zero1Split` of ``training`` (ZeRO-1 over ``data_parallel_size`` ranks) for ``hf_config``."""
+    """:class:`Zero1Split` of ``training`` (ZeRO-1 over its sharding group, data × context parallel ranks:
+    :attr:`memfit.schema.TrainingConfig.sharding_group_size`) for ``hf_config``."""
     tp = trainable_parameters(hf_config, training)
     numels = tp.numels
-    mine = set(rank0_param_indices(numels, training.data_parallel_size))
+    mine = set(rank0_param_indices(numels, training.sharding_group_size))
     others = [i for i in range(len(numels)) if i not in mine]
     opt = training.optimizer
     return Zero1Split(
@@ -246,8 +248,6 @@ def rank0_states(model: ModelSpec, training: TrainingConfig, split: Zero1Split):
     """Rank 0's :class:`model.analytic.ModelStates` under ZeRO-1: weights and gradients unsharded, optimizer
     states of its own parameters (:func:`model.analytic.optimizer_state_bytes_per_param` per element; the
     collector's fp32 masters of ``bf16_fp32_master`` for every trainable parameter)."""
-    from model.analytic import _MASTER_BYTES, ModelStates, model_state_bytes, optimizer_state_bytes_per_param
-
     base = model_state_bytes(model, base_training(training))
     per_param, _paged = optimizer_state_bytes_per_param(training)
     master = _MASTER_BYTES.get(training.precision, 0)
@@ -307,7 +307,7 @@ class Zero1Derivation:
         # what the base added on top of its phases (the learned path's gradient-accumulation buffer) stays
         raw = peak + (np.asarray(base.raw_bytes, dtype=np.float64) - base.phase_bytes.max(axis=1))
         note = (
-            f"ZeRO-1 over {training.data_parallel_size} ranks composed from the phases without "
+            f"ZeRO-1 over {training.sharding_group_size} ranks composed from the phases without "
             f"sharding (model.zero1): rank 0 steps {split.rank0_params:,} of "
             f"{model.trainable_params:,} trainable parameters (ZeroRedundancyOptimizer's "
             "whole-parameter partition)"
@@ -334,8 +334,8 @@ def _from_base(base: Any, training: TrainingConfig, note: str, **composed: Any) 
 
 
 def bounded_by_base(training: TrainingConfig) -> bool:
-    """Whether a ZeRO-1 configuration that is not composed (:func:`not_composable_reason`: tensor, pipeline or
-    context parallelism, bitsandbytes optimizers, a step in backward, a quantized base) is answered by its unsharded
+    """Whether a ZeRO-1 configuration that is not composed (:func:`not_composable_reason`: tensor or pipeline
+    parallelism, bitsandbytes optimizers, a step in backward, a quantized base) is answered by its unsharded
     base as an upper bound: always but with expert parallelism (the base, one data-parallel rank, cannot hold the
     expert-parallel split). ZeRO-1 only removes other ranks' optimizer states and their step temporaries from what
     an unsharded rank holds (module docstring), so the base's curve is never below it."""
@@ -353,7 +353,7 @@ def unsharded_bound(predictor: Any, request: Request, base_training_: TrainingCo
     """
     model, training, hf_config = request.model, request.training, request.hf_config
     base = predictor.curve(model, base_training_, hf_config)  # asks the tracer for the base's key
-    stage_states = [model_state_bytes(st.spec, base_training_) for st in pipeline_stages(model, base_training_)]
+    share = rank_share(model, base_training_, hf_config)
     note = (
         f"ZeRO-1 over {training.data_parallel_size} ranks: {not_composable_reason(training)} (model.zero1); "
         "answered as the same configuration without sharding, an upper bound (ZeRO-1 only removes the other ranks' "
@@ -366,7 +366,7 @@ def unsharded_bound(predictor: Any, request: Request, base_training_: TrainingCo
         raw=np.asarray(base.raw_bytes, dtype=np.float64),
         phases=[p.peak_phase for p in base.points],
         phase_bytes=base.phase_bytes,
-        states=max(stage_states, key=lambda x: x.total_bytes),
-        stage_states=stage_states,
+        states=share.fullest_states,
+        stage_states=share.stage_states,
         pipeline=base.pipeline,
     )

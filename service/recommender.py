@@ -57,7 +57,6 @@ from model.job import (
     resolve,
     resolve_architecture,
 )
-from model.offload import host_memory_bytes
 from model.overhead import OverheadModel
 from model.recommend import (
     LONG_CONTEXT_TOKENS,
@@ -305,8 +304,10 @@ class Recommender:
         return p
 
     def _stream_source(self, job: Job, record: bool = True) -> tuple[Any, str]:
-        """The full model's stream source for the fit decision, or (None, why not)."""
-        spec, training, hf_config = job.spec, job.training, job.hf_config
+        """The full model's stream source for the fit decision, or (None, why not). Keyed, and recorded, by the
+        canonical config (:attr:`model.job.Architecture.canonical_config`): a config.json, the CLI's cleaned copy
+        and ``memfit.describe``'s serialised config of one model share their streams, so they get one fit."""
+        spec, training, hf_config = job.spec, job.training, job.architecture.canonical_config
         if self.streams is None:
             return None, "no allocation-stream recorder in this process"
         from tracer.stream_source import unsupported_reason
@@ -388,7 +389,7 @@ class Recommender:
             peak_phase=p.peak_phase,
             path=c.path,
             notes=[*warnings, *c.notes],
-            host_memory_bytes=host_memory_bytes(spec, training, item.cluster.ranks_per_node if item.cluster else 1),
+            host_memory_bytes=job.host_memory_bytes(item.cluster.ranks_per_node if item.cluster else 1),
         )
 
     def recommend(self, req: RecommendRequest) -> Recommendation:
@@ -452,7 +453,7 @@ class Recommender:
             stages=_stages_out(p),
             bottleneck_stage=p.curve.pipeline.bottleneck(at.k) if p.curve.pipeline else None,
             parameters_per_rank=job.parameters_per_rank,
-            host_memory_bytes=host_memory_bytes(spec, training, req.cluster.ranks_per_node),
+            host_memory_bytes=job.host_memory_bytes(req.cluster.ranks_per_node),
             model_name=spec.model_name,
             model_version=self.version,
             warnings=warnings,
@@ -676,7 +677,7 @@ def _missing_stream_reason(source: Any) -> str:
 
 def _alternative(cand: Candidate, p: Plan, job: Job, req: RecommendRequest) -> Alternative:
     """A planned candidate change as the answer lists it."""
-    spec, t = job.spec, job.training
+    spec = job.spec
     ranks = min(req.cluster.gpus_per_node or 8, job.gpu_count)
     return Alternative(
         description=cand.description,
@@ -685,7 +686,7 @@ def _alternative(cand: Candidate, p: Plan, job: Job, req: RecommendRequest) -> A
         k=p.k,
         predicted_peak_bytes=p.at.predicted_bytes,
         total_upper_bytes=p.total_upper_bytes[p.at.k],
-        host_memory_bytes=host_memory_bytes(spec, t, ranks),
+        host_memory_bytes=job.host_memory_bytes(ranks),
         path=p.curve.path,
         fit_method=p.reserved.method,
         cost=f"{cand.cost}; recompute of {p.k or 0}/{spec.num_layers} layers ~{p.recompute_fraction:.0%}"

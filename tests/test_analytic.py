@@ -93,6 +93,11 @@ def test_checkpointing_trades_layers_for_inputs():
 def test_layer_indices():
     assert layer_indices(3, 8) == [0, 1, 2]
     assert layer_indices(3, 8, pipeline_parallel_size=2) == [0, 1, 4]
+    # 30 layers over 4 stages are 7, 7, 8, 8 (model.parallel.stage_layer_counts): k layers are k indices, in
+    # the stages' own ranges, the last stages taking what the full first ones cannot
+    assert layer_indices(30, 30, pipeline_parallel_size=4) == list(range(30))
+    assert layer_indices(29, 30, pipeline_parallel_size=4) == list(range(29))  # stage 3 (22-29) is the one short
+    assert layer_indices(5, 30, pipeline_parallel_size=4) == [0, 1, 7, 14, 22]
     assert layer_indices(4, 32, method="even") == [0, 10, 21, 31]
     assert layer_indices(0, 8) == []
     with pytest.raises(ValueError, match=r"\[0, 8\]"):

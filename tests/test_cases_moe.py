@@ -185,3 +185,35 @@ def test_expert_parallel_with_zero3_shards_the_experts_only_over_their_replicas(
     )
     rec = recommender.recommend(req)
     assert rec.curve[-1].predicted_bytes >= states(4, 4, "zero3") > 80 * GIB and not rec.fits and rec.k is None
+
+
+def test_offloaded_expert_parallel_rank_holds_the_same_share_as_without_offload(recommender):
+    """Offload took one expert-parallel rank's parameters from the shapes (every router and norm counted as if
+    split) while the job's own curve counts them on a meta build of the rank's config: Qwen3-30B-A3B over 2
+    expert-parallel ranks came out 6.3 M parameters apart. Both now take them from model.parallel.rank_share."""
+    from data import catalog
+    from memfit.schema import TrainingConfig
+    from model.analytic import model_state_bytes
+    from model.parallel import expert_parallel_rank, rank_share
+
+    spec, hf = catalog.spec("qwen3-30b-a3b"), catalog.hf_config_of("qwen3-30b-a3b")
+    t = TrainingConfig(
+        micro_batch_size=1,
+        seq_len=1024,
+        sharding="zero2",
+        data_parallel_size=2,
+        expert_parallel_size=2,
+        offload_optimizer="cpu",
+    )
+    exact = expert_parallel_rank(spec, t, hf)
+    assert exact.total_params == 16_030_316_544  # one meta build of the rank's config (64 of 128 experts)
+    share = rank_share(spec, t, hf)
+    assert share.fullest_spec.total_params == exact.total_params
+    curve = recommender.predictor.curve(spec, t, hf)
+    assert curve.floor_bytes == model_state_bytes(exact, t).total_bytes
+    on_device = TrainingConfig.model_validate({**t.model_dump(), "offload_optimizer": "none"})
+    base = recommender.predictor.curve(spec, on_device, hf)
+    # same rank, same weights and gradients: only the optimizer states leave the device
+    base_states = model_state_bytes(exact, on_device)
+    assert base.floor_bytes == base_states.total_bytes
+    assert curve.floor_bytes == base_states.total_bytes - base_states.optimizer_bytes

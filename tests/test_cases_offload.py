@@ -281,3 +281,39 @@ def test_optimizer_offload_with_tensor_parallelism_subtracts_one_ranks_states():
     assert all(o.predicted_bytes < r.predicted_bytes for o, r in zip(offloaded.points, resident.points))
     assert offloaded.points[0].predicted_bytes > offloaded.points[-1].predicted_bytes
     assert offloaded.points[0].breakdown["activations_bytes"] > 0
+
+
+def test_host_memory_adds_up_each_rank_s_own_share_on_the_node(recommender):
+    """Host memory per node was the whole model's offloaded states times the ranks on the node, also where each
+    rank holds a tensor- or pipeline-parallel shard: Llama-3.2-1B over 2 tensor-parallel ranks asked for 59.3 GB
+    of host memory, twice what the node holds (one model, split in two). A rank offloads its own share
+    (model.job.Job.host_memory_bytes)."""
+
+    def answer(tp: int, pp: int, gpus: int):
+        req = RecommendRequest.model_validate(
+            {
+                "model": "llama-3.2-1b",
+                "training": {
+                    "micro_batch_size": 1,
+                    "seq_len": 1024,
+                    "precision": "bf16_fp32_master",
+                    "offload_optimizer": "cpu",
+                    "tensor_parallel_size": tp,
+                    "pipeline_parallel_size": pp,
+                },
+                "cluster": {"gpu": "A100-80GB", "gpu_count": gpus},
+            }
+        )
+        return recommender.recommend(req)
+
+    one, tp2, pp2, dp2 = answer(1, 1, 1), answer(2, 1, 2), answer(1, 2, 2), answer(1, 1, 2)
+    # one GPU: 16 B per parameter (fp32 AdamW moments, master, gradient copy) x 1.5 buffer
+    assert one.host_memory_bytes == int(16 * one.parameters_per_rank * 1.5)
+    # two tensor-parallel halves on the node: one model (plus the norms every rank keeps whole), not two
+    assert one.host_memory_bytes <= tp2.host_memory_bytes < 1.001 * one.host_memory_bytes
+    assert tp2.host_memory_bytes == int(2 * 16 * tp2.parameters_per_rank * 1.5)
+    # two pipeline stages: twice the fuller stage (the last keeps its own copy of the tied embedding)
+    assert pp2.host_memory_bytes == int(2 * 16 * pp2.parameters_per_rank * 1.5)
+    assert pp2.host_memory_bytes < dp2.host_memory_bytes
+    # two data-parallel replicas without sharding: each offloads the whole model's states
+    assert dp2.host_memory_bytes == 2 * one.host_memory_bytes

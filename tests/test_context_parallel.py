@@ -270,3 +270,29 @@ def test_context_parallel_with_the_optimizer_offloaded_is_composed_from_its_phas
     assert split.points[0].predicted_bytes < whole.points[0].predicted_bytes
     plain = predictor.curve(spec, cp.model_copy(update={"offload_optimizer": "none"}), hf)
     assert all(o.predicted_bytes <= p.predicted_bytes for o, p in zip(split.points, plain.points))
+
+
+def test_learned_context_parallel_answer_with_accumulation_reports_its_stage_with_the_gradient_buffer():
+    """A fuzz find: Llama-3.2-1B mb1 s4096 cp 2 with 2 accumulation steps on the learned coefficients said 27.66 GiB,
+    but its one stage said 23.05 GiB: the gradient buffer (4.6 GiB, fp32 under amp) was added to the answer, not
+    to the stage. Both now carry it."""
+    from data import catalog
+    from model.analytic import model_state_bytes
+    from model.curve import PROVISIONAL, MemoryPredictor
+    from model.registry import Registry
+    from model.terms import TermsCache
+
+    loaded = Registry().load()
+    predictor = MemoryPredictor(loaded.estimator, TermsCache(), coefficients=loaded.coefficients)
+    spec, hf = catalog.spec("llama-3.2-1b"), catalog.hf_config_of("llama-3.2-1b")
+    one = TrainingConfig(micro_batch_size=1, seq_len=4096, context_parallel_size=2, data_parallel_size=1)
+    two = one.model_copy(update={"gradient_accumulation_steps": 2})
+    a, b = predictor.curve(spec, one, hf), predictor.curve(spec, two, hf)
+    assert b.path == PROVISIONAL and b.learned_coefficients
+    grads = model_state_bytes(spec, two).gradients_bytes
+    assert grads == 4 * spec.total_params  # amp: fp32 gradients
+    assert any("plus the whole gradient buffer" in n for n in b.notes)
+    for k, q in enumerate(b.points):
+        stage = int(b.pipeline.stage_peak_bytes[k][0])
+        assert stage == int(b.pipeline.peak_bytes[k]) == q.predicted_bytes
+        assert stage >= a.points[k].predicted_bytes + grads * 0.99  # the traced one micro-batch, and the buffer

@@ -239,3 +239,34 @@ def test_tied_embeddings_under_sharding_compose_but_in_bf16_with_fp32_masters():
     assert "fp32 master weights" in not_composable_reason(spec, masters, LLAMA_TIED)
     untied = model_spec(LLAMA_UNTIED)
     assert not_composable_reason(untied, masters, LLAMA_UNTIED) is None  # untied: composed, as before
+
+
+def test_tensor_and_pipeline_parallel_frozen_jobs_are_answered_per_rank():
+    """Two fuzz finds. Mistral-7B with 12 frozen layers over 4 tensor-parallel ranks was composed from the base's
+    curve with one whole model's frozen-layer and state bytes (77.2 GiB at every tensor-parallel size, 2.3 times
+    the full fine-tune's 33.9 GiB); Pythia-70M with 3 of 6 layers frozen over 4 pipeline stages raised a
+    ValueError (a 500) building 4 stages of the 3-layer base. Neither is composed now (their own path answers)."""
+    from memfit.api import RecommendRequest
+    from model.frozen import not_composable_reason
+    from model.registry import Registry
+    from service.recommender import Recommender
+
+    loaded = Registry().load()
+    rec = Recommender(loaded.estimator, loaded.version, coefficients=loaded.coefficients)
+
+    def answer(model: str, gpus: int, **training):
+        req = {"model": model, "training": {"micro_batch_size": 1, "seq_len": 512, **training}}
+        return rec.recommend(
+            RecommendRequest.model_validate({**req, "cluster": {"gpu": "H100-80GB", "gpu_count": gpus}})
+        )
+
+    for tp in (2, 4):
+        full = answer("mistral-7b-v0.1", tp, tensor_parallel_size=tp)
+        frozen = answer("mistral-7b-v0.1", tp, tensor_parallel_size=tp, finetune="frozen", frozen_layers=12)
+        assert all(f.predicted_bytes < a.predicted_bytes for f, a in zip(frozen.curve, full.curve))
+        assert any("tensor or pipeline parallelism is not composed" in w for w in frozen.warnings)
+    piped = answer("pythia-70m", 4, finetune="frozen", frozen_layers=3, pipeline_parallel_size=4)
+    assert len(piped.curve) == 7 and piped.fits
+    hf = catalog.get("pythia-70m")["hf_config"]
+    t = TrainingConfig(micro_batch_size=1, seq_len=512, finetune="frozen", frozen_layers=2)
+    assert not_composable_reason(model_spec(hf), t, hf) is None  # one rank holding every layer: composed

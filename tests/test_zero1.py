@@ -278,13 +278,12 @@ def test_row_paths_leave_frozen_zero1_rows_provisional():
     "parallel",
     [
         {"pipeline_parallel_size": 2, "num_micro_batches": 4},
-        {"context_parallel_size": 2},
         {"tensor_parallel_size": 2},
     ],
-    ids=["pipeline", "context", "tensor"],
+    ids=["pipeline", "tensor"],
 )
 def test_zero1_with_model_parallelism_is_the_unsharded_curve_not_a_rank_holding_every_layer(parallel):
-    """ZeRO-1 with pipeline, context or tensor parallelism is not composed from the whole-parameter partition; it
+    """ZeRO-1 with pipeline or tensor parallelism is not composed from the whole-parameter partition; it
     fell to the learned ratio model, which holds no parallel layout (a rank with every layer: Llama-3-8B on 8 H100s
     with 4 stages said nothing fits under ZeRO-1 while it fit without sharding and under ZeRO-3). It is now the
     unsharded configuration's traced curve, an upper bound, with a note; without that base traced it stays
@@ -305,7 +304,34 @@ def test_zero1_with_model_parallelism_is_the_unsharded_curve_not_a_rank_holding_
     assert curve.path == TRACED
     assert [p.predicted_bytes for p in curve.points] == [p.predicted_bytes for p in unsharded.points]
     assert any("answered as the same configuration without sharding, an upper bound" in n for n in curve.notes)
-    assert (curve.pipeline is None) == (training.tensor_parallel_size > 1)  # stages with pipeline or context parallel
+    assert (curve.pipeline is None) == (training.tensor_parallel_size > 1)  # stages with pipeline parallel
+    for pt in curve.points:
+        assert sum(pt.breakdown.values()) == pt.predicted_bytes
+
+
+def test_zero1_with_context_parallelism_is_composed_over_its_sharding_group():
+    """A fuzz find: ZeRO-1 with context parallelism was the unsharded curve (OPT-125M mb2 s256 over 2 x 2 ranks:
+    2.33 GiB, where 2 data-parallel ranks without cp said 1.69). One stage holds every layer, so it is composed
+    from the unsharded context-parallel phases like any ZeRO-1 job, the optimizer partitioned over the data x
+    context parallel ranks (ZeroRedundancyOptimizer over the sharding group, TrainingConfig.sharding_group_size)."""
+    from tracer.phases import trace_terms
+
+    spec = model_spec(TINY, name="tiny")
+    training = TrainingConfig(
+        micro_batch_size=2, seq_len=64, sharding="zero1", data_parallel_size=2, context_parallel_size=2
+    )
+    base = training.model_copy(update={"sharding": Sharding.NONE, "data_parallel_size": 1})
+    four = training.model_copy(update={"data_parallel_size": 4, "context_parallel_size": 1})
+    cache = TermsCache(shipped_dir=None)
+    for t in (base, four):  # the terms key holds no cp size: one trace for both
+        cache.put(terms_key(TINY, base_training(t)), trace_terms(TINY, base_training(t)).to_json())
+    predictor = MemoryPredictor(None, cache)
+    curve, unsharded = predictor.curve(spec, training, TINY), predictor.curve(spec, base, TINY)
+    assert curve.path == TRACED and curve.pipeline is None
+    assert any("ZeRO-1 over 4 ranks composed from the phases" in n for n in curve.notes)
+    assert all(z.predicted_bytes < u.predicted_bytes for z, u in zip(curve.points, unsharded.points))
+    # rank 0 holds the same optimizer partition as ZeRO-1 over 4 data-parallel ranks
+    assert curve.floor_bytes == predictor.curve(spec, four, TINY).floor_bytes
     for pt in curve.points:
         assert sum(pt.breakdown.values()) == pt.predicted_bytes
 
