@@ -104,7 +104,9 @@ def implausibility(rec: TelemetryRecord) -> str | None:
     """Why a schema-valid record cannot be a real measurement, or None when it is plausible.
 
     * a ``cuda`` peak (allocated or reserved) above the device's memory without ``oom`` (the CUDA
-      allocator cannot hand out more than the device holds; the fake tracker can, so it is exempt);
+      allocator cannot hand out more than the device holds; the fake tracker can, so it is exempt), and a
+      ``cpu_tracker`` peak above ``device_memory_bytes`` (a real CPU run's device is the host: the reporter
+      records its physical memory);
     * a ``cuda`` reserved peak below the allocated peak (the caching allocator reserves what it allocates);
     * a non-finite number anywhere (``step_time_s`` of Infinity, NaN);
     * a parameter count more than 2x outside :func:`parameter_bounds` of the shapes;
@@ -124,6 +126,11 @@ def implausibility(rec: TelemetryRecord) -> str | None:
         for name, value in part:
             if isinstance(value, float) and not math.isfinite(value):
                 return f"{name}={value} is not a finite number"
+    if m.method is Method.CPU_TRACKER and not m.oom and m.peak_allocated_bytes > dev:
+        return (
+            f"peak_allocated_bytes={m.peak_allocated_bytes} exceeds device_memory_bytes={dev} without oom: real "
+            "CPU tensors cannot hold more than the host's memory"
+        )
     if m.method is Method.CUDA and not m.oom:
         for name in ("peak_allocated_bytes", "peak_reserved_bytes"):
             value = getattr(m, name)

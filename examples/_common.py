@@ -83,7 +83,8 @@ def print_plan(plan, verified: bool) -> None:
 
 @contextlib.contextmanager
 def peak_meter(model):
-    """Measure the peak allocated bytes of what runs inside (``meter["bytes"]`` afterwards).
+    """Measure the peak allocated bytes of what runs inside (``meter["bytes"]`` afterwards; on CPU
+    ``meter["peak_fn"]()`` is the peak so far, for a telemetry reporter).
 
     On a GPU: CUDA's allocator statistics. On CPU: the live-storage tracker memfit's telemetry is
     collected with (``tracer.tracker.LiveStorageTracker``: tensor storages, 512-byte blocks), with
@@ -91,7 +92,7 @@ def peak_meter(model):
     """
     import torch
 
-    meter: dict = {}
+    meter: dict = {"peak_fn": None}  # CPU: the peak so far (a reporter's peak_fn); CUDA: the reporter measures it
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
         yield meter
@@ -100,6 +101,7 @@ def peak_meter(model):
     from tracer.tracker import LiveStorageTracker
 
     tracker = LiveStorageTracker()
+    meter["peak_fn"] = lambda: tracker.peak_bytes
     with tracker:
         tracker.track_tensors(list(model.parameters()))
         yield meter

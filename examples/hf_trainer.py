@@ -84,14 +84,20 @@ def main() -> None:
 
     rec = plan_source(args, request, config.num_hidden_layers)
     callbacks = [memfit.MemfitTrainerCallback(rec)]
-    if args.url:  # on a GPU this reports the measured peak; on CPU it logs that it skipped
-        callbacks.append(
-            memfit.MemfitReporterCallback(
-                args.url, callbacks[0], steps=2, seq_len=SEQ, token=args.token, gpu_memory_bytes=rec.capacity_bytes
-            )
-        )
-    trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(config.vocab_size), callbacks=callbacks)
     with peak_meter(model) as meter:
+        if args.url:  # reports the peak of the first 2 steps: CUDA's on a GPU, the tensor tracker's on CPU
+            callbacks.append(
+                memfit.MemfitReporterCallback(
+                    args.url,
+                    callbacks[0],
+                    steps=2,
+                    seq_len=SEQ,
+                    token=args.token,
+                    gpu_memory_bytes=rec.capacity_bytes,
+                    peak_fn=meter["peak_fn"],
+                )
+            )
+        trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(config.vocab_size), callbacks=callbacks)
         trainer.train()
     plan = callbacks[0].plan
     print_plan(plan, bool(callbacks[0].verified))

@@ -140,10 +140,13 @@ class CheckpointPlan:
             if plan.num_layers is not None and num_layers is not None and plan.num_layers != num_layers:
                 return cls._mismatch(plan.num_layers, num_layers, plan.source, strict, stacklevel + 1)
         elif not hasattr(rec, "layers"):
-            iterable = hasattr(rec, "__iter__") and not isinstance(rec, (str, bytes))
+            iterable = hasattr(rec, "__iter__") and not isinstance(rec, (str, bytes)) and getattr(rec, "ndim", 1) != 0
             items = list(rec) if iterable else []
             if not iterable or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in items):
-                raise ValueError(f"layer indices must be integers >= 0, got {rec!r}")
+                raise ValueError(
+                    "recommendation: a Recommendation (or its JSON dict), a CheckpointPlan, a k (an int) or a list "
+                    f"of layer indices (ints >= 0), got {type(rec).__name__} {rec!r:.80}"
+                )
             chosen = tuple(sorted({int(i) for i in items}))
             if any(i < 0 for i in chosen):
                 raise ValueError(f"layer indices {[i for i in chosen if i < 0]} must be >= 0")
@@ -606,10 +609,14 @@ def apply(
         :class:`AppliedCheckpointing`; call :func:`verify` after the first backward.
 
     Raises:
-        ValueError: see above, or no block list found / an index out of range.
+        TypeError: ``model`` is not a module.
+        ValueError: see above, or no block list found / an index out of range / a ``recommendation`` of
+            another type.
     """
     from memfit.hf import decoder_layers
 
+    if not hasattr(model, "named_modules"):
+        raise TypeError(f"model: apply() checkpoints a live torch.nn.Module, got {type(model).__name__} {model!r:.60}")
     target = getattr(model, "_orig_mod", model)
     layers = layers if layers is not None else decoder_layers(target)
     if layers is None:
@@ -683,7 +690,16 @@ def verify(plan: AppliedCheckpointing, *, strict: bool = False) -> bool:
 
     Returns:
         True when the recomputed set equals the plan.
+
+    Raises:
+        TypeError: ``plan`` is not what :func:`apply` returned (a Recommendation, say).
+        RuntimeError: with ``strict``, on a mismatch.
     """
+    if not isinstance(plan, AppliedCheckpointing):
+        raise TypeError(
+            f"plan: verify() checks what memfit.apply returned (an AppliedCheckpointing), got {type(plan).__name__}; "
+            "keep apply's return value: plan = memfit.apply(model, rec); ...; memfit.verify(plan)"
+        )
     if plan.verify():
         log.info("memfit: verified: layers %s recomputed in backward, as planned", plan.layer_indices)
         return True
@@ -693,7 +709,8 @@ def verify(plan: AppliedCheckpointing, *, strict: bool = False) -> bool:
     )
     if not plan.recomputed and plan.k:
         msg += (
-            "; nothing recomputed: no backward yet, checkpointing overwritten after memfit.apply "
+            "; nothing recomputed: no backward yet, the model in eval mode (model.train() before the step: HF layers "
+            "checkpoint only while training), checkpointing overwritten after memfit.apply "
             "(e.g. activation_checkpointing_enable / gradient_checkpointing_enable), or inputs that do not "
             "require grad"
         )

@@ -128,7 +128,12 @@ def _load_ds_config(ds: Any) -> dict[str, Any] | None:
         return ds
     if isinstance(ds, (str, Path)):
         text = str(ds).strip()
-        return json.loads(text) if text.startswith("{") else json.loads(Path(text).read_text())
+        try:
+            return json.loads(text) if text.startswith("{") else json.loads(Path(text).read_text())
+        except OSError as err:
+            raise ValueError(f"deepspeed_config: cannot read {text!r}: {err.strerror or err}") from None
+        except ValueError as err:
+            raise ValueError(f"deepspeed_config: {text[:80]!r} is not a JSON object: {err}") from None
     cfg = getattr(ds, "config", None)  # HfDeepSpeedConfig / DeepSpeedEngine
     return cfg if isinstance(cfg, dict) else None
 
@@ -418,6 +423,15 @@ def _batch_from_deepspeed(
         ValueError: no micro-batch size anywhere.
     """
     total = _int_or_none((ds or {}).get("train_batch_size"))
+    if total is not None and micro_batch_size is not None and gradient_accumulation_steps is not None:
+        per = micro_batch_size * gradient_accumulation_steps * dp
+        if total != per:  # DeepSpeed refuses it too (DeepSpeedConfig._batch_assertion)
+            raise InvalidConfiguration(
+                "deepspeed_config.train_batch_size",
+                f"micro-batch size x gradient_accumulation_steps x data-parallel size = {micro_batch_size} x "
+                f"{gradient_accumulation_steps} x {dp} = {per}",
+                total,
+            )
     if total is not None and (micro_batch_size is None or gradient_accumulation_steps is None):
         if micro_batch_size is None:
             per = (gradient_accumulation_steps or 1) * dp
@@ -433,9 +447,11 @@ def _batch_from_deepspeed(
         else:
             gradient_accumulation_steps = derived
     if micro_batch_size is None:
+        auto = (ds or {}).get("train_micro_batch_size_per_gpu") == "auto"
         raise ValueError(
             "micro_batch_size is required: give micro_batch_size=, a DeepSpeed config with "
             "train_micro_batch_size_per_gpu or train_batch_size, or training_args with per_device_train_batch_size"
+            + (' (the DeepSpeed config\'s "auto" is filled in from training_args)' if auto else "")
         )
     return micro_batch_size, gradient_accumulation_steps
 

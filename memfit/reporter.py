@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 import sys
 from dataclasses import dataclass
@@ -334,6 +335,10 @@ def report_peak(
                 )
                 return ReportResult("skipped", None, "no CUDA peak and no measured value")
         else:
+            if isinstance(peak_allocated_bytes, bool) or not isinstance(peak_allocated_bytes, numbers.Integral):
+                why = f"peak_allocated_bytes: must be an integer number of bytes, got {peak_allocated_bytes!r:.40}"
+                _log_once("bad-peak", "memfit: telemetry not sent: %s", why)
+                return ReportResult("error", None, why)
             measured = {
                 "peak_allocated_bytes": int(peak_allocated_bytes),
                 "method": Method.CPU_TRACKER,

@@ -321,3 +321,20 @@ def test_an_example_asks_the_service_for_about_half_the_layers(service):
     k = int(answer.split("k=")[1].split(" ")[0])
     assert 0 < k <= 3 and answer.endswith("MiB") and " of 6," in answer, out.stdout
     assert f"applied plan: k={k}" in out.stdout and "verified=True" in out.stdout, out.stdout
+
+
+def test_the_hf_trainer_example_reports_its_cpu_peak_to_the_service(service):
+    """A new-user trial: `examples/hf_trainer.py --url` on CPU sent no telemetry (the tensor tracker measured the peak
+    but the reporter callback was not given it, so it skipped at INFO). The callback now reads the tracker's peak."""
+    from data.store import TelemetryStore
+
+    out = run_example("hf_trainer.py", "--url", service["url"], "--token", TOKEN, "--verbose")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    line = next((x for x in text.splitlines() if "memfit: telemetry" in x and "stored (peak" in x), None)
+    assert line is not None, text[-3000:]
+    rid = line.split("memfit: telemetry ")[1].split(" ")[0]
+    peak = int(line.split("stored (peak ")[1].split(" ")[0])
+    stored, _held = TelemetryStore(service["db_url"]).lookup(rid)
+    assert stored is not None and stored.measurement.method.value == "cpu_tracker"
+    assert stored.measurement.peak_allocated_bytes == peak > 0 and stored.model.num_layers == 4

@@ -102,6 +102,37 @@ def test_the_micro_batch_is_derived_from_deepspeeds_train_batch_size():
     assert batch({"train_batch_size": 64, "gradient_accumulation_steps": 4}, tensor_parallel_size=2) == (4, 4)
     with pytest.raises(InvalidConfiguration, match=r"train_batch_size: must be a positive multiple of .* = 24"):
         batch({"train_batch_size": 64, "gradient_accumulation_steps": 3})
+    # all three given and not multiplying up: DeepSpeed refuses it (DeepSpeedConfig._batch_assertion), so does describe
+    ds = {"train_batch_size": 60, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    with pytest.raises(InvalidConfiguration, match=r"train_batch_size: must be .* = 4 x 2 x 8 = 64, got 60"):
+        batch(ds)
+    with pytest.raises(ValueError, match=r'"auto" is filled in from training_args'):
+        batch({"train_micro_batch_size_per_gpu": "auto"})
+    with pytest.raises(ValueError, match=r"deepspeed_config: cannot read '/nonexistent/ds.json'"):
+        batch("/nonexistent/ds.json")
+
+
+def test_wrong_types_name_the_argument():
+    """A new-user trial: verify(rec) (the answer, not what apply returned), apply("llama", 1) and apply(model,
+    torch.tensor(2)) raised AttributeError or TypeError from deep inside."""
+    from memfit.checkpointing import verify
+
+    model = llama(2)
+    with pytest.raises(TypeError, match=r"plan: verify\(\) checks what memfit.apply returned .* got Recommendation"):
+        verify(Recommendation.model_validate(answer()))
+    with pytest.raises(TypeError, match=r"plan: .* got NoneType"):
+        verify(None)
+    with pytest.raises(TypeError, match=r"model: apply\(\) checkpoints a live torch.nn.Module, got str"):
+        apply("llama", 1)
+    for bad in (torch.tensor(2), 3.0, "0,1"):
+        with pytest.raises(ValueError, match=r"recommendation: .* a k \(an int\) or a list of layer indices"):
+            apply(model, bad)
+    from memfit.reporter import report_peak
+
+    res = report_peak(
+        mock_client(FakeService()), model, [0], micro_batch_size=1, seq_len=8, gpu="L4", peak_allocated_bytes="abc"
+    )
+    assert res.status == "error" and res.detail == "peak_allocated_bytes: must be an integer number of bytes, got 'abc'"
 
 
 @pytest.mark.parametrize(

@@ -123,3 +123,16 @@ def test_long_rope_models_say_why_they_are_not_traced():
     assert "long-RoPE" in not_traceable_reason(catalog.spec(cfg), t, cfg)
     plain = {k: v for k, v in cfg.items() if k != "rope_scaling"}
     assert not_traceable_reason(catalog.spec(plain), t, plain) is None
+
+
+def test_a_cpu_run_above_the_host_memory_is_quarantined(real_1b):
+    """A new-user trial stored a cpu_tracker peak of 1 TiB for a 255k-parameter model reported from a 25 GB host:
+    real CPU tensors cannot hold more than the host's memory, which the reporter records as device_memory_bytes.
+    The fake tracker (no allocation) may still go past it."""
+    row = {**real_1b, "method": "cpu_tracker", "peak_reserved_bytes": None, "device_memory_bytes": 25 * GB}
+    assert implausibility(TelemetryRecord.from_row({**row, "peak_allocated_bytes": 24 * GB})) is None
+    too_much = TelemetryRecord.from_row({**row, "peak_allocated_bytes": 2**40})
+    assert "cannot hold more than the host's memory" in implausibility(too_much)
+    assert implausibility(TelemetryRecord.from_row({**row, "peak_allocated_bytes": 2**40, "oom": True})) is None
+    fake = {**row, "method": "fake_tracker", "peak_allocated_bytes": 2**40}
+    assert implausibility(TelemetryRecord.from_row(fake)) is None
