@@ -653,7 +653,17 @@ def test_layer_ranges():
     assert layer_ranges([]) == "" and layer_ranges([3]) == "3" and layer_ranges([4, 0, 2]) == "0, 2, 4"
 
 
-def test_offload_flags_show_host_memory(run):
+def test_offload_flags_show_host_memory(run, monkeypatch, tmp_path):
+    # the base's terms (Llama-3-8B bf16 + fp32 master, no offload) are stored as the CLI's tracer would store them:
+    # tracing them here took 120 s of the suite beside other tests (tests/data/terms_llama3_8b_bf16_master.jsonl)
+    from model.terms import TermsCache
+
+    url = f"sqlite:///{tmp_path / 'telemetry.db'}"
+    monkeypatch.setenv("MEMFIT_DB_URL", url)
+    terms = TermsCache(url, shipped_dir=None)
+    for line in (Path(__file__).parent / "data" / "terms_llama3_8b_bf16_master.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        terms.put(entry["key"], entry["terms"], entry["model_name"])
     code, out, err = run(
         "recommend",
         "--model",
