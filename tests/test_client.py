@@ -352,25 +352,27 @@ def test_report_peak_sends_a_user_job_record():
     assert rec.cluster.device_name == "cpu" and rec.cluster.torch_version == torch.__version__
 
 
+def _report_l4(client, model, plan, peak_allocated_bytes, spool):
+    """report_peak of a micro-batch 2, 16-token job planned for an L4, spooling to ``spool``."""
+    return report_peak(
+        client,
+        model,
+        plan,
+        micro_batch_size=2,
+        seq_len=16,
+        gpu="L4",
+        peak_allocated_bytes=peak_allocated_bytes,
+        spool_path=spool,
+    )
+
+
 def test_report_peak_spools_when_down_and_flush_sends_later(tmp_path, caplog):
     spool = tmp_path / "spool.jsonl"
     model = llama(2)
     plan = _trained_plan(model, [1])
     down = FakeService(up=False)
     with caplog.at_level(logging.WARNING, logger="memfit"):
-        results = [
-            report_peak(
-                mock_client(down, retries=0),
-                model,
-                plan,
-                micro_batch_size=2,
-                seq_len=16,
-                gpu="L4",
-                peak_allocated_bytes=1000 + i,
-                spool_path=spool,
-            )
-            for i in range(2)
-        ]
+        results = [_report_l4(mock_client(down, retries=0), model, plan, 1000 + i, spool) for i in range(2)]
     assert [r.status for r in results] == ["spooled", "spooled"]
     assert len(spool.read_text().splitlines()) == 2
     assert len([r for r in caplog.records if "spooled" in r.getMessage()]) <= 1  # logged once per process
@@ -402,16 +404,7 @@ def test_report_peak_spools_whatever_has_no_verdict_and_says_quarantined(tmp_pat
     spool = tmp_path / "spool.jsonl"
 
     def report(handler):
-        return report_peak(
-            mock_client(handler, retries=0),
-            model,
-            plan,
-            micro_batch_size=2,
-            seq_len=16,
-            gpu="L4",
-            peak_allocated_bytes=4096,
-            spool_path=spool,
-        )
+        return _report_l4(mock_client(handler, retries=0), model, plan, 4096, spool)
 
     answers = [
         httpx.Response(404, json={"detail": "Not Found"}),
