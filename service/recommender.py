@@ -304,10 +304,8 @@ class Recommender:
         return p
 
     def _stream_source(self, job: Job, record: bool = True) -> tuple[Any, str]:
-        """The full model's stream source for the fit decision, or (None, why not). Keyed, and recorded, by the
-        canonical config (:attr:`model.job.Architecture.canonical_config`): a config.json, the CLI's cleaned copy
-        and ``memfit.describe``'s serialised config of one model share their streams, so they get one fit."""
-        spec, training, hf_config = job.spec, job.training, job.architecture.canonical_config
+        """The full model's stream source for the fit decision, or (None, why not)."""
+        spec, training, hf_config = job.spec, job.training, job.hf_config
         if self.streams is None:
             return None, "no allocation-stream recorder in this process"
         from tracer.stream_source import unsupported_reason

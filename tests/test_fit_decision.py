@@ -349,35 +349,3 @@ def test_a_missing_stream_is_not_recorded_by_the_service_and_the_answer_says_so(
     # gradient (128,256 x 4,096 x 4 B), larger than the fp32 logits (2,048 x 128,256 x 4 B)
     assert rec.allocator_room_bytes == 128256 * 4096 * 4 and "largest request (1.96 GiB" in note
 
-
-def test_a_config_with_or_without_its_serialised_extras_shares_one_stream_source(small_registry):
-    """A new-user trial: memfit.describe's config (with transformers' serialised extras: return_dict,
-    transformers_version, ...) and the CLI's cleaned copy of the same config.json got different stream keys, so the
-    CLI's recorded streams never decided the client's fit (k = 0 simulated from the CLI, k = 2 by the allowance from
-    the client, for one job). Streams are keyed and recorded by the canonical config."""
-    import json
-    from pathlib import Path
-
-    from model.terms import canonical_config
-
-    cfg = json.loads((Path(__file__).parent / "data" / "qwen3-0.6b.json").read_text())
-    noisy = {**cfg, "return_dict": True, "output_hidden_states": False, "transformers_version": "5.0.0"}
-    asked = []
-
-    def streams(hf_config, training, num_layers, model_name=None, record=True):
-        asked.append(hf_config)
-        return lambda k: None  # no stream recorded for any k: the allowance decides
-
-    loaded = small_registry.load()
-    rec = Recommender(loaded.estimator, loaded.version, streams=streams)
-    made = []
-    for model in (cfg, noisy, cfg):
-        rec.recommend(
-            RecommendRequest.model_validate(
-                {"model": model, "training": {"micro_batch_size": 1, "seq_len": 512}, "cluster": {"gpu": "H200"}}
-            )
-        )
-        made.append(len(asked))
-    assert made[0] > 0 and made == [made[0]] * 3  # the sources the first ask made serve the other two
-    assert all(a == canonical_config(cfg) for a in asked)
-    assert canonical_config(noisy) == canonical_config(cfg)
