@@ -129,13 +129,21 @@ def _load_ds_config(ds: Any) -> dict[str, Any] | None:
     if isinstance(ds, (str, Path)):
         text = str(ds).strip()
         try:
-            return json.loads(text) if text.startswith("{") else json.loads(Path(text).read_text())
+            loaded = json.loads(text) if text.startswith("{") else json.loads(Path(text).read_text())
         except OSError as err:
             raise ValueError(f"deepspeed_config: cannot read {text!r}: {err.strerror or err}") from None
         except ValueError as err:
             raise ValueError(f"deepspeed_config: {text[:80]!r} is not a JSON object: {err}") from None
+        if not isinstance(loaded, dict):  # the file's content is wrong, not the argument's type
+            raise ValueError(f"deepspeed_config: {text[:80]!r} holds a JSON {type(loaded).__name__}, not an object")  # noqa: TRY004
+        return loaded
     cfg = getattr(ds, "config", None)  # HfDeepSpeedConfig / DeepSpeedEngine
-    return cfg if isinstance(cfg, dict) else None
+    if not isinstance(cfg, dict):
+        raise TypeError(
+            "deepspeed_config: a dict, a JSON file path or text, or an object with a .config dict (HfDeepSpeedConfig, "
+            f"a DeepSpeed engine), got {type(ds).__name__}"
+        )
+    return cfg
 
 
 def _choice(enum: type, value: Any, field: str):
@@ -533,7 +541,8 @@ def describe(
             without CUDA.
 
     Raises:
-        TypeError: ``model`` is not a module (a catalog name or config dict: build the request itself).
+        TypeError: ``model`` is not a module (a catalog name or config dict: build the request itself);
+            ``deepspeed_config`` of another type than a dict, a path or JSON text, or an object with a ``.config`` dict.
         ValueError: a missing essential (names the field: ``seq_len``, ``micro_batch_size``, ``gpu``)
             or an architecture that cannot be detected. InvalidConfiguration (a ValueError): an unknown
             ``sharding``, ``offload_optimizer`` or ``offload_parameters`` value (names it and the allowed values).

@@ -277,6 +277,8 @@ class MemoryPredictor:
         pipe, margin = draft.pipeline, self.margins[group]
         held = None if pipe is None else (lambda at: draft.stage_states[pipe.bottleneck(at)])
         points = self._points(draft.path, draft.raw, draft.phases, draft.states, margin, held, draft.gradients_live)
+        if pipe is not None:  # the stage the answer names carries the answer's floor and envelope
+            pipe = pipe.with_peak(np.array([p.predicted_bytes for p in points]))
         own = draft.composed_from is None
         return Curve(
             path=draft.path,

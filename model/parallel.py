@@ -324,6 +324,23 @@ class ParallelCurve:
         """The stage with the highest peak at total k."""
         return int(np.argmax(self.stage_peak_bytes[k]))
 
+    def with_peak(self, peak_bytes: np.ndarray) -> ParallelCurve:
+        """This curve with the bottleneck stage at each k raised to ``peak_bytes[k]`` where that is higher (the
+        answer's peak after the model-state floor and the envelope over k, shape (L+1,)): the stage the answer
+        names says the answer's peak. The split of k and the phases stay.
+
+        Raises:
+            ValueError: ``peak_bytes`` not one value per k.
+        """
+        peak = np.asarray(peak_bytes, dtype=np.int64)
+        if peak.shape != self.peak_bytes.shape:
+            raise ValueError(f"peak_bytes has shape {peak.shape}, the curve {self.peak_bytes.shape}")
+        stage_peak = self.stage_peak_bytes.copy()
+        rows = np.arange(len(peak))
+        top = stage_peak.argmax(axis=1)
+        stage_peak[rows, top] = np.maximum(stage_peak[rows, top], peak)
+        return dataclasses.replace(self, peak_bytes=stage_peak.max(axis=1), stage_peak_bytes=stage_peak)
+
     def plus(self, stage_bytes: list[int]) -> ParallelCurve:
         """This curve with ``stage_bytes[i]`` more bytes on stage i at every k (one per stage): the peak is the new
         bottleneck's; the split of k and the phases stay.

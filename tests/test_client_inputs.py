@@ -87,7 +87,7 @@ def test_deepspeed_config_values_as_deepspeed_reads_them():
         sharding({**base, "optimizer": {"type": "Lamb"}})
 
 
-def test_the_micro_batch_is_derived_from_deepspeeds_train_batch_size():
+def test_the_micro_batch_is_derived_from_deepspeeds_train_batch_size(tmp_path):
     """DeepSpeed derives the micro-batch from train_batch_size = micro x accumulation x data-parallel ranks; describe
     said "micro_batch_size is required" for such a config."""
     model = llama(4)
@@ -110,6 +110,12 @@ def test_the_micro_batch_is_derived_from_deepspeeds_train_batch_size():
         batch({"train_micro_batch_size_per_gpu": "auto"})
     with pytest.raises(ValueError, match=r"deepspeed_config: cannot read '/nonexistent/ds.json'"):
         batch("/nonexistent/ds.json")
+    (tmp_path / "ds.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"deepspeed_config: '.*ds.json' holds a JSON list, not an object"):
+        batch(str(tmp_path / "ds.json"))
+    for wrong in ([1, 2], 3):  # was silently ignored: a plain job without DeepSpeed's settings
+        with pytest.raises(TypeError, match=r"deepspeed_config: a dict, a JSON file path or text, .* got"):
+            batch(wrong, micro_batch_size=2)
 
 
 def test_wrong_types_name_the_argument():

@@ -348,4 +348,3 @@ def test_a_missing_stream_is_not_recorded_by_the_service_and_the_answer_says_so(
     # the default allocator keeps its largest request free, as the simulated step does: here the embedding's fp32
     # gradient (128,256 x 4,096 x 4 B), larger than the fp32 logits (2,048 x 128,256 x 4 B)
     assert rec.allocator_room_bytes == 128256 * 4096 * 4 and "largest request (1.96 GiB" in note
-
