@@ -45,6 +45,17 @@ log = logging.getLogger("memfit")
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
+#: the longest ``Retry-After`` waited between two attempts, seconds (the backoff itself is capped at 4 s)
+MAX_RETRY_WAIT_S = 8.0
+
+
+def _retry_after_s(r: httpx.Response) -> float:
+    """The seconds a 429/503's ``Retry-After`` header asks for (RFC 9110 Sec. 10.2.3, the delay-seconds form); 0 when
+    absent or given as an HTTP date."""
+    value = r.headers.get("retry-after", "")
+    return float(value) if value.strip().isdigit() else 0.0
+
+
 class ServiceError(RuntimeError):
     """The service could not give an answer (unreachable, timed out, 408/429/5xx after retries).
 
@@ -165,7 +176,8 @@ class Client:
         retries: extra attempts after the first on connection errors, timeouts, 408, 429 and 5xx.
         strict: raise :class:`ServiceError` when the service cannot answer instead of returning the fallback
             (an invalid or rejected request raises either way).
-        backoff_s: first backoff in seconds; doubles per retry (capped at 4 s).
+        backoff_s: first backoff in seconds; doubles per retry (capped at 4 s); a longer ``Retry-After`` of a
+            429/503 is waited instead, up to :data:`MAX_RETRY_WAIT_S`.
         transport: an ``httpx`` transport (tests: ``httpx.MockTransport``).
 
     Raises:
@@ -224,20 +236,21 @@ class Client:
         """
         if self._http.is_closed:
             raise RuntimeError(f"{self!r} is closed: make a new memfit.Client (or use one inside `with`)")
-        last, status = "no attempt", None
+        last, status, asked_wait_s = "no attempt", None, 0.0
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(min(4.0, self.backoff_s * 2 ** (attempt - 1)))
+                time.sleep(max(min(asked_wait_s, MAX_RETRY_WAIT_S), min(4.0, self.backoff_s * 2 ** (attempt - 1))))
             try:
                 r = self._http.request(method, path, json=json)
             except httpx.TimeoutException as err:
-                last, status = f"timed out after {self.timeout_s}s ({type(err).__name__})", None
+                last, status, asked_wait_s = f"timed out after {self.timeout_s}s ({type(err).__name__})", None, 0.0
             except httpx.TransportError as err:
-                last, status = f"unreachable: {type(err).__name__}: {err}", None
+                last, status, asked_wait_s = f"unreachable: {type(err).__name__}: {err}", None, 0.0
             else:
                 if r.status_code not in _RETRY_STATUS:
                     return r
                 last, status = f"HTTP {r.status_code}: {_detail(r)}", r.status_code
+                asked_wait_s = _retry_after_s(r)
             log.debug("memfit %s %s attempt %d/%d failed: %s", method, path, attempt + 1, self.retries + 1, last)
         raise ServiceError(f"{method} {self.url}{path}: {last} (after {self.retries + 1} attempts)", status_code=status)
 

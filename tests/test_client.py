@@ -527,3 +527,19 @@ def test_a_closed_client_says_so():
         client.models()
     with pytest.raises(RuntimeError, match="is closed"):  # not the fallback plan: the script's own fault
         client.recommend(REQ)
+
+
+def test_a_retry_after_is_waited_up_to_its_cap(monkeypatch):
+    """Helper 32: a 429's Retry-After was ignored (the next attempt came after the 0.25 s backoff)."""
+    import memfit.client as client_module
+
+    slept = []
+    monkeypatch.setattr(client_module.time, "sleep", slept.append)
+    answers = [
+        httpx.Response(429, headers={"Retry-After": "3"}, json={"detail": "busy"}),
+        httpx.Response(503, headers={"Retry-After": "120"}, json={"detail": "restarting"}),
+        httpx.Response(200, json=answer()),
+    ]
+    client = Client("http://memfit.test", transport=httpx.MockTransport(lambda r: answers.pop(0)), retries=2)
+    client.recommend(model="llama-3-8b", training={"micro_batch_size": 1, "seq_len": 512}, cluster={"gpu": "H100-80GB"})
+    assert slept == [3.0, client_module.MAX_RETRY_WAIT_S] and not answers
