@@ -54,7 +54,7 @@ from memfit.schema import (
 )
 from model.analytic import ModelStates, model_state_bytes, step_temporary_bytes_per_param
 from model.frozen import trainable_params as frozen_trainable_params
-from model.offload import host_memory_bytes
+from model.offload import host_memory_bytes, offloaded
 from model.parallel import RankShare, Stage, rank_share
 from model.snapshot import config_key, parameter_snapshot
 from model.terms import canonical_config, terms_key
@@ -213,6 +213,8 @@ class Job:
         Raises:
             ValueError: ``ranks_per_node`` < 1.
         """
+        if not offloaded(self.training):
+            return host_memory_bytes(self.spec, self.training, ranks_per_node)  # 0, and ranks_per_node checked
         return host_memory_bytes(self.share.fullest_spec, self.training, ranks_per_node)
 
     @cached_property

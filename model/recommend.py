@@ -73,14 +73,21 @@ def layer_indices(k: int, num_layers: int, pipeline_parallel_size: int = 1, meth
         return sorted({round(x) for x in np.linspace(0, num_layers - 1, k)}) if k else []
     if method != "block":
         raise ValueError(f"method must be 'block' or 'even', got {method!r}")
-    counts = stage_layer_counts(num_layers, max(1, pipeline_parallel_size))
-    take, left = [0] * len(counts), k
-    while left:  # one layer per stage in turn, skipping full stages (k <= num_layers: ends)
-        for s, n in enumerate(counts):
-            if left and take[s] < n:
-                take[s], left = take[s] + 1, left - 1
-    starts = np.cumsum([0, *counts[:-1]])
-    return [int(start) + j for start, n in zip(starts, take) for j in range(n)]
+    if pipeline_parallel_size <= 1:
+        return list(range(k))
+    counts = stage_layer_counts(num_layers, pipeline_parallel_size)
+    take, left, open_ = [0] * len(counts), k, list(range(len(counts)))
+    while left:  # an even share per open stage, the remainder to the first ones; a full stage's rest goes round
+        share, extra = divmod(left, len(open_))
+        for i, s in enumerate(open_):
+            give = min(counts[s] - take[s], share + (i < extra))
+            take[s], left = take[s] + give, left - give
+        open_ = [s for s in open_ if take[s] < counts[s]]
+    out, start = [], 0
+    for n, t in zip(counts, take):
+        out.extend(range(start, start + t))
+        start += n
+    return out
 
 
 def recompute_fraction(k: int, num_layers: int, training: TrainingConfig) -> float:
