@@ -71,13 +71,7 @@ from typing import Any
 import numpy as np
 
 from memfit.schema import ModelSpec, Offload, Precision, Sharding, TrainingConfig
-from model.analytic import (
-    _BNB_STATE_BYTES,
-    _STATES,
-    analytic_estimates,
-    model_state_bytes,
-    state_dtype_bytes,
-)
+from model.analytic import _BNB_STATE_BYTES, _STATES, analytic_estimates, model_state_bytes, state_dtype_bytes
 from model.compose import PEAK_PHASES
 from model.derivation import Draft, Request, peak_phases
 from model.parallel import rank_share

@@ -61,8 +61,8 @@ class Plan:
 
 def layer_indices(k: int, num_layers: int, pipeline_parallel_size: int = 1, method: str = "block") -> list[int]:
     """Which layers to checkpoint: ``block`` = the first layers of each pipeline stage (Megatron's
-    ``--recompute-method block``; the stages of :func:`model.parallel.stage_layer_counts`, k dealt to them one
-    layer at a time, a full stage's share going to the others), ``even`` = evenly spaced over the model.
+    ``--recompute-method block``; the stages of :func:`model.parallel.stage_layer_counts`, k shared evenly over
+    them, the remainder to the first ones, a full stage's rest to the others), ``even`` = evenly spaced over the model.
 
     Raises:
         ValueError: k outside [0, num_layers] or an unknown method.
