@@ -5,6 +5,8 @@ falls back to tracing the full model."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from memfit.hf import small_config
@@ -138,3 +140,33 @@ def test_composition_period_is_the_layer_type_cycle_and_kept(tmp_path, monkeypat
     assert composition_period(gemma3, 26) == 6
     assert composition_period(get("llama-3-8b")["hf_config"], 32) == 1
     assert composition_period(get("mixtral-8x7b")["hf_config"], 32) is None  # experts: traced whole
+
+
+def test_a_models_streams_are_found_whichever_way_its_config_is_written(tmp_path, monkeypatch):
+    """The command line sends a model's ``config.json`` fields, :func:`memfit.describe` transformers' full
+    serialisation (``config.to_dict()``, every default written out): the streams and templates one records are
+    the other's (keyed by :func:`model.snapshot.config_key`), so both decide the fit from the same streams; a
+    config that builds another model is keyed apart."""
+    from memfit.describe import clean_hf_config
+    from memfit.hf import _hf_config
+    from tracer.stream_source import composition_period, stream_path, stream_source, template_path
+
+    monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))
+    given = _config("llama-3.2-1b")
+    given["num_hidden_layers"] = 14
+    full = clean_hf_config(json.loads(json.dumps(_hf_config(given).to_dict(), default=str)))
+    assert full != given and len(full) > len(given)
+    t = TrainingConfig(micro_batch_size=2, seq_len=128, precision="bf16", optimizer="adamw_fused")
+    recorded = stream_source(given, t, 14)
+    assert recorded(7) is not None and recorded(14) is not None and recorded.composed == [7, 14]
+    asked = []
+    cached = stream_source(full, t, 14, record=False, request=lambda *a: asked.append(a[3]))
+    assert cached(7) is not None and cached(14) is not None and asked == [] and cached.failed is None
+    assert template_path(full, t, 14, 7) == template_path(given, t, 14, 7)
+    t3 = t.model_copy(update={"checkpoint_layers": [0, 1, 2]})
+    assert stream_path(full, t3, context_name="p") == stream_path(given, t3, context_name="p") != stream_path(given, t3)
+    assert composition_period(full, 14) == composition_period(given, 14) == 1
+    assert len(list((tmp_path / "periods").glob("*.json"))) == 1
+    wider = {**given, "intermediate_size": 768}
+    assert stream_path(wider, t) != stream_path(given, t)
+    assert template_path(wider, t, 14, 7) != template_path(given, t, 14, 7)

@@ -440,9 +440,11 @@ def cached_step_allocations(
     context_name: str = "",
     kernel_scratch: bool = True,
     layered: bool = False,
+    config_id: str | None = None,
 ) -> AllocationStream:
     """:func:`step_allocations`, kept in :func:`stream_cache_dir` under a key of everything that shapes the
-    stream (:func:`tracer.stream_source.stream_path`: the config, the training configuration, the warm-up, the
+    stream (:func:`tracer.stream_source.stream_path`: the model's ``config_id``, by default
+    :func:`tracer.stream_source.stream_config_id` of ``hf_config``; the training configuration, the warm-up, the
     workspaces, ``context_name`` (name the ``step_context``), the torch and transformers versions and
     :data:`STREAM_FORMAT`)."""
     path = stream_path(
@@ -452,6 +454,7 @@ def cached_step_allocations(
         workspaces=workspaces,
         context_name=context_name,
         kernel_scratch=kernel_scratch,
+        config_id=config_id,
     )
     if path.exists():
         return AllocationStream.load(path)

@@ -29,6 +29,7 @@ from typing import Any
 from memfit.schema import CheckpointImpl, FineTune, Offload, Quantization, Sharding, TrainingConfig
 from model.allocator import AllocationStream
 from model.cuda_semantics import GpuGeneration, step_workspaces
+from model.snapshot import config_key
 
 #: a stream found missing is looked for again after this many seconds (another process may have recorded it)
 MISS_RECHECK_S = 2.0
@@ -57,6 +58,16 @@ def _version(package: str) -> str:
         return "none"
 
 
+def stream_config_id(hf_config: dict[str, Any], num_layers: int | None = None) -> str:
+    """The model part of a stream's cache key: :func:`model.snapshot.config_key` of ``hf_config`` (one key whether
+    the config is its published ``config.json`` fields, as the command line sends it, or transformers' full
+    serialisation, as :func:`memfit.describe` sends it), and for a template model built from it with
+    :func:`memfit.hf.small_config` (``num_layers`` decoder layers), that depth. The template's own config is not
+    canonicalised: in the serving process that would import transformers."""
+    key = config_key(hf_config)
+    return key if num_layers is None else f"{key};layers={num_layers}"
+
+
 def stream_path(
     hf_config: dict[str, Any],
     training: TrainingConfig,
@@ -65,13 +76,15 @@ def stream_path(
     workspaces: Mapping[str, int] | None = None,
     context_name: str = "",
     kernel_scratch: bool = True,
+    config_id: str | None = None,
 ) -> Path:
     """Where :func:`tracer.allocation.cached_step_allocations` keeps this stream: a hash of everything that shapes
-    it (config, training configuration with its checkpointed layers, warm-up, workspaces, trace policy, torch and
-    transformers versions, :data:`STREAM_FORMAT`)."""
+    it (the model's :func:`stream_config_id`, ``config_id`` when given, else that of ``hf_config``; the training
+    configuration with its checkpointed layers, warm-up, workspaces, trace policy, torch and transformers versions,
+    :data:`STREAM_FORMAT`)."""
     key = json.dumps(
         {
-            "hf_config": hf_config,
+            "config": config_id if config_id is not None else stream_config_id(hf_config),
             "training": training.model_dump(mode="json"),
             "warmup": warmup,
             "workspaces": dict(_SM90_WORKSPACES if workspaces is None else workspaces),
@@ -118,7 +131,7 @@ def composition_period(hf_config: dict[str, Any], num_layers: int) -> int | None
 
     if num_routed_experts(hf_config) is not None:
         return None
-    key = json.dumps([hf_config, num_layers, _version("transformers")], sort_keys=True, default=str)
+    key = json.dumps([stream_config_id(hf_config), num_layers, _version("transformers")])
     path = stream_cache_dir() / "periods" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     if path.exists():
         return json.loads(path.read_text())["period"]
@@ -132,9 +145,9 @@ def composition_period(hf_config: dict[str, Any], num_layers: int) -> int | None
 
 def _template_job(
     hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, period: int | None
-) -> tuple[dict[str, Any], TrainingConfig] | None:
-    """The small model's config and training configuration whose labelled stream is the template for the full
-    model at ``k``, or None where the stream is not composed (see :func:`template_path`)."""
+) -> tuple[dict[str, Any], TrainingConfig, str] | None:
+    """The small model's config, training configuration and :func:`stream_config_id` whose labelled stream is the
+    template for the full model at ``k``, or None where the stream is not composed (see :func:`template_path`)."""
     from memfit.hf import small_config
     from model.stream_compose import template_shape
 
@@ -147,7 +160,11 @@ def _template_job(
     n, kc = template_shape(num_layers, k, period)
     if n >= num_layers:
         return None
-    return small_config(hf_config, n), training.model_copy(update={"checkpoint_layers": list(range(kc))})
+    return (
+        small_config(hf_config, n),
+        training.model_copy(update={"checkpoint_layers": list(range(kc))}),
+        stream_config_id(hf_config, n),
+    )
 
 
 #: part of a template stream's cache key: recorded with layer labels (``tracer.allocation.step_allocations``)
@@ -163,7 +180,10 @@ def template_path(
     job = _template_job(
         hf_config, training, num_layers, k, composition_period(hf_config, num_layers) if period == 0 else period
     )
-    return None if job is None else stream_path(*job, context_name=f"{trace_policy_name()};{LAYERED}")
+    if job is None:
+        return None
+    cfg, t, config_id = job
+    return stream_path(cfg, t, context_name=f"{trace_policy_name()};{LAYERED}", config_id=config_id)
 
 
 def record_template(
@@ -188,8 +208,15 @@ def record_template(
     from tracer.allocation import cached_step_allocations, cuda_trace_policy
 
     name, factory = cuda_trace_policy()
+    cfg, t, config_id = job
     return cached_step_allocations(
-        *job, model_name=model_name, step_context=factory, context_name=f"{name};{LAYERED}", layered=True
+        cfg,
+        t,
+        model_name=model_name,
+        step_context=factory,
+        context_name=f"{name};{LAYERED}",
+        layered=True,
+        config_id=config_id,
     )
 
 
@@ -257,6 +284,7 @@ def stream_source(
     from model.stream_compose import CompositionError, compose, template_shape
 
     policy = trace_policy_name()
+    config_id = stream_config_id(hf_config)
     streams: dict[int, AllocationStream | None] = {}
     looked: dict[int, float] = {}  # k -> when a missing stream was last looked for
     periods: list[int | None] = []  # computed at the first composition (it builds the HF config)
@@ -294,7 +322,7 @@ def stream_source(
         if streams.get(k) is not None or (k in streams and time.monotonic() - looked[k] < MISS_RECHECK_S):
             return streams[k]
         t = training.model_copy(update={"checkpoint_layers": list(range(k))})
-        path = stream_path(hf_config, t, context_name=policy)
+        path = stream_path(hf_config, t, context_name=policy, config_id=config_id)
         stream = None
         looked[k] = time.monotonic()
         if path.exists():
@@ -307,7 +335,7 @@ def stream_source(
             name, factory = cuda_trace_policy()
             try:
                 stream = cached_step_allocations(
-                    hf_config, t, model_name=model_name, step_context=factory, context_name=name
+                    hf_config, t, model_name=model_name, step_context=factory, context_name=name, config_id=config_id
                 )
             except Exception as err:  # noqa: BLE001 - a configuration the recorder cannot run: fall back
                 source.failed = f"{type(err).__name__}: {str(err)[:200]}"
