@@ -34,9 +34,8 @@ Every curve is shaped the same way, by construction:
 
 Offloaded configurations (:mod:`model.offload`) are answered from the curve of their traced base
 (the same configuration without offload; FSDP full-shard for parameter offload) by
-:func:`model.offload.offload_device_phases`, on the base's path; the curve also carries the host
-memory the offloaded states need (:func:`model.offload.host_memory_bytes`, one rank per node: callers
-with a cluster scale it by their ranks per node); the bound takes the margin of the base's group.
+:func:`model.offload.offload_device_phases`, on the base's path (the host memory the offloaded states need is the
+job's, :meth:`model.job.Job.host_memory_bytes`); the bound takes the margin of the base's group.
 ZeRO-1 (:mod:`model.zero1`) is answered the same way from its unsharded base, less the optimizer states (and
 step temporaries) of the parameters ``ZeroRedundancyOptimizer`` gives other ranks.
 Frozen fine-tunes (embeddings and the first N layers frozen) are answered the same way from the curve of
@@ -174,8 +173,6 @@ class Curve:
     raw_bytes: Any = None
     #: traced path: every phase's composed live bytes, shape (L+1, len(PEAK_PHASES)); None when provisional
     phase_bytes: Any = None
-    #: host memory of the offloaded states for one rank per node (:func:`model.offload.host_memory_bytes`)
-    host_memory_bytes: int = 0
     #: the bound's margin group (:func:`margin_group`); a ZeRO-1 curve composed from its unsharded base takes the
     #: base's (:mod:`model.zero1`). None where the curve is composed on another's (offload, frozen layers): the
     #: group of its path and sharding
@@ -290,7 +287,6 @@ class MemoryPredictor:
             pipeline=pipe,
             raw_bytes=draft.raw,
             phase_bytes=draft.phase_bytes,
-            host_memory_bytes=draft.host_memory_bytes,
             learned_coefficients=draft.learned,
             margin_group=group if draft.report_group else None,
         )

@@ -51,7 +51,7 @@ class Draft:
         phases: the peak's phase per k (None entries on the learned-ratio path).
         phase_bytes: every phase's live bytes, shape (L+1, len(PEAK_PHASES)); None without phases.
         states: the model states of the floor and the breakdown.
-        terms_key, reason, notes, learned, host_memory_bytes: as in :class:`model.curve.Curve`.
+        terms_key, reason, notes, learned: as in :class:`model.curve.Curve`.
         composed_from: None for the request's own composition (the predictor adds its notes about the
             configuration and takes its margin group), else the name of the step that composed it from a base.
         margin_sharding: for a draft composed from a base, the sharding whose margin group the bound takes
@@ -72,7 +72,6 @@ class Draft:
     reason: str | None = None
     notes: list[str] = field(default_factory=list)
     learned: bool = False
-    host_memory_bytes: int = 0
     composed_from: str | None = None
     margin_sharding: Sharding | None = None
     report_group: bool = True

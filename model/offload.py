@@ -187,8 +187,8 @@ def offload_device_phases(phase_bytes, phase_names: list[str], model: ModelSpec,
 class OffloadDerivation:
     """The :class:`model.derivation.Derivation` of offloaded requests: their device curve composed from the
     curve of :func:`traced_base` (:func:`offload_device_phases` on its phases; without phases, the learned base
-    curve scaled by the analytic offloaded / not ratio per k), on the base's path and margin group, with the host
-    memory of one rank per node (:func:`host_memory_bytes`)."""
+    curve scaled by the analytic offloaded / not ratio per k), on the base's path and margin group. The host memory
+    is the job's (:meth:`model.job.Job.host_memory_bytes`), not the curve's."""
 
     def derive(self, predictor: Any, request: Request, draft: Draft | None) -> Draft | None:
         model, training, hf_config = request.model, request.training, request.hf_config
@@ -229,7 +229,6 @@ class OffloadDerivation:
             reason=base.reason,
             notes=notes,
             learned=base.learned_coefficients,
-            host_memory_bytes=host_memory_bytes(rank, training),
             composed_from="offload",
             margin_sharding=base_training.sharding,
             report_group=False,

@@ -123,7 +123,6 @@ def _answer(curve) -> dict[str, Any]:
         "path": curve.path,
         "margin_group": curve.margin_group,
         "floor_bytes": curve.floor_bytes,
-        "host_memory_bytes": curve.host_memory_bytes,
         "terms_key": curve.terms_key,
         "reason": curve.reason,
         "learned": curve.learned_coefficients,

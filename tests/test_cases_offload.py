@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from memfit.api import RecommendRequest
 from memfit.schema import ModelSpec, Offload, TrainingConfig
+from model.job import resolve
 from model.offload import host_bytes_per_rank, host_memory_bytes
 from model.registry import Registry
 from model.terms import TermsCache
@@ -200,7 +201,7 @@ def test_optimizer_offload_composition_agrees_with_a_real_cpu_run():
         assert curve.points[k].breakdown["optimizer_states_bytes"] == 0
         host = host_bytes_per_rank(r.model, tr)
         assert host <= r.measurement.host_peak_bytes <= host + 512
-    assert curve.host_memory_bytes == host_memory_bytes(records[0].model, tr)
+    assert resolve(cfg, tr).host_memory_bytes(1) == host_memory_bytes(records[0].model, tr)
 
 
 def test_public_case_on_the_provisional_path_ranks_the_same():
@@ -235,7 +236,8 @@ def test_offloaded_paged_optimizer_says_nothing_of_unified_memory():
     assert on_device.path == "traced" and any("unified memory" in n for n in on_device.notes)
     offloaded = predictor.curve(spec, paged.model_copy(update={"offload_optimizer": Offload.CPU}), hf)
     assert offloaded.path == "traced" and not any("unified memory" in n for n in offloaded.notes)
-    assert offloaded.host_memory_bytes > 0
+    assert offloaded.points[0].breakdown["optimizer_states_bytes"] == 0  # the states are on the host
+    assert on_device.points[0].breakdown["optimizer_states_bytes"] > 0
 
 
 def test_provisional_parameter_offload_curve_follows_its_traced_composition(recommender):
