@@ -159,7 +159,7 @@ def plan(
     layout: str = "block",
     allocator: AllocatorSettings | None = None,
     streams: StreamSource | None = None,
-    no_stream_reason: str = "no allocation stream for this configuration",
+    no_stream_reason: str | Callable[[], str] = "no allocation stream for this configuration",
     fit_cache: MutableMapping | None = None,
 ) -> Plan:
     """Smallest k whose step runs in ``capacity_bytes × (1 − headroom_fraction)`` less the memory outside PyTorch.
@@ -168,7 +168,8 @@ def plan(
     ``streams`` (the full model's allocation stream per k, block layout), the step is replayed through the
     caching-allocator model with ``allocator`` (default: PyTorch's defaults; :func:`model.reserved.simulated_fit`);
     otherwise, or when a stream is missing, the allocated bound times the allocator setting's measured allowance
-    (:func:`model.reserved.allowance_fit`; ``no_stream_reason`` says why in the notes). ``fit_cache`` keeps
+    (:func:`model.reserved.allowance_fit`; ``no_stream_reason`` says why in the notes: a callable is asked after the
+    streams were, so it can say what asking them started). ``fit_cache`` keeps
     simulated decisions by (the source's ``key`` attribute, bounds, settings, cap), so a repeated request replays
     nothing.
 
@@ -204,7 +205,8 @@ def plan(
         no_stream_reason = "pipeline stages or an even layout: streams are recorded for the first k layers"
     if fit is None:
         ratio, source = overhead_model.allowance_ratio(settings.expandable_segments)
-        fit = allowance_fit(bounds, settings, cap, ratio, source, no_stream_reason, largest, c.floor_bytes)
+        why = no_stream_reason() if callable(no_stream_reason) else no_stream_reason
+        fit = allowance_fit(bounds, settings, cap, ratio, source, why, largest, c.floor_bytes)
     if fit.method == "simulated":
         totals = [b + outside for b in bounds]
     else:

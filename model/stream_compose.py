@@ -7,8 +7,9 @@ module builds the stream of an L-layer model with its first k layers checkpointe
 (:attr:`model.allocator.AllocationStream.layer_labels`), in milliseconds.
 
 **Template.** For each of the two parts of the target (the k checkpointed layers, the L - k others), the
-template keeps the part's first two and last two layers and, between them, one full period of layer types
-(:func:`template_part_layers`); a part of at most ``period + 4`` layers is kept whole. So every target layer has
+template keeps the part's first two and last two layers and, between them, one full period of layer types, and
+more where the first layer of a type would otherwise be repeated (:func:`template_part_layers`); a shorter part is
+kept whole. So every target layer has
 a template layer of the same checkpointing, the same layer type (index mod ``period``) and the same neighbours
 up to two layers away: the first and last layers of the model and of each part are where the events differ (the
 embedding's output, the loss, the hidden state handed from a checkpointed to a plain layer).
@@ -46,17 +47,24 @@ class CompositionError(ValueError):
     """The template's events do not compose into the target (the caller records the full model instead)."""
 
 
-def template_part_layers(part_layers: int, period: int) -> int:
-    """Layers the template keeps of a part of ``part_layers`` layers (all of it when at most
-    ``period + 2 * EDGE_LAYERS``, else the fewest at least that many with the same remainder mod ``period``, so
-    that the part's last layer has the target's last layer type).
+def template_part_layers(part_layers: int, period: int, start: int = 0) -> int:
+    """Layers the template keeps of a part of ``part_layers`` layers that starts at the model's layer ``start``.
+
+    The part's middle (all but :data:`EDGE_LAYERS` at each end) is copied from the template's middle, whose last
+    period the part's longer middle repeats (:func:`_part_index`). That repeated period must not hold the first
+    layer of any type in the model (layers below ``period``): in backward the first layer of a type frees what
+    the model computed once for all layers of that type (Gemma-3's global-attention layers), and a repeated copy
+    would free it twice. So the template's middle keeps at least one period, and at least up to model layer
+    ``2 * period`` less the edge layers below it; a part no longer than that is kept whole; else the fewest layers at
+    least that many with the same remainder mod ``period``, so that the part's last layer has the target's last
+    layer type.
 
     Raises:
-        ValueError: ``part_layers`` < 0 or ``period`` < 1.
+        ValueError: ``part_layers`` < 0, ``period`` < 1 or ``start`` < 0.
     """
-    if part_layers < 0 or period < 1:
-        raise ValueError(f"part_layers must be >= 0 and period >= 1, got {part_layers}, {period}")
-    least = period + 2 * EDGE_LAYERS
+    if part_layers < 0 or period < 1 or start < 0:
+        raise ValueError(f"part_layers and start must be >= 0 and period >= 1, got {part_layers}, {start}, {period}")
+    least = 2 * EDGE_LAYERS + max(period, 2 * period - EDGE_LAYERS - start)
     if part_layers <= least:
         return part_layers
     return least + (part_layers - least) % period
@@ -71,15 +79,24 @@ def template_shape(num_layers: int, k: int, period: int) -> tuple[int, int]:
     if not 0 <= k <= num_layers:
         raise ValueError(f"k must be in [0, {num_layers}], got {k}")
     kc = template_part_layers(k, period)
-    return kc + template_part_layers(num_layers - k, period), kc
+    return kc + template_part_layers(num_layers - k, period, start=k), kc
 
 
 def _part_index(j: int, part: int, kept: int, period: int) -> int:
+    """The template layer (index within the part's ``kept`` template layers) that the part's layer ``j`` copies:
+    the edge layers their own; an inner layer ``d`` of the part's middle the template's middle layer ``d`` while
+    there is one, then the template middle's last period over and over (the middle holds
+    ``kept - 2 * EDGE_LAYERS`` layers, at least one period, of the same length mod ``period`` as the part's), so
+    every template layer is copied, by layers of its type, and the middle's last layer copies the template
+    middle's last."""
     if j < EDGE_LAYERS or part == kept:
         return j
     if j >= part - EDGE_LAYERS:
         return kept - (part - j)
-    return EDGE_LAYERS + (j - EDGE_LAYERS) % period
+    d, middle = j - EDGE_LAYERS, kept - 2 * EDGE_LAYERS
+    if d >= middle:
+        d = middle - period + (d - middle + period) % period
+    return EDGE_LAYERS + d
 
 
 def layer_templates(num_layers: int, k: int, period: int) -> list[int]:

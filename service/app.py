@@ -70,7 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         overhead_from(store),
         terms=terms,
         tracer=tracer,
-        streams=configured_source("cache", request=tracer.template),
+        streams=configured_source("cache", request=tracer.streams),
     )
     holder.refresh()
     warmed_up = threading.Event()

@@ -11,6 +11,7 @@ only with heavy recompute (k > L/2) — answers "what fits instead": concrete ch
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import threading
 import time
@@ -296,7 +297,7 @@ class Recommender:
             layout=req.layout,
             allocator=settings if settings is not None else allocator_settings(req),
             streams=source,
-            no_stream_reason=why if source is None else _missing_stream_reason(source),
+            no_stream_reason=why if source is None else functools.partial(_missing_stream_reason, source),
             fit_cache=self._fits,
         )
         while len(self._fits) > 4096:
@@ -662,10 +663,14 @@ def _missing_stream_reason(source: Any) -> str:
     if failed:
         return f"the allocation-stream recorder failed on this model ({failed})"
     if getattr(source, "requested", None):
+        how = (
+            f"the full model's, as its template does not compose ({source.compose_failed})"
+            if getattr(source, "compose_failed", None)
+            else "a template model's, 1-3 s for an 8B model, or the full model's where no template applies"
+        )
         return (
-            "the allocation-stream templates of this configuration are being recorded in the tracing process "
-            "(1-3 s each for an 8B model; the k the search visits next with it); ask again for the fit decided by "
-            "the caching-allocator simulation"
+            f"the allocation streams of this configuration are being recorded in the tracing process ({how}; the "
+            "k the search visits next with them); ask again for the fit decided by the caching-allocator simulation"
         )
     return (
         "no allocation stream recorded yet for this configuration; `memfit recommend` records it locally "

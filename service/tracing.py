@@ -79,8 +79,8 @@ def _serve_traces(conn, parent_pid: int) -> None:
             message = json.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
-        if message[0] == TEMPLATE:
-            conn.send_bytes(json.dumps(_record_template(*message[1:])).encode())
+        if message[0] == STREAMS:
+            conn.send_bytes(json.dumps(_record_streams(*message[1:])).encode())
             continue
         hf_config, training_json, *generation = message
         try:
@@ -91,21 +91,18 @@ def _serve_traces(conn, parent_pid: int) -> None:
         conn.send_bytes(json.dumps(reply).encode())
 
 
-#: first element of a message asking the tracing process for an allocation-stream template
-TEMPLATE = "template"
+#: first element of a message asking the tracing process for the allocation streams of the fit decision
+STREAMS = "streams"
 
 
-def _record_template(hf_config: dict[str, Any], training_json: str, num_layers: int, k: int) -> list:
-    """In the tracing process: record the template the fit decision composes the full model's stream at ``k``
-    from, and those of the k the search visits next (:func:`tracer.stream_source.record_templates_near`);
-    ``["ok", ks]`` (the k whose templates are now cached) or ``["error", reason]``."""
-    from tracer.stream_source import record_templates_near
+def _record_streams(hf_config: dict[str, Any], training_json: str, num_layers: int, k: int) -> list:
+    """In the tracing process: record what the fit decision needs for the full model's stream at ``k``
+    (:func:`tracer.stream_source.record_for_fit`: the templates near ``k``, or the full model's stream where no
+    template composes it); ``["ok", ks]`` (the k whose streams are now at hand) or ``["error", reason]``."""
+    from tracer.stream_source import record_for_fit
 
     try:
-        return [
-            "ok",
-            record_templates_near(hf_config, TrainingConfig.model_validate_json(training_json), num_layers, k),
-        ]
+        return ["ok", record_for_fit(hf_config, TrainingConfig.model_validate_json(training_json), num_layers, k)]
     except Exception as err:  # noqa: BLE001 - reported to the parent with its reason
         return ["error", f"{type(err).__name__}: {err}"]
 
@@ -172,17 +169,17 @@ class TracingProcess:
         """
         return self._ask([hf_config, training.model_dump_json(), generation], timeout_s, "tracing")
 
-    def template(
+    def streams(
         self, hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, timeout_s: float
-    ) -> None:
-        """Record the allocation-stream template for the full model at ``k``, and its neighbours', in the tracing
-        process (:func:`tracer.stream_source.record_templates_near`).
+    ) -> list[int]:
+        """Record the allocation streams the fit decision needs at ``k`` in the tracing process
+        (:func:`tracer.stream_source.record_for_fit`); the k they cover.
 
         Raises:
             RuntimeError: as :meth:`trace`.
         """
-        self._ask(
-            [TEMPLATE, hf_config, training.model_dump_json(), num_layers, k], timeout_s, "recording a stream template"
+        return self._ask(
+            [STREAMS, hf_config, training.model_dump_json(), num_layers, k], timeout_s, "recording allocation streams"
         )
 
     def _ask(self, message: list, timeout_s: float, what: str) -> Any:
@@ -313,20 +310,25 @@ class BackgroundTracer:
             )
         return f"tracing it now ({each}); ask again for the traced answer"
 
-    def template(self, hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, path: str) -> None:
-        """Queue the recording of an allocation-stream template (``path``: where it will be, the queue's key),
-        sharing the queue's bounds with the traces; a template already queued, failed or beyond the bounds is
-        not queued (the fit decision stays on the measured allowance and asks again)."""
-        key = f"{TEMPLATE}:{path}"
+    def streams(
+        self, hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, path: str
+    ) -> str | None:
+        """Queue the recording of the allocation streams the fit decision needs at ``k``
+        (:meth:`TracingProcess.streams`; ``path``: the missing template's or full stream's file, the queue's key),
+        sharing the queue's bounds with the traces. One already queued or beyond the bounds is not queued (the fit
+        decision stays on the measured allowance and asks again); one that failed is not queued again, and its
+        reason is returned (:data:`tracer.stream_source` then stops asking for this configuration)."""
+        key = f"{STREAMS}:{path}"
         with self._lock:
+            if key in self.failed:
+                return self.failed[key]
             client = CLIENT.get()
             mine = sum(owner == client for owner in self._owner.values())
-            if key in self.failed or key in self.pending or len(self.pending) >= self.max_pending:
-                return
-            if mine >= self.max_per_client:
-                return
+            if key in self.pending or len(self.pending) >= self.max_pending or mine >= self.max_per_client:
+                return None
             self._admit(key, client)
         self._queue.put((key, hf_config, training, (num_layers, k)))
+        return None
 
     def start(self) -> None:
         """Start the worker and its tracing process now (the service's warm-up), so that the first never-seen
@@ -365,9 +367,9 @@ class BackgroundTracer:
                 continue
             run = self.runner or process.trace
             try:
-                if key.startswith(f"{TEMPLATE}:"):
-                    process.template(hf_config, training, *extra, self.timeout_s)  # extra: (num_layers, k)
-                    log.info("recorded a stream template for %s", key[len(TEMPLATE) + 1 :])
+                if key.startswith(f"{STREAMS}:"):
+                    ks = process.streams(hf_config, training, *extra, self.timeout_s)  # extra: (num_layers, k)
+                    log.info("recorded allocation streams for k = %s (%s)", ks, key[len(STREAMS) + 1 :])
                     continue
                 gen = {"generation": extra} if extra else {}  # extra: the GPU generation of the terms key
                 self.cache.put(key, run(hf_config, training, self.timeout_s, **gen))

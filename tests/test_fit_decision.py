@@ -348,3 +348,26 @@ def test_a_missing_stream_is_not_recorded_by_the_service_and_the_answer_says_so(
     # the default allocator keeps its largest request free, as the simulated step does: here the embedding's fp32
     # gradient (128,256 x 4,096 x 4 B), larger than the fp32 logits (2,048 x 128,256 x 4 B)
     assert rec.allocator_room_bytes == 128256 * 4096 * 4 and "largest request (1.96 GiB" in note
+
+
+def test_the_first_answer_says_its_missing_streams_are_being_recorded(tmp_path, monkeypatch):
+    """The serving process asks its tracing process for a missing template while the fit search runs; the answer
+    given meanwhile (on the allowance) says they are being recorded, not that nothing was asked for (the reason was
+    written before the search asked)."""
+    import functools
+
+    from model.registry import Registry
+    from tracer.stream_source import cached_source
+
+    monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))
+    asked = []
+    loaded = Registry().load()
+    source = functools.partial(cached_source, request=lambda *a: asked.append(a[3]))
+    rec = Recommender(loaded.estimator, loaded.version, streams=source).recommend(
+        RecommendRequest.model_validate(
+            {"model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 2048}, "cluster": {"gpu": "H200"}}
+        )
+    )
+    assert rec.fit_method == "allowance" and asked
+    (note,) = [w for w in rec.warnings if w.startswith("allocator not simulated")]
+    assert "being recorded in the tracing process" in note and "no allocation stream recorded yet" not in note

@@ -170,3 +170,52 @@ def test_a_models_streams_are_found_whichever_way_its_config_is_written(tmp_path
     wider = {**given, "intermediate_size": 768}
     assert stream_path(wider, t) != stream_path(given, t)
     assert template_path(wider, t, 14, 7) != template_path(given, t, 14, 7)
+
+
+@pytest.mark.parametrize(("name", "layers", "k"), [("gemma-3-1b", 20, 0), ("gemma-2-2b", 13, 0)])
+def test_a_periodic_models_composed_stream_is_the_traced_stream(name, layers, k):
+    """Layer types repeating with a period (Gemma-2: 2, Gemma-3: 6): the template's middle is longer than one period
+    (the part's length mod the period), every template layer is copied, and the repeated period holds no first
+    layer of a type (Gemma-3's first global-attention layer frees in backward what the model computed once for
+    every global layer: repeated, it was freed twice)."""
+    from tracer.stream_source import composition_period
+
+    hf = _config(name)
+    hf["num_hidden_layers"] = layers
+    period = composition_period(hf, layers)
+    n, kc = template_shape(layers, k, period)
+    assert (period, n) == ({"gemma-3-1b": 6, "gemma-2-2b": 2}[name], {"gemma-3-1b": 14, "gemma-2-2b": 7}[name])
+    assert sorted(set(layer_templates(layers, k, period))) == list(range(n))
+    assert template_shape(17, 0, 6) == (17, 0)  # a repeated period would start at the first global layer (5)
+    training = {"precision": "bf16", "optimizer": "adamw_fused"}
+    composed = compose(_record(hf, n, kc, **training), kc, layers, k, period)
+    direct = _record(hf, layers, k, **training)
+    assert (composed.handles, composed.sizes, composed.layer_labels) == (
+        direct.handles,
+        direct.sizes,
+        direct.layer_labels,
+    )
+    assert composed.phases == direct.phases
+
+
+def test_the_service_asks_for_the_full_models_stream_where_no_template_composes_it(tmp_path, monkeypatch):
+    """Without recording (the serving process), a stream no template gives (frozen leading layers: traced whole) is
+    asked of ``request`` at its full-model path; :func:`record_for_fit` (what the tracing process runs) records it,
+    and the next source finds it. A request that failed before stops the asking and says why."""
+    from tracer.stream_source import record_for_fit, stream_path, stream_source, trace_policy_name
+
+    monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))
+    hf = _config("llama-3.2-1b")
+    hf["num_hidden_layers"] = 6
+    t = TrainingConfig(
+        micro_batch_size=2, seq_len=128, precision="bf16", optimizer="adamw_fused", finetune="frozen", frozen_layers=2
+    )
+    asked = []
+    cached = stream_source(hf, t, 6, record=False, request=lambda *a: asked.append(a))
+    assert cached(3) is None and cached.requested == [3]
+    full = stream_path(hf, t.model_copy(update={"checkpoint_layers": [0, 1, 2]}), context_name=trace_policy_name())
+    assert [(a[3], a[4]) for a in asked] == [(3, str(full))]
+    assert record_for_fit(hf, t, 6, 3) == [3] and full.exists()
+    assert stream_source(hf, t, 6, record=False, request=lambda *a: asked.append(a))(3) is not None and len(asked) == 1
+    failed = stream_source(hf, t, 6, record=False, request=lambda *a: "RuntimeError: the recorder gave up")
+    assert failed(4) is None and failed.failed == "RuntimeError: the recorder gave up" and failed.requested == []

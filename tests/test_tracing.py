@@ -111,8 +111,8 @@ def test_background_tracer_records_stream_templates_in_its_started_process(tmp_p
     tracer = BackgroundTracer(TermsCache(shipped_dir=None))
     try:
         tracer.start()
-        tracer.template(deep, TRAINING, 16, 8, str(path))
-        tracer.template(deep, TRAINING, 16, 8, str(path))
+        assert tracer.streams(deep, TRAINING, 16, 8, str(path)) is None
+        assert tracer.streams(deep, TRAINING, 16, 8, str(path)) is None
         assert len(tracer.pending) == 1
         for _ in range(600):
             if path.exists() and not tracer.pending:

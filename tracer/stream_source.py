@@ -259,6 +259,47 @@ def record_templates_near(
     return done
 
 
+def _record_full(
+    hf_config: dict[str, Any], training: TrainingConfig, k: int, model_name: str | None = None
+) -> AllocationStream:
+    """The full model's stream with its first ``k`` layers checkpointed, recorded (or loaded) with the CUDA-semantics
+    trace policy (:func:`tracer.allocation.cached_step_allocations`).
+
+    Raises:
+        ValueError: what :func:`tracer.allocation.step_allocations` raises.
+    """
+    from tracer.allocation import cached_step_allocations, cuda_trace_policy
+
+    name, factory = cuda_trace_policy()
+    t = training.model_copy(update={"checkpoint_layers": list(range(k))})
+    return cached_step_allocations(hf_config, t, model_name=model_name, step_context=factory, context_name=name)
+
+
+def record_for_fit(hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int) -> list[int]:
+    """Record what :func:`stream_source` needs for the full model's stream at ``k`` when it may not record itself
+    (the service asks its tracing process for this): the templates near ``k`` (:func:`record_templates_near`)
+    where a template applies and composes the stream at ``k``; else the full model's stream at ``k`` (no template
+    applies: experts, frozen layers, reentrant checkpointing; or the template does not compose). Returns the k
+    whose streams are now at hand, ``k`` first.
+
+    Raises:
+        ValueError: what the recorder raises for ``k`` itself.
+    """
+    from model.stream_compose import CompositionError, compose, template_shape
+
+    period = composition_period(hf_config, num_layers)
+    template = record_template(hf_config, training, num_layers, k, period=period)
+    if template is not None:
+        try:
+            compose(template, template_shape(num_layers, k, period)[1], num_layers, k, period)
+        except CompositionError:
+            pass
+        else:
+            return record_templates_near(hf_config, training, num_layers, k)
+    _record_full(hf_config, training, k)
+    return [k]
+
+
 def stream_source(
     hf_config: dict[str, Any],
     training: TrainingConfig,
@@ -274,12 +315,15 @@ def stream_source(
     In order: the full model's stream from the cache; the stream composed from a small template model's
     (:mod:`model.stream_compose`, template cached by :func:`template_path`, recorded when missing and
     ``record``); the full model traced when ``record`` (where no template applies or its composition fails);
-    else None. Without ``record``, a missing template is asked of ``request`` (``(hf_config, training,
-    num_layers, k, path) -> None``, e.g. the service's tracing queue) when given.
+    else None. Without ``record``, what is missing is asked of ``request`` when given (``(hf_config, training,
+    num_layers, k, path) -> None or the reason an earlier recording of ``path`` failed``, e.g. the service's
+    tracing queue, which runs :func:`record_for_fit`): the template at ``path``, or the full model's stream at
+    ``path`` where no template composes it.
 
     A recording that fails (a model the fake-tensor recorder cannot run) gives None, and the reason is kept in
     the source's ``failed`` attribute; the caller then falls back to the measured allowance. The source's
-    ``composed`` and ``requested`` attributes list the k it composed and the k whose template it asked for.
+    ``composed`` and ``requested`` attributes list the k it composed and the k whose streams it asked for;
+    ``compose_failed`` says why a template did not compose.
     """
     from model.stream_compose import CompositionError, compose, template_shape
 
@@ -304,9 +348,7 @@ def stream_source(
             elif record:
                 template = record_template(hf_config, training, num_layers, k, model_name, period)
             else:
-                if request is not None:
-                    request(hf_config, training, num_layers, k, str(path))
-                    source.requested.append(k)
+                ask(k, path)
                 return None
             stream = compose(template, template_shape(num_layers, k, period)[1], num_layers, k, period)
         except CompositionError as err:
@@ -328,19 +370,26 @@ def stream_source(
         if path.exists():
             stream = AllocationStream.load(path)
         elif source.failed is None:
+            asked = len(source.requested)
             stream = composed(k)
+            if stream is None and not record and source.failed is None and len(source.requested) == asked:
+                ask(k, path)  # no template composes it: the full model's stream
         if stream is None and record and source.failed is None:
-            from tracer.allocation import cached_step_allocations, cuda_trace_policy
-
-            name, factory = cuda_trace_policy()
             try:
-                stream = cached_step_allocations(
-                    hf_config, t, model_name=model_name, step_context=factory, context_name=name, config_id=config_id
-                )
+                stream = _record_full(hf_config, training, k, model_name)
             except Exception as err:  # noqa: BLE001 - a configuration the recorder cannot run: fall back
                 source.failed = f"{type(err).__name__}: {str(err)[:200]}"
         streams[k] = stream
         return stream
+
+    def ask(k: int, path) -> None:
+        if request is None:
+            return
+        failed = request(hf_config, training, num_layers, k, str(path))
+        if failed:
+            source.failed = failed
+        else:
+            source.requested.append(k)
 
     source.failed = None
     source.compose_failed = None
