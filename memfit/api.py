@@ -451,8 +451,10 @@ class CurvePointOut(BaseModel):
     total_upper_bytes: int
     predicted_reserved_bytes: int | None = Field(
         None,
-        description="predicted peak reserved bytes (max_memory_reserved) at k with the allocator settings assumed; "
-        "None where the simulated fit search did not visit k",
+        description="predicted peak reserved bytes (max_memory_reserved) at k with the allocator settings assumed, "
+        "on a GPU with memory to spare: the caching allocator keeps freed blocks, so this can exceed the card at a k "
+        "that runs (under the cap it frees them and retries) and need not fall as k grows; `fits` is decided by "
+        "the step replayed under the cap. None where the simulated fit search did not visit k",
     )
     peak_phase: str | None = Field(None, description="phase of the step where the peak falls (traced path)")
     fits: bool = Field(
@@ -531,7 +533,9 @@ class Recommendation(BaseModel):
     )
     overhead: dict[str, Any]
     predicted_reserved_bytes: int | None = Field(
-        None, description="predicted peak reserved bytes at k (the caching allocator's), None where not computed"
+        None,
+        description="predicted peak reserved bytes at k (the caching allocator's, on a GPU with memory to spare: it "
+        "can exceed the card where the step runs under the cap, see the curve's points), None where not computed",
     )
     allocator_settings: str = Field("", description="the PYTORCH_CUDA_ALLOC_CONF assumed ('' = PyTorch's defaults)")
     allocator_settings_assumed: str = Field("default", description="the allocator settings assumed, in words")
