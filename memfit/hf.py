@@ -14,6 +14,7 @@ import contextlib
 import copy
 import functools
 import json
+import threading
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -167,10 +168,38 @@ def spec_fields_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_TRANSFORMERS_IMPORT = threading.Lock()
+_transformers_imported = threading.Event()
+
+
+def import_transformers() -> None:
+    """Import transformers once, under a lock, before any of its names is read in a process with threads.
+
+    transformers 5 puts a lazy module in ``sys.modules`` while its package initialises, so a second thread importing
+    it meanwhile sees a half-built module (``cannot import name 'AutoConfig' from 'transformers'``, or a partially
+    initialised ``transformers.utils``): the service's warm-up and a first request did (HTTP 500, 2 of 3 tries with
+    two threads, transformers 5.24). Every reader of transformers that a service request reaches calls this first.
+
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    if _transformers_imported.is_set():
+        return
+    with _TRANSFORMERS_IMPORT:
+        if not _transformers_imported.is_set():
+            import transformers
+            from transformers import AutoConfig, LlamaConfig  # noqa: F401 - the lazy module's names loaded once
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # noqa: F401
+
+            del transformers
+            _transformers_imported.set()
+
+
 def _hf_config(cfg: dict[str, Any]):
     """A ``transformers.PretrainedConfig`` for the dict, falling back to Llama for unknown families."""
     import copy
 
+    import_transformers()
     from transformers import AutoConfig, LlamaConfig
 
     # deep copy: transformers normalises nested values (rope_scaling) in place, which would change the
@@ -373,6 +402,7 @@ def _supports_sdpa(model_type: str) -> bool:
     if snapshot is not None:
         return model_type not in snapshot
     try:
+        import_transformers()
         import transformers
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -408,6 +438,8 @@ def build_causal_lm(cfg: dict[str, Any], *, dtype=None, attention: str = "sdpa")
         ``torch.nn.Module``, in training mode.
     """
     import torch
+
+    import_transformers()
     from transformers import AutoModelForCausalLM
 
     config = _hf_config(cfg)
@@ -618,6 +650,7 @@ def decoder_layers(model):
 @contextlib.contextmanager
 def quiet_transformers():
     """Silence transformers' logger for sweeps (warnings about random init etc.)."""
+    import_transformers()
     from transformers.utils import logging as hf_logging
 
     prev = hf_logging.get_verbosity()

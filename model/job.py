@@ -30,6 +30,7 @@ from memfit.hf import (
     attention_that_runs,
     build_causal_lm,
     count_params,
+    import_transformers,
     layer_period,
     local_expert_config,
     lora_trainable_params,
@@ -493,6 +494,7 @@ def known_architectures() -> frozenset[str]:
     """``model_type`` values memfit can build: transformers' configuration registry plus the catalog's."""
     names = {e["hf_config"]["model_type"] for e in catalog.load_catalog().values()}
     try:
+        import_transformers()
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     except ImportError:  # pragma: no cover - the service installs transformers
         return frozenset(names)

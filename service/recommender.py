@@ -87,8 +87,9 @@ def warm_up(stop: threading.Event | None = None) -> int:
     of a first answer on 2 cores). Returns how many configs were resolved. ``stop``: when set, return before the next
     step (the application is shutting down)."""
     from data import catalog
-    from memfit.hf import count_params_from_config, small_config
+    from memfit.hf import count_params_from_config, import_transformers, small_config
 
+    import_transformers()  # before a request's thread can: two threads importing transformers break it
     known_architectures()
     n = 0
     families: dict[str, dict] = {}
@@ -666,7 +667,7 @@ def _missing_stream_reason(source: Any) -> str:
         how = (
             f"the full model's, as its template does not compose ({source.compose_failed})"
             if getattr(source, "compose_failed", None)
-            else "a template model's, 1-3 s for an 8B model, or the full model's where no template applies"
+            else "a template model's, or the full model's where no template applies; seconds each"
         )
         return (
             f"the allocation streams of this configuration are being recorded in the tracing process ({how}; the "

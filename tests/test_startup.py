@@ -168,3 +168,35 @@ def test_broken_registry_banner_and_refusal(tmp_path):
     line = next(x for x in out.stdout.splitlines() if x.startswith("[2/3]"))
     assert line.startswith(f"[2/3] seeded the registry with the shipped model {SHIPPED} (checksum verified)")
     assert "sha256" in line and "does not match" in line
+
+
+#: a fresh interpreter's first reads of transformers from four threads at once (the service's warm-up and requests)
+_FIRST_TOUCHES = """
+import sys, threading
+import data.catalog, memfit.hf, model.job
+assert "transformers" not in sys.modules
+errors, go = [], threading.Barrier(4)
+def first_touch(f):
+    go.wait()
+    try:
+        f()
+    except Exception as err:
+        errors.append(f"{type(err).__name__}: {err}")
+gemma, llama = (data.catalog.get(n)["hf_config"] for n in ("gemma-3-1b", "llama-3.2-1b"))
+touches = [model.job.known_architectures, lambda: memfit.hf._hf_config(gemma),
+           lambda: memfit.hf.layer_type_cycle(gemma, 13), lambda: memfit.hf._hf_config(llama)]
+threads = [threading.Thread(target=first_touch, args=(f,)) for f in touches]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(errors)
+"""
+
+
+def test_threads_reading_transformers_first_at_once_do_not_break_its_import():
+    """transformers 5 half-initialised when a second thread imported it (the warm-up and a first request: HTTP 500
+    "cannot import name 'AutoConfig' from 'transformers'", 4 of 4 tries of this script before
+    ``memfit.hf.import_transformers``)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_TOUCHES], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:] + out.stderr[-2000:]

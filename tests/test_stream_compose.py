@@ -202,7 +202,7 @@ def test_the_service_asks_for_the_full_models_stream_where_no_template_composes_
     """Without recording (the serving process), a stream no template gives (frozen leading layers: traced whole) is
     asked of ``request`` at its full-model path; :func:`record_for_fit` (what the tracing process runs) records it,
     and the next source finds it. A request that failed before stops the asking and says why."""
-    from tracer.stream_source import record_for_fit, stream_path, stream_source, trace_policy_name
+    from tracer.stream_source import cached_source, record_for_fit, stream_path, stream_source, trace_policy_name
 
     monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))
     hf = _config("llama-3.2-1b")
@@ -215,6 +215,8 @@ def test_the_service_asks_for_the_full_models_stream_where_no_template_composes_
     assert cached(3) is None and cached.requested == [3]
     full = stream_path(hf, t.model_copy(update={"checkpoint_layers": [0, 1, 2]}), context_name=trace_policy_name())
     assert [(a[3], a[4]) for a in asked] == [(3, str(full))]
+    alternative = cached_source(hf, t, 6, record=False, request=lambda *a: asked.append(a))  # an alternative's
+    assert alternative(3) is None and alternative.requested == [] and len(asked) == 1  # asks nothing
     assert record_for_fit(hf, t, 6, 3) == [3] and full.exists()
     assert stream_source(hf, t, 6, record=False, request=lambda *a: asked.append(a))(3) is not None and len(asked) == 1
     failed = stream_source(hf, t, 6, record=False, request=lambda *a: "RuntimeError: the recorder gave up")

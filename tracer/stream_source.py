@@ -416,9 +416,13 @@ def cached_source(
     hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, model_name=None, record=True, request=None
 ):
     """:func:`stream_source` that never records (the serving process runs no PyTorch): streams recorded by the
-    command line or the GPU check on this machine, and streams composed from recorded templates, are used (a
-    missing template is asked of ``request``); others fall back to the measured allowance."""
-    return stream_source(hf_config, training, num_layers, model_name=model_name, record=False, request=request)
+    command line or the GPU check on this machine, and streams composed from recorded templates, are used; what is
+    missing is asked of ``request`` where ``record`` (a request's own search; an alternative's, ``record=False``,
+    asks nothing: one request must not queue a recording per alternative); others fall back to the measured
+    allowance."""
+    return stream_source(
+        hf_config, training, num_layers, model_name=model_name, record=False, request=request if record else None
+    )
 
 
 #: ``MEMFIT_ALLOCATOR_STREAMS``: ``record`` (trace a missing stream), ``cache`` (use recorded ones only) or ``off``
