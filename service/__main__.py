@@ -2,10 +2,9 @@
 
 import sys
 
-import uvicorn
 from pydantic import ValidationError
 
-from service.app import create_app
+from service.app import create_app, serve
 from service.settings import Settings
 
 if __name__ == "__main__":
@@ -23,6 +22,6 @@ if __name__ == "__main__":
         sys.exit(f"memfit: refusing to start: {err}")
     print(f"memfit: {note}", file=sys.stderr, flush=True)
     app = create_app(s)
-    # uvicorn logs at warning level only: say once where the service answers (stderr, like the logs)
+    # uvicorn logs at MEMFIT_LOG_LEVEL (warning by default): say once where the service answers (stderr, like the logs)
     print(f"memfit: serving on http://{s.host}:{s.port} (docs at /docs; stop with Ctrl-C)", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=s.host, port=s.port, log_level="warning")
+    serve(s, app)

@@ -117,6 +117,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+def serve(settings: Settings, app: FastAPI | None = None) -> None:
+    """Run ``app`` (default: :func:`create_app` of ``settings``) with uvicorn on ``settings.host``:``settings.port``,
+    logging at ``settings.log_level`` to stderr: uvicorn's loggers and memfit's (``memfit.*``)."""
+    import uvicorn
+
+    memfit_log = logging.getLogger("memfit")
+    memfit_log.setLevel(settings.log_level.upper())
+    if not memfit_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        memfit_log.addHandler(handler)
+    uvicorn.run(app or create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+
+
 def _warm_up(done: threading.Event, stop: threading.Event, tracer: BackgroundTracer | None) -> None:
     """Resolve the catalog's architectures, then start ``tracer``'s process (it imports PyTorch: the first
     never-seen configuration then waits only for its trace); None: it starts with the first trace."""

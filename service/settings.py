@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -51,6 +52,8 @@ class Settings(BaseSettings):
             background, so the first HF-config request does not pay for it.
         start_tracer: after the warm-up, start the tracing process (it imports PyTorch, 2-4 s of CPU), so the
             first never-seen configuration waits only for its trace.
+        log_level: what the server logs to stderr (uvicorn's and memfit's loggers): ``info`` adds each trace and
+            allocation-stream recording of the tracing process, and uvicorn's access lines.
     """
 
     model_config = SettingsConfigDict(env_prefix="MEMFIT_", validate_default=True)
@@ -72,6 +75,7 @@ class Settings(BaseSettings):
     max_records_per_request: int = Field(10_000, ge=1)
     warm_up: bool = True
     start_tracer: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = "warning"
 
     @model_validator(mode="after")
     def _resolve(self) -> Settings:

@@ -200,3 +200,34 @@ def test_threads_reading_transformers_first_at_once_do_not_break_its_import():
         [sys.executable, "-c", _FIRST_TOUCHES], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
     )
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_log_level_reaches_uvicorn_and_memfits_loggers(monkeypatch, tmp_path):
+    """``MEMFIT_LOG_LEVEL=info`` shows the tracing process's recordings (logged at INFO on ``memfit.service``);
+    the default stays at warnings; anything else is refused naming the setting and the allowed values."""
+    import logging
+
+    import uvicorn
+    from pydantic import ValidationError
+
+    from service.app import serve
+    from service.settings import Settings
+
+    ran = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
+    monkeypatch.setenv("MEMFIT_LOG_LEVEL", "info")
+    memfit_log = logging.getLogger("memfit")
+    before = memfit_log.level, list(memfit_log.handlers)
+    try:
+        serve(Settings(data_dir=tmp_path), app=object())
+        assert ran[-1]["log_level"] == "info" and logging.getLogger("memfit.service").isEnabledFor(logging.INFO)
+        monkeypatch.delenv("MEMFIT_LOG_LEVEL")
+        serve(Settings(data_dir=tmp_path), app=object())
+        assert ran[-1]["log_level"] == "warning" and not logging.getLogger("memfit.service").isEnabledFor(logging.INFO)
+    finally:
+        memfit_log.setLevel(before[0])
+        memfit_log.handlers[:] = before[1]
+    monkeypatch.setenv("MEMFIT_LOG_LEVEL", "verbose")
+    with pytest.raises(ValidationError, match="log_level") as err:
+        Settings(data_dir=tmp_path)
+    assert "'debug', 'info', 'warning' or 'error'" in str(err.value)

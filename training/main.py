@@ -136,9 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[2/3] {note}", flush=True)
     if a.no_serve:
         return 0
-    import uvicorn
 
-    from service.app import create_app
+    from service.app import serve
 
     err = bind_refusal(settings.host, settings.port)  # say so plainly instead of a banner for a port we cannot bind
     if err is not None:
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if store is not None:
         store.engine.dispose()
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
+    serve(settings)
     return 0
 
 
