@@ -10,8 +10,9 @@ module builds the stream of an L-layer model with its first k layers checkpointe
 template keeps the part's first two and last two layers and, between them, one full period of layer types, and
 more where the first layer of a type would otherwise be repeated (:func:`template_part_layers`); a shorter part is
 kept whole. So every target layer has a template layer of the same checkpointing, the same layer type (index mod
-``period``) and the same neighbours up to two layers away: the first and last layers of the model and of each part are where the events differ (the
-embedding's output, the loss, the hidden state handed from a checkpointed to a plain layer).
+``period``) and the same neighbours up to two layers away: the first and last layers of the model and of each part
+are where the events differ (the embedding's output, the loss, the hidden state handed from a checkpointed to a
+plain layer).
 
 **Composition.** Each phase of the template (build, forward, backward, optimizer step, per step) is a sequence
 of *runs* of one label. A *sweep* is a run of consecutive layer labels, up (build, forward, optimizer) or down
