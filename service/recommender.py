@@ -255,9 +255,10 @@ class Recommender:
         coefficients: Any = None,
         streams: Any = None,
     ) -> None:
-        """``streams``: ``(hf_config, training, num_layers, model_name) -> StreamSource`` giving the full model's
-        allocation stream per k (:func:`tracer.stream_source.stream_source`), for the fit decision on reserved
-        memory (:mod:`model.reserved`); None: decide on the measured allocator allowance."""
+        """``streams``: ``(hf_config, training, num_layers, model_name, record=, generation=) -> StreamSource``
+        giving the full model's allocation stream per k as a GPU of that generation runs the step
+        (:func:`tracer.stream_source.stream_source`), for the fit decision on reserved memory
+        (:mod:`model.reserved`); None: decide on the measured allocator allowance."""
         self.est, self.version = est, version
         self.streams = streams
         self._fits: OrderedDict = OrderedDict()  # simulated fit decisions (model.recommend.plan's fit_cache)
@@ -306,7 +307,9 @@ class Recommender:
         return p
 
     def _stream_source(self, job: Job, record: bool = True) -> tuple[Any, str]:
-        """The full model's stream source for the fit decision, or (None, why not)."""
+        """The full model's stream source for the fit decision, traced as the request's GPU generation runs the step
+        (:data:`model.cuda_semantics.TARGET_GENERATION`; the H100/H200's for a GPU given by its memory alone), or
+        (None, why not)."""
         spec, training, hf_config = job.spec, job.training, job.hf_config
         if self.streams is None:
             return None, "no allocation-stream recorder in this process"
@@ -315,13 +318,21 @@ class Recommender:
         why = unsupported_reason(training, job.gpu_count)
         if why is not None:
             return None, why
-        key = (json.dumps(hf_config, sort_keys=True), training.model_dump_json(exclude={"checkpoint_layers"}), record)
+        generation = (TARGET_GENERATION.get() or UNNAMED_GPU_GENERATION).value
+        key = (
+            json.dumps(hf_config, sort_keys=True),
+            training.model_dump_json(exclude={"checkpoint_layers"}),
+            record,
+            generation,
+        )
         with self._lock:
             source = self._sources.get(key)
             if source is not None:
                 self._sources.move_to_end(key)
         if source is None:  # one source per configuration: it remembers the streams it loaded and the ones missing
-            source = self.streams(hf_config, training, spec.num_layers, spec.model_name, record=record)
+            source = self.streams(
+                hf_config, training, spec.num_layers, spec.model_name, record=record, generation=generation
+            )
             with self._lock:
                 self._sources[key] = source
                 while len(self._sources) > 256:

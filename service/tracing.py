@@ -95,14 +95,16 @@ def _serve_traces(conn, parent_pid: int) -> None:
 STREAMS = "streams"
 
 
-def _record_streams(hf_config: dict[str, Any], training_json: str, num_layers: int, k: int) -> list:
-    """In the tracing process: record what the fit decision needs for the full model's stream at ``k``
-    (:func:`tracer.stream_source.record_for_fit`: the templates near ``k``, or the full model's stream where no
-    template composes it); ``["ok", ks]`` (the k whose streams are now at hand) or ``["error", reason]``."""
+def _record_streams(hf_config: dict[str, Any], training_json: str, num_layers: int, k: int, generation: str) -> list:
+    """In the tracing process: record what the fit decision needs for the full model's stream at ``k`` on a GPU of
+    ``generation`` (:func:`tracer.stream_source.record_for_fit`: the templates near ``k``, or the full model's
+    stream where no template composes it); ``["ok", ks]`` (the k whose streams are now at hand) or
+    ``["error", reason]``."""
     from tracer.stream_source import record_for_fit
 
     try:
-        return ["ok", record_for_fit(hf_config, TrainingConfig.model_validate_json(training_json), num_layers, k)]
+        training = TrainingConfig.model_validate_json(training_json)
+        return ["ok", record_for_fit(hf_config, training, num_layers, k, generation)]
     except Exception as err:  # noqa: BLE001 - reported to the parent with its reason
         return ["error", f"{type(err).__name__}: {err}"]
 
@@ -170,16 +172,24 @@ class TracingProcess:
         return self._ask([hf_config, training.model_dump_json(), generation], timeout_s, "tracing")
 
     def streams(
-        self, hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, timeout_s: float
+        self,
+        hf_config: dict[str, Any],
+        training: TrainingConfig,
+        num_layers: int,
+        k: int,
+        generation: str,
+        timeout_s: float,
     ) -> list[int]:
-        """Record the allocation streams the fit decision needs at ``k`` in the tracing process
-        (:func:`tracer.stream_source.record_for_fit`); the k they cover.
+        """Record the allocation streams the fit decision needs at ``k`` on a GPU of ``generation`` in the tracing
+        process (:func:`tracer.stream_source.record_for_fit`); the k they cover.
 
         Raises:
             RuntimeError: as :meth:`trace`.
         """
         return self._ask(
-            [STREAMS, hf_config, training.model_dump_json(), num_layers, k], timeout_s, "recording allocation streams"
+            [STREAMS, hf_config, training.model_dump_json(), num_layers, k, generation],
+            timeout_s,
+            "recording allocation streams",
         )
 
     def _ask(self, message: list, timeout_s: float, what: str) -> Any:
@@ -311,9 +321,15 @@ class BackgroundTracer:
         return f"tracing it now ({each}); ask again for the traced answer"
 
     def streams(
-        self, hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, path: str
+        self,
+        hf_config: dict[str, Any],
+        training: TrainingConfig,
+        num_layers: int,
+        k: int,
+        path: str,
+        generation: str,
     ) -> str | None:
-        """Queue the recording of the allocation streams the fit decision needs at ``k``
+        """Queue the recording of the allocation streams the fit decision needs at ``k`` on a GPU of ``generation``
         (:meth:`TracingProcess.streams`; ``path``: the missing template's or full stream's file, the queue's key),
         sharing the queue's bounds with the traces. One already queued or beyond the bounds is not queued (the fit
         decision stays on the measured allowance and asks again); one that failed is not queued again, and its
@@ -327,7 +343,7 @@ class BackgroundTracer:
             if key in self.pending or len(self.pending) >= self.max_pending or mine >= self.max_per_client:
                 return None
             self._admit(key, client)
-        self._queue.put((key, hf_config, training, (num_layers, k)))
+        self._queue.put((key, hf_config, training, (num_layers, k, generation)))
         return None
 
     def start(self) -> None:
@@ -368,7 +384,8 @@ class BackgroundTracer:
             run = self.runner or process.trace
             try:
                 if key.startswith(f"{STREAMS}:"):
-                    ks = process.streams(hf_config, training, *extra, self.timeout_s)  # extra: (num_layers, k)
+                    # extra: (num_layers, k, generation)
+                    ks = process.streams(hf_config, training, *extra, self.timeout_s)
                     log.info("recorded allocation streams for k = %s (%s)", ks, key[len(STREAMS) + 1 :])
                     continue
                 gen = {"generation": extra} if extra else {}  # extra: the GPU generation of the terms key

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.api import RecommendRequest
+from memfit.api import GPUS, RecommendRequest
 from memfit.errors import InvalidConfiguration
 from model.allocator import MIB, AllocatorSettings, CachingAllocatorModel
 from model.analytic import model_state_bytes
@@ -79,7 +79,9 @@ def _ask(recommender, job, conf: str, **extra):
             {
                 "model": job.model,
                 "training": job.training,
-                "cluster": {"gpu": job.card},
+                # the runs were on an H200 capped to the card's memory: its kernels and workspaces (sm90), which a
+                # GPU named by its memory alone is assumed to run
+                "cluster": {"gpu_memory_bytes": GPUS[job.card]},
                 "headroom_fraction": 0.0,
                 "alloc_conf": conf,
                 **extra,
@@ -371,3 +373,29 @@ def test_the_first_answer_says_its_missing_streams_are_being_recorded(tmp_path, 
     assert rec.fit_method == "allowance" and asked
     (note,) = [w for w in rec.warnings if w.startswith("allocator not simulated")]
     assert "being recorded in the tracing process" in note and "no allocation stream recorded yet" not in note
+
+
+def test_the_streams_asked_for_follow_the_named_gpus_generation(tmp_path, monkeypatch):
+    """The fit decision replays the stream of the GPU the request names: an A100's (sm80: its SDPA backend and
+    cuBLAS workspaces) is another stream than an H100's; a GPU given by its memory alone gets the H100/H200's."""
+    import functools
+
+    from model.registry import Registry
+    from tracer.stream_source import cached_source
+
+    monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))
+    loaded = Registry().load()
+    asked: dict[str, list] = {}
+    for cluster in ({"gpu": "A100-80GB"}, {"gpu": "H100-80GB"}, {"gpu_memory_gib": 79.1}):
+        calls = asked.setdefault(json.dumps(cluster), [])
+        source = functools.partial(cached_source, request=lambda *a, calls=calls: calls.append(a[3:]))
+        Recommender(loaded.estimator, loaded.version, streams=source).recommend(
+            RecommendRequest.model_validate(
+                {"model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 2048}, "cluster": cluster}
+            )
+        )
+    a100, h100, unnamed = asked.values()
+    assert {g for _, _, g in a100} == {"sm80"} and {g for _, _, g in h100} == {"sm90"} == {g for _, _, g in unnamed}
+    first = a100[0][0]
+    path = {g: p for calls in (a100, h100) for k, p, g in calls if k == first}
+    assert set(path) == {"sm80", "sm90"} and path["sm80"] != path["sm90"]

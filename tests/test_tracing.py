@@ -101,18 +101,21 @@ def test_reentrant_checkpointing_behind_frozen_embeddings_is_traced_as_memfit_ap
 
 def test_background_tracer_records_stream_templates_in_its_started_process(tmp_path, monkeypatch):
     """The service's warm-up starts the tracing process; a missing allocation-stream template asked for by the fit
-    decision is recorded there once (queued once however often asked) with its layer labels."""
+    decision is recorded there once (queued once however often asked) with its layer labels, as the asked GPU
+    generation runs the step (an A100's: its cuBLAS workspaces, not the H100's)."""
     from model.allocator import AllocationStream
+    from model.cuda_semantics import GpuGeneration, step_workspaces
     from tracer.stream_source import template_path
 
     monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))  # the spawned process inherits it
     deep = {**SMALL, "num_hidden_layers": 16}
-    path = template_path(deep, TRAINING, 16, 8)
+    path = template_path(deep, TRAINING, 16, 8, generation="sm80")
+    assert path != template_path(deep, TRAINING, 16, 8)  # the H100/H200's is another stream
     tracer = BackgroundTracer(TermsCache(shipped_dir=None))
     try:
         tracer.start()
-        assert tracer.streams(deep, TRAINING, 16, 8, str(path)) is None
-        assert tracer.streams(deep, TRAINING, 16, 8, str(path)) is None
+        assert tracer.streams(deep, TRAINING, 16, 8, str(path), "sm80") is None
+        assert tracer.streams(deep, TRAINING, 16, 8, str(path), "sm80") is None
         assert len(tracer.pending) == 1
         for _ in range(600):
             if path.exists() and not tracer.pending:
@@ -120,6 +123,8 @@ def test_background_tracer_records_stream_templates_in_its_started_process(tmp_p
             time.sleep(0.1)
         stream = AllocationStream.load(path)
         assert stream.layer_labels is not None and max(stream.layer_labels) + 1 == 10  # the (10, 5) template
+        assert stream.meta["workspaces"] == step_workspaces(GpuGeneration.SM80)
+        assert step_workspaces(GpuGeneration.SM80) != step_workspaces(GpuGeneration.SM90)
         assert not tracer.failed
     finally:
         tracer.shutdown()

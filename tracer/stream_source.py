@@ -4,10 +4,12 @@
 the stream of the full model's step with its first k decoder layers checkpointed: a full-model stream from the
 cache, else composed (:mod:`model.stream_compose`) from a small template model's stream recorded with layer
 labels (:func:`record_template`, cached by :func:`template_path`), else the full model traced
-(:func:`tracer.allocation.cached_step_allocations`), all with the CUDA-semantics trace policy. Looking a stream
-up and composing one need no PyTorch (:func:`stream_path` reads package versions from their metadata), so the
-service answers from the cache in its serving process and asks its tracing process for a missing template
-(``request``); the command line records (a template of an 8B model: about 1 s; a full model: 3-8 s).
+(:func:`tracer.allocation.cached_step_allocations`), all traced as the job's GPU generation runs the step (its
+CUDA-semantics trace policy and cuBLAS workspaces, part of the cache key; the H100/H200's where none is named).
+Looking a stream up and composing one need no PyTorch (:func:`stream_path` reads package versions from their
+metadata), so the service answers from the cache in its serving process and asks its tracing process for a
+missing template (``request``); the command line records (a template of an 8B model: about 1 s; a full model:
+3-8 s).
 
 :func:`unsupported_reason` names the configurations the recorder does not trace as one process runs them
 (several GPUs, sharding, offload, tensor/pipeline/context/expert parallelism, quantized bases, gradient
@@ -28,15 +30,16 @@ from typing import Any
 
 from memfit.schema import CheckpointImpl, FineTune, Offload, Quantization, Sharding, TrainingConfig
 from model.allocator import AllocationStream
-from model.cuda_semantics import GpuGeneration, step_workspaces
+from model.cuda_semantics import UNNAMED_GPU_GENERATION, GpuGeneration, step_workspaces
 from model.snapshot import config_key
 
 #: a stream found missing is looked for again after this many seconds (another process may have recorded it)
 MISS_RECHECK_S = 2.0
 #: Bump when the recording changes what a stream holds (part of the cache key).
 STREAM_FORMAT = 2
-#: cuBLAS workspaces (bytes) per phase, as :data:`tracer.allocation.SM90_WORKSPACES` records them
-_SM90_WORKSPACES = step_workspaces(GpuGeneration.SM90)
+#: the GPU generation a stream follows when none is named: the H100/H200's (the shipped CUDA rows' and the GPU
+#: check's), :data:`model.cuda_semantics.UNNAMED_GPU_GENERATION`
+DEFAULT_GENERATION = UNNAMED_GPU_GENERATION.value
 
 
 def stream_cache_dir() -> Path:
@@ -44,10 +47,14 @@ def stream_cache_dir() -> Path:
     return Path(os.environ.get("MEMFIT_STREAM_CACHE") or "~/.cache/memfit/allocation_streams").expanduser()
 
 
-def trace_policy_name(generation: str = "sm90") -> str:
+def trace_policy_name(generation: str = DEFAULT_GENERATION) -> str:
     """The name of the CUDA-semantics trace policy (``tracer.cuda_policy.cuda_step_semantics``) of ``generation``,
-    part of a stream's cache key."""
-    return f"cuda_step_semantics({generation})"
+    part of a stream's cache key.
+
+    Raises:
+        ValueError: ``generation`` is not a :class:`model.cuda_semantics.GpuGeneration` value.
+    """
+    return f"cuda_step_semantics({GpuGeneration(generation).value})"
 
 
 @functools.lru_cache(maxsize=8)
@@ -80,14 +87,15 @@ def stream_path(
 ) -> Path:
     """Where :func:`tracer.allocation.cached_step_allocations` keeps this stream: a hash of everything that shapes
     it (the model's :func:`stream_config_id`, ``config_id`` when given, else that of ``hf_config``; the training
-    configuration with its checkpointed layers, warm-up, workspaces, trace policy, torch and transformers versions,
+    configuration with its checkpointed layers, warm-up, workspaces (default: the sm90 cuBLAS workspaces,
+    :func:`model.cuda_semantics.step_workspaces`), trace policy, torch and transformers versions,
     :data:`STREAM_FORMAT`)."""
     key = json.dumps(
         {
             "config": config_id if config_id is not None else stream_config_id(hf_config),
             "training": training.model_dump(mode="json"),
             "warmup": warmup,
-            "workspaces": dict(_SM90_WORKSPACES if workspaces is None else workspaces),
+            "workspaces": dict(step_workspaces(GpuGeneration.SM90) if workspaces is None else workspaces),
             "context": context_name,
             "torch": _version("torch"),
             "transformers": _version("transformers"),
@@ -172,18 +180,29 @@ LAYERED = "layered"
 
 
 def template_path(
-    hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, period: int | None = 0
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    num_layers: int,
+    k: int,
+    period: int | None = 0,
+    generation: str = DEFAULT_GENERATION,
 ) -> Path | None:
-    """Where the labelled template stream for the full model at ``k`` is cached, or None where the stream is
-    not composed (:func:`composition_period`, computed unless ``period`` is given; a template as deep as the
-    model: the model is traced itself)."""
+    """Where the labelled template stream for the full model at ``k`` on a GPU of ``generation`` is cached, or None
+    where the stream is not composed (:func:`composition_period`, computed unless ``period`` is given; a template
+    as deep as the model: the model is traced itself)."""
     job = _template_job(
         hf_config, training, num_layers, k, composition_period(hf_config, num_layers) if period == 0 else period
     )
     if job is None:
         return None
     cfg, t, config_id = job
-    return stream_path(cfg, t, context_name=f"{trace_policy_name()};{LAYERED}", config_id=config_id)
+    return stream_path(
+        cfg,
+        t,
+        workspaces=step_workspaces(GpuGeneration(generation)),
+        context_name=f"{trace_policy_name(generation)};{LAYERED}",
+        config_id=config_id,
+    )
 
 
 def record_template(
@@ -193,9 +212,11 @@ def record_template(
     k: int,
     model_name: str | None = None,
     period: int | None = 0,
+    generation: str = DEFAULT_GENERATION,
 ) -> AllocationStream | None:
     """Record (or load) the template stream of :func:`template_path` (through
-    :func:`tracer.allocation.cached_step_allocations`, layer-labelled); None where no template is used.
+    :func:`tracer.allocation.cached_step_allocations`, layer-labelled, traced as ``generation``'s GPUs run the
+    step); None where no template is used.
 
     Raises:
         ValueError: what :func:`tracer.allocation.step_allocations` raises.
@@ -207,12 +228,13 @@ def record_template(
         return None
     from tracer.allocation import cached_step_allocations, cuda_trace_policy
 
-    name, factory = cuda_trace_policy()
+    name, factory = cuda_trace_policy(generation)
     cfg, t, config_id = job
     return cached_step_allocations(
         cfg,
         t,
         model_name=model_name,
+        workspaces=step_workspaces(GpuGeneration(generation)),
         step_context=factory,
         context_name=f"{name};{LAYERED}",
         layered=True,
@@ -227,7 +249,12 @@ NEAR_K = 4
 
 
 def record_templates_near(
-    hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int, radius: int = NEAR_K
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    num_layers: int,
+    k: int,
+    radius: int = NEAR_K,
+    generation: str = DEFAULT_GENERATION,
 ) -> list[int]:
     """Record the template for ``k`` (:func:`record_template`), then those of the k within ``radius`` of it,
     nearest first, that are not cached yet; the k whose template was recorded or found, in that order.
@@ -242,17 +269,17 @@ def record_templates_near(
             neighbours quietly (the search asks for it again and gets the error then).
     """
     period = composition_period(hf_config, num_layers)
-    record_template(hf_config, training, num_layers, k, period=period)
+    record_template(hf_config, training, num_layers, k, period=period, generation=generation)
     done = [k]
-    seen = {template_path(hf_config, training, num_layers, k, period)}
+    seen = {template_path(hf_config, training, num_layers, k, period, generation)}
     for j in sorted(range(max(0, k - radius), min(num_layers, k + radius) + 1), key=lambda j: (abs(j - k), j)):
-        path = template_path(hf_config, training, num_layers, j, period)
+        path = template_path(hf_config, training, num_layers, j, period, generation)
         if path is None or path in seen:
             continue
         seen.add(path)
         if not path.exists():
             try:
-                record_template(hf_config, training, num_layers, j, period=period)
+                record_template(hf_config, training, num_layers, j, period=period, generation=generation)
             except Exception:  # noqa: BLE001 - the neighbour's own request reports its error
                 break
         done.append(j)
@@ -260,27 +287,44 @@ def record_templates_near(
 
 
 def _record_full(
-    hf_config: dict[str, Any], training: TrainingConfig, k: int, model_name: str | None = None
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    k: int,
+    model_name: str | None = None,
+    generation: str = DEFAULT_GENERATION,
 ) -> AllocationStream:
-    """The full model's stream with its first ``k`` layers checkpointed, recorded (or loaded) with the CUDA-semantics
-    trace policy (:func:`tracer.allocation.cached_step_allocations`).
+    """The full model's stream with its first ``k`` layers checkpointed, recorded (or loaded) with ``generation``'s
+    CUDA-semantics trace policy and cuBLAS workspaces (:func:`tracer.allocation.cached_step_allocations`).
 
     Raises:
         ValueError: what :func:`tracer.allocation.step_allocations` raises.
     """
     from tracer.allocation import cached_step_allocations, cuda_trace_policy
 
-    name, factory = cuda_trace_policy()
+    name, factory = cuda_trace_policy(generation)
     t = training.model_copy(update={"checkpoint_layers": list(range(k))})
-    return cached_step_allocations(hf_config, t, model_name=model_name, step_context=factory, context_name=name)
+    return cached_step_allocations(
+        hf_config,
+        t,
+        model_name=model_name,
+        workspaces=step_workspaces(GpuGeneration(generation)),
+        step_context=factory,
+        context_name=name,
+    )
 
 
-def record_for_fit(hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, k: int) -> list[int]:
-    """Record what :func:`stream_source` needs for the full model's stream at ``k`` when it may not record itself
-    (the service asks its tracing process for this): the templates near ``k`` (:func:`record_templates_near`)
-    where a template applies and composes the stream at ``k``; else the full model's stream at ``k`` (no template
-    applies: experts, frozen layers, reentrant checkpointing; or the template does not compose). Returns the k
-    whose streams are now at hand, ``k`` first.
+def record_for_fit(
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    num_layers: int,
+    k: int,
+    generation: str = DEFAULT_GENERATION,
+) -> list[int]:
+    """Record what :func:`stream_source` needs for the full model's stream at ``k`` on a GPU of ``generation`` when
+    it may not record itself (the service asks its tracing process for this): the templates near ``k``
+    (:func:`record_templates_near`) where a template applies and composes the stream at ``k``; else the full
+    model's stream at ``k`` (no template applies: experts, frozen layers, reentrant checkpointing; or the template
+    does not compose). Returns the k whose streams are now at hand, ``k`` first.
 
     Raises:
         ValueError: what the recorder raises for ``k`` itself.
@@ -288,15 +332,15 @@ def record_for_fit(hf_config: dict[str, Any], training: TrainingConfig, num_laye
     from model.stream_compose import CompositionError, compose, template_shape
 
     period = composition_period(hf_config, num_layers)
-    template = record_template(hf_config, training, num_layers, k, period=period)
+    template = record_template(hf_config, training, num_layers, k, period=period, generation=generation)
     if template is not None:
         try:
             compose(template, template_shape(num_layers, k, period)[1], num_layers, k, period)
         except CompositionError:
             pass
         else:
-            return record_templates_near(hf_config, training, num_layers, k)
-    _record_full(hf_config, training, k)
+            return record_templates_near(hf_config, training, num_layers, k, generation=generation)
+    _record_full(hf_config, training, k, generation=generation)
     return [k]
 
 
@@ -308,26 +352,35 @@ def stream_source(
     model_name: str | None = None,
     record: bool = True,
     request=None,
+    generation: str = DEFAULT_GENERATION,
 ):
     """A :data:`model.reserved.StreamSource` for ``training`` (its ``checkpoint_layers`` ignored): k -> the stream
-    with layers ``0..k-1`` checkpointed.
+    with layers ``0..k-1`` checkpointed, as a GPU of ``generation`` (a :class:`model.cuda_semantics.GpuGeneration`
+    value) runs the step: its SDPA backend, CUDA's autocast lists and fused dropout
+    (:func:`tracer.cuda_policy.cuda_step_semantics`), and its cuBLAS workspaces
+    (:func:`model.cuda_semantics.step_workspaces`).
 
     In order: the full model's stream from the cache; the stream composed from a small template model's
     (:mod:`model.stream_compose`, template cached by :func:`template_path`, recorded when missing and
     ``record``); the full model traced when ``record`` (where no template applies or its composition fails);
     else None. Without ``record``, what is missing is asked of ``request`` when given (``(hf_config, training,
-    num_layers, k, path) -> None or the reason an earlier recording of ``path`` failed``, e.g. the service's
-    tracing queue, which runs :func:`record_for_fit`): the template at ``path``, or the full model's stream at
-    ``path`` where no template composes it.
+    num_layers, k, path, generation) -> None or the reason an earlier recording of ``path`` failed``, e.g. the
+    service's tracing queue, which runs :func:`record_for_fit`): the template at ``path``, or the full model's
+    stream at ``path`` where no template composes it.
 
     A recording that fails (a model the fake-tensor recorder cannot run) gives None, and the reason is kept in
     the source's ``failed`` attribute; the caller then falls back to the measured allowance. The source's
     ``composed`` and ``requested`` attributes list the k it composed and the k whose streams it asked for;
     ``compose_failed`` says why a template did not compose.
+
+    Raises:
+        ValueError: ``generation`` is not a :class:`model.cuda_semantics.GpuGeneration` value.
     """
     from model.stream_compose import CompositionError, compose, template_shape
 
-    policy = trace_policy_name()
+    generation = GpuGeneration(generation).value
+    policy = trace_policy_name(generation)
+    workspaces = step_workspaces(GpuGeneration(generation))
     config_id = stream_config_id(hf_config)
     streams: dict[int, AllocationStream | None] = {}
     looked: dict[int, float] = {}  # k -> when a missing stream was last looked for
@@ -339,14 +392,14 @@ def stream_source(
         if not periods:
             periods.append(composition_period(hf_config, num_layers))
         period = periods[0]
-        path = template_path(hf_config, training, num_layers, k, period)
+        path = template_path(hf_config, training, num_layers, k, period, generation)
         if path is None:
             return None
         try:
             if path.exists():
                 template = AllocationStream.load(path)
             elif record:
-                template = record_template(hf_config, training, num_layers, k, model_name, period)
+                template = record_template(hf_config, training, num_layers, k, model_name, period, generation)
             else:
                 ask(k, path)
                 return None
@@ -364,7 +417,7 @@ def stream_source(
         if streams.get(k) is not None or (k in streams and time.monotonic() - looked[k] < MISS_RECHECK_S):
             return streams[k]
         t = training.model_copy(update={"checkpoint_layers": list(range(k))})
-        path = stream_path(hf_config, t, context_name=policy, config_id=config_id)
+        path = stream_path(hf_config, t, workspaces=workspaces, context_name=policy, config_id=config_id)
         stream = None
         looked[k] = time.monotonic()
         if path.exists():
@@ -376,7 +429,7 @@ def stream_source(
                 ask(k, path)  # no template composes it: the full model's stream
         if stream is None and record and source.failed is None:
             try:
-                stream = _record_full(hf_config, training, k, model_name)
+                stream = _record_full(hf_config, training, k, model_name, generation)
             except Exception as err:  # noqa: BLE001 - a configuration the recorder cannot run: fall back
                 source.failed = f"{type(err).__name__}: {str(err)[:200]}"
         streams[k] = stream
@@ -385,7 +438,7 @@ def stream_source(
     def ask(k: int, path) -> None:
         if request is None:
             return
-        failed = request(hf_config, training, num_layers, k, str(path))
+        failed = request(hf_config, training, num_layers, k, str(path), generation)
         if failed:
             source.failed = failed
         else:
@@ -405,15 +458,26 @@ def stream_source(
 
 
 def recording_source(
-    hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, model_name=None, record=True
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    num_layers: int,
+    model_name=None,
+    record=True,
+    generation: str = DEFAULT_GENERATION,
 ):
     """:func:`stream_source` as :class:`service.recommender.Recommender` takes it (``record`` as asked): the command
     line's."""
-    return stream_source(hf_config, training, num_layers, model_name=model_name, record=record)
+    return stream_source(hf_config, training, num_layers, model_name=model_name, record=record, generation=generation)
 
 
 def cached_source(
-    hf_config: dict[str, Any], training: TrainingConfig, num_layers: int, model_name=None, record=True, request=None
+    hf_config: dict[str, Any],
+    training: TrainingConfig,
+    num_layers: int,
+    model_name=None,
+    record=True,
+    request=None,
+    generation: str = DEFAULT_GENERATION,
 ):
     """:func:`stream_source` that never records (the serving process runs no PyTorch): streams recorded by the
     command line or the GPU check on this machine, and streams composed from recorded templates, are used; what is
@@ -421,7 +485,13 @@ def cached_source(
     asks nothing: one request must not queue a recording per alternative); others fall back to the measured
     allowance."""
     return stream_source(
-        hf_config, training, num_layers, model_name=model_name, record=False, request=request if record else None
+        hf_config,
+        training,
+        num_layers,
+        model_name=model_name,
+        record=False,
+        request=request if record else None,
+        generation=generation,
     )
 
 
