@@ -1,13 +1,32 @@
-"""``python -m service``: run the API with uvicorn on MEMFIT_HOST:MEMFIT_PORT (settings read once)."""
+"""``python -m service``: run the API with uvicorn on MEMFIT_HOST:MEMFIT_PORT (settings read once, from the
+environment only; ``--help`` lists the variables and their defaults, any other argument is refused)."""
 
+import argparse
 import sys
 
 from pydantic import ValidationError
 
-from service.app import create_app, serve
 from service.settings import Settings
 
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line: no options besides ``--help``, whose text lists each ``MEMFIT_*`` variable."""
+    names = [
+        f"  MEMFIT_{name.upper():<36} {'unset' if field.default is None else field.default}"
+        for name, field in Settings.model_fields.items()
+    ]
+    return argparse.ArgumentParser(
+        prog="python -m service",
+        description="Serve memfit's API (POST /recommend, /predict, telemetry, models) with uvicorn, configured by "
+        "environment variables only (README.md, section 'Service').",
+        epilog="environment variables and their defaults (unset MEMFIT_DB_URL and MEMFIT_REGISTRY_DIR lie under "
+        "MEMFIT_DATA_DIR: telemetry.db, models/):\n" + "\n".join(names),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 if __name__ == "__main__":
+    _parser().parse_args()  # --help, or an error naming the unexpected argument (exit status 2)
     try:
         s = Settings()
     except ValidationError as err:
@@ -21,6 +40,8 @@ if __name__ == "__main__":
     except NothingToServe as err:
         sys.exit(f"memfit: refusing to start: {err}")
     print(f"memfit: {note}", file=sys.stderr, flush=True)
+    from service.app import create_app, serve
+
     app = create_app(s)
     # uvicorn logs at MEMFIT_LOG_LEVEL (warning by default): say once where the service answers (stderr, like the logs)
     print(f"memfit: serving on http://{s.host}:{s.port} (docs at /docs; stop with Ctrl-C)", file=sys.stderr, flush=True)

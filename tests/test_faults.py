@@ -8,6 +8,7 @@ telemetry spool, implausible telemetry, an open write endpoint, HF-config values
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -24,6 +25,7 @@ import pytest
 
 from data.store import TelemetryStore
 from model.registry import Registry, sha256_hex
+from service.settings import Settings
 from tests.helpers import HTTP_TIMEOUT_S, TINY_LLAMA, record, running_service
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -327,6 +329,22 @@ def test_no_token_on_a_public_bind_refuses_to_start(tmp_path):
     )
     assert done.returncode != 0 and "MEMFIT_TOKEN is required" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_server_command_lists_its_settings_and_refuses_arguments(tmp_path):
+    """``python -m service`` takes its settings from the environment only: ``--help`` lists every MEMFIT_*
+    variable with its default; any argument (``python -m service recommend ...``) is refused, not ignored by a
+    server that starts anyway."""
+    env = {**os.environ, "MEMFIT_PORT": "1", "MEMFIT_DATA_DIR": str(tmp_path)}
+    run = functools.partial(subprocess.run, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    helped = run([sys.executable, "-m", "service", "--help"])
+    assert helped.returncode == 0
+    for name in Settings.model_fields:
+        assert f"MEMFIT_{name.upper()}" in helped.stdout
+    assert "MEMFIT_PORT                                 8000" in helped.stdout
+    refused = run([sys.executable, "-m", "service", "recommend", "--model", "gpt2"])
+    assert refused.returncode == 2 and "unrecognized arguments: recommend --model gpt2" in refused.stderr
+    assert "serving on" not in refused.stderr and not list(tmp_path.iterdir())  # nothing started, nothing written
 
 
 def test_writes_need_the_token(srv):
