@@ -674,6 +674,12 @@ def _missing_stream_reason(source: Any) -> str:
     failed = getattr(source, "failed", None)
     if failed:
         return f"the allocation-stream recorder failed on this model ({failed})"
+    deferred = getattr(source, "deferred", None)
+    if deferred and not getattr(source, "requested", None):
+        return (
+            f"the tracing process's queue is full ({deferred}), so this configuration's allocation streams are not "
+            "being recorded yet; ask again in a minute for the fit decided by the caching-allocator simulation"
+        )
     if getattr(source, "requested", None):
         how = (
             f"the full model's, as its template does not compose ({source.compose_failed})"

@@ -27,10 +27,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.schema import TrainingConfig
 from model.terms import TermsCache
+
+if TYPE_CHECKING:
+    from tracer.stream_source import Refusal
 
 log = logging.getLogger("memfit.service")
 
@@ -296,17 +299,12 @@ class BackgroundTracer:
             if self.cache.get(key) is not None:
                 return "traced meanwhile; ask again"
             client = CLIENT.get()
-            mine = sum(owner == client for owner in self._owner.values())
-            if len(self.pending) >= self.max_pending or mine >= self.max_per_client:
+            full = self._queue_full(client)
+            if full is not None:
                 self.deferred[key] = None
                 self.deferred.move_to_end(key)
                 while len(self.deferred) > 4096:
                     self.deferred.popitem(last=False)
-                full = (
-                    f"{len(self.pending)} configurations are queued (at most {self.max_pending})"
-                    if len(self.pending) >= self.max_pending
-                    else f"this client has {mine} configurations queued (at most {self.max_per_client})"
-                )
                 return f"tracing deferred: {full}, so the learned model answers; ask again later for a traced answer"
             self.deferred.pop(key, None)
             ahead = len(self.pending)
@@ -328,20 +326,25 @@ class BackgroundTracer:
         k: int,
         path: str,
         generation: str,
-    ) -> str | None:
+    ) -> Refusal | None:
         """Queue the recording of the allocation streams the fit decision needs at ``k`` on a GPU of ``generation``
         (:meth:`TracingProcess.streams`; ``path``: the missing template's or full stream's file, the queue's key),
-        sharing the queue's bounds with the traces. One already queued or beyond the bounds is not queued (the fit
-        decision stays on the measured allowance and asks again); one that failed is not queued again, and its
-        reason is returned (:data:`tracer.stream_source` then stops asking for this configuration)."""
+        sharing the queue's bounds with the traces; None when queued now or before. Beyond the bounds it is not
+        queued: a :class:`tracer.stream_source.Refusal` for now (the fit decision stays on the measured allowance
+        and asks again); one that failed is not queued again: a final refusal with its reason
+        (:func:`tracer.stream_source.stream_source` then stops asking for this configuration)."""
+        from tracer.stream_source import Refusal
+
         key = f"{STREAMS}:{path}"
         with self._lock:
             if key in self.failed:
-                return self.failed[key]
-            client = CLIENT.get()
-            mine = sum(owner == client for owner in self._owner.values())
-            if key in self.pending or len(self.pending) >= self.max_pending or mine >= self.max_per_client:
+                return Refusal(self.failed[key], final=True)
+            if key in self.pending:
                 return None
+            client = CLIENT.get()
+            full = self._queue_full(client)
+            if full is not None:
+                return Refusal(full, final=False)
             self._admit(key, client)
         self._queue.put((key, hf_config, training, (num_layers, k, generation)))
         return None
@@ -351,6 +354,15 @@ class BackgroundTracer:
         configuration does not wait for the process to spawn and import PyTorch."""
         with self._lock:
             self._start_worker(start_now=True)
+
+    def _queue_full(self, client: str | None) -> str | None:
+        """Under the lock: which bound of the queue a new entry from ``client`` would pass, or None."""
+        if len(self.pending) >= self.max_pending:
+            return f"{len(self.pending)} configurations are queued (at most {self.max_pending})"
+        mine = sum(owner == client for owner in self._owner.values())
+        if mine >= self.max_per_client:
+            return f"this client has {mine} configurations queued (at most {self.max_per_client})"
+        return None
 
     def _admit(self, key: str, client: str | None) -> None:
         """Under the lock: count ``key`` as queued by ``client`` and make sure the worker runs."""

@@ -375,6 +375,28 @@ def test_the_first_answer_says_its_missing_streams_are_being_recorded(tmp_path, 
     assert "being recorded in the tracing process" in note and "no allocation stream recorded yet" not in note
 
 
+def test_an_answer_whose_stream_requests_were_refused_for_a_full_queue_says_so(tmp_path, monkeypatch):
+    """A full tracing queue records nothing: the answer (on the allowance) says the queue is full and to ask again,
+    not that the streams are being recorded."""
+    import functools
+
+    from model.registry import Registry
+    from tracer.stream_source import Refusal, cached_source
+
+    monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))
+    loaded = Registry().load()
+    refused = Refusal("8 configurations are queued (at most 8)", final=False)
+    source = functools.partial(cached_source, request=lambda *a: refused)
+    rec = Recommender(loaded.estimator, loaded.version, streams=source).recommend(
+        RecommendRequest.model_validate(
+            {"model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 2048}, "cluster": {"gpu": "H200"}}
+        )
+    )
+    assert rec.fit_method == "allowance"
+    (note,) = [w for w in rec.warnings if w.startswith("allocator not simulated")]
+    assert "queue is full (8 configurations are queued (at most 8))" in note and "being recorded in" not in note
+
+
 def test_the_streams_asked_for_follow_the_named_gpus_generation(tmp_path, monkeypatch):
     """The fit decision replays the stream of the GPU the request names: an A100's (sm80: its SDPA backend and
     cuBLAS workspaces) is another stream than an H100's; a GPU given by its memory alone gets the H100/H200's."""

@@ -201,8 +201,16 @@ def test_a_periodic_models_composed_stream_is_the_traced_stream(name, layers, k)
 def test_the_service_asks_for_the_full_models_stream_where_no_template_composes_it(tmp_path, monkeypatch):
     """Without recording (the serving process), a stream no template gives (frozen leading layers: traced whole) is
     asked of ``request`` at its full-model path; :func:`record_for_fit` (what the tracing process runs) records it,
-    and the next source finds it. A request that failed before stops the asking and says why."""
-    from tracer.stream_source import cached_source, record_for_fit, stream_path, stream_source, trace_policy_name
+    and the next source finds it. A request that failed before stops the asking and says why; one refused because
+    the queue is full is asked again for the next stream looked for."""
+    from tracer.stream_source import (
+        Refusal,
+        cached_source,
+        record_for_fit,
+        stream_path,
+        stream_source,
+        trace_policy_name,
+    )
 
     monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))
     hf = _config("llama-3.2-1b")
@@ -219,5 +227,15 @@ def test_the_service_asks_for_the_full_models_stream_where_no_template_composes_
     assert alternative(3) is None and alternative.requested == [] and len(asked) == 1  # asks nothing
     assert record_for_fit(hf, t, 6, 3) == [3] and full.exists()
     assert stream_source(hf, t, 6, record=False, request=lambda *a: asked.append(a))(3) is not None and len(asked) == 1
-    failed = stream_source(hf, t, 6, record=False, request=lambda *a: "RuntimeError: the recorder gave up")
-    assert failed(4) is None and failed.failed == "RuntimeError: the recorder gave up" and failed.requested == []
+    failed = stream_source(hf, t, 6, record=False, request=lambda *a: Refusal("RuntimeError: gave up", final=True))
+    assert failed(4) is None and failed.failed == "RuntimeError: gave up" and failed.requested == []
+    refusals = []
+
+    def full_queue(*a):
+        refusals.append(a[3])
+        return Refusal("8 configurations are queued (at most 8)", final=False)
+
+    busy = stream_source(hf, t, 6, record=False, request=full_queue)
+    assert busy(4) is None and busy.requested == [] and busy.failed is None
+    assert busy.deferred == "8 configurations are queued (at most 8)" and refusals == [4]
+    assert busy(5) is None and refusals == [4, 5]  # not given up: the next stream looked for is asked for again

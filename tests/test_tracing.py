@@ -99,6 +99,24 @@ def test_reentrant_checkpointing_behind_frozen_embeddings_is_traced_as_memfit_ap
     assert c.points[0].predicted_bytes > c.points[-1].predicted_bytes  # checkpointing still saves memory
 
 
+def test_a_stream_request_beyond_the_queues_bounds_is_refused_for_now_and_a_failed_one_for_good(tmp_path):
+    """The fit decision's stream requests share the trace queue's bounds: beyond them the answer is a refusal for
+    now (the fit decision says the queue is full and asks again), not the silence that read as "being recorded"; a
+    recording that failed is refused for good with its reason. Nothing is queued or started either way."""
+    from tracer.stream_source import Refusal
+
+    tracer = BackgroundTracer(TermsCache(shipped_dir=None), max_pending=2)
+    tracer.pending.update({"streams:/a.npz", "streams:/b.npz"})
+    path = str(tmp_path / "c.npz")
+    assert tracer.streams(SMALL, TRAINING, 2, 1, path, "sm90") == Refusal(
+        "2 configurations are queued (at most 2)", final=False
+    )
+    assert tracer.streams(SMALL, TRAINING, 2, 1, "/a.npz", "sm90") is None  # queued before: being recorded
+    tracer.failed[f"streams:{path}"] = "RuntimeError: the recorder gave up"
+    assert tracer.streams(SMALL, TRAINING, 2, 1, path, "sm90") == Refusal("RuntimeError: the recorder gave up", True)
+    assert tracer._thread is None and tracer._queue.empty()
+
+
 def test_background_tracer_records_stream_templates_in_its_started_process(tmp_path, monkeypatch):
     """The service's warm-up starts the tracing process; a missing allocation-stream template asked for by the fit
     decision is recorded there once (queued once however often asked) with its layer labels, as the asked GPU

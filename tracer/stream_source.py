@@ -25,6 +25,7 @@ import json
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,17 @@ STREAM_FORMAT = 2
 #: the GPU generation a stream follows when none is named: the H100/H200's (the shipped CUDA rows' and the GPU
 #: check's), :data:`model.cuda_semantics.UNNAMED_GPU_GENERATION`
 DEFAULT_GENERATION = UNNAMED_GPU_GENERATION.value
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a stream source's ``request`` did not queue the recording asked for (it returns None when it did, or
+    when it is already queued): ``final`` where a recording of it failed (the source stops asking for this
+    configuration and falls back to the measured allowance), else the queue is full for now (asked again the next
+    time the stream is looked for). ``reason``: the failure, or the queue's bound that was reached."""
+
+    reason: str
+    final: bool
 
 
 def stream_cache_dir() -> Path:
@@ -364,14 +376,15 @@ def stream_source(
     (:mod:`model.stream_compose`, template cached by :func:`template_path`, recorded when missing and
     ``record``); the full model traced when ``record`` (where no template applies or its composition fails);
     else None. Without ``record``, what is missing is asked of ``request`` when given (``(hf_config, training,
-    num_layers, k, path, generation) -> None or the reason an earlier recording of ``path`` failed``, e.g. the
-    service's tracing queue, which runs :func:`record_for_fit`): the template at ``path``, or the full model's
-    stream at ``path`` where no template composes it.
+    num_layers, k, path, generation) -> None`` (queued) ``or a`` :class:`Refusal`, e.g. the service's tracing
+    queue, which runs :func:`record_for_fit`): the template at ``path``, or the full model's stream at ``path``
+    where no template composes it.
 
-    A recording that fails (a model the fake-tensor recorder cannot run) gives None, and the reason is kept in
-    the source's ``failed`` attribute; the caller then falls back to the measured allowance. The source's
-    ``composed`` and ``requested`` attributes list the k it composed and the k whose streams it asked for;
-    ``compose_failed`` says why a template did not compose.
+    A recording that fails (a model the fake-tensor recorder cannot run, here or in ``request``'s process) gives
+    None, and the reason is kept in the source's ``failed`` attribute; the caller then falls back to the measured
+    allowance. The source's ``composed`` and ``requested`` attributes list the k it composed and the k whose
+    streams were queued by ``request``; ``deferred`` holds the reason of the last request refused for now (a full
+    queue); ``compose_failed`` says why a template did not compose.
 
     Raises:
         ValueError: ``generation`` is not a :class:`model.cuda_semantics.GpuGeneration` value.
@@ -438,16 +451,19 @@ def stream_source(
     def ask(k: int, path) -> None:
         if request is None:
             return
-        failed = request(hf_config, training, num_layers, k, str(path), generation)
-        if failed:
-            source.failed = failed
-        else:
+        refused = request(hf_config, training, num_layers, k, str(path), generation)
+        if refused is None:
             source.requested.append(k)
+        elif refused.final:
+            source.failed = refused.reason
+        else:
+            source.deferred = refused.reason
 
     source.failed = None
+    source.deferred = None
     source.compose_failed = None
     source.composed = []
-    source.requested = []  # the k whose missing template was asked of ``request``
+    source.requested = []  # the k whose missing stream ``request`` queued
     source.num_layers = num_layers
     source.key = json.dumps(
         [hf_config, training.model_dump(mode="json", exclude={"checkpoint_layers"}), policy],
