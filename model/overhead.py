@@ -1,7 +1,7 @@
 """From predicted allocated bytes to what actually runs out of memory on a GPU.
 
-A GPU runs out at: allocated bytes + allocator fragmentation + memory held outside PyTorch (CUDA
-context, cuBLAS workspace, NCCL buffers). Defaults, each sourced:
+A GPU runs out at: allocated bytes + what the caching allocator holds beyond them + memory held outside PyTorch
+(CUDA context, cuBLAS workspace, NCCL buffers). Defaults, each sourced:
 
 * CUDA context: 1343 MiB, the figure HF transformers' "Model training anatomy" guide
   (docs/source/en/model_memory_anatomy.md) shows on a V100 after loading only the CUDA kernels;
@@ -9,7 +9,7 @@ context, cuBLAS workspace, NCCL buffers). Defaults, each sourced:
   per stream (PyTorch docs, "Reproducibility" / CUDA semantics: cuBLAS workspaces);
 * NCCL: 0.5–0.7 GB per process group, as reported in NVIDIA/nccl's GitHub issues on NCCL memory
   use; we take 0.6 GiB when more than one GPU is used;
-* fragmentation: 5 % of the allocated peak until measurements under memory pressure say otherwise.
+* the allocator's allowance: 5 % of the allocated peak for a setting no GPU pressure run measured.
 
 **The fit decision** (:mod:`model.reserved`) no longer adds a fragmentation percentage where the step's allocation
 stream can be replayed through the caching-allocator model: it takes :meth:`OverheadModel.outside_pytorch` (the
@@ -23,24 +23,23 @@ allocates through its caching allocator) in 21 of 26 pairs; GPT-2 (attention dro
 was 0.5–0.9 GiB higher at k = 0, only the workspace higher at k = L. :meth:`OverheadModel.fit` uses that median in place of
 the 32 MiB cuBLAS default.
 
-**Fragmentation is measured under pressure, not read from reserved bytes.** The peak *reserved* bytes of
+**What a step needs beyond its allocated peak, measured under pressure.** The peak *reserved* bytes of
 an unconstrained run are no OOM threshold: with memory to spare the caching allocator keeps freed blocks,
 and when ``cudaMalloc`` fails it releases them and retries. ``training/gpu_pressure.py`` bisects the
 smallest allocator cap (``torch.cuda.set_per_process_memory_fraction``) under which a step still runs.
 On one H200 (2026-11-30, 22 configurations, ``data/telemetry/gpu_validation/h200-2026-11-30``) the step
 needed 0.8–28 % more than its allocated peak with the default allocator (median 7.6 %, growing with the
 number of checkpointed layers), while the unconstrained reserved/allocated ratio was 1.01–1.34; with
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` it needed 0.1–6.7 % (median 2.0 %).
-:meth:`OverheadModel.fit` takes the median of the default allocator's figures as the fragmentation
-ratio (the calibrated upper bound and the user's headroom cover the spread), and learns the
-outside-PyTorch bytes (median) per device name from ``method = cuda`` telemetry.
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` it needed 0.1–6.7 % (median 2.0 %), reserved/allocated
+1.03–1.26. The fallback without a stream (:meth:`OverheadModel.allowance_ratio`) takes the unconstrained
+medians (1.079, 1.098), above the needed medians; :meth:`OverheadModel.fit` also learns the outside-PyTorch
+bytes (median) per device name from ``method = cuda`` telemetry.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,7 +53,8 @@ GIB = 1 << 30
 CUDA_CONTEXT_BYTES = 1343 * MIB
 CUBLAS_WORKSPACE_BYTES = 32 * MIB
 NCCL_BYTES = int(0.6 * GIB)
-FRAGMENTATION_RATIO = 1.05
+#: reserved / allocated peak of an allocator setting no GPU pressure run measured (:meth:`OverheadModel.allowance_ratio`)
+DEFAULT_ALLOWANCE_RATIO = 1.05
 #: Shipped GPU pressure measurements (``training/gpu_pressure.py`` output files).
 _VALIDATION_DIR = Path(__file__).resolve().parent.parent / "data" / "telemetry" / "gpu_validation"
 PRESSURE_FILES = sorted(_VALIDATION_DIR.glob("*/gpu_pressure_*.json"))
@@ -130,14 +130,12 @@ class OverheadModel:
     """Overhead on top of the predicted allocated peak; defaults until fitted.
 
     Attributes:
-        fragmentation_ratio: needed device bytes / allocated peak bytes (allocator fragmentation).
-        fragmentation_source: where that figure comes from.
+        cublas_workspace_bytes: allocated bytes the fake tracker misses (the cuBLAS workspaces).
         outside_by_device: learned bytes outside PyTorch (context + cuBLAS + NCCL) per device name.
         rows_by_device: CUDA rows each outside-PyTorch figure was learned from.
+        allowance_by_setting: reserved / allocated peak per allocator setting (:meth:`allowance_ratio`).
     """
 
-    fragmentation_ratio: float = FRAGMENTATION_RATIO
-    fragmentation_source: str = "default"
     cublas_workspace_bytes: int = CUBLAS_WORKSPACE_BYTES
     outside_by_device: dict[str, int] = field(default_factory=dict)
     rows_by_device: dict[str, int] = field(default_factory=dict)
@@ -148,9 +146,9 @@ class OverheadModel:
         self, rows: pd.DataFrame, pressure_files: list[Path] | None = None, validation_files: list[Path] | None = None
     ) -> OverheadModel:
         """Learn the outside-PyTorch bytes per device from flat telemetry rows with ``method == 'cuda'``
-        (others are ignored), the fragmentation ratio from GPU pressure measurements (default: the shipped
-        :data:`PRESSURE_FILES`) and the allocated bytes the tracker misses (cuBLAS workspaces) from GPU
-        validation runs (default: :data:`VALIDATION_FILES`)."""
+        (others are ignored), the reserved / allocated ratio per allocator setting from GPU pressure measurements
+        (default: the shipped :data:`PRESSURE_FILES`) and the allocated bytes the tracker misses (cuBLAS
+        workspaces) from GPU validation runs (default: :data:`VALIDATION_FILES`)."""
         if len(rows):
             cuda = rows[(rows.get("method") == "cuda") & ~rows["oom"].astype(bool)]
             cuda = cuda.assign(device_name=cuda["device_name"].map(lambda d: gpu_catalog_name(str(d))))
@@ -160,15 +158,11 @@ class OverheadModel:
                     self.outside_by_device[device] = int(outside.median())
                     self.rows_by_device[device] = len(outside)
         pressure = PRESSURE_FILES if pressure_files is None else pressure_files
-        measured = pressure_ratios(pressure).get("default", [])
         self.allowance_by_setting = {
             conf: float(max(1.0, np.median(r)))
             for conf, r in pressure_ratios(pressure, "reserved_over_allocated").items()
             if r
         }
-        if measured:
-            self.fragmentation_ratio = float(max(1.0, np.median(measured)))
-            self.fragmentation_source = f"median of {len(measured)} GPU pressure measurements (default allocator)"
         for device, figures in validation_outside(
             VALIDATION_FILES if validation_files is None else validation_files
         ).items():
@@ -181,25 +175,6 @@ class OverheadModel:
             self.cublas_workspace_bytes = int(np.median(residuals))
         return self
 
-    def total_bytes(self, allocated_bytes: Sequence[int], device_name: str | None, gpu_count: int) -> list[int]:
-        """``allocated + overhead(allocated).total_bytes`` for each allocated peak (e.g. a whole curve
-        over k) in one pass: the overhead is a fixed part plus a fraction of the allocated bytes."""
-        o = self.overhead(0, device_name, gpu_count)
-        fixed = o.cuda_context_bytes + o.cublas_workspace_bytes + o.nccl_bytes
-        return [a + int(a * (self.fragmentation_ratio - 1)) + fixed for a in allocated_bytes]
-
-    def overhead(self, allocated_bytes: float, device_name: str | None, gpu_count: int) -> Overhead:
-        """Overhead for a predicted allocated peak on ``device_name`` in a job of ``gpu_count`` GPUs; its CUDA context
-        is :meth:`outside_pytorch`'s figure without NCCL, which is a part of its own."""
-        outside, where = self.outside_pytorch(device_name, 1)
-        return Overhead(
-            int(allocated_bytes * (self.fragmentation_ratio - 1)),
-            outside,
-            self.cublas_workspace_bytes,
-            self.nccl_bytes(gpu_count),
-            f"outside PyTorch: {where}; fragmentation: {self.fragmentation_source}",
-        )
-
     @staticmethod
     def nccl_bytes(gpu_count: int) -> int:
         """NCCL's communicator buffers per device: :data:`NCCL_BYTES` in a job of more than one GPU, else 0."""
@@ -208,13 +183,13 @@ class OverheadModel:
     def allowance_ratio(self, expandable_segments: bool) -> tuple[float, str]:
         """(reserved / allocated peak ratio, its source) for the default allocator or expandable segments: the
         median of the shipped ``training/gpu_pressure.py`` unconstrained runs with that setting (H200, 2026-11-30:
-        1.079 of 24 default runs, 1.098 of 20 expandable runs); :data:`FRAGMENTATION_RATIO` when none was
+        1.079 of 24 default runs, 1.098 of 20 expandable runs); :data:`DEFAULT_ALLOWANCE_RATIO` when none was
         measured. The reserved peak of :func:`model.reserved.allowance_fit` where no allocation stream can be
         simulated (which also keeps the default allocator's largest request free)."""
         key = "expandable_segments:True" if expandable_segments else "default"
         ratio = self.allowance_by_setting.get(key)
         if ratio is None:
-            return FRAGMENTATION_RATIO, "default 5 % (no GPU pressure run with this setting)"
+            return DEFAULT_ALLOWANCE_RATIO, "default 5 % (no GPU pressure run with this setting)"
         return ratio, f"median reserved / allocated of the GPU pressure runs with {key}"
 
     def outside_pytorch(self, device_name: str | None, gpu_count: int) -> tuple[int, str]:
@@ -249,8 +224,6 @@ class OverheadModel:
 
     def to_dict(self) -> dict:
         return {
-            "fragmentation_ratio": self.fragmentation_ratio,
-            "fragmentation_source": self.fragmentation_source,
             "cublas_workspace_bytes": self.cublas_workspace_bytes,
             "outside_by_device": self.outside_by_device,
             "rows_by_device": self.rows_by_device,
@@ -260,8 +233,6 @@ class OverheadModel:
     @classmethod
     def from_dict(cls, d: dict) -> OverheadModel:
         return cls(
-            float(d.get("fragmentation_ratio", FRAGMENTATION_RATIO)),
-            d.get("fragmentation_source", "default"),
             int(d.get("cublas_workspace_bytes", CUBLAS_WORKSPACE_BYTES)),
             {k: int(v) for k, v in d.get("outside_by_device", {}).items()},
             dict(d.get("rows_by_device", {})),

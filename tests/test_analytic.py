@@ -10,6 +10,7 @@ from memfit.schema import ModelSpec, TrainingConfig
 from model.analytic import activation_bytes_per_layer, analytic_estimate, model_state_bytes
 from model.overhead import (
     CUDA_CONTEXT_BYTES,
+    DEFAULT_ALLOWANCE_RATIO,
     NCCL_BYTES,
     PRESSURE_FILES,
     VALIDATION_FILES,
@@ -106,10 +107,10 @@ def test_layer_indices():
 
 def test_overhead_defaults_and_learning(tmp_path):
     om = OverheadModel()
-    ov = om.overhead(10 * GB, "NVIDIA H100 80GB HBM3", gpu_count=8)
-    assert ov.cuda_context_bytes == CUDA_CONTEXT_BYTES and ov.nccl_bytes == NCCL_BYTES
-    assert ov.fragmentation_bytes == pytest.approx(0.05 * 10 * GB, rel=1e-6)
-    assert ov.source.startswith("outside PyTorch: 1343 MiB from HF transformers' model memory anatomy guide")
+    outside, source = om.outside_pytorch("NVIDIA H100 80GB HBM3", gpu_count=8)
+    assert outside == CUDA_CONTEXT_BYTES + NCCL_BYTES
+    assert source.startswith("1343 MiB from HF transformers' model memory anatomy guide")
+    assert om.allowance_ratio(False) == (DEFAULT_ALLOWANCE_RATIO, "default 5 % (no GPU pressure run with this setting)")
     rows = pd.DataFrame(
         {
             "method": ["cuda"] * 3 + ["fake_tracker"],
@@ -120,19 +121,24 @@ def test_overhead_defaults_and_learning(tmp_path):
             "oom": [False] * 4,
         }
     )
-    # two pressure runs: the default allocator's ratios (1.02, 1.10, 1.30) and expandable segments' (ignored)
+    # two default-allocator pressure runs (unconstrained reserved / allocated 1.02, 1.30, 1.10) and one with
+    # expandable segments (1.01); the needed-under-pressure figures are not the allowance
     (tmp_path / "a.json").write_text(
         json.dumps(
             {
                 "alloc_conf": None,
-                "rows": [{"needed_over_allocated": 1.02}, {"needed_over_allocated": 1.30}, {"error": "does not run"}],
+                "rows": [
+                    {"reserved_over_allocated": 1.02, "needed_over_allocated": 1.5},
+                    {"reserved_over_allocated": 1.30},
+                    {"error": "does not run"},
+                ],
             }
         )
     )
     (tmp_path / "b.json").write_text(
-        json.dumps({"alloc_conf": "expandable_segments:True", "rows": [{"needed_over_allocated": 1.01}]})
+        json.dumps({"alloc_conf": "expandable_segments:True", "rows": [{"reserved_over_allocated": 1.01}]})
     )
-    (tmp_path / "c.json").write_text(json.dumps({"alloc_conf": None, "rows": [{"needed_over_allocated": 1.10}]}))
+    (tmp_path / "c.json").write_text(json.dumps({"alloc_conf": None, "rows": [{"reserved_over_allocated": 1.10}]}))
     (tmp_path / "v.json").write_text(
         json.dumps(
             {
@@ -146,21 +152,13 @@ def test_overhead_defaults_and_learning(tmp_path):
         )
     )
     om.fit(rows, pressure_files=sorted(tmp_path.glob("[abc].json")), validation_files=[tmp_path / "v.json"])
-    assert om.rows_by_device == {"H200": 3}
-    learned = om.overhead(1000, "H200", gpu_count=1)
-    # median of the default allocator's needed/allocated (1.02, 1.30, 1.10) = 1.10 -> 100 of 1000 bytes;
-    # reserved bytes of unconstrained runs are not used (they are no OOM threshold)
-    assert learned.fragmentation_bytes == 100 and learned.cuda_context_bytes == 700 and learned.nccl_bytes == 0
-    assert learned.cublas_workspace_bytes == 100  # median of the CUDA-minus-tracker residuals (64, 100, 8000)
-    assert "3 GPU pressure measurements" in learned.source
-    assert OverheadModel.from_dict(om.to_dict()).overhead(1000, "H200", 1) == learned
-    # an unseen device keeps the sourced defaults for context and cuBLAS, with the measured fragmentation
-    other = om.overhead(1000, "NVIDIA A100-SXM4-80GB", gpu_count=2)
-    assert other.cuda_context_bytes == CUDA_CONTEXT_BYTES and other.fragmentation_bytes == 100
-    # one figure for the bytes outside PyTorch: the overhead's context is outside_pytorch's, NCCL apart
-    for device, gpus in (("H200", 1), ("H200", 8), ("NVIDIA A100-SXM4-80GB", 2), (None, 1)):
-        o, (outside, _) = om.overhead(0, device, gpus), om.outside_pytorch(device, gpus)
-        assert o.cuda_context_bytes + o.nccl_bytes == outside
+    assert om.rows_by_device == {"H200": 3} and om.outside_pytorch("H200", 1)[0] == 700  # median of the cuda rows
+    assert om.allowance_by_setting == {"default": pytest.approx(1.10), "expandable_segments:True": pytest.approx(1.01)}
+    assert om.allowance_ratio(True)[0] == pytest.approx(1.01)
+    assert om.cublas_workspace_bytes == 100  # median of the CUDA-minus-tracker residuals (64, 100, 8000)
+    assert OverheadModel.from_dict(om.to_dict()) == om
+    # an unseen device keeps the guide's context (the measured 700 B is below it), NCCL added on several GPUs
+    assert om.outside_pytorch("NVIDIA A100-SXM4-80GB", gpu_count=2)[0] == CUDA_CONTEXT_BYTES + NCCL_BYTES
 
 
 def test_shipped_pressure_measurements():

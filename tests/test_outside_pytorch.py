@@ -43,7 +43,6 @@ def test_a_measured_board_is_found_under_either_name():
     for name in ("H100-80GB", "NVIDIA H100 80GB HBM3"):
         figure, source = model.outside_pytorch(name, 1)
         assert figure == 610 << 20 and source.startswith("measured on H100-80GB (3 measured rows)")
-        assert model.overhead(0, name, 1).cuda_context_bytes == 610 << 20
     # the shipped H200 validation runs (0.75 GiB) answer a request naming the catalog's H200
     assert model.outside_pytorch("H200", 1)[0] < CUDA_CONTEXT_BYTES
     assert model.outside_pytorch("RTX-4090", 1) == (CUDA_CONTEXT_BYTES, model.outside_pytorch("L4", 1)[1])

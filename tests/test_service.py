@@ -211,19 +211,6 @@ def test_openapi_documents_error_answers_as_sent(tmp_path):
     assert open_post["security"] == [{"HTTPBearer": []}, {}] and "401" not in open_post["responses"]
 
 
-def test_curve_totals_in_one_pass_equal_the_per_point_overhead():
-    """/recommend's hot path adds the overhead to the whole curve at once; it must equal the per-point sum."""
-    from model.overhead import OverheadModel
-
-    learned = OverheadModel(1.08, "test", 3 << 20, {"H100-80GB": 700 << 20}, {"H100-80GB": 12})
-    allocated = [0, 1, 3 << 30, 77_777_777_777, 193_747_599_037]
-    for m in (OverheadModel(), learned):
-        for device, gpus in (("H100-80GB", 1), ("H100-80GB", 64), ("A100-40GB", 8), (None, 1)):
-            assert m.total_bytes(allocated, device, gpus) == [
-                a + m.overhead(a, device, gpus).total_bytes for a in allocated
-            ]
-
-
 def test_read_back_on_a_read_only_server_is_503(tmp_path, small_registry):
     app = create_app(
         Settings(
@@ -261,14 +248,15 @@ def test_offload_values_are_422_naming_the_field_and_answers_carry_host_memory(c
 
 def test_local_command_line_and_service_take_the_same_gpu_overhead(tmp_path):
     """A new user's `memfit recommend` gave k = 23 where the service said 24 for the README's own example: the
-    local holder took the unfitted default fragmentation, the service the one measured on GPUs. Both now take
+    local holder took the unfitted default allowance, the service the one measured on GPUs. Both now take
     :func:`service.models.overhead_from` (the shipped GPU pressure measurements without CUDA telemetry)."""
-    from model.overhead import FRAGMENTATION_RATIO
+    from model.overhead import DEFAULT_ALLOWANCE_RATIO
     from model.registry import Registry
     from service.models import ModelHolder, overhead_from
 
     measured = overhead_from(None)
-    assert measured.fragmentation_source.startswith("median of") and measured.fragmentation_ratio != FRAGMENTATION_RATIO
+    assert measured.allowance_ratio(False)[0] != DEFAULT_ALLOWANCE_RATIO
+    assert measured.allowance_ratio(False)[1].startswith("median reserved / allocated of the GPU pressure runs")
     holder = ModelHolder(Registry(tmp_path / "models"))
     assert holder.overhead.to_dict() == measured.to_dict()
 
