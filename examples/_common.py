@@ -49,29 +49,40 @@ def plan_source(args, describe_request, num_layers: int):
     if args.url:
         import memfit
 
-        client = memfit.Client(args.url, token=args.token, strict=True)
-        if args.gpu_memory_gib:
-            rec = client.recommend(describe_request(int(args.gpu_memory_gib * 2**30)))
-        else:
-            k, rec = num_layers // 2, None
-            lo, hi = 1, 1 << 20  # MiB: nothing fits at lo, everything at hi (1 TiB)
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                answer = client.recommend(describe_request(mid << 20))
-                if answer.fits and answer.k <= k:
-                    hi, rec = mid, answer
-                else:
-                    lo = mid
-            rec = rec or client.recommend(describe_request(hi << 20))
-            print(f"capacity found with the service: {hi} MiB (forces k={rec.k}, asked for k <= {k})")
-        print(
-            f"service answer: k={rec.k} of {rec.num_layers}, model_version={rec.model_version}, "
-            f"predicted peak {rec.predicted_peak_bytes / 2**20:.1f} MiB"
-        )
-        return rec
+        try:
+            client = memfit.Client(args.url, token=args.token, strict=True)
+        except ValueError as err:  # not an http(s) URL
+            raise SystemExit(f"--url: {err}") from None
+        try:
+            return _service_plan(client, args, describe_request, num_layers)
+        except (memfit.ServiceError, memfit.RequestRejected) as err:  # unreachable, or the request refused
+            raise SystemExit(f"memfit service at {args.url}: {err}") from None
     if not 0 <= args.k <= num_layers:
         raise SystemExit(f"--k={args.k} must be in [0, {num_layers}]")
     return list(range(args.k))
+
+
+def _service_plan(client, args, describe_request, num_layers: int):
+    """:func:`plan_source`'s service answer (raises what :class:`memfit.Client` raises)."""
+    if args.gpu_memory_gib:
+        rec = client.recommend(describe_request(int(args.gpu_memory_gib * 2**30)))
+    else:
+        k, rec = num_layers // 2, None
+        lo, hi = 1, 1 << 20  # MiB: nothing fits at lo, everything at hi (1 TiB)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            answer = client.recommend(describe_request(mid << 20))
+            if answer.fits and answer.k <= k:
+                hi, rec = mid, answer
+            else:
+                lo = mid
+        rec = rec or client.recommend(describe_request(hi << 20))
+        print(f"capacity found with the service: {hi} MiB (forces k={rec.k}, asked for k <= {k})")
+    print(
+        f"service answer: k={rec.k} of {rec.num_layers}, model_version={rec.model_version}, "
+        f"predicted peak {rec.predicted_peak_bytes / 2**20:.1f} MiB"
+    )
+    return rec
 
 
 def print_plan(plan, verified: bool) -> None:

@@ -518,6 +518,16 @@ def test_examples_run_on_cpu(script, k):
     assert "predicted" in line
 
 
+def test_an_example_pointed_at_no_service_says_so_without_a_traceback():
+    """``--url`` of a port nothing listens on, or not an http URL: one line naming the URL and the error."""
+    down = run_example("hf_trainer.py", "--url", "http://127.0.0.1:9")
+    assert down.returncode == 1 and "Traceback" not in down.stderr, down.stderr[-3000:]
+    assert down.stderr.startswith("memfit service at http://127.0.0.1:9: POST http://127.0.0.1:9/recommend")
+    wrong = run_example("fsdp2.py", "--url", "127.0.0.1:8000")
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
+    assert wrong.stderr.startswith("--url: url='127.0.0.1:8000' must be an http:// or https:// URL")
+
+
 def test_a_closed_client_says_so():
     """After close(), a call raised httpx's bare "Cannot send a request, as the client has been closed"."""
     client = mock_client(lambda request: httpx.Response(200, json=answer()))
