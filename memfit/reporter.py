@@ -122,6 +122,7 @@ def build_record(
     device_name: str = "cpu",
     device_memory_bytes: int | None = None,
     model_name: str | None = None,
+    pipeline_stage: int | None = None,
 ) -> TelemetryRecord:
     """The :class:`TelemetryRecord` of a user job (``source=user_job``).
 
@@ -133,6 +134,8 @@ def build_record(
             layer indices, or None (read from the live model's layers).
         request: the job's configuration (:func:`memfit.describe`).
         peak_allocated_bytes / peak_reserved_bytes: measured peak per device, bytes.
+        pipeline_stage: the measured device's pipeline stage (0-based; pipeline parallel jobs, whose stages peak
+            differently); default: Megatron's pipeline rank where ``megatron.core`` runs initialised, else None.
         device_memory_bytes: total memory of the device; default the request's capacity.
 
     Raises:
@@ -169,10 +172,21 @@ def build_record(
             peak_reserved_bytes=peak_reserved_bytes if method is Method.CUDA else None,
             step_time_s=step_time_s,
             recomputed_layers=len(recomputed) if recomputed is not None else None,
+            pipeline_stage=pipeline_stage if pipeline_stage is not None else _megatron_pipeline_rank(t),
         )
         return TelemetryRecord(model=spec, training=training, cluster=cluster, measurement=measurement)
     except ValidationError as err:
         raise invalid_from_validation(err) from None
+
+
+def _megatron_pipeline_rank(training: TrainingConfig) -> int | None:
+    """This process's pipeline stage from ``megatron.core.parallel_state`` where the job is pipelined and Megatron's
+    model parallel groups are initialised (``get_pipeline_model_parallel_rank``), else None. Megatron is not
+    imported here: only a job that already runs it has the groups."""
+    core = sys.modules.get("megatron.core.parallel_state")
+    if training.pipeline_parallel_size < 2 or core is None or not core.model_parallel_is_initialized():
+        return None
+    return int(core.get_pipeline_model_parallel_rank())
 
 
 def _checkpointed(model: Any, plan: Any, num_layers: int) -> list[int]:
@@ -300,6 +314,7 @@ def report_peak(
     spool_path: str | Path | None = None,
     token: str | None = None,
     model_name: str | None = None,
+    pipeline_stage: int | None = None,
     **describe_kwargs: Any,
 ) -> ReportResult:
     """Send the peak of the first ``steps`` training steps as telemetry. Never raises.
@@ -316,6 +331,7 @@ def report_peak(
         steps: how many steps the peak covers (informational; the record holds one peak).
         step_time_s: wall time of one step, seconds, if measured.
         spool_path: JSONL spool for records that could not be sent.
+        pipeline_stage: as :func:`build_record` takes it.
 
     Returns:
         :class:`ReportResult` (``status`` says what happened).
@@ -350,7 +366,15 @@ def report_peak(
                 measured.update(
                     method=Method.CUDA, device_name=cuda["device_name"], device_memory_bytes=cuda["device_memory_bytes"]
                 )
-        record = build_record(model, plan, request, step_time_s=step_time_s, model_name=model_name, **measured)
+        record = build_record(
+            model,
+            plan,
+            request,
+            step_time_s=step_time_s,
+            model_name=model_name,
+            pipeline_stage=pipeline_stage,
+            **measured,
+        )
         log.debug(
             "memfit: reporting the peak of the first %d steps: %d bytes", steps, record.measurement.peak_allocated_bytes
         )

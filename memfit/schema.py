@@ -567,6 +567,13 @@ class Measurement(_Part):
     host_peak_bytes: int | None = Field(
         None, ge=0, le=1 << 50, description="offload: peak host bytes of the offloaded states (no pinned-buffer factor)"
     )
+    pipeline_stage: int | None = Field(
+        None,
+        ge=0,
+        le=1023,
+        description="pipeline parallel: the stage (0-based) of the measured device, whose peak differs by stage; "
+        "None: not pipelined, or not said",
+    )
 
 
 def _row_fields() -> dict[str, tuple[str, Any]]:
@@ -620,6 +627,11 @@ class TelemetryRecord(_Part):
             )
         if L < t.pipeline_parallel_size:
             raise ValueError(f"pipeline_parallel_size={t.pipeline_parallel_size} must be in [1, num_layers={L}]")
+        stage = self.measurement.pipeline_stage
+        if stage is not None and stage >= t.pipeline_parallel_size:
+            raise ValueError(
+                f"pipeline_stage={stage} must be in [0, pipeline_parallel_size - 1 = {t.pipeline_parallel_size - 1}]"
+            )
         if self.measurement.method is not Method.CUDA and self.measurement.peak_reserved_bytes is not None:
             raise ValueError("peak_reserved_bytes is only allowed with method='cuda'")
         return self
@@ -659,6 +671,8 @@ class TelemetryRecord(_Part):
         body = self.model_dump(mode="json", exclude={"record_id", "created_at"})
         if body["training"]["gradient_accumulation_steps"] == 1:  # added later: hashes of older records stay valid
             del body["training"]["gradient_accumulation_steps"]
+        if body["measurement"]["pipeline_stage"] is None:  # added later, likewise
+            del body["measurement"]["pipeline_stage"]
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 

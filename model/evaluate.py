@@ -65,6 +65,7 @@ FAMILY_COLUMNS: list[str] = [
     "expert_parallel_size",
     "moe_imbalance_factor",
     "gradient_accumulation_steps",
+    "pipeline_stage",
 ]
 #: capacities (GiB) of common accelerators: V100/T4 16, A10/L4/4090 24, A100 40/80, A6000/L40S 48, H100 80,
 #: H100 NVL 94/96, H200 141

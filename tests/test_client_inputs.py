@@ -217,3 +217,31 @@ def test_describe_given_a_name_or_a_config_says_it_reads_a_live_module(model):
         TypeError, match=r"^model: describe\(\) reads a live torch.nn.Module, got (str|dict) .*RecommendRequest"
     ):
         describe(model, seq_len=4096, micro_batch_size=2, gpu="T4")
+
+
+def test_a_pipelined_jobs_report_says_its_stage(monkeypatch):
+    """Each stage of a pipelined job peaks differently: the report carries the measured device's stage, given or
+    read from Megatron's pipeline rank where its model-parallel groups run; a stage the job has not is refused
+    naming the field and its range."""
+    import sys
+    import types
+
+    model = llama(4)
+    req = describe(model, micro_batch_size=2, seq_len=16, gpu="RTX-4090", gpu_count=2, pipeline_parallel_size=2)
+
+    def rec(**kw):
+        return build_record(model, [0], req, peak_allocated_bytes=5 * 10**7, method=Method.CPU_TRACKER, **kw)
+
+    assert rec().measurement.pipeline_stage is None  # not said, and no Megatron here
+    assert rec(pipeline_stage=1).measurement.pipeline_stage == 1
+    with pytest.raises(
+        InvalidConfiguration, match=r"pipeline_stage=2 must be in \[0, pipeline_parallel_size - 1 = 1\]"
+    ):
+        rec(pipeline_stage=2)
+    state = types.SimpleNamespace(
+        model_parallel_is_initialized=lambda: True, get_pipeline_model_parallel_rank=lambda: 1
+    )
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", state)
+    assert rec().measurement.pipeline_stage == 1 and rec(pipeline_stage=0).measurement.pipeline_stage == 0
+    state.model_parallel_is_initialized = lambda: False
+    assert rec().measurement.pipeline_stage is None

@@ -29,6 +29,9 @@ def test_roundtrip_through_flat_row():
         ({"peak_reserved_bytes": 10}, "peak_reserved_bytes"),
         ({"data_parallel_size": 8, "sharding": "zero1"}, "gpu_count"),
         ({"precision": "fp8"}, "precision"),
+        ({"pipeline_stage": 1}, "pipeline_stage=1 must be in [0, pipeline_parallel_size - 1 = 0]"),
+        ({"pipeline_stage": 2, "pipeline_parallel_size": 2, "gpu_count": 2}, "pipeline_stage=2 must be in [0, "),
+        ({"pipeline_stage": -1}, "pipeline_stage"),
     ],
 )
 def test_invalid_records_name_the_field(over, field_word):
@@ -49,6 +52,24 @@ def test_content_hash_ignores_id_and_time_only():
     assert a.content_hash() == b.content_hash()
     c = record(peak_allocated_bytes=1024)
     assert c.content_hash() != a.content_hash()
+
+
+def test_a_pipeline_stage_is_kept_and_records_without_one_keep_their_content_hash():
+    """The stage of a pipelined job's measured device goes through the flat row (the store's columns) and back; a
+    record without one hashes as before the field existed, so a resent older record is a duplicate, not a
+    conflict."""
+    import hashlib
+    import json
+
+    staged = record(pipeline_parallel_size=2, gpu_count=2, pipeline_stage=1)
+    assert staged.to_row()["pipeline_stage"] == 1 and TelemetryRecord.from_row(staged.to_row()) == staged
+    plain = record()
+    body = plain.model_dump(mode="json", exclude={"record_id", "created_at"})
+    assert body["measurement"].pop("pipeline_stage") is None
+    del body["training"]["gradient_accumulation_steps"]
+    assert plain.content_hash() == hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    other = record(pipeline_parallel_size=2, gpu_count=2, pipeline_stage=0)
+    assert other.content_hash() != staged.content_hash()
 
 
 def test_model_spec_rejects_moe_half_given():

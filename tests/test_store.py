@@ -172,3 +172,25 @@ def test_posted_records_are_checked_strictly_and_not_dated_in_the_future(store):
     reasons = {r["index"]: r["reason"] for r in rep.rejected}
     assert "peak_allocated_bytes" in reasons[1] and "micro_batch_size" in reasons[2]
     assert "created_at=2999-01-01T00:00:00 is in the future" in reasons[3]
+
+
+def test_a_store_made_before_a_field_existed_gains_its_column_and_keeps_its_records(tmp_path):
+    """A database created before ``pipeline_stage`` existed: reopening adds the column (nullable), its rows read
+    as not staged, a resent old record is a duplicate (same content hash), and a staged record is kept whole."""
+    db = tmp_path / "old.db"
+    TelemetryStore(f"sqlite:///{db}").add([record(record_id="old-00000001")])
+    with sqlite3.connect(db) as conn:
+        conn.execute("ALTER TABLE telemetry DROP COLUMN pipeline_stage")  # as the older schema made it
+        assert "pipeline_stage" not in {row[1] for row in conn.execute("PRAGMA table_info(telemetry)")}
+    store = TelemetryStore(f"sqlite:///{db}")
+    with sqlite3.connect(db) as conn:
+        assert "pipeline_stage" in {row[1] for row in conn.execute("PRAGMA table_info(telemetry)")}
+    (old,) = store.records()
+    assert old.measurement.pipeline_stage is None
+    assert store.add([record(record_id="old-00000001")]).duplicates == ["old-00000001"]
+    staged = record(record_id="staged-00000001", pipeline_parallel_size=2, gpu_count=2, pipeline_stage=1)
+    assert store.add([staged]).stored == ["staged-00000001"]
+    assert {r.record_id: r.measurement.pipeline_stage for r in store.records()} == {
+        "old-00000001": None,
+        "staged-00000001": 1,
+    }
