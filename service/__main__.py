@@ -2,6 +2,7 @@
 environment only; ``--help`` lists the variables and their defaults, any other argument is refused)."""
 
 import argparse
+import os
 import sys
 
 from pydantic import ValidationError
@@ -10,17 +11,31 @@ from service.settings import Settings
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The command line: no options besides ``--help``, whose text lists each ``MEMFIT_*`` variable."""
+    """The command line: no options besides ``--help``, whose text lists each ``MEMFIT_*`` variable the server
+    reads (its :class:`~service.settings.Settings` and the fit decision's allocation-stream source), with its
+    default and the value set in this environment (the token's only as set)."""
+    from service.app import STREAMS_DEFAULT
+    from tracer.stream_source import STREAM_CACHE_DEFAULT, STREAM_CACHE_ENV, STREAMS_ENV
+
+    def line(name: str, default: object) -> str:
+        value = os.environ.get(name)
+        now = "" if value is None else " (set: ***)" if name == "MEMFIT_TOKEN" else f" (set: {value})"
+        return f"  {name:<40} {default}{now}"
+
     names = [
-        f"  MEMFIT_{name.upper():<36} {'unset' if field.default is None else field.default}"
+        line(f"MEMFIT_{name.upper()}", "unset" if field.default is None else field.default)
         for name, field in Settings.model_fields.items()
+    ]
+    names += [
+        line(STREAM_CACHE_ENV, STREAM_CACHE_DEFAULT),
+        line(STREAMS_ENV, f"{STREAMS_DEFAULT} (record | cache | off)"),
     ]
     return argparse.ArgumentParser(
         prog="python -m service",
         description="Serve memfit's API (POST /recommend, /predict, telemetry, models) with uvicorn, configured by "
         "environment variables only (README.md, section 'Service').",
-        epilog="environment variables and their defaults (unset MEMFIT_DB_URL and MEMFIT_REGISTRY_DIR lie under "
-        "MEMFIT_DATA_DIR: telemetry.db, models/):\n" + "\n".join(names),
+        epilog="environment variables, their defaults and what this environment sets (unset MEMFIT_DB_URL and "
+        "MEMFIT_REGISTRY_DIR lie under MEMFIT_DATA_DIR: telemetry.db, models/):\n" + "\n".join(names),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
 

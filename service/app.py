@@ -55,6 +55,11 @@ def open_store(settings: Settings) -> tuple[TelemetryStore | None, str | None]:
         return None, f"the telemetry store cannot be opened ({type(err).__name__})"
 
 
+#: where the serving process's fit decision takes allocation streams from unless ``MEMFIT_ALLOCATOR_STREAMS`` says
+#: otherwise (:func:`tracer.stream_source.configured_source`): recorded ones, the missing asked of its tracing process
+STREAMS_DEFAULT = "cache"
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The application for ``settings`` (default: read from the environment once, here)."""
     settings = settings or Settings()
@@ -70,7 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         overhead_from(store),
         terms=terms,
         tracer=tracer,
-        streams=configured_source("cache", request=tracer.streams),
+        streams=configured_source(STREAMS_DEFAULT, request=tracer.streams),
     )
     holder.refresh()
     warmed_up = threading.Event()

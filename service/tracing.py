@@ -358,10 +358,11 @@ class BackgroundTracer:
     def _queue_full(self, client: str | None) -> str | None:
         """Under the lock: which bound of the queue a new entry from ``client`` would pass, or None."""
         if len(self.pending) >= self.max_pending:
-            return f"{len(self.pending)} configurations are queued (at most {self.max_pending})"
+            n = len(self.pending)
+            return f"{_configurations(n)} {'is' if n == 1 else 'are'} queued (at most {self.max_pending})"
         mine = sum(owner == client for owner in self._owner.values())
         if mine >= self.max_per_client:
-            return f"this client has {mine} configurations queued (at most {self.max_per_client})"
+            return f"this client has {_configurations(mine)} queued (at most {self.max_per_client})"
         return None
 
     def _admit(self, key: str, client: str | None) -> None:
@@ -415,6 +416,10 @@ class BackgroundTracer:
         """Stop after the trace in progress; the worker thread then ends the tracing process (which also ends
         with the server)."""
         self._stop.set()
+
+
+def _configurations(n: int) -> str:
+    return f"{n} configuration{'' if n == 1 else 's'}"
 
 
 class InlineTracer:

@@ -335,13 +335,18 @@ def test_the_server_command_lists_its_settings_and_refuses_arguments(tmp_path):
     """``python -m service`` takes its settings from the environment only: ``--help`` lists every MEMFIT_*
     variable with its default; any argument (``python -m service recommend ...``) is refused, not ignored by a
     server that starts anyway."""
-    env = {**os.environ, "MEMFIT_PORT": "1", "MEMFIT_DATA_DIR": str(tmp_path)}
+    env = {**os.environ, "MEMFIT_PORT": "1", "MEMFIT_DATA_DIR": str(tmp_path), "MEMFIT_TOKEN": "s3cret"}
     run = functools.partial(subprocess.run, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     helped = run([sys.executable, "-m", "service", "--help"])
     assert helped.returncode == 0
-    for name in Settings.model_fields:
-        assert f"MEMFIT_{name.upper()}" in helped.stdout
-    assert "MEMFIT_PORT                                 8000" in helped.stdout
+    listed = {ln.split()[0]: ln.split(None, 1)[1] for ln in helped.stdout.splitlines() if ln.startswith("  MEMFIT_")}
+    assert set(listed) == {f"MEMFIT_{name.upper()}" for name in Settings.model_fields} | {
+        "MEMFIT_STREAM_CACHE",
+        "MEMFIT_ALLOCATOR_STREAMS",
+    }
+    assert listed["MEMFIT_PORT"] == "8000 (set: 1)" and listed["MEMFIT_HOST"] == "127.0.0.1"
+    assert listed["MEMFIT_TOKEN"] == "unset (set: ***)" and "s3cret" not in helped.stdout
+    assert listed["MEMFIT_ALLOCATOR_STREAMS"].startswith("cache")
     refused = run([sys.executable, "-m", "service", "recommend", "--model", "gpt2"])
     assert refused.returncode == 2 and "unrecognized arguments: recommend --model gpt2" in refused.stderr
     assert "serving on" not in refused.stderr and not list(tmp_path.iterdir())  # nothing started, nothing written

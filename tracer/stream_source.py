@@ -54,9 +54,13 @@ class Refusal:
     final: bool
 
 
+#: the variable naming the folder of cached streams and templates, and its default
+STREAM_CACHE_ENV, STREAM_CACHE_DEFAULT = "MEMFIT_STREAM_CACHE", "~/.cache/memfit/allocation_streams"
+
+
 def stream_cache_dir() -> Path:
     """``$MEMFIT_STREAM_CACHE`` or ``~/.cache/memfit/allocation_streams``."""
-    return Path(os.environ.get("MEMFIT_STREAM_CACHE") or "~/.cache/memfit/allocation_streams").expanduser()
+    return Path(os.environ.get(STREAM_CACHE_ENV) or STREAM_CACHE_DEFAULT).expanduser()
 
 
 def trace_policy_name(generation: str = DEFAULT_GENERATION) -> str:
