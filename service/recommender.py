@@ -684,11 +684,11 @@ def _missing_stream_reason(source: Any) -> str:
         how = (
             f"the full model's, as its template does not compose ({source.compose_failed})"
             if getattr(source, "compose_failed", None)
-            else "a template model's, or the full model's where no template applies; seconds each"
+            else "a template model's, or the full model's where no template applies"
         )
         return (
-            f"the allocation streams of this configuration are being recorded in the tracing process ({how}; the "
-            "k the search visits next with them); ask again for the fit decided by the caching-allocator simulation"
+            f"the allocation streams of this configuration are being recorded in the tracing process: {how}, "
+            "seconds each; ask again for the fit decided by the caching-allocator simulation"
         )
     return (
         "no allocation stream recorded yet for this configuration; `memfit recommend` records it locally "
