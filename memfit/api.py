@@ -6,7 +6,7 @@ Sizes are bytes; ``*_gib`` inputs are accepted at the edge and converted (1 GiB 
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, model_validator
 
@@ -544,6 +544,13 @@ class Recommendation(BaseModel):
         description="simulated (the step replayed through a model of PyTorch's caching allocator) or allowance "
         "(allocated bound x the measured reserved / allocated ratio, with allocator_room_bytes kept free; the "
         "warnings say why); fallback in the client's answer when the service gave none",
+    )
+    pending: list[Literal["terms", "allocation streams"]] = Field(
+        [],
+        description="what the service is still working out for this answer, which may change it: 'terms' (this "
+        "configuration's trace for the GPU, queued, running or deferred by a full queue), 'allocation streams' "
+        "(being recorded, or refused for now by a full queue, for the fit decision); ask again until empty. "
+        "Empty: the answer is final for this model version",
     )
     allocator_cap_bytes: int | None = Field(
         None, description="what the caching allocator may reserve: usable bytes less memory outside PyTorch"

@@ -183,14 +183,37 @@ class CurveCache:
         pending = getattr(getattr(self.predictor, "tracer", None), "pending", ())
         return c.path == PROVISIONAL and c.terms_key is not None and c.terms_key in pending
 
-    def curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None) -> Curve:
+    @staticmethod
+    def _key(model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None) -> tuple[str, ...]:
         gen = TARGET_GENERATION.get()
-        key = (
+        return (
             model.model_dump_json(),
             training.model_dump_json(exclude={"checkpoint_layers"}),
             json.dumps(hf_config, sort_keys=True),
             gen.value if gen is not None else "",
         )
+
+    def waits(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None) -> bool:
+        """Whether the cached curve of this configuration (for the request's GPU generation) waits for traced
+        terms that the background tracer has queued, is running or deferred by a full queue: the generation's
+        (answered from the CPU-semantics terms meanwhile) or its own (answered provisional meanwhile). False for a
+        curve not cached, a trace that failed, or a process without a background tracer."""
+        key = self._key(model, training, hf_config)
+        with self._lock:
+            hit = self._curves.get(key)
+            awaited = self._awaiting.get(key)
+        tracer = getattr(self.predictor, "tracer", None)
+
+        def queued(terms_key: str) -> bool:
+            return terms_key in getattr(tracer, "pending", ()) or terms_key in getattr(tracer, "deferred", ())
+
+        if awaited is not None:
+            return queued(awaited) and self.predictor.terms.get(awaited) is None
+        c = hit[0] if hit is not None else None
+        return c is not None and c.path == PROVISIONAL and c.terms_key is not None and queued(c.terms_key)
+
+    def curve(self, model: ModelSpec, training: TrainingConfig, hf_config: dict[str, Any] | None = None) -> Curve:
+        key = self._key(model, training, hf_config)
         now = time.monotonic()
         with self._lock:
             hit = self._curves.get(key)
@@ -426,6 +449,13 @@ class Recommender:
         if expandable is not None:  # changes no numerics: offered first
             alternatives = [expandable, *alternatives]
         reserved = p.reserved.reserved_bytes
+        pending = []
+        if self.curves.waits(spec, training, job.hf_config):
+            pending.append("terms")
+        if p.reserved.method == "allowance":
+            source, _ = self._stream_source(job)
+            if source is not None and not source.failed and (source.requested or source.deferred):
+                pending.append("allocation streams")
         return Recommendation(
             fits=p.fits,
             k=p.k,
@@ -453,6 +483,7 @@ class Recommender:
             allocator_settings=settings.conf,
             allocator_settings_assumed=settings.describe(),
             fit_method=p.reserved.method,
+            pending=pending,
             allocator_cap_bytes=p.reserved.cap_bytes,
             allocator_room_bytes=p.reserved.room_bytes,
             breakdown=at.breakdown,

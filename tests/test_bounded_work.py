@@ -144,6 +144,7 @@ def test_an_overflowing_request_is_answered_provisional_with_tracing_deferred(cl
             time.sleep(0.05)
         tracer.runner = old
     assert all(a["path"] == "provisional" for a in answers)
+    assert all(a["pending"] == ["terms"] for a in answers)  # queued, or deferred: asked again
     assert not any("tracing deferred" in w for a in answers[:2] for w in a["warnings"])
     assert any("tracing deferred" in w and "at most 2" in w for w in answers[2]["warnings"])
 

@@ -213,3 +213,55 @@ def test_recommend_without_a_gpu_name_assumes_sm90_and_says_so():
     answer = traced_only_client().post("/recommend", json=body).json()
     assert any(w.startswith("no GPU named (memory only): the kernels assumed are sm90's") for w in answer["warnings"])
     assert any("flash on sm90" in w for w in answer["warnings"])
+
+
+def test_an_answer_waiting_for_its_generations_trace_says_so_until_it_arrives():
+    """An A100 request whose configuration CUDA runs differently (gpt2's dropout) is answered from the CPU-semantics
+    terms while the sm80 trace runs: the answer lists "terms" in ``pending`` (ask again); once the trace is in, the
+    answer is final (``pending`` empty) and no longer says it was answered from the CPU's kernels."""
+    import threading
+    import time
+
+    from memfit.api import RecommendRequest
+    from model.registry import Registry
+    from model.terms import TermsCache
+    from service.recommender import Recommender
+    from service.tracing import BackgroundTracer
+
+    terms = TermsCache()
+    release = threading.Event()
+    gpt2, amp = hf_config_of("gpt2"), _training(precision="amp_bf16")
+
+    def runner(hf_config, training, timeout_s, generation=None):  # stands in for the sm80 trace: the CPU's terms
+        release.wait(30)
+        with cs.target_generation(None):
+            return terms.get(terms_key(hf_config, training))
+
+    tracer = BackgroundTracer(terms, runner=runner)
+    loaded = Registry().load()
+    rec = Recommender(loaded.estimator, loaded.version, terms=terms, tracer=tracer, coefficients=loaded.coefficients)
+    req = RecommendRequest.model_validate(
+        {
+            "model": "gpt2",
+            "training": {"micro_batch_size": 2, "seq_len": 512, "precision": "amp_bf16"},
+            "cluster": {"gpu": "A100-80GB"},
+        }
+    )
+    try:
+        first = rec.recommend(req)
+        assert first.pending == ["terms"] and first.path == "traced"
+        assert any(w.startswith("answered from terms traced with the CPU's kernels") for w in first.warnings)
+        release.set()
+        with cs.target_generation("A100-80GB"):
+            sm80_key = terms_key(gpt2, amp)
+        for _ in range(200):
+            if terms.get(sm80_key) is not None and not tracer.pending:
+                break
+            time.sleep(0.05)
+        time.sleep(rec.curves.recheck_s)
+        final = rec.recommend(req)
+        assert final.pending == [] and final.path == "traced"
+        assert not any(w.startswith("answered from terms traced with the CPU's kernels") for w in final.warnings)
+    finally:
+        release.set()
+        tracer.shutdown()

@@ -95,7 +95,7 @@ def _ask(recommender, job, conf: str, **extra):
 def test_k_is_the_smallest_that_ran_or_one_more(recommender, job, setting, conf):
     rec = _ask(recommender, job, conf)
     measured = MEASURED[job.name][setting]
-    assert rec.fit_method == "simulated"
+    assert rec.fit_method == "simulated" and rec.pending == []
     assert rec.allocator_settings == conf
     assert rec.allocator_settings_assumed == setting
     if measured is None:  # nothing ran on the GPU: memfit must not promise a k
@@ -345,6 +345,7 @@ def test_a_missing_stream_is_not_recorded_by_the_service_and_the_answer_says_so(
         )
     )
     assert rec.fit_method == "allowance" and list(tmp_path.rglob("*.npz")) == []  # no stream (a period memo at most)
+    assert rec.pending == []  # nothing asked for: asking again changes nothing
     (note,) = [w for w in rec.warnings if w.startswith("allocator not simulated")]
     assert "no allocation stream recorded yet" in note and "1.079" in note  # the default allocator's median
     # the default allocator keeps its largest request free, as the simulated step does: here the embedding's fp32
@@ -370,7 +371,7 @@ def test_the_first_answer_says_its_missing_streams_are_being_recorded(tmp_path, 
             {"model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 2048}, "cluster": {"gpu": "H200"}}
         )
     )
-    assert rec.fit_method == "allowance" and asked
+    assert rec.fit_method == "allowance" and asked and rec.pending == ["allocation streams"]
     (note,) = [w for w in rec.warnings if w.startswith("allocator not simulated")]
     assert "being recorded in the tracing process" in note and "no allocation stream recorded yet" not in note
 
@@ -392,7 +393,7 @@ def test_an_answer_whose_stream_requests_were_refused_for_a_full_queue_says_so(t
             {"model": "llama-3-8b", "training": {"micro_batch_size": 1, "seq_len": 2048}, "cluster": {"gpu": "H200"}}
         )
     )
-    assert rec.fit_method == "allowance"
+    assert rec.fit_method == "allowance" and rec.pending == ["allocation streams"]  # asked again next time
     (note,) = [w for w in rec.warnings if w.startswith("allocator not simulated")]
     assert "queue is full (8 configurations are queued (at most 8))" in note and "being recorded in" not in note
 
