@@ -9,7 +9,11 @@ Connection errors, timeouts and 5xx answers are retried (``retries`` times, expo
 starting at ``backoff_s``). When the service still cannot answer and ``strict=False`` (the default),
 :meth:`Client.recommend` returns a :class:`FallbackRecommendation`: the stated safe plan **checkpoint every
 layer**, ``model_version="fallback"``, with the reason in ``warnings``, and logs one warning on the ``memfit``
-logger. With ``strict=True`` it raises instead. A request that is invalid (checked here before any I/O) or that the
+logger. With ``strict=True`` it raises instead. An answer the service is still working on (its ``pending`` not empty:
+the configuration's trace for the named GPU, or the fit decision's allocation streams, still running) is asked for
+again until it is final, for up to ``final_wait_s`` seconds; one still pending then is treated as no answer (the
+fallback, or :class:`ServiceError` when strict), because an interim k can be too small for the GPU (gpt2-medium
+amp_fp16 micro-batch 4 on a T4: interim k = 7, final k = 10). A request that is invalid (checked here before any I/O) or that the
 service rejects (4xx: an unknown model, a value out of range) always raises, naming the field: it would fail the same
 way on every call, and a fallback would hide the mistake behind a plan that costs a third of a forward pass.
 
@@ -44,6 +48,14 @@ log = logging.getLogger("memfit")
 #: rate limiting (429); RFC 9110 Sec. 15.5.9 and 15.6, RFC 6585 Sec. 4
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
+
+#: how long :meth:`Client.recommend` asks again, by default, for an answer whose ``pending`` is not empty, seconds: a
+#: configuration's trace for a GPU generation and its allocation streams take 3-13 s on a 2-core service
+#: (``benchmarks/results/s32_benchmark_check.txt``), longer behind a queue
+FINAL_WAIT_S = 120.0
+
+#: the longest pause between two asks for a final answer, seconds (the service rechecks a waiting curve every 1 s)
+MAX_FINAL_POLL_S = 2.0
 
 #: the longest ``Retry-After`` waited between two attempts, seconds (the backoff itself is capped at 4 s)
 MAX_RETRY_WAIT_S = 8.0
@@ -179,9 +191,12 @@ class Client:
         backoff_s: first backoff in seconds; doubles per retry (capped at 4 s); a longer ``Retry-After`` of a
             429/503 is waited instead, up to :data:`MAX_RETRY_WAIT_S`.
         transport: an ``httpx`` transport (tests: ``httpx.MockTransport``).
+        final_wait_s: how long :meth:`recommend` asks again for an answer whose ``pending`` is not empty (0: return
+            the first answer as it is, for callers that poll themselves).
 
     Raises:
-        ValueError: ``url`` not an http(s) URL with a host; ``retries`` < 0; ``timeout_s`` <= 0.
+        ValueError: ``url`` not an http(s) URL with a host; ``retries`` < 0; ``timeout_s`` <= 0;
+            ``final_wait_s`` < 0.
     """
 
     def __init__(
@@ -194,6 +209,7 @@ class Client:
         *,
         backoff_s: float = 0.25,
         transport: httpx.BaseTransport | None = None,
+        final_wait_s: float = FINAL_WAIT_S,
     ):
         try:
             parsed = httpx.URL(url) if isinstance(url, str) else None
@@ -205,9 +221,11 @@ class Client:
             raise ValueError(f"retries={retries} must be >= 0")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        if not final_wait_s >= 0:
+            raise ValueError(f"final_wait_s={final_wait_s} must be >= 0 (0: return the first answer as it is)")
         self.url = url.rstrip("/")
         self.token, self.timeout_s, self.retries, self.strict = token, timeout_s, retries, strict
-        self.backoff_s = backoff_s
+        self.backoff_s, self.final_wait_s = backoff_s, final_wait_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers, transport=transport)
         # a client never closed (``memfit.Client(url).recommend(...)``) closes its connections when collected
@@ -270,10 +288,14 @@ class Client:
         Give either ``request`` or ``model`` + ``training`` + ``cluster`` (+ ``headroom_fraction``
         0..0.9, ``layout`` ``block``/``even``). Byte fields of the answer are per device.
 
+        An answer whose ``pending`` is not empty is asked for again (pauses of 0.5 s doubling to
+        :data:`MAX_FINAL_POLL_S`) until it is final, for up to the client's ``final_wait_s``.
+
         Returns:
-            :class:`memfit.api.Recommendation`; when the service cannot answer (unreachable, timed out, 5xx
-            after retries, an unreadable answer) and ``strict=False``, a :class:`FallbackRecommendation`
-            (checkpoint every layer), with one warning logged.
+            :class:`memfit.api.Recommendation`, final (``pending`` empty) unless ``final_wait_s`` is 0; when the
+            service cannot answer (unreachable, timed out, 5xx after retries, an unreadable answer, or none final
+            within ``final_wait_s``) and ``strict=False``, a :class:`FallbackRecommendation` (checkpoint every
+            layer), with one warning logged.
 
         Raises:
             TypeError: neither ``request`` nor all of ``model``/``training``/``cluster`` given.
@@ -290,25 +312,46 @@ class Client:
             )
         elif not isinstance(request, RecommendRequest):
             request = RecommendRequest.model_validate(request)
+        body = request.model_dump(mode="json", exclude_none=True)
         try:
-            r = self._request("POST", "/recommend", json=request.model_dump(mode="json", exclude_none=True))
+            rec = self._recommend_once(body)
+            deadline, pause_s = time.monotonic() + self.final_wait_s, 0.5
+            while rec.pending and time.monotonic() + pause_s <= deadline:
+                time.sleep(pause_s)
+                pause_s = min(2 * pause_s, MAX_FINAL_POLL_S)
+                rec = self._recommend_once(body)
         except ServiceError as err:
             if self.strict:
                 raise
             fb = fallback_recommendation(request, str(err))
             log.warning("memfit: %s", fb.warnings[0])
             return fb
+        if rec.pending and self.final_wait_s > 0:
+            reason = (
+                f"the answer was not final after {self.final_wait_s:g}s (still working out: {', '.join(rec.pending)}; "
+                f"its interim k = {rec.k} can be too small): ask again later, or raise final_wait_s"
+            )
+            if self.strict:
+                raise ServiceError(f"POST {self.url}/recommend: {reason}")
+            fb = fallback_recommendation(request, reason)
+            log.warning("memfit: %s", fb.warnings[0])
+            return fb
+        return rec
+
+    def _recommend_once(self, body: dict[str, Any]) -> Recommendation:
+        """One ``POST /recommend`` of ``body``.
+
+        Raises:
+            RequestRejected: a 4xx answer. ServiceError: no answer after the retries, or an unreadable one.
+        """
+        r = self._request("POST", "/recommend", json=body)
         if r.status_code >= 400:
             raise _rejected(r, "request")
         try:
             return Recommendation.model_validate(r.json())
         except (ValueError, ValidationError) as err:
-            if self.strict:
-                raise ServiceError(f"POST {self.url}/recommend: unreadable answer: {err}", r.status_code) from err
-            reason = f"unreadable answer: {_short(err) if isinstance(err, ValidationError) else err}"
-            fb = fallback_recommendation(request, reason)
-            log.warning("memfit: %s", fb.warnings[0])
-            return fb
+            detail = _short(err) if isinstance(err, ValidationError) else str(err)
+            raise ServiceError(f"POST {self.url}/recommend: unreadable answer: {detail}", r.status_code) from err
 
     def predict(self, request: PredictRequest | dict[str, Any]) -> PredictResponse:
         """``POST /predict`` for fully specified configurations (k included).

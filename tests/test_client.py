@@ -158,7 +158,7 @@ def test_an_unreadable_answer_falls_back_unless_strict():
         return httpx.Response(200, json={"k": "three"})
 
     rec = mock_client(garbled).recommend(**REQ)
-    assert is_fallback(rec) and rec.reason.startswith("unreadable answer")
+    assert is_fallback(rec) and "/recommend: unreadable answer" in rec.reason
     with pytest.raises(ServiceError, match="unreadable answer"):
         mock_client(garbled, strict=True).recommend(**REQ)
 
@@ -553,3 +553,68 @@ def test_a_retry_after_is_waited_up_to_its_cap(monkeypatch):
     client = Client("http://memfit.test", transport=httpx.MockTransport(lambda r: answers.pop(0)), retries=2)
     client.recommend(model="llama-3-8b", training={"micro_batch_size": 1, "seq_len": 512}, cluster={"gpu": "H100-80GB"})
     assert slept == [3.0, client_module.MAX_RETRY_WAIT_S] and not answers
+
+
+class _Clock:
+    """Stands in for ``time`` in memfit.client: sleeping advances the monotonic clock."""
+
+    def __init__(self):
+        self.now_s, self.slept = 0.0, []
+
+    def monotonic(self) -> float:
+        return self.now_s
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now_s += seconds
+
+
+def test_an_answer_still_pending_is_asked_for_again_until_final(monkeypatch):
+    """Helper 36: a T4 request (gpt2-medium amp_fp16 micro-batch 4) was answered k = 7 while its sm75 trace ran and
+    k = 10 once it was in; a training script applying the first answer would run out of memory."""
+    import memfit.client as client_module
+
+    clock = _Clock()
+    monkeypatch.setattr(client_module, "time", clock)
+    answers = [
+        answer(k=7, layers=list(range(7)), pending=["terms", "allocation streams"]),
+        answer(k=11, layers=list(range(11)), pending=["allocation streams"]),
+        answer(k=10, layers=list(range(10)), pending=[]),
+    ]
+    seen = []
+
+    def handler(request):
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json=answers.pop(0))
+
+    rec = mock_client(handler).recommend(**REQ)
+    assert rec.k == 10 and rec.pending == [] and not is_fallback(rec) and not answers
+    assert clock.slept == [0.5, 1.0] and len(seen) == 3 and seen[0] == seen[2]  # the same request asked again
+    # final_wait_s=0: the first answer as it is, pending and all (the caller polls itself)
+    answers[:] = [answer(k=7, pending=["terms"])]
+    rec = mock_client(handler, final_wait_s=0).recommend(**REQ)
+    assert rec.k == 7 and rec.pending == ["terms"] and clock.slept == [0.5, 1.0]
+
+
+def test_an_answer_never_final_falls_back_to_every_layer_or_raises_when_strict(monkeypatch, caplog):
+    import memfit.client as client_module
+
+    clock = _Clock()
+    monkeypatch.setattr(client_module, "time", clock)
+    calls = []
+
+    def handler(request):
+        calls.append(1)
+        return httpx.Response(200, json=answer(k=7, layers=list(range(7)), pending=["terms"]))
+
+    with caplog.at_level(logging.WARNING, logger="memfit"):
+        rec = mock_client(handler, final_wait_s=10).recommend(**HF_REQ)
+    assert is_fallback(rec) and rec.k == 6 and rec.layers == list(range(6))  # every layer of the 6-layer config
+    assert "not final after 10s" in rec.reason and "terms" in rec.reason and "interim k = 7" in rec.reason
+    # pauses 0.5, 1, 2, 2, 2, 2 (9.5 s); the next 2 s pause would pass the 10 s deadline: seven asks in all
+    assert clock.slept == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0] and len(calls) == 7
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [f"memfit: {rec.warnings[0]}"]
+    with pytest.raises(ServiceError, match=r"not final after 3s \(still working out: terms"):
+        mock_client(handler, final_wait_s=3, strict=True).recommend(**REQ)
+    with pytest.raises(ValueError, match="final_wait_s=-1 must be >= 0"):
+        mock_client(handler, final_wait_s=-1)
