@@ -448,7 +448,7 @@ class CurvePointOut(BaseModel):
     k: int
     predicted_bytes: int
     upper_bytes: int
-    total_upper_bytes: int
+    total_upper_bytes: int = Field(description="as the answer's total_upper_bytes, at this k")
     predicted_reserved_bytes: int | None = Field(
         None,
         description="predicted peak reserved bytes (max_memory_reserved) at k with the allocator settings assumed, "
@@ -515,7 +515,11 @@ class Recommendation(BaseModel):
     num_layers: int
     predicted_peak_bytes: int = Field(description="predicted peak allocated bytes at k")
     upper_bound_bytes: int = Field(description="calibrated upper bound of allocated bytes at k")
-    total_upper_bytes: int = Field(description="upper bound + overhead: what must fit")
+    total_upper_bytes: int = Field(
+        description="upper bound + overhead: memory outside PyTorch, the cuBLAS workspaces and, with fit_method "
+        "allowance, the allocator allowance (what must fit); with fit_method simulated the allocator's share is in "
+        "predicted_reserved_bytes instead and `fits` comes from the step replayed under the cap"
+    )
     capacity_bytes: int
     usable_bytes: int = Field(description="capacity x (1 - headroom)")
     shortfall_bytes: int = 0
@@ -600,7 +604,17 @@ class PredictRequest(_In):
 class Prediction(BaseModel):
     predicted_peak_bytes: int
     upper_bound_bytes: int
-    total_upper_bytes: int | None = Field(None, description="upper bound + overhead when a cluster was given")
+    total_upper_bytes: int | None = Field(
+        None,
+        description="when a cluster is given: upper bound + memory outside PyTorch + the cuBLAS workspaces + the "
+        "allocator allowance (the allocated bound x the measured reserved/allocated ratio: fit_method allowance), "
+        "as /recommend's curve gives it where it answers by allowance; where /recommend replays the step through the "
+        "caching-allocator model (its fit_method simulated) its total_upper_bytes leaves the allowance out and its "
+        "predicted_reserved_bytes carries the allocator. None without a cluster",
+    )
+    fit_method: str | None = Field(
+        None, description="allowance when a cluster is given (how total_upper_bytes counts the allocator), else None"
+    )
     breakdown: dict[str, int]
     num_layers: int
     k: int

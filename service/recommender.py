@@ -417,6 +417,7 @@ class Recommender:
             predicted_peak_bytes=p.predicted_bytes,
             upper_bound_bytes=p.upper_bytes,
             total_upper_bytes=total,
+            fit_method="allowance" if item.cluster is not None else None,
             breakdown=p.breakdown,
             num_layers=spec.num_layers,
             k=item.k,

@@ -192,6 +192,7 @@ def test_predict_equals_recommend_at_every_k(recommender, model, training):
         )
         assert p.predicted_peak_bytes == point.predicted_bytes and p.upper_bound_bytes == point.upper_bytes
         assert p.total_upper_bytes == point.total_upper_bytes and p.path == rec.path
+        assert p.fit_method == rec.fit_method == "allowance"  # no stream recorder: /recommend answers by allowance
     assert sum(rec.breakdown.values()) == rec.predicted_peak_bytes
     expected = (
         PROVISIONAL if model.startswith("mixtral") or model == "gpt2-xl" and "frozen_layers" in training else TRACED
