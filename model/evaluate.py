@@ -549,7 +549,12 @@ class CurveEstimator:
         return MemoryPredictor(estimator, terms, margins, coefficients=coefficients)
 
     def _curves(self, predictor, X: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, list[str]]:
-        """(point, bound, margin group) per row of ``X``: one curve per configuration family."""
+        """(point, bound, margin group) per row of ``X``: one curve per configuration family.
+
+        A row of one pipeline stage (``pipeline_stage`` given, ``pipeline_parallel_size`` > 1) is that stage's
+        peak, so it is answered by the stage's composed peak at k (:attr:`model.parallel.ParallelCurve.
+        stage_peak_bytes`) with the curve's relative margin, not by the bottleneck stage's the answer gives.
+        """
         from model.curve import margin_group
 
         cols = [c for c in FAMILY_COLUMNS if c in X.columns]
@@ -561,8 +566,14 @@ class CurveEstimator:
             job = row_configuration(g.iloc[0].to_dict())
             c = predictor.curve(job.spec, job.training, job.hf_config)
             mg = c.margin_group or margin_group(c.path, job.training.sharding, c.learned_coefficients)
+            stage = g.iloc[0].get("pipeline_stage")
+            per_stage = c.pipeline is not None and len(c.pipeline.stages) > 1 and not pd.isna(stage)
             for i, k in zip(g.index, g["num_checkpointed_layers"].astype(int)):
-                pred[i], upper[i], group[i] = c.points[k].predicted_bytes, c.points[k].upper_bytes, mg
+                if per_stage:
+                    p = int(c.pipeline.stage_peak_bytes[k, int(stage)])
+                    pred[i], upper[i], group[i] = p, math.ceil(p * (1 + predictor.margins[mg])), mg
+                else:
+                    pred[i], upper[i], group[i] = c.points[k].predicted_bytes, c.points[k].upper_bytes, mg
         return pred, upper, group
 
     def fit(self, X: pd.DataFrame, y, groups=None, provisional=None) -> CurveEstimator:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 import numpy as np
 import pandas as pd
@@ -20,7 +21,7 @@ from data import catalog
 from data.store import TelemetryStore
 from memfit.schema import GIB, ClusterSpec, Measurement, TelemetryRecord, TrainingConfig
 from model.analytic import analytic_estimate
-from model.evaluate import FAMILY_COLUMNS, load_rows, metrics, oracle_eval
+from model.evaluate import FAMILY_COLUMNS, load_rows, metrics, oracle_eval, row_configuration
 from model.features import FEATURE_NAMES
 from model.registry import Registry
 from training.retrain import EXIT_BAD_INPUT, EXIT_NOT_PROMOTED, EXIT_OK, main, promotion_decision
@@ -407,3 +408,44 @@ def test_retrain_registers_learned_coefficients_and_the_service_serves_them(db, 
     one.write_text(one.read_text().replace("tree", "tre", 1))
     with pytest.raises(IncompatibleArtifact, match="does not match"):
         reg.load("0001")
+
+
+def test_a_pipeline_stage_row_is_scored_against_that_stage_not_the_bottleneck():
+    """A pipelined job reports each stage's peak (``Measurement.pipeline_stage``); the evaluation compared every
+    stage's row with the bottleneck stage's answer, so the last stage of a 1F1B pipeline (one micro-batch in
+    flight, 16 layers) read as over-predicted by the first stage's activations."""
+    from model.evaluate import CurveEstimator
+    from model.terms import TermsCache
+    from tests.helpers import record
+
+    spec = catalog.spec("llama-3-8b").model_dump()
+    training = {"micro_batch_size": 1, "seq_len": 4096, "pipeline_parallel_size": 2, "num_micro_batches": 4}
+    rows = []
+    for stage in (0, 1, None):
+        for k in (0, 8):
+            r = record(
+                **spec,
+                **training,
+                checkpoint_layers=list(range(k)),
+                gpu_count=2,
+                device_memory_bytes=80 << 30,
+                pipeline_stage=stage,
+            )
+            rows.append(r.to_row())
+    X = pd.DataFrame(rows)
+    est = CurveEstimator(TermsCache())
+    est.provisional_, est.margins_ = None, {}
+    pred, upper = est.predict_both(X)
+    job = row_configuration(X.iloc[0].to_dict())
+    predictor = est._predictor(None, {})
+    c = predictor.curve(job.spec, job.training, job.hf_config)
+    assert c.path == "traced" and c.pipeline is not None and len(c.pipeline.stages) == 2
+    margin = predictor.margins[est.path_[0]]
+    for i, (stage, k) in enumerate([(0, 0), (0, 8), (1, 0), (1, 8), (None, 0), (None, 8)]):
+        if stage is None:  # not said: the answer's (bottleneck) peak, as before
+            assert (pred[i], upper[i]) == (c.points[k].predicted_bytes, c.points[k].upper_bytes)
+        else:
+            assert pred[i] == c.pipeline.stage_peak_bytes[k, stage]
+            assert upper[i] == math.ceil(pred[i] * (1 + margin))
+    # 1F1B: the first stage holds two micro-batches' activations, the last one: stage 1 peaks lower at k = 0
+    assert pred[2] < pred[0] <= pred[4]
