@@ -101,6 +101,13 @@ def gpu_memory_bytes(name: str) -> int:
 StrictInt = Annotated[int, Strict()]
 
 
+#: how long a client asks again, by default, for a ``/recommend`` answer whose ``pending`` is not empty, seconds
+#: (:class:`memfit.client.Client`, ``memfit recommend --url``): a configuration's trace for a GPU generation and its
+#: allocation streams take 3-13 s on a 2-core service (``benchmarks/results/s32_benchmark_check.txt``), longer
+#: behind a queue
+FINAL_WAIT_S = 120.0
+
+
 class _In(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

@@ -25,12 +25,15 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
+from math import inf
 from typing import Any, Self
 
 import httpx
 from pydantic import Field, ValidationError
 
 from memfit.api import (
+    FINAL_WAIT_S,
     ArchitectureIn,
     ClusterIn,
     PredictRequest,
@@ -48,11 +51,6 @@ log = logging.getLogger("memfit")
 #: rate limiting (429); RFC 9110 Sec. 15.5.9 and 15.6, RFC 6585 Sec. 4
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
-
-#: how long :meth:`Client.recommend` asks again, by default, for an answer whose ``pending`` is not empty, seconds: a
-#: configuration's trace for a GPU generation and its allocation streams take 3-13 s on a 2-core service
-#: (``benchmarks/results/s32_benchmark_check.txt``), longer behind a queue
-FINAL_WAIT_S = 120.0
 
 #: the longest pause between two asks for a final answer, seconds (the service rechecks a waiting curve every 1 s)
 MAX_FINAL_POLL_S = 2.0
@@ -136,9 +134,12 @@ def _layer_count(model: Any) -> int:
     return next((cfg[key] for key in NUM_LAYERS_KEYS if isinstance(cfg.get(key), int) and cfg[key] > 0), 0)
 
 
-def fallback_recommendation(request: RecommendRequest | None, reason: str) -> FallbackRecommendation:
+def fallback_recommendation(
+    request: RecommendRequest | None, reason: str, may_not_fit: bool = False
+) -> FallbackRecommendation:
     """The safe "checkpoint every layer" plan for ``request`` (None: the layer count unknown); see
-    :class:`FallbackRecommendation`."""
+    :class:`FallbackRecommendation`. ``may_not_fit``: the service's interim answer found no k that fits, so the
+    warning calls the plan the most memory-saving one, not a safe one."""
     L = _layer_count(request.model) if request is not None else 0
     capacity = 0
     if request is not None:
@@ -164,10 +165,13 @@ def fallback_recommendation(request: RecommendRequest | None, reason: str) -> Fa
         recompute_overhead_fraction=round(1 / 3, 4) if L else 0.0,
         model_version=FALLBACK_VERSION,
         warnings=[
-            (
-                f"memfit service gave no answer ({reason}); safe fallback: checkpoint every layer "
-                "(memory fit not predicted, ~33% extra forward compute)"
+            f"memfit service gave no answer ({reason}); "
+            + (
+                "fallback: checkpoint every layer, the most memory it can save (it may still run out of memory; "
+                if may_not_fit
+                else "safe fallback: checkpoint every layer (memory fit not predicted, "
             )
+            + "~33% extra forward compute)"
         ],
         reason=reason,
     )
@@ -196,7 +200,7 @@ class Client:
 
     Raises:
         ValueError: ``url`` not an http(s) URL with a host; ``retries`` < 0; ``timeout_s`` <= 0;
-            ``final_wait_s`` < 0.
+            ``final_wait_s`` not a finite number >= 0.
     """
 
     def __init__(
@@ -221,8 +225,11 @@ class Client:
             raise ValueError(f"retries={retries} must be >= 0")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
-        if not final_wait_s >= 0:
-            raise ValueError(f"final_wait_s={final_wait_s} must be >= 0 (0: return the first answer as it is)")
+        if isinstance(final_wait_s, bool) or not isinstance(final_wait_s, (int, float)) or not 0 <= final_wait_s < inf:
+            raise ValueError(
+                f"final_wait_s={final_wait_s!r} must be a finite number of seconds >= 0 (0: return the first answer "
+                "as it is)"
+            )
         self.url = url.rstrip("/")
         self.token, self.timeout_s, self.retries, self.strict = token, timeout_s, retries, strict
         self.backoff_s, self.final_wait_s = backoff_s, final_wait_s
@@ -282,6 +289,7 @@ class Client:
         cluster: ClusterIn | dict[str, Any] | None = None,
         headroom_fraction: float = 0.05,
         layout: str = "block",
+        waiting: Callable[[Recommendation, float], None] | None = None,
     ) -> Recommendation:
         """``POST /recommend``: the smallest k that fits, its layers and the curve over k.
 
@@ -289,7 +297,9 @@ class Client:
         0..0.9, ``layout`` ``block``/``even``). Byte fields of the answer are per device.
 
         An answer whose ``pending`` is not empty is asked for again (pauses of 0.5 s doubling to
-        :data:`MAX_FINAL_POLL_S`) until it is final, for up to the client's ``final_wait_s``.
+        :data:`MAX_FINAL_POLL_S`, the last ask at the deadline) until it is final, for up to the client's
+        ``final_wait_s`` (a request under way at the deadline is finished). ``waiting(interim, seconds_left)`` is
+        called before each pause (e.g. to tell the user why the answer takes longer).
 
         Returns:
             :class:`memfit.api.Recommendation`, final (``pending`` empty) unless ``final_wait_s`` is 0; when the
@@ -316,8 +326,10 @@ class Client:
         try:
             rec = self._recommend_once(body)
             deadline, pause_s = time.monotonic() + self.final_wait_s, 0.5
-            while rec.pending and time.monotonic() + pause_s <= deadline:
-                time.sleep(pause_s)
+            while rec.pending and (left_s := deadline - time.monotonic()) > 0:
+                if waiting is not None:
+                    waiting(rec, left_s)
+                time.sleep(min(pause_s, left_s))  # the last ask at the deadline
                 pause_s = min(2 * pause_s, MAX_FINAL_POLL_S)
                 rec = self._recommend_once(body)
         except ServiceError as err:
@@ -327,13 +339,18 @@ class Client:
             log.warning("memfit: %s", fb.warnings[0])
             return fb
         if rec.pending and self.final_wait_s > 0:
+            interim = (
+                f"its interim k = {rec.k} can be too small"
+                if rec.fits
+                else "its interim answer: no k fits, so checkpointing every layer may not fit either"
+            )
             reason = (
                 f"the answer was not final after {self.final_wait_s:g}s (still working out: {', '.join(rec.pending)}; "
-                f"its interim k = {rec.k} can be too small): ask again later, or raise final_wait_s"
+                f"{interim}): ask again later, or raise final_wait_s"
             )
             if self.strict:
                 raise ServiceError(f"POST {self.url}/recommend: {reason}")
-            fb = fallback_recommendation(request, reason)
+            fb = fallback_recommendation(request, reason, may_not_fit=not rec.fits)
             log.warning("memfit: %s", fb.warnings[0])
             return fb
         return rec

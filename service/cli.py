@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from memfit.alloc_conf import alloc_conf_from_env
-from memfit.api import GPUS, OPTIMIZER_ALIASES, Recommendation, RecommendRequest, TrainingIn
+from memfit.api import FINAL_WAIT_S, GPUS, OPTIMIZER_ALIASES, Recommendation, RecommendRequest, TrainingIn
 from memfit.errors import MemfitError, close_names
 from memfit.schema import (
     Attention,
@@ -143,6 +143,17 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0 (got {text})")
+    return value
+
+
+def _wait_seconds(text: str) -> float:
+    """``--final-wait-s``: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0 (got {text})")
     return value
 
 
@@ -426,7 +437,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--registry", type=Path, metavar="DIR", help="local model registry folder (default: the shipped data/models)"
     )
     o.add_argument(
-        "--timeout-s", type=_seconds, default=10.0, metavar="SECONDS", help="service timeout in seconds (default: 10)"
+        "--timeout-s",
+        type=_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="with --url: timeout of each request to the service, in seconds (default: 10)",
+    )
+    o.add_argument(
+        "--final-wait-s",
+        type=_wait_seconds,
+        default=FINAL_WAIT_S,
+        metavar="SECONDS",
+        help="with --url: how long to ask again while the service is still working out the answer (its `pending`: "
+        f"a trace for the GPU, allocation streams); 0 prints the first answer as it is (default: {FINAL_WAIT_S:g})",
     )
     out = o.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the answer as JSON (bytes)")
@@ -727,17 +750,31 @@ def library_output(verbose: bool = False):
             sink.close()
 
 
-def recommend_remote(req: RecommendRequest, url: str, timeout_s: float) -> Recommendation:
-    """The service's answer (strict :class:`memfit.Client`: no fallback plan on the command line).
+def recommend_remote(
+    req: RecommendRequest, url: str, timeout_s: float, final_wait_s: float = FINAL_WAIT_S
+) -> Recommendation:
+    """The service's final answer (strict :class:`memfit.Client`: no fallback plan on the command line), asked for
+    again for up to ``final_wait_s`` while the service still works on it; stderr says so once.
 
     Raises:
-        NoAnswer: unreachable, timed out or 5xx after retries. InputError: the service rejected it (4xx).
+        NoAnswer: unreachable, timed out or 5xx after retries, or not final within ``final_wait_s``.
+        InputError: the service rejected it (4xx).
     """
     from memfit.client import Client, RequestRejected, ServiceError
 
-    with Client(url, timeout_s=timeout_s, strict=True) as client:
+    told = []
+
+    def waiting(interim: Recommendation, left_s: float) -> None:
+        if not told:
+            told.append(True)
+            _say(
+                f"memfit: the service is still working out {' and '.join(interim.pending)} for this configuration; "
+                f"asking again for up to {left_s:.0f} s (--final-wait-s)"
+            )
+
+    with Client(url, timeout_s=timeout_s, strict=True, final_wait_s=final_wait_s) as client:
         try:
-            return client.recommend(req)
+            return client.recommend(req, waiting=waiting)
         except ServiceError as err:
             raise NoAnswer(str(err)) from None
         except RequestRejected as err:
@@ -1077,7 +1114,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with library_output(a.verbose):  # stdout carries only the answer
             req = request_from_args(a)
-            rec = recommend_remote(req, a.url, a.timeout_s) if a.url else recommend_local(req, a.registry)
+            rec = (
+                recommend_remote(req, a.url, a.timeout_s, a.final_wait_s) if a.url else recommend_local(req, a.registry)
+            )
     except ValidationError as err:
         print(f"memfit: error: {describe_validation_error(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT

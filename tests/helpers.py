@@ -34,6 +34,27 @@ ZERO3_FULL_OFFLOAD_TRAINING = {
 }
 
 
+def answer(**over) -> dict:
+    """A valid ``/recommend`` answer body (memfit.api.Recommendation) of a stand-in service; keyword overrides."""
+    base = {
+        "fits": True,
+        "k": 2,
+        "layers": [0, 1],
+        "num_layers": 32,
+        "predicted_peak_bytes": 70 << 30,
+        "upper_bound_bytes": 72 << 30,
+        "total_upper_bytes": 74 << 30,
+        "capacity_bytes": 80 << 30,
+        "usable_bytes": 76 << 30,
+        "curve": [{"k": 0, "predicted_bytes": 1, "upper_bytes": 2, "total_upper_bytes": 3, "fits": True}],
+        "breakdown": {"parameters_bytes": 16 << 30},
+        "overhead": {"total_bytes": 1},
+        "recompute_overhead_fraction": 0.02,
+        "model_version": "0003",
+    }
+    return {**base, **over}
+
+
 def record(**over: Any) -> TelemetryRecord:
     """A valid record; keyword overrides go to the part that owns the field."""
     parts: dict[str, dict[str, Any]] = {

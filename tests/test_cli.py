@@ -17,7 +17,7 @@ import pytest
 
 from memfit.api import GPUS
 from service.cli import EXIT_BAD_INPUT, EXIT_FITS, EXIT_NO_ANSWER, EXIT_NO_FIT, layer_ranges, main
-from tests.helpers import free_port
+from tests.helpers import answer, free_port
 
 DATA = Path(__file__).resolve().parent / "data"
 QWEN3 = (
@@ -826,3 +826,55 @@ def test_fits_column_is_the_test_that_chose_k(run, monkeypatch):
     rows = [[c.strip() for c in line.strip("│").split("│")] for line in lines[start + 4 : end]]
     col = header.index("fits")
     assert rows and all(r[col] == ("yes" if fits[int(r[0])] else "no") for r in rows), rows
+
+
+def _serve(answers: list[dict]):
+    """A stand-in service answering each POST with the next of ``answers`` (the last one repeated)."""
+
+    class Handler(_Stub):
+        status = 200
+
+        def do_POST(self):
+            type(self).body = answers.pop(0) if len(answers) > 1 else answers[0]
+            super().do_POST()
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_url_asks_again_while_the_answer_is_pending_and_says_so(capfd):
+    """Helper 37: ``--url`` waited 16.6 s for a T4 answer with nothing on stderr, and the wait could not be set."""
+    final = _serve(
+        [
+            answer(k=7, layers=list(range(7)), num_layers=24, pending=["terms", "allocation streams"]),
+            answer(k=11, layers=list(range(11)), num_layers=24, pending=["allocation streams"]),
+            answer(k=10, layers=list(range(10)), num_layers=24, pending=[]),
+        ]
+    )
+    never = _serve([answer(k=7, layers=list(range(7)), num_layers=24, pending=["terms"])])
+    try:
+        ask = ["recommend", "--model", "gpt2", "--gpu", "L4", *BASE, "--url"]
+        got = main([*ask, f"http://127.0.0.1:{final.server_port}", "--json"])
+        out, err = capfd.readouterr()
+        assert got == EXIT_FITS and json.loads(out)["k"] == 10
+        assert err.count("still working out") == 1
+        assert (
+            "still working out terms and allocation streams for this configuration; asking again for up to 120 s" in err
+        )
+        # never final: exit 1 after --final-wait-s, naming the wait and what the service still works out
+        got = main([*ask, f"http://127.0.0.1:{never.server_port}", "--final-wait-s", "1"])
+        err = capfd.readouterr().err
+        assert got == EXIT_NO_ANSWER and "not final after 1s (still working out: terms; its interim k = 7" in err
+        # 0: the first answer as it is
+        got = main([*ask, f"http://127.0.0.1:{never.server_port}", "--final-wait-s", "0", "--json"])
+        out, err = capfd.readouterr()
+        assert got == EXIT_FITS and json.loads(out)["pending"] == ["terms"] and "still working out" not in err
+    finally:
+        for server in (final, never):
+            server.shutdown()
+            server.server_close()
+    with pytest.raises(SystemExit) as exit_:
+        main([*ask, "http://127.0.0.1:9", "--final-wait-s", "-1"])
+    assert exit_.value.code == EXIT_BAD_INPUT
+    assert "--final-wait-s: must be a finite number of seconds >= 0 (got -1)" in capfd.readouterr().err

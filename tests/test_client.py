@@ -20,30 +20,10 @@ from memfit.describe import describe, detect_architecture
 from memfit.hf import build_causal_lm, quiet_transformers
 from memfit.reporter import flush_spool, report_peak
 from memfit.schema import TelemetryRecord
-from tests.helpers import TINY_LLAMA, run_example
+from tests.helpers import TINY_LLAMA, answer, run_example
 
 REQ = {"model": "llama-3-8b", "training": {"micro_batch_size": 2, "seq_len": 8192}, "cluster": {"gpu": "H100-80GB"}}
 HF_REQ = {**REQ, "model": {**TINY_LLAMA, "num_hidden_layers": 6}}
-
-
-def answer(**over) -> dict:
-    base = {
-        "fits": True,
-        "k": 2,
-        "layers": [0, 1],
-        "num_layers": 32,
-        "predicted_peak_bytes": 70 << 30,
-        "upper_bound_bytes": 72 << 30,
-        "total_upper_bytes": 74 << 30,
-        "capacity_bytes": 80 << 30,
-        "usable_bytes": 76 << 30,
-        "curve": [{"k": 0, "predicted_bytes": 1, "upper_bytes": 2, "total_upper_bytes": 3, "fits": True}],
-        "breakdown": {"parameters_bytes": 16 << 30},
-        "overhead": {"total_bytes": 1},
-        "recompute_overhead_fraction": 0.02,
-        "model_version": "0003",
-    }
-    return {**base, **over}
 
 
 def mock_client(handler, **kw) -> Client:
@@ -413,9 +393,9 @@ def test_report_peak_spools_whatever_has_no_verdict_and_says_quarantined(tmp_pat
         httpx.Response(200, json={"ok": True}),
         httpx.Response(200, json=["stored"]),
     ]
-    for answer in answers:
-        res = report(lambda request, a=answer: a)
-        assert res.status == "spooled", (answer.status_code, res)
+    for response in answers:
+        res = report(lambda request, a=response: a)
+        assert res.status == "spooled", (response.status_code, res)
     assert len(spool.read_text().splitlines()) == len(answers)
 
     why = "peak_allocated_bytes below the 1019904 bytes of weights"
@@ -611,10 +591,31 @@ def test_an_answer_never_final_falls_back_to_every_layer_or_raises_when_strict(m
         rec = mock_client(handler, final_wait_s=10).recommend(**HF_REQ)
     assert is_fallback(rec) and rec.k == 6 and rec.layers == list(range(6))  # every layer of the 6-layer config
     assert "not final after 10s" in rec.reason and "terms" in rec.reason and "interim k = 7" in rec.reason
-    # pauses 0.5, 1, 2, 2, 2, 2 (9.5 s); the next 2 s pause would pass the 10 s deadline: seven asks in all
-    assert clock.slept == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0] and len(calls) == 7
+    assert "safe fallback" in rec.warnings[0]
+    # pauses 0.5, 1, 2, 2, 2, 2, then the 0.5 s left: the last ask at the 10 s deadline, eight asks in all (helper 37:
+    # the client gave up a pause early, after 0.6 s of a 1 s wait)
+    assert clock.slept == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0, 0.5] and len(calls) == 8 and clock.now_s == 10.0
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [f"memfit: {rec.warnings[0]}"]
     with pytest.raises(ServiceError, match=r"not final after 3s \(still working out: terms"):
         mock_client(handler, final_wait_s=3, strict=True).recommend(**REQ)
-    with pytest.raises(ValueError, match="final_wait_s=-1 must be >= 0"):
-        mock_client(handler, final_wait_s=-1)
+    for bad in (-1, float("nan"), float("inf"), "5", True):
+        with pytest.raises(ValueError, match=r"final_wait_s=.* must be a finite number of seconds >= 0"):
+            mock_client(handler, final_wait_s=bad)
+
+
+def test_an_interim_answer_where_nothing_fits_is_not_called_safe(monkeypatch):
+    """Helper 37: gpt2-large micro-batch 2 on a T4 fits at no k, interim or final; the client's fallback after the
+    wait said "its interim k = None can be too small" and called checkpointing every layer safe."""
+    import memfit.client as client_module
+
+    clock = _Clock()
+    monkeypatch.setattr(client_module, "time", clock)
+    nothing = answer(fits=False, k=None, layers=[], pending=["terms"], shortfall_bytes=3 << 30)
+    told = []
+    rec = mock_client(lambda r: httpx.Response(200, json=nothing), final_wait_s=1).recommend(
+        **HF_REQ, waiting=lambda interim, left_s: told.append((interim.k, interim.pending, left_s))
+    )
+    assert is_fallback(rec) and rec.k == 6
+    assert "no k fits, so checkpointing every layer may not fit either" in rec.reason and "None" not in rec.reason
+    assert "safe" not in rec.warnings[0] and "it may still run out of memory" in rec.warnings[0]
+    assert told == [(None, ["terms"], 1.0), (None, ["terms"], 0.5)] and clock.slept == [0.5, 0.5]
