@@ -698,7 +698,8 @@ def _recommend_uncached(req: RecommendRequest, registry: Path | None) -> Recomme
     tracer = InlineTracer(terms, announce=lambda msg: _say(f"memfit: {msg}"))
     from tracer.stream_source import configured_source  # the full model's allocation streams, recorded once
 
-    holder = ModelHolder(models, overhead_from(store), terms=terms, tracer=tracer, streams=configured_source("record"))
+    streams = configured_source("record", announce=lambda msg: _say(f"memfit: {msg}"))
+    holder = ModelHolder(models, overhead_from(store), terms=terms, tracer=tracer, streams=streams)
     holder.refresh()
     if holder.recommender is None:
         raise NoAnswer(f"no model registered ({holder.last_error or 'train one: python -m training.retrain'})")

@@ -239,3 +239,23 @@ def test_the_service_asks_for_the_full_models_stream_where_no_template_composes_
     assert busy(4) is None and busy.requested == [] and busy.failed is None
     assert busy.deferred == "8 configurations are queued (at most 8)" and refusals == [4]
     assert busy(5) is None and refusals == [4, 5]  # not given up: the next stream looked for is asked for again
+
+
+def test_a_recording_is_announced_once_and_a_cached_one_not_at_all(tmp_path, monkeypatch):
+    """Helper 37: the command line's first llama-3.2-1b answer took 23.6 s with nothing on stderr while it recorded
+    the step's allocation streams."""
+    from tracer.stream_source import stream_source
+
+    monkeypatch.setenv("MEMFIT_STREAM_CACHE", str(tmp_path))
+    hf = _config("llama-3.2-1b")
+    t = TrainingConfig(micro_batch_size=2, seq_len=128, precision="bf16", optimizer="adamw_fused")
+    told = []
+    source = stream_source(hf, t, 12, model_name="llama-3.2-1b", announce=told.append)
+    assert source(0) is not None and source(6) is not None and source.composed == [0, 6]
+    said = (
+        "recording the allocation stream of a small template model of llama-3.2-1b's training step, as an sm90 GPU "
+        "runs it, for the fit decision (once per configuration, kept in the stream cache)"
+    )
+    assert told == [said]
+    again = stream_source(hf, t, 12, model_name="llama-3.2-1b", announce=told.append)
+    assert again(0) is not None and len(told) == 1  # read from the cache: nothing to announce

@@ -24,7 +24,7 @@ import importlib.metadata
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -369,6 +369,7 @@ def stream_source(
     record: bool = True,
     request=None,
     generation: str = DEFAULT_GENERATION,
+    announce: Callable[[str], None] | None = None,
 ):
     """A :data:`model.reserved.StreamSource` for ``training`` (its ``checkpoint_layers`` ignored): k -> the stream
     with layers ``0..k-1`` checkpointed, as a GPU of ``generation`` (a :class:`model.cuda_semantics.GpuGeneration`
@@ -388,12 +389,24 @@ def stream_source(
     None, and the reason is kept in the source's ``failed`` attribute; the caller then falls back to the measured
     allowance. The source's ``composed`` and ``requested`` attributes list the k it composed and the k whose
     streams were queued by ``request``; ``deferred`` holds the reason of the last request refused for now (a full
-    queue); ``compose_failed`` says why a template did not compose.
+    queue); ``compose_failed`` says why a template did not compose. ``announce(message)`` is told once, before the
+    source's first recording here (seconds to a minute on a CPU), so that a command line does not wait in silence.
 
     Raises:
         ValueError: ``generation`` is not a :class:`model.cuda_semantics.GpuGeneration` value.
     """
     from model.stream_compose import CompositionError, compose, template_shape
+
+    announced: list[bool] = []
+
+    def recording(what: str) -> None:
+        if announce is not None and not announced:
+            announced.append(True)
+            name = model_name or hf_config.get("model_type") or "the model"
+            announce(
+                f"recording {what} of {name}'s training step, as an {generation} GPU runs it, for the fit decision "
+                "(once per configuration, kept in the stream cache)"
+            )
 
     generation = GpuGeneration(generation).value
     policy = trace_policy_name(generation)
@@ -416,6 +429,7 @@ def stream_source(
             if path.exists():
                 template = AllocationStream.load(path)
             elif record:
+                recording("the allocation stream of a small template model")
                 template = record_template(hf_config, training, num_layers, k, model_name, period, generation)
             else:
                 ask(k, path)
@@ -446,6 +460,7 @@ def stream_source(
                 ask(k, path)  # no template composes it: the full model's stream
         if stream is None and record and source.failed is None:
             try:
+                recording("the allocation stream")
                 stream = _record_full(hf_config, training, k, model_name, generation)
             except Exception as err:  # noqa: BLE001 - a configuration the recorder cannot run: fall back
                 source.failed = f"{type(err).__name__}: {str(err)[:200]}"
@@ -484,10 +499,19 @@ def recording_source(
     model_name=None,
     record=True,
     generation: str = DEFAULT_GENERATION,
+    announce: Callable[[str], None] | None = None,
 ):
     """:func:`stream_source` as :class:`service.recommender.Recommender` takes it (``record`` as asked): the command
-    line's."""
-    return stream_source(hf_config, training, num_layers, model_name=model_name, record=record, generation=generation)
+    line's, which tells ``announce`` before it records."""
+    return stream_source(
+        hf_config,
+        training,
+        num_layers,
+        model_name=model_name,
+        record=record,
+        generation=generation,
+        announce=announce,
+    )
 
 
 def cached_source(
@@ -519,16 +543,21 @@ def cached_source(
 STREAMS_ENV = "MEMFIT_ALLOCATOR_STREAMS"
 
 
-def configured_source(default: str, request=None):
-    """The stream factory a front end uses: :func:`recording_source`, :func:`cached_source` (asking ``request`` for
-    missing templates) or None (``off``), as ``$MEMFIT_ALLOCATOR_STREAMS`` says, else ``default`` (the command line
-    records, the service reads the cache and queues templates in its tracing process).
+def configured_source(default: str, request=None, announce: Callable[[str], None] | None = None):
+    """The stream factory a front end uses: :func:`recording_source` (telling ``announce`` before it records),
+    :func:`cached_source` (asking ``request`` for missing templates) or None (``off``), as
+    ``$MEMFIT_ALLOCATOR_STREAMS`` says, else ``default`` (the command line records, the service reads the cache and
+    queues templates in its tracing process).
 
     Raises:
         ValueError: an unknown value (the variable and the allowed values named).
     """
     mode = (os.environ.get(STREAMS_ENV) or default).strip().lower()
-    sources = {"record": recording_source, "cache": functools.partial(cached_source, request=request), "off": None}
+    sources = {
+        "record": functools.partial(recording_source, announce=announce),
+        "cache": functools.partial(cached_source, request=request),
+        "off": None,
+    }
     if mode not in sources:
         raise ValueError(f"{STREAMS_ENV} must be one of record, cache, off; got {mode!r}")
     return sources[mode]
