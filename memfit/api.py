@@ -622,6 +622,11 @@ class Prediction(BaseModel):
     fit_method: str | None = Field(
         None, description="allowance when a cluster is given (how total_upper_bytes counts the allocator), else None"
     )
+    pending: list[Literal["terms"]] = Field(
+        [],
+        description="as in /recommend: 'terms' while this configuration's trace for the GPU is queued, running or "
+        "deferred (the figures may change: ask again until empty); empty when final for this model version",
+    )
     breakdown: dict[str, int]
     num_layers: int
     k: int

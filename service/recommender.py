@@ -418,6 +418,7 @@ class Recommender:
             upper_bound_bytes=p.upper_bytes,
             total_upper_bytes=total,
             fit_method="allowance" if item.cluster is not None else None,
+            pending=["terms"] if self.curves.waits(spec, training, job.hf_config) else [],
             breakdown=p.breakdown,
             num_layers=spec.num_layers,
             k=item.k,

@@ -222,7 +222,7 @@ def test_an_answer_waiting_for_its_generations_trace_says_so_until_it_arrives():
     import threading
     import time
 
-    from memfit.api import RecommendRequest
+    from memfit.api import PredictItem, RecommendRequest
     from model.registry import Registry
     from model.terms import TermsCache
     from service.recommender import Recommender
@@ -247,9 +247,13 @@ def test_an_answer_waiting_for_its_generations_trace_says_so_until_it_arrives():
             "cluster": {"gpu": "A100-80GB"},
         }
     )
+    item = PredictItem.model_validate(
+        {**req.model_dump(mode="json", exclude_none=True, exclude={"headroom_fraction", "layout"}), "k": 3}
+    )
     try:
         first = rec.recommend(req)
         assert first.pending == ["terms"] and first.path == "traced"
+        assert rec.predict(item).pending == ["terms"]  # /predict says so too
         assert any(w.startswith("answered from terms traced with the CPU's kernels") for w in first.warnings)
         release.set()
         with cs.target_generation("A100-80GB"):
@@ -261,6 +265,9 @@ def test_an_answer_waiting_for_its_generations_trace_says_so_until_it_arrives():
         time.sleep(rec.curves.recheck_s)
         final = rec.recommend(req)
         assert final.pending == [] and final.path == "traced"
+        assert (
+            rec.predict(item).pending == [] and rec.predict(item).predicted_peak_bytes == final.curve[3].predicted_bytes
+        )
         assert not any(w.startswith("answered from terms traced with the CPU's kernels") for w in final.warnings)
     finally:
         release.set()
