@@ -166,7 +166,8 @@ class CurveCache:
     from here. A cached provisional curve is recomputed once its configuration's traced terms arrive, or once
     the trace it was waiting for has ended without them (failed: its notes then say so instead of "ask again";
     looked for at most every ``recheck_s`` seconds), and so is one whose trace was deferred by a full queue (the
-    tracer is asked again). Least recently used entries go first beyond ``maxsize``.
+    tracer is asked again). The same holds for a curve answered from the CPU-semantics terms while the request's
+    GPU generation is traced (:mod:`model.cuda_terms`). Least recently used entries go first beyond ``maxsize``.
     """
 
     def __init__(self, predictor: MemoryPredictor, maxsize: int = 2048, recheck_s: float = 1.0) -> None:
@@ -219,11 +220,22 @@ class CurveCache:
             hit = self._curves.get(key)
             if hit is not None:
                 self._curves.move_to_end(key)
+        tracer = getattr(self.predictor, "tracer", None)
         if hit is not None:
             c, checked, waiting = hit
-            deferred = getattr(getattr(self.predictor, "tracer", None), "deferred", ())
+            deferred = getattr(tracer, "deferred", ())
             awaited = self._awaiting.get(key)
-            stale = (awaited is not None and self.predictor.terms.get(awaited) is not None) or (
+            # the generation's trace: arrived; deferred by a full queue (ask again); or ended without terms (failed)
+            stale = (
+                awaited is not None
+                and (
+                    self.predictor.terms.get(awaited) is not None
+                    or (
+                        now - checked > self.recheck_s
+                        and (awaited in deferred or (waiting and awaited not in getattr(tracer, "pending", ())))
+                    )
+                )
+            ) or (
                 c.path == PROVISIONAL
                 and c.terms_key is not None
                 and now - checked > self.recheck_s
@@ -239,8 +251,9 @@ class CurveCache:
                         self._curves[key] = (c, now, waiting)
                 return c
         c, awaited = generation_curve(self.predictor, self._untraced, model, training, hf_config)
+        waiting = self._waiting(c) if awaited is None else awaited in getattr(tracer, "pending", ())
         with self._lock:
-            self._curves[key] = (c, now, self._waiting(c))
+            self._curves[key] = (c, now, waiting)
             if awaited is None:
                 self._awaiting.pop(key, None)
             else:

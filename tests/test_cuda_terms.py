@@ -272,3 +272,64 @@ def test_an_answer_waiting_for_its_generations_trace_says_so_until_it_arrives():
     finally:
         release.set()
         tracer.shutdown()
+
+
+def test_a_generation_trace_deferred_by_a_full_queue_is_asked_for_again():
+    """Helper 38: an A100/T4 request whose generation's trace was deferred by a full queue kept answering
+    ``pending == ["terms"]`` from the CPU-semantics terms for good: the cached curve was recomputed only once the
+    terms arrived, so the tracer was never asked again, and the client's wait ran out."""
+    import threading
+    import time
+
+    from memfit.api import RecommendRequest
+    from model.registry import Registry
+    from model.terms import TermsCache
+    from service.recommender import Recommender
+    from service.tracing import BackgroundTracer
+
+    terms = TermsCache()
+    release = threading.Event()
+    gpt2, amp = hf_config_of("gpt2"), _training(precision="amp_bf16")
+
+    def runner(hf_config, training, timeout_s, generation=None):  # stands in for a trace: the CPU's terms
+        release.wait(30)
+        with cs.target_generation(None):
+            return terms.get(terms_key(hf_config, training))
+
+    tracer = BackgroundTracer(terms, runner=runner, max_pending=1)
+    loaded = Registry().load()
+    rec = Recommender(loaded.estimator, loaded.version, terms=terms, tracer=tracer, coefficients=loaded.coefficients)
+    req = RecommendRequest.model_validate(
+        {
+            "model": "gpt2",
+            "training": {"micro_batch_size": 2, "seq_len": 512, "precision": "amp_bf16"},
+            "cluster": {"gpu": "A100-80GB"},
+        }
+    )
+    with cs.target_generation("A100-80GB"):
+        sm80_key = terms_key(gpt2, amp)
+    try:
+        with cs.target_generation("V100-32GB"):  # another configuration holds the queue's one place
+            assert tracer(terms_key(gpt2, amp), gpt2, amp).startswith("tracing it now")
+        first = rec.recommend(req)
+        assert first.pending == ["terms"] and sm80_key in tracer.deferred and sm80_key not in tracer.pending
+        release.set()  # the other trace ends: the queue has room
+        for _ in range(200):
+            if not tracer.pending:
+                break
+            time.sleep(0.05)
+        time.sleep(rec.curves.recheck_s)
+        again = rec.recommend(req)  # asked again: queued now (or already traced)
+        assert sm80_key in tracer.pending or terms.get(sm80_key) is not None
+        assert sm80_key not in tracer.deferred and again.pending in (["terms"], [])
+        for _ in range(200):
+            if terms.get(sm80_key) is not None and not tracer.pending:
+                break
+            time.sleep(0.05)
+        time.sleep(rec.curves.recheck_s)
+        final = rec.recommend(req)
+        assert final.pending == [] and final.path == "traced"
+        assert not any(w.startswith("answered from terms traced with the CPU's kernels") for w in final.warnings)
+    finally:
+        release.set()
+        tracer.shutdown()
