@@ -624,8 +624,9 @@ class Prediction(BaseModel):
     )
     pending: list[Literal["terms"]] = Field(
         [],
-        description="as in /recommend: 'terms' while this configuration's trace for the GPU is queued, running or "
-        "deferred (the figures may change: ask again until empty); empty when final for this model version",
+        description="as in /recommend: 'terms' while this configuration's trace (as the cluster's GPU runs it, when "
+        "a cluster names one) is queued, running or deferred: the figures may change, ask again until empty. Empty "
+        "when final for this model version",
     )
     breakdown: dict[str, int]
     num_layers: int

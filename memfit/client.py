@@ -78,6 +78,18 @@ class ServiceError(RuntimeError):
         self.status_code = status_code
 
 
+class NotFinal(ServiceError):
+    """The service's answer was still not final (its ``pending`` not empty) when the client's ``final_wait_s`` ran out.
+
+    Attributes:
+        interim: the last answer (not final). final_wait_s: the wait, seconds.
+    """
+
+    def __init__(self, message: str, interim: Recommendation, final_wait_s: float) -> None:
+        super().__init__(message)
+        self.interim, self.final_wait_s = interim, final_wait_s
+
+
 class RequestRejected(ValueError):
     """The service refused the request as invalid (HTTP 4xx): a ``ValueError``, so callers that catch
     ``ValueError`` keep working.
@@ -111,7 +123,8 @@ class FallbackRecommendation(Recommendation):
 
     The plan is **checkpoint every layer**: the most memory-saving layout activation checkpointing
     offers, at about 1/3 of a forward pass of extra compute per step. Nothing was predicted:
-    ``fits`` is True only in the sense that this is the plan to run; all byte figures are 0, and ``path`` is
+    ``fits`` is True only in the sense that this is the plan to run (False where the service's last, interim answer
+    found no k that fits: every layer may not fit either); all byte figures are 0, and ``path`` is
     ``"fallback"`` (no curve answered: neither traced nor provisional), and so is ``fit_method`` (no fit decided).
     ``layers`` lists every layer when the layer count is known (HF config dict, explicit architecture
     or a catalog name); otherwise (an unknown name) it is empty and ``num_layers`` is 0. Every
@@ -148,7 +161,7 @@ def fallback_recommendation(
         except ValueError:
             capacity = 0
     return FallbackRecommendation(
-        fits=True,
+        fits=not may_not_fit,
         k=L if L else None,
         layers=list(range(L)),
         num_layers=L,
@@ -312,7 +325,8 @@ class Client:
             pydantic.ValidationError: the request is malformed (checked before any I/O; the field named).
             RequestRejected (a ``ValueError``): the service rejected the request (4xx, with its ``detail`` and
                 per-field ``errors``: an unknown model, a value out of range).
-            ServiceError: only with ``strict=True``: no answer.
+            ServiceError: only with ``strict=True``: no answer; :class:`NotFinal` (a ``ServiceError``) when none
+                was final within ``final_wait_s``.
         """
         if request is None and (model is None or training is None or cluster is None):
             raise TypeError("recommend() needs request=... or model=, training= and cluster=")
@@ -349,7 +363,7 @@ class Client:
                 f"{interim}): ask again later, or raise final_wait_s"
             )
             if self.strict:
-                raise ServiceError(f"POST {self.url}/recommend: {reason}")
+                raise NotFinal(f"POST {self.url}/recommend: {reason}", rec, self.final_wait_s)
             fb = fallback_recommendation(request, reason, may_not_fit=not rec.fits)
             log.warning("memfit: %s", fb.warnings[0])
             return fb

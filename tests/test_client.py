@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from memfit.api import ArchitectureIn, Recommendation, RecommendRequest
 from memfit.checkpointing import MemfitWarning, apply
-from memfit.client import Client, FallbackRecommendation, RequestRejected, ServiceError, is_fallback
+from memfit.client import Client, FallbackRecommendation, NotFinal, RequestRejected, ServiceError, is_fallback
 from memfit.describe import describe, detect_architecture
 from memfit.hf import build_causal_lm, quiet_transformers
 from memfit.reporter import flush_spool, report_peak
@@ -596,8 +596,10 @@ def test_an_answer_never_final_falls_back_to_every_layer_or_raises_when_strict(m
     # the client gave up a pause early, after 0.6 s of a 1 s wait)
     assert clock.slept == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0, 0.5] and len(calls) == 8 and clock.now_s == 10.0
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [f"memfit: {rec.warnings[0]}"]
-    with pytest.raises(ServiceError, match=r"not final after 3s \(still working out: terms"):
+    with pytest.raises(NotFinal, match=r"not final after 3s \(still working out: terms") as not_final:
         mock_client(handler, final_wait_s=3, strict=True).recommend(**REQ)
+    assert isinstance(not_final.value, ServiceError) and not_final.value.interim.k == 7
+    assert not_final.value.final_wait_s == 3
     for bad in (-1, float("nan"), float("inf"), "5", True):
         with pytest.raises(ValueError, match=r"final_wait_s=.* must be a finite number of seconds >= 0"):
             mock_client(handler, final_wait_s=bad)
@@ -615,7 +617,7 @@ def test_an_interim_answer_where_nothing_fits_is_not_called_safe(monkeypatch):
     rec = mock_client(lambda r: httpx.Response(200, json=nothing), final_wait_s=1).recommend(
         **HF_REQ, waiting=lambda interim, left_s: told.append((interim.k, interim.pending, left_s))
     )
-    assert is_fallback(rec) and rec.k == 6
+    assert is_fallback(rec) and rec.k == 6 and not rec.fits  # a script reading fits is not told it fits
     assert "no k fits, so checkpointing every layer may not fit either" in rec.reason and "None" not in rec.reason
     assert "safe" not in rec.warnings[0] and "it may still run out of memory" in rec.warnings[0]
     assert told == [(None, ["terms"], 1.0), (None, ["terms"], 0.5)] and clock.slept == [0.5, 0.5]
