@@ -215,38 +215,61 @@ def test_recommend_without_a_gpu_name_assumes_sm90_and_says_so():
     assert any("flash on sm90" in w for w in answer["warnings"])
 
 
+class _Gpt2OnAnA100:
+    """A recommender with a background tracer whose traces wait for ``release`` and then give the CPU-semantics
+    terms, and the A100 request for gpt2 amp_bf16 micro-batch 2 / seq 512 (CUDA runs its dropout differently)."""
+
+    def __init__(self, **tracer_kw):
+        import threading
+
+        from memfit.api import RecommendRequest
+        from model.registry import Registry
+        from model.terms import TermsCache
+        from service.recommender import Recommender
+        from service.tracing import BackgroundTracer
+
+        self.terms, self.release = TermsCache(), threading.Event()
+        self.gpt2, self.amp = hf_config_of("gpt2"), _training(precision="amp_bf16")
+
+        def runner(hf_config, training, timeout_s, generation=None):  # stands in for a trace: the CPU's terms
+            self.release.wait(30)
+            with cs.target_generation(None):
+                return self.terms.get(terms_key(hf_config, training))
+
+        self.tracer = BackgroundTracer(self.terms, runner=runner, **tracer_kw)
+        loaded = Registry().load()
+        self.rec = Recommender(
+            loaded.estimator, loaded.version, terms=self.terms, tracer=self.tracer, coefficients=loaded.coefficients
+        )
+        self.req = RecommendRequest.model_validate(
+            {
+                "model": "gpt2",
+                "training": {"micro_batch_size": 2, "seq_len": 512, "precision": "amp_bf16"},
+                "cluster": {"gpu": "A100-80GB"},
+            }
+        )
+        with cs.target_generation("A100-80GB"):
+            self.sm80_key = terms_key(self.gpt2, self.amp)
+
+    def wait_until(self, done) -> None:
+        """Until ``done()`` (at most 10 s), then one recheck interval of the curve cache."""
+        import time
+
+        for _ in range(200):
+            if done():
+                break
+            time.sleep(0.05)
+        time.sleep(self.rec.curves.recheck_s)
+
+
 def test_an_answer_waiting_for_its_generations_trace_says_so_until_it_arrives():
     """An A100 request whose configuration CUDA runs differently (gpt2's dropout) is answered from the CPU-semantics
     terms while the sm80 trace runs: the answer lists "terms" in ``pending`` (ask again); once the trace is in, the
     answer is final (``pending`` empty) and no longer says it was answered from the CPU's kernels."""
-    import threading
-    import time
+    from memfit.api import PredictItem
 
-    from memfit.api import PredictItem, RecommendRequest
-    from model.registry import Registry
-    from model.terms import TermsCache
-    from service.recommender import Recommender
-    from service.tracing import BackgroundTracer
-
-    terms = TermsCache()
-    release = threading.Event()
-    gpt2, amp = hf_config_of("gpt2"), _training(precision="amp_bf16")
-
-    def runner(hf_config, training, timeout_s, generation=None):  # stands in for the sm80 trace: the CPU's terms
-        release.wait(30)
-        with cs.target_generation(None):
-            return terms.get(terms_key(hf_config, training))
-
-    tracer = BackgroundTracer(terms, runner=runner)
-    loaded = Registry().load()
-    rec = Recommender(loaded.estimator, loaded.version, terms=terms, tracer=tracer, coefficients=loaded.coefficients)
-    req = RecommendRequest.model_validate(
-        {
-            "model": "gpt2",
-            "training": {"micro_batch_size": 2, "seq_len": 512, "precision": "amp_bf16"},
-            "cluster": {"gpu": "A100-80GB"},
-        }
-    )
+    t = _Gpt2OnAnA100()
+    rec, req = t.rec, t.req
     item = PredictItem.model_validate(
         {**req.model_dump(mode="json", exclude_none=True, exclude={"headroom_fraction", "layout"}), "k": 3}
     )
@@ -255,14 +278,8 @@ def test_an_answer_waiting_for_its_generations_trace_says_so_until_it_arrives():
         assert first.pending == ["terms"] and first.path == "traced"
         assert rec.predict(item).pending == ["terms"]  # /predict says so too
         assert any(w.startswith("answered from terms traced with the CPU's kernels") for w in first.warnings)
-        release.set()
-        with cs.target_generation("A100-80GB"):
-            sm80_key = terms_key(gpt2, amp)
-        for _ in range(200):
-            if terms.get(sm80_key) is not None and not tracer.pending:
-                break
-            time.sleep(0.05)
-        time.sleep(rec.curves.recheck_s)
+        t.release.set()
+        t.wait_until(lambda: t.terms.get(t.sm80_key) is not None and not t.tracer.pending)
         final = rec.recommend(req)
         assert final.pending == [] and final.path == "traced"
         assert (
@@ -270,66 +287,30 @@ def test_an_answer_waiting_for_its_generations_trace_says_so_until_it_arrives():
         )
         assert not any(w.startswith("answered from terms traced with the CPU's kernels") for w in final.warnings)
     finally:
-        release.set()
-        tracer.shutdown()
+        t.release.set()
+        t.tracer.shutdown()
 
 
 def test_a_generation_trace_deferred_by_a_full_queue_is_asked_for_again():
     """Helper 38: an A100/T4 request whose generation's trace was deferred by a full queue kept answering
     ``pending == ["terms"]`` from the CPU-semantics terms for good: the cached curve was recomputed only once the
     terms arrived, so the tracer was never asked again, and the client's wait ran out."""
-    import threading
-    import time
-
-    from memfit.api import RecommendRequest
-    from model.registry import Registry
-    from model.terms import TermsCache
-    from service.recommender import Recommender
-    from service.tracing import BackgroundTracer
-
-    terms = TermsCache()
-    release = threading.Event()
-    gpt2, amp = hf_config_of("gpt2"), _training(precision="amp_bf16")
-
-    def runner(hf_config, training, timeout_s, generation=None):  # stands in for a trace: the CPU's terms
-        release.wait(30)
-        with cs.target_generation(None):
-            return terms.get(terms_key(hf_config, training))
-
-    tracer = BackgroundTracer(terms, runner=runner, max_pending=1)
-    loaded = Registry().load()
-    rec = Recommender(loaded.estimator, loaded.version, terms=terms, tracer=tracer, coefficients=loaded.coefficients)
-    req = RecommendRequest.model_validate(
-        {
-            "model": "gpt2",
-            "training": {"micro_batch_size": 2, "seq_len": 512, "precision": "amp_bf16"},
-            "cluster": {"gpu": "A100-80GB"},
-        }
-    )
-    with cs.target_generation("A100-80GB"):
-        sm80_key = terms_key(gpt2, amp)
+    t = _Gpt2OnAnA100(max_pending=1)
+    rec, req, tracer, sm80_key = t.rec, t.req, t.tracer, t.sm80_key
     try:
         with cs.target_generation("V100-32GB"):  # another configuration holds the queue's one place
-            assert tracer(terms_key(gpt2, amp), gpt2, amp).startswith("tracing it now")
+            assert tracer(terms_key(t.gpt2, t.amp), t.gpt2, t.amp).startswith("tracing it now")
         first = rec.recommend(req)
         assert first.pending == ["terms"] and sm80_key in tracer.deferred and sm80_key not in tracer.pending
-        release.set()  # the other trace ends: the queue has room
-        for _ in range(200):
-            if not tracer.pending:
-                break
-            time.sleep(0.05)
-        time.sleep(rec.curves.recheck_s)
+        t.release.set()  # the other trace ends: the queue has room
+        t.wait_until(lambda: not tracer.pending)
         again = rec.recommend(req)  # asked again: queued now (or already traced)
-        assert sm80_key in tracer.pending or terms.get(sm80_key) is not None
+        assert sm80_key in tracer.pending or t.terms.get(sm80_key) is not None
         assert sm80_key not in tracer.deferred and again.pending in (["terms"], [])
-        for _ in range(200):
-            if terms.get(sm80_key) is not None and not tracer.pending:
-                break
-            time.sleep(0.05)
-        time.sleep(rec.curves.recheck_s)
+        t.wait_until(lambda: t.terms.get(sm80_key) is not None and not tracer.pending)
         final = rec.recommend(req)
         assert final.pending == [] and final.path == "traced"
         assert not any(w.startswith("answered from terms traced with the CPU's kernels") for w in final.warnings)
     finally:
-        release.set()
+        t.release.set()
         tracer.shutdown()
