@@ -20,7 +20,7 @@ from typing import Any
 from memfit.alloc_conf import alloc_conf_from_env, use_expandable_segments
 from memfit.api import Recommendation, RecommendRequest
 from memfit.checkpointing import AppliedCheckpointing, CheckpointPlan, MemfitWarning, apply, checkpoint_layers, verify
-from memfit.client import Client, FallbackRecommendation, RequestRejected, ServiceError, is_fallback
+from memfit.client import Client, FallbackRecommendation, NotFinal, RequestRejected, ServiceError, is_fallback
 from memfit.describe import describe
 from memfit.reporter import flush_spool, report_peak
 
@@ -32,6 +32,7 @@ __all__ = [
     "MemfitReporterCallback",
     "MemfitTrainerCallback",
     "MemfitWarning",
+    "NotFinal",
     "RecommendRequest",
     "Recommendation",
     "RequestRejected",

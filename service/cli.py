@@ -789,8 +789,9 @@ def recommend_remote(
 
 #: what each item of an answer's ``pending`` means, in words (memfit.api.Recommendation.pending)
 _PENDING_WORDS = {
-    "terms": "tracing this configuration as the GPU runs it",
-    "allocation streams": "recording the step's allocation streams for the fit decision",
+    "terms": "tracing this configuration with the GPU's CUDA semantics (queued, running, or waiting for room in its "
+    "queue)",
+    "allocation streams": "recording the step's allocation streams for the fit decision (queued or running)",
 }
 
 

@@ -860,8 +860,9 @@ def test_url_asks_again_while_the_answer_is_pending_and_says_so(capfd):
         assert got == EXIT_FITS and json.loads(out)["k"] == 10
         assert err.count("the service is still") == 1
         assert (
-            "memfit: the service is still tracing this configuration as the GPU runs it and recording the step's "
-            "allocation streams for the fit decision; asking again for up to 120 s\n"
+            "memfit: the service is still tracing this configuration with the GPU's CUDA semantics (queued, running, "
+            "or waiting for room in its queue) and recording the step's allocation streams for the fit decision "
+            "(queued or running); asking again for up to 120 s\n"
         ) in err
         # never final: exit 1 after --final-wait-s, naming the wait and what the service still works out
         got = main([*ask, f"http://127.0.0.1:{never.server_port}", "--final-wait-s", "1"])
@@ -869,8 +870,9 @@ def test_url_asks_again_while_the_answer_is_pending_and_says_so(capfd):
         assert (
             got == EXIT_NO_ANSWER
             and (
-                "the service's answer was not final after 1 s (still tracing this configuration as the GPU runs it; its "
-                "interim k = 7): ask again later, or raise --final-wait-s"
+                "the service's answer was not final after 1 s (still tracing this configuration with the GPU's CUDA "
+                "semantics (queued, running, or waiting for room in its queue); its interim k = 7): ask again later, "
+                "or raise --final-wait-s"
             )
             in err
         )
@@ -878,7 +880,7 @@ def test_url_asks_again_while_the_answer_is_pending_and_says_so(capfd):
         got = main([*ask, f"http://127.0.0.1:{never.server_port}", "--final-wait-s", "0", "--json"])
         out, err = capfd.readouterr()
         assert got == EXIT_FITS and json.loads(out)["pending"] == ["terms"]
-        assert "memfit: this answer is not final: the service is still tracing this configuration" in err
+        assert "memfit: this answer is not final: the service is still tracing this configuration with" in err
     finally:
         for server in (final, never):
             server.shutdown()

@@ -253,9 +253,9 @@ def test_a_recording_is_announced_once_and_a_cached_one_not_at_all(tmp_path, mon
     source = stream_source(hf, t, 12, model_name="llama-3.2-1b", announce=told.append)
     assert source(0) is not None and source(6) is not None and source.composed == [0, 6]
     said = (
-        "recording the allocation stream of a small template model of llama-3.2-1b's training step, as an sm90 GPU "
-        f"runs it, for the fit decision: seconds to a minute, once per configuration (kept in {tmp_path}, "
-        "$MEMFIT_STREAM_CACHE)"
+        "recording the allocation stream of a small template model of llama-3.2-1b's training step with sm90 CUDA "
+        "semantics (fake tensors on the CPU), for the fit decision: seconds to a minute, once per configuration (kept "
+        f"in {tmp_path}, $MEMFIT_STREAM_CACHE)"
     )
     assert told == [said]
     again = stream_source(hf, t, 12, model_name="llama-3.2-1b", announce=told.append)

@@ -404,7 +404,8 @@ def stream_source(
             announced.append(True)
             name = model_name or hf_config.get("model_type") or "the model"
             announce(
-                f"recording {what} of {name}'s training step, as an {generation} GPU runs it, for the fit decision: "
+                f"recording {what} of {name}'s training step with {generation} CUDA semantics (fake tensors on the "
+                "CPU), for the fit decision: "
                 f"seconds to a minute, once per configuration (kept in {stream_cache_dir()}, ${STREAM_CACHE_ENV})"
             )
 
