@@ -12,10 +12,10 @@ layer**, ``model_version="fallback"``, with the reason in ``warnings``, and logs
 logger. With ``strict=True`` it raises instead. An answer the service is still working on (its ``pending`` not empty:
 the configuration's trace for the named GPU, or the fit decision's allocation streams, still running) is asked for
 again until it is final, for up to ``final_wait_s`` seconds; one still pending then is treated as no answer (the
-fallback, or :class:`ServiceError` when strict), because an interim k can be too small for the GPU (gpt2-medium
-amp_fp16 micro-batch 4 on a T4: interim k = 7, final k = 10). A request that is invalid (checked here before any I/O) or that the
-service rejects (4xx: an unknown model, a value out of range) always raises, naming the field: it would fail the same
-way on every call, and a fallback would hide the mistake behind a plan that costs a third of a forward pass.
+fallback, or :class:`NotFinal` when strict), because an interim k can be too small for the GPU (gpt2-medium amp_fp16
+micro-batch 4 on a T4: interim k = 7, final k = 10). A request that is invalid (checked here before any I/O) or that
+the service rejects (4xx: an unknown model, a value out of range) always raises, naming the field: it would fail the
+same way on every call, and a fallback would hide the mistake behind a plan that costs a third of a forward pass.
 
 Only httpx and pydantic are needed here.
 """
