@@ -359,10 +359,10 @@ class BackgroundTracer:
         """Under the lock: which bound of the queue a new entry from ``client`` would pass, or None."""
         if len(self.pending) >= self.max_pending:
             n = len(self.pending)
-            return f"{_configurations(n)} {'is' if n == 1 else 'are'} queued (at most {self.max_pending})"
-        mine = sum(owner == client for owner in self._owner.values())
-        if mine >= self.max_per_client:
-            return f"this client has {_configurations(mine)} queued (at most {self.max_per_client})"
+            return f"{_entries(self.pending)} {'is' if n == 1 else 'are'} queued (at most {self.max_pending})"
+        mine = [key for key, owner in self._owner.items() if owner == client]
+        if len(mine) >= self.max_per_client:
+            return f"this client has {_entries(mine)} queued (at most {self.max_per_client})"
         return None
 
     def _admit(self, key: str, client: str | None) -> None:
@@ -418,8 +418,15 @@ class BackgroundTracer:
         self._stop.set()
 
 
-def _configurations(n: int) -> str:
-    return f"{n} configuration{'' if n == 1 else 's'}"
+def _entries(keys) -> str:
+    """The queue entries ``keys`` in words: traces and allocation-stream recordings (keys ``streams:...``), which
+    share the queue's bounds (one new configuration can ask for both)."""
+    recordings = sum(str(key).startswith(f"{STREAMS}:") for key in keys)
+    traces = len(keys) - recordings
+    parts = [f"{traces} trace{'' if traces == 1 else 's'}"] if traces else []
+    if recordings:
+        parts.append(f"{recordings} allocation-stream recording{'' if recordings == 1 else 's'}")
+    return " and ".join(parts)
 
 
 class InlineTracer:

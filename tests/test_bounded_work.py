@@ -108,14 +108,14 @@ def test_the_trace_queue_holds_8_configurations_2_per_client_and_defers_the_rest
         CLIENT.set("10.0.0.1")  # issue 30: 12 never-seen configurations from one client all joined the queue
         said = [tracer(*k) for k in keys]
         assert len(tracer.pending) == 2 and all("tracing deferred" in s for s in said[2:])
-        assert "this client has 2 configurations queued (at most 2)" in said[2]
+        assert "this client has 2 traces queued (at most 2)" in said[2]
         assert set(tracer.deferred) == {k[0] for k in keys[2:]}
         for i, k in enumerate(keys[2:], start=2):  # other clients fill the queue to 8
             CLIENT.set(f"10.0.1.{i // 2}")
             tracer(*k)
         assert len(tracer.pending) == 8
         CLIENT.set("10.0.9.9")
-        assert "8 configurations are queued (at most 8)" in tracer(*_keys(13)[12])
+        assert "8 traces are queued (at most 8)" in tracer(*_keys(13)[12])
         runner.release.set()
         for _ in range(200):  # released: the queue drains (each trace fails here), and a deferred key queues again
             if not tracer.pending:

@@ -109,11 +109,22 @@ def test_a_stream_request_beyond_the_queues_bounds_is_refused_for_now_and_a_fail
     tracer.pending.update({"streams:/a.npz", "streams:/b.npz"})
     path = str(tmp_path / "c.npz")
     assert tracer.streams(SMALL, TRAINING, 2, 1, path, "sm90") == Refusal(
-        "2 configurations are queued (at most 2)", final=False
+        "2 allocation-stream recordings are queued (at most 2)", final=False
     )
     assert tracer.streams(SMALL, TRAINING, 2, 1, "/a.npz", "sm90") is None  # queued before: being recorded
     tracer.failed[f"streams:{path}"] = "RuntimeError: the recorder gave up"
     assert tracer.streams(SMALL, TRAINING, 2, 1, path, "sm90") == Refusal("RuntimeError: the recorder gave up", True)
+    assert tracer._thread is None and tracer._queue.empty()
+
+
+def test_a_full_client_queue_says_what_it_holds():
+    """Helper 39: one new T4 configuration (its trace and its allocation-stream recording) was reported as "this
+    client has 2 configurations queued" after one question."""
+    tracer = BackgroundTracer(TermsCache(shipped_dir=None))  # 2 per client
+    tracer.pending.update({"trace-key", "streams:/a.npz"})
+    tracer._owner.update({"trace-key": None, "streams:/a.npz": None})
+    said = tracer("other-key", SMALL, TRAINING)
+    assert "tracing deferred: this client has 1 trace and 1 allocation-stream recording queued (at most 2)" in said
     assert tracer._thread is None and tracer._queue.empty()
 
 
