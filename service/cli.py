@@ -135,25 +135,17 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
-def _seconds(text: str) -> float:
-    """``--timeout-s``: a finite number of seconds > 0 (not a request field: checked here)."""
+def _seconds(text: str, zero_ok: bool = False) -> float:
+    """``--timeout-s`` (> 0) and ``--final-wait-s`` (>= 0: ``zero_ok``): a finite number of seconds (not a request
+    field: checked here)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0 (got {text})")
-    return value
-
-
-def _wait_seconds(text: str) -> float:
-    """``--final-wait-s``: a finite number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0 (got {text})")
+    if not (0 <= value if zero_ok else 0 < value) or not value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds {'>=' if zero_ok else '>'} 0 (got {text})"
+        )
     return value
 
 
@@ -445,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument(
         "--final-wait-s",
-        type=_wait_seconds,
+        type=functools.partial(_seconds, zero_ok=True),
         default=FINAL_WAIT_S,
         metavar="SECONDS",
         help="with --url: how long to ask again while the service is still working out the answer (its `pending`: "
