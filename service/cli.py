@@ -56,6 +56,8 @@ from memfit.schema import (
 
 GIB = 1 << 30
 EXIT_FITS, EXIT_NO_ANSWER, EXIT_BAD_INPUT, EXIT_NO_FIT, EXIT_INTERNAL = 0, 1, 2, 3, 4
+#: ``--timeout-s`` when not given: seconds per request to the service
+TIMEOUT_S = 10.0
 ZERO = {0: Sharding.NONE, 1: Sharding.ZERO1, 2: Sharding.ZERO2, 3: Sharding.ZERO3}
 
 #: request field -> the flag that sets it, so errors name what the user typed
@@ -160,9 +162,13 @@ class _Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):  # an unknown flag is the subcommand's error, not memfit's
         ns, extra = self.parse_known_args(args, namespace)
         if extra:
-            subcommands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
-            subcommands.get(getattr(ns, "command", None), self).error(f"unrecognized arguments: {' '.join(extra)}")
+            self.command_parser(getattr(ns, "command", None)).error(f"unrecognized arguments: {' '.join(extra)}")
         return ns
+
+    def command_parser(self, command: str | None) -> argparse.ArgumentParser:
+        """The subcommand's parser (its errors point at ``memfit <command> --help``); this one for no command."""
+        subcommands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        return subcommands.get(command, self)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -431,14 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--timeout-s",
         type=_seconds,
-        default=10.0,
         metavar="SECONDS",
-        help="with --url: timeout of each request to the service, in seconds (default: 10)",
+        help=f"with --url: timeout of each request to the service, in seconds (default: {TIMEOUT_S:g})",
     )
     o.add_argument(
         "--final-wait-s",
         type=functools.partial(_seconds, zero_ok=True),
-        default=FINAL_WAIT_S,
         metavar="SECONDS",
         help="with --url: how long to ask again while the service is still working out the answer (its `pending`: "
         f"a trace for the GPU, allocation streams); 0 prints the first answer as it is (default: {FINAL_WAIT_S:g})",
@@ -1111,7 +1115,12 @@ def layer_ranges(layers: list[int]) -> str:
 # -- main ------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit code (see the module docstring)."""
-    a = build_parser().parse_args(argv)  # argparse itself exits 2 on bad flags
+    parser = build_parser()
+    a = parser.parse_args(argv)  # argparse itself exits 2 on bad flags
+    if a.command == "recommend" and not a.url:
+        given = [f for f, v in (("--timeout-s", a.timeout_s), ("--final-wait-s", a.final_wait_s)) if v is not None]
+        if given:  # the local answer asks no service: nothing would time out or wait
+            parser.command_parser(a.command).error(f"{' and '.join(given)} apply with --url only (asking the service)")
     # bitsandbytes, imported through PEFT, warns on CPU that its optional CPU 4-bit matmul kernel package is
     # missing; memfit never runs that kernel, and the notice read as an error under the answer
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
@@ -1126,7 +1135,14 @@ def main(argv: list[str] | None = None) -> int:
         with library_output(a.verbose):  # stdout carries only the answer
             req = request_from_args(a)
             rec = (
-                recommend_remote(req, a.url, a.timeout_s, a.final_wait_s) if a.url else recommend_local(req, a.registry)
+                recommend_remote(
+                    req,
+                    a.url,
+                    TIMEOUT_S if a.timeout_s is None else a.timeout_s,
+                    FINAL_WAIT_S if a.final_wait_s is None else a.final_wait_s,
+                )
+                if a.url
+                else recommend_local(req, a.registry)
             )
     except ValidationError as err:
         print(f"memfit: error: {describe_validation_error(err)}", file=sys.stderr)

@@ -889,3 +889,20 @@ def test_url_asks_again_while_the_answer_is_pending_and_says_so(capfd):
         main([*ask, "http://127.0.0.1:9", "--final-wait-s", "-1"])
     assert exit_.value.code == EXIT_BAD_INPUT
     assert "--final-wait-s: must be a finite number of seconds >= 0 (got -1)" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--final-wait-s", "5"], "--final-wait-s apply"),
+        (["--timeout-s", "2", "--final-wait-s", "0"], "--timeout-s and --final-wait-s apply"),
+    ],
+)
+def test_service_only_flags_without_url_are_refused_not_ignored(capfd, flags, named):
+    """``--timeout-s`` and ``--final-wait-s`` shape how the service is asked; the local answer asks none, so without
+    ``--url`` they are bad input (exit 2, naming them), not silently ignored."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["recommend", "--model", "gpt2", "--gpu", "L4", *BASE, *flags])
+    assert exit_.value.code == EXIT_BAD_INPUT
+    err = capfd.readouterr().err
+    assert f"memfit recommend: error: {named} with --url only" in err and "see `memfit recommend --help`" in err
