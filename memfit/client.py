@@ -178,7 +178,7 @@ def fallback_recommendation(
         recompute_overhead_fraction=round(1 / 3, 4) if L else 0.0,
         model_version=FALLBACK_VERSION,
         warnings=[
-            f"memfit service gave no answer ({reason}); "
+            f"the service gave no answer ({reason}); "
             + (
                 "fallback: checkpoint every layer, the most memory it can save (it may still run out of memory; "
                 if may_not_fit
@@ -349,9 +349,7 @@ class Client:
         except ServiceError as err:
             if self.strict:
                 raise
-            fb = fallback_recommendation(request, str(err))
-            log.warning("memfit: %s", fb.warnings[0])
-            return fb
+            return self._fallback(request, str(err))
         if rec.pending and self.final_wait_s > 0:
             interim = (
                 f"its interim k = {rec.k} can be too small"
@@ -364,10 +362,15 @@ class Client:
             )
             if self.strict:
                 raise NotFinal(f"POST {self.url}/recommend: {reason}", rec, self.final_wait_s)
-            fb = fallback_recommendation(request, reason, may_not_fit=not rec.fits)
-            log.warning("memfit: %s", fb.warnings[0])
-            return fb
+            return self._fallback(request, reason, may_not_fit=not rec.fits)
         return rec
+
+    @staticmethod
+    def _fallback(request: RecommendRequest, reason: str, may_not_fit: bool = False) -> FallbackRecommendation:
+        """:func:`fallback_recommendation`, its warning logged (``memfit: the service gave no answer (...)``)."""
+        fb = fallback_recommendation(request, reason, may_not_fit)
+        log.warning("memfit: %s", fb.warnings[0])
+        return fb
 
     def _recommend_once(self, body: dict[str, Any]) -> Recommendation:
         """One ``POST /recommend`` of ``body``.
