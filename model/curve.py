@@ -195,6 +195,12 @@ def accumulation_phases(phase_bytes: np.ndarray, gradients_bytes: int) -> np.nda
     return out
 
 
+def upper_bytes(predicted_bytes: int, margin: float) -> int:
+    """The calibrated bound on a point: ``ceil(predicted_bytes × (1 + margin))`` bytes (``margin``: relative, of the
+    point's margin group; the module docstring's bound)."""
+    return math.ceil(predicted_bytes * (1 + margin))
+
+
 def breakdown(
     states: ModelStates, predicted_bytes: int, phase: str | None, gradients_live: bool = False
 ) -> dict[str, int]:
@@ -397,7 +403,7 @@ class MemoryPredictor:
                 CurvePoint(
                     k=k,
                     predicted_bytes=p,
-                    upper_bytes=math.ceil(p * (1 + margin)),
+                    upper_bytes=upper_bytes(p, margin),
                     peak_phase=phase,
                     breakdown=breakdown(held(at) if held else states, p, phase, gradients_live),
                 )

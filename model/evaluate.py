@@ -555,7 +555,7 @@ class CurveEstimator:
         peak, so it is answered by the stage's composed peak at k (:attr:`model.parallel.ParallelCurve.
         stage_peak_bytes`) with the curve's relative margin, not by the bottleneck stage's the answer gives.
         """
-        from model.curve import margin_group
+        from model.curve import margin_group, upper_bytes
 
         cols = [c for c in FAMILY_COLUMNS if c in X.columns]
         X = X.reset_index(drop=True)
@@ -571,7 +571,7 @@ class CurveEstimator:
             for i, k in zip(g.index, g["num_checkpointed_layers"].astype(int)):
                 if per_stage:
                     p = int(c.pipeline.stage_peak_bytes[k, int(stage)])
-                    pred[i], upper[i], group[i] = p, math.ceil(p * (1 + predictor.margins[mg])), mg
+                    pred[i], upper[i], group[i] = p, upper_bytes(p, predictor.margins[mg]), mg
                 else:
                     pred[i], upper[i], group[i] = c.points[k].predicted_bytes, c.points[k].upper_bytes, mg
         return pred, upper, group
