@@ -90,6 +90,33 @@ class NotFinal(ServiceError):
         self.interim, self.final_wait_s = interim, final_wait_s
 
 
+#: what each item of an answer's ``pending`` means, in words (:attr:`memfit.api.Recommendation.pending`)
+PENDING_WORDS = {
+    "terms": "tracing this configuration with the GPU's CUDA semantics (queued, running, or waiting for room in its "
+    "queue)",
+    "allocation streams": "recording the step's allocation streams for the fit decision (queued or running)",
+}
+
+
+def working_on(rec: Recommendation) -> str:
+    """What the service is still working out for ``rec`` (its ``pending``), in words; "" when final."""
+    return " and ".join(PENDING_WORDS.get(p, p) for p in rec.pending)
+
+
+def not_final_reason(interim: Recommendation, final_wait_s: float, knob: str = "final_wait_s") -> str:
+    """Why an answer still pending after ``final_wait_s`` seconds is no answer: what the service still works out and
+    what the interim answer would risk; ``knob`` names the wait to raise (the command line's ``--final-wait-s``)."""
+    risk = (
+        f"its interim k = {interim.k} can be too small"
+        if interim.fits
+        else "its interim answer: no k fits, so checkpointing every layer may not fit either"
+    )
+    return (
+        f"the answer was not final after {final_wait_s:g} s (the service is still {working_on(interim)}; {risk}): "
+        f"ask again later, or raise {knob}"
+    )
+
+
 class RequestRejected(ValueError):
     """The service refused the request as invalid (HTTP 4xx): a ``ValueError``, so callers that catch
     ``ValueError`` keep working.
@@ -351,15 +378,7 @@ class Client:
                 raise
             return self._fallback(request, str(err))
         if rec.pending and self.final_wait_s > 0:
-            interim = (
-                f"its interim k = {rec.k} can be too small"
-                if rec.fits
-                else "its interim answer: no k fits, so checkpointing every layer may not fit either"
-            )
-            reason = (
-                f"the answer was not final after {self.final_wait_s:g}s (still working out: {', '.join(rec.pending)}; "
-                f"{interim}): ask again later, or raise final_wait_s"
-            )
+            reason = not_final_reason(rec, self.final_wait_s)
             if self.strict:
                 raise NotFinal(f"POST {self.url}/recommend: {reason}", rec, self.final_wait_s)
             return self._fallback(request, reason, may_not_fit=not rec.fits)

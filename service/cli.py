@@ -757,43 +757,27 @@ def recommend_remote(
         NoAnswer: unreachable, timed out or 5xx after retries, or not final within ``final_wait_s``.
         InputError: the service rejected it (4xx).
     """
-    from memfit.client import Client, NotFinal, RequestRejected, ServiceError
+    from memfit.client import Client, NotFinal, RequestRejected, ServiceError, not_final_reason, working_on
 
     told = []
 
     def waiting(interim: Recommendation, left_s: float) -> None:
         if not told:
             told.append(True)
-            _say(f"memfit: the service is still {_working_on(interim)}; asking again for up to {left_s:.0f} s")
+            _say(f"memfit: the service is still {working_on(interim)}; asking again for up to {left_s:.0f} s")
 
     with Client(url, timeout_s=timeout_s, strict=True, final_wait_s=final_wait_s) as client:
         try:
             rec = client.recommend(req, waiting=waiting)
         except NotFinal as err:
-            raise NoAnswer(
-                f"the service's answer was not final after {err.final_wait_s:g} s (still {_working_on(err.interim)}; "
-                f"its interim k = {err.interim.k}): ask again later, or raise --final-wait-s"
-            ) from None
+            raise NoAnswer(not_final_reason(err.interim, err.final_wait_s, "--final-wait-s")) from None
         except ServiceError as err:
             raise NoAnswer(str(err)) from None
         except RequestRejected as err:
             raise InputError(describe_rejection(err)) from None
     if rec.pending:  # --final-wait-s 0
-        _say(f"memfit: this answer is not final: the service is still {_working_on(rec)}; ask again for the final one")
+        _say(f"memfit: this answer is not final: the service is still {working_on(rec)}; ask again for the final one")
     return rec
-
-
-#: what each item of an answer's ``pending`` means, in words (memfit.api.Recommendation.pending)
-_PENDING_WORDS = {
-    "terms": "tracing this configuration with the GPU's CUDA semantics (queued, running, or waiting for room in its "
-    "queue)",
-    "allocation streams": "recording the step's allocation streams for the fit decision (queued or running)",
-}
-
-
-def _working_on(rec: Recommendation) -> str:
-    """What the service is still working out for ``rec``, in words."""
-    return " and ".join(_PENDING_WORDS.get(p, p) for p in rec.pending)
 
 
 def describe_rejection(err) -> str:

@@ -870,9 +870,9 @@ def test_url_asks_again_while_the_answer_is_pending_and_says_so(capfd):
         assert (
             got == EXIT_NO_ANSWER
             and (
-                "the service's answer was not final after 1 s (still tracing this configuration with the GPU's CUDA "
-                "semantics (queued, running, or waiting for room in its queue); its interim k = 7): ask again later, "
-                "or raise --final-wait-s"
+                "the answer was not final after 1 s (the service is still tracing this configuration with the GPU's "
+                "CUDA semantics (queued, running, or waiting for room in its queue); its interim k = 7 can be too "
+                "small): ask again later, or raise --final-wait-s"
             )
             in err
         )

@@ -591,13 +591,14 @@ def test_an_answer_never_final_falls_back_to_every_layer_or_raises_when_strict(m
     with caplog.at_level(logging.WARNING, logger="memfit"):
         rec = mock_client(handler, final_wait_s=10).recommend(**HF_REQ)
     assert is_fallback(rec) and rec.k == 6 and rec.layers == list(range(6))  # every layer of the 6-layer config
-    assert "not final after 10s" in rec.reason and "terms" in rec.reason and "interim k = 7" in rec.reason
+    assert "not final after 10 s (the service is still tracing this configuration" in rec.reason
+    assert "interim k = 7 can be too small" in rec.reason and rec.reason.endswith("or raise final_wait_s")
     assert "safe fallback" in rec.warnings[0]
     # pauses 0.5, 1, 2, 2, 2, 2, then the 0.5 s left: the last ask at the 10 s deadline, eight asks in all (helper 37:
     # the client gave up a pause early, after 0.6 s of a 1 s wait)
     assert clock.slept == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0, 0.5] and len(calls) == 8 and clock.now_s == 10.0
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [f"memfit: {rec.warnings[0]}"]
-    with pytest.raises(NotFinal, match=r"not final after 3s \(still working out: terms") as not_final:
+    with pytest.raises(NotFinal, match=r"not final after 3 s \(the service is still tracing") as not_final:
         mock_client(handler, final_wait_s=3, strict=True).recommend(**REQ)
     assert isinstance(not_final.value, ServiceError) and not_final.value.interim.k == 7
     assert not_final.value.final_wait_s == 3
