@@ -178,3 +178,48 @@ def test_lora_with_peft_default_targets_runs_on_mixtral():
     default, named = (measure(TINY_MOE["mixtral"], c) for c in (t, explicit))
     assert default.measurement.peak_allocated_bytes == named.measurement.peak_allocated_bytes > 0
     assert default.model.trainable_params == named.model.trainable_params > 0
+
+
+def test_zero_placement_gathers_each_parameter_at_its_own_size():
+    """DeepSpeed's flat partition pads no dimension; FSDP2's dim-0 shard pads (8, 2F, H) experts over 64 ranks to
+    64 rows. The ZeRO placement keeps dim 0 where it has at least one row per rank, else the first even dimension."""
+    from torch.distributed.tensor import Shard
+
+    from tracer.collect import flat_partition_placement
+
+    place = flat_partition_placement(64)
+    assert place(torch.nn.Parameter(torch.empty(8, 28672, 4096, device="meta"))) == Shard(1)  # Mixtral's experts
+    assert place(torch.nn.Parameter(torch.empty(8, 4096, device="meta"))) == Shard(1)  # its router
+    assert place(torch.nn.Parameter(torch.empty(16, 4096, device="meta"))) == Shard(1)  # LoRA A, rank 16
+    assert place(torch.nn.Parameter(torch.empty(50257, 768, device="meta"))) == Shard(0)  # 47 rows of padding
+    assert place(torch.nn.Parameter(torch.empty(4096, device="meta"))) == Shard(0)
+    assert place(torch.nn.Parameter(torch.empty(8, 7, device="meta"))) == Shard(0)  # nothing even: FSDP2's own
+
+
+def test_zero3_over_more_ranks_than_experts_holds_less_and_fsdp2_pads_the_experts():
+    """A helper saw Mixtral-8x7B under zero3 grow from 117 to 184 GB per GPU going from 8 to 64 GPUs: FSDP2 padded
+    the 8-expert tensors to 64 rows. DeepSpeed-named sharding is traced without that padding, so more ranks hold
+    less; fsdp_full_shard keeps it (FSDP2 runs so), and its answer says why."""
+    from data import catalog
+    from model.curve import MemoryPredictor
+    from model.terms import TermsCache, terms_key
+
+    cfg = _with_layers(TINY_MOE["mixtral"], 2)  # 4 experts
+
+    def peak(sharding: str, ranks: int) -> int:
+        t = TrainingConfig(micro_batch_size=1, seq_len=128, sharding=sharding, data_parallel_size=ranks)
+        return measure(cfg, t).measurement.peak_allocated_bytes
+
+    zero3 = [peak("zero3", n) for n in (4, 16)]
+    fsdp = [peak("fsdp_full_shard", n) for n in (4, 16)]
+    assert zero3[0] == fsdp[0]  # 4 experts over 4 ranks: no padding either way
+    assert zero3[1] < zero3[0] < fsdp[1]  # zero3: less per rank; FSDP2: the experts gathered at 4x their size
+    t = TrainingConfig(micro_batch_size=1, seq_len=128, sharding="fsdp_full_shard", data_parallel_size=16)
+    cache = TermsCache(shipped_dir=None)
+    cache.put(terms_key(cfg, t), trace_terms(cfg, t).to_json())
+    notes = MemoryPredictor(None, cache).curve(catalog.spec(cfg), t, cfg).notes
+    assert (
+        "FSDP2 shards dim 0: the fused (4, ...) expert tensors are padded to 16 rows over 16 ranks, gathered at 4x "
+        "their size; sharding them on another dimension (fully_shard's shard_placement_fn, torchtitan) or "
+        "DeepSpeed's flat partition (sharding zero3) avoids it"
+    ) in notes

@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,6 +90,30 @@ _FSDP_RESHARD = {
     Sharding.ZERO2: False,
     Sharding.FSDP_SHARD_GRAD_OP: False,
 }
+
+
+def flat_partition_placement(world_size: int) -> Callable[[torch.nn.Parameter], Any]:
+    """FSDP2 ``shard_placement_fn`` for DeepSpeed's ZeRO-2/3 names: a gathered parameter is its own size.
+
+    DeepSpeed partitions each parameter flat (``deepspeed/runtime/zero/partition_parameters.py``: every rank holds
+    ``ceil(numel / world_size)`` elements, so the gathered buffer pads under ``world_size`` elements). FSDP2 shards
+    dim 0 and pads it to a multiple of the world size (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``
+    ``_init_sharded_param``: the padded shard is chunk 0's size), so a fused (8, 2F, H) expert tensor over 64 ranks
+    gathers 64 rows, 8 times its size, in forward and again in backward's reduce-scatter; LoRA's (r, in) A matrix
+    with r below the world size likewise. Returned: ``Shard(0)`` where dim 0 has at least ``world_size`` rows (FSDP2
+    pads under one row per rank: GPT-2's 50,257-row embedding over 64 ranks by 47 rows, 0.09 %), else the first
+    other dimension that splits evenly (FSDP2 shards those only evenly), else ``Shard(0)``. ``fsdp_*`` shardings keep
+    FSDP2's own dim-0 placement.
+    """
+    from torch.distributed.tensor import Shard
+
+    def placement(param: torch.nn.Parameter) -> Any:
+        shape = tuple(param.shape)
+        if not shape or shape[0] >= world_size:
+            return Shard(0)
+        return Shard(next((d for d in range(1, len(shape)) if shape[d] % world_size == 0), 0))
+
+    return placement
 
 
 class MasterWeightsOptimizer:
@@ -603,6 +628,8 @@ def prepared_model(
                 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
                 kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": _FSDP_RESHARD[training.sharding]}
+                if training.sharding in (Sharding.ZERO2, Sharding.ZERO3) and tp_mesh is None:
+                    kw["shard_placement_fn"] = flat_partition_placement(world)
                 if amp_dtype is not None:
                     kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
                 with _mesh_bookkeeping_outside_modes() if tp_mesh is not None else contextlib.nullcontext():
