@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memfit.schema import FineTune, ModelSpec, Quantization, Sharding, TrainingConfig
-from model.allocator import AllocatorSettings, unsplit_block_bytes
+from model.allocator import GIB, AllocatorSettings, unsplit_block_bytes
 from model.analytic import largest_request_bytes, weight_dtype_bytes
 from model.curve import Curve, CurvePoint, MemoryPredictor
 from model.job import ParameterTensors, parameter_tensors
@@ -186,7 +186,13 @@ def plan(
     usable = int(capacity_bytes * (1 - headroom_fraction))
     outside, outside_source = overhead_model.outside_pytorch(device_name, gpu_count)
     nccl = overhead_model.nccl_bytes(gpu_count)
-    cap = usable - outside
+    cap = max(usable - outside, 0)
+    if cap == 0:  # no step runs: nothing to replay (nor a stream to record for it)
+        streams = None
+        no_stream_reason = (
+            f"the usable {usable / GIB:.2f} GiB leave nothing for PyTorch beside the {outside / GIB:.2f} GiB outside "
+            "it: no k fits"
+        )
     blocks = parameter_block_bytes(model, training, hf_config, settings)
     bounds = allocator_bounds([p.upper_bytes for p in c.points], blocks, overhead_model)
     largest = largest_request_bytes(model, training)  # the allowance's room; a simulated step has its stream's

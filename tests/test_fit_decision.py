@@ -166,6 +166,26 @@ def test_repeated_answer_replays_nothing(recommender, monkeypatch):
     assert _ask(recommender, job, "").k == _ask(recommender, job, "").k
 
 
+def test_a_gpu_with_nothing_left_for_pytorch_replays_and_records_nothing(recommender, monkeypatch):
+    """A helper's ``gpu_memory_bytes: 1048576`` answered ``allocator_cap_bytes: -1407241421`` and recorded the step's
+    allocation stream to replay it against that cap."""
+    import model.reserved
+
+    def boom(*a, **k):
+        raise AssertionError("replayed")
+
+    monkeypatch.setattr(model.reserved, "simulate_step", boom)
+    rec = recommender.recommend(
+        RecommendRequest.model_validate(
+            {"model": JOBS[0].model, "training": JOBS[0].training, "cluster": {"gpu_memory_bytes": 1 << 20}}
+        )
+    )
+    assert not rec.fits and rec.k is None and rec.fit_method == "allowance" and rec.allocator_cap_bytes == 0
+    assert rec.shortfall_bytes > 0 and rec.pending == []
+    (note,) = [w for w in rec.warnings if w.startswith("allocator not simulated")]
+    assert "the usable 0.00 GiB leave nothing for PyTorch beside the" in note and "outside it: no k fits" in note
+
+
 @pytest.mark.parametrize(
     ("conf", "named"),
     [
