@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import uuid
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, Self
@@ -595,11 +594,26 @@ def _row_fields() -> dict[str, tuple[str, Any]]:
 CLOCK_SKEW = timedelta(days=1)
 
 
-class TelemetryRecord(_Part):
-    """One measured training step. ``record_id`` makes ingestion idempotent."""
+def _content_hash(parts: dict[str, Any]) -> str:
+    """SHA-256 of a record's ``model``, ``training``, ``cluster`` and ``measurement`` (validated parts)."""
+    body = {name: parts[name].model_dump(mode="json") for name in ("model", "training", "cluster", "measurement")}
+    if body["training"]["gradient_accumulation_steps"] == 1:  # added later: hashes of older records stay valid
+        del body["training"]["gradient_accumulation_steps"]
+    if body["measurement"]["pipeline_stage"] is None:  # added later, likewise
+        del body["measurement"]["pipeline_stage"]
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
-    record_id: str = Field(
-        default_factory=lambda: uuid.uuid4().hex, min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$"
+
+class TelemetryRecord(_Part):
+    """One measured training step. ``record_id`` makes ingestion idempotent: when not given it is the first 32 hex
+    digits of the :meth:`content_hash`, so the same measurement sent twice (a retry) is stored once."""
+
+    record_id: str | None = Field(
+        None,
+        min_length=8,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="the record's id; omitted or null: the first 32 hex digits of its content hash",
     )
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     model: ModelSpec
@@ -634,6 +648,8 @@ class TelemetryRecord(_Part):
             )
         if self.measurement.method is not Method.CUDA and self.measurement.peak_reserved_bytes is not None:
             raise ValueError("peak_reserved_bytes is only allowed with method='cuda'")
+        if self.record_id is None:  # frozen: set once, here
+            object.__setattr__(self, "record_id", self.content_hash()[:32])
         return self
 
     def to_row(self) -> dict[str, Any]:
@@ -668,12 +684,7 @@ class TelemetryRecord(_Part):
 
     def content_hash(self) -> str:
         """SHA-256 of everything but ``record_id`` and ``created_at``: tells a true duplicate from a conflict."""
-        body = self.model_dump(mode="json", exclude={"record_id", "created_at"})
-        if body["training"]["gradient_accumulation_steps"] == 1:  # added later: hashes of older records stay valid
-            del body["training"]["gradient_accumulation_steps"]
-        if body["measurement"]["pipeline_stage"] is None:  # added later, likewise
-            del body["measurement"]["pipeline_stage"]
-        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        return _content_hash(self.__dict__)
 
 
 #: flat column name -> (part, FieldInfo), for the store and Parquet/CSV

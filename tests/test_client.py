@@ -384,8 +384,8 @@ def test_report_peak_spools_whatever_has_no_verdict_and_says_quarantined(tmp_pat
     plan = _trained_plan(model, [1])
     spool = tmp_path / "spool.jsonl"
 
-    def report(handler):
-        return _report_l4(mock_client(handler, retries=0), model, plan, 4096, spool)
+    def report(handler, peak_allocated_bytes=4096):
+        return _report_l4(mock_client(handler, retries=0), model, plan, peak_allocated_bytes, spool)
 
     answers = [
         httpx.Response(404, json={"detail": "Not Found"}),
@@ -394,8 +394,8 @@ def test_report_peak_spools_whatever_has_no_verdict_and_says_quarantined(tmp_pat
         httpx.Response(200, json={"ok": True}),
         httpx.Response(200, json=["stored"]),
     ]
-    for response in answers:
-        res = report(lambda request, a=response: a)
+    for i, response in enumerate(answers):  # five measurements (one measurement's id is its content's)
+        res = report(lambda request, a=response: a, 4096 + 512 * i)
         assert res.status == "spooled", (response.status_code, res)
     assert len(spool.read_text().splitlines()) == len(answers)
 

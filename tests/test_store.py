@@ -50,6 +50,18 @@ def test_duplicate_within_one_batch(store):
     assert rep.stored == ["rec-aaaaaaaa"] and rep.duplicates == ["rec-aaaaaaaa"]
 
 
+def test_a_measurement_sent_twice_without_an_id_is_stored_once(store):
+    """A helper's raw POST /telemetry of one body (no record_id) twice stored two rows under random ids: the id of a
+    record without one is its content's, so a retry is a duplicate, and another measurement is another record."""
+    body = record().model_dump(mode="json", exclude={"record_id", "created_at"})
+    first, retry = store.add([body]), store.add([body])
+    rid = first.stored[0]
+    assert retry.duplicates == [rid] and not retry.stored and store.count() == 1
+    assert rid == record().content_hash()[:32]
+    other = {**body, "measurement": {**body["measurement"], "peak_allocated_bytes": 123_457_024}}
+    assert store.add([other]).stored != [rid] and store.count() == 2
+
+
 @pytest.mark.parametrize("suffix", [".parquet", ".csv"])
 def test_export_import_roundtrip(store, tmp_path, suffix):
     recs = [
