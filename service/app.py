@@ -101,6 +101,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if warming is not None:
             warming.join()
         app.state.writes.executor.shutdown(wait=True)
+        # the same application served again (uvicorn's reload, a test's second client) writes on a fresh executor:
+        # its threads start on the first write
+        app.state.writes = WriteQueue(settings.write_workers, settings.max_pending_writes)
         tracer.shutdown()
 
     app = FastAPI(

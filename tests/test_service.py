@@ -55,6 +55,12 @@ def test_telemetry_ingest_idempotent_with_reasons(client):
     r = client.post("/telemetry", json=[good], headers=AUTH)
     assert r.json()["duplicates"] == ["job-00000001"]
     assert client.get("/v2/health/ready").json()["telemetry_records"] == 1
+    # items that are not objects are invalid records like any other: rejected one by one, the rest stored (a helper's
+    # batch [record, "str", 5] came back 422 as a whole)
+    other = record(record_id="job-00000003", seq_len=256).model_dump(mode="json")
+    r = client.post("/telemetry", json=[other, "str", 5, None], headers=AUTH)
+    assert r.status_code == 200 and r.json()["stored"] == ["job-00000003"]
+    assert [e["index"] for e in r.json()["rejected"]] == [1, 2, 3]
 
 
 def test_telemetry_read_back_stored_quarantined_and_unknown(client):

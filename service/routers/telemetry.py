@@ -22,10 +22,11 @@ from service.settings import Settings
 
 router = APIRouter(tags=["telemetry"], dependencies=[Depends(require_token)])
 
-#: one posted record: documented as a :class:`TelemetryRecord` (or a flat row), checked as a plain object
-#: here and validated by the store on the write executor, so a large batch never holds the event loop
+#: one posted record: documented as a :class:`TelemetryRecord` (or a flat row), taken as it comes here and validated
+#: by the store on the write executor, so a large batch never holds the event loop and an item that is not even an
+#: object is rejected on its own, with its index, like any other invalid record
 TelemetryIn = Annotated[
-    dict[str, Any],
+    Any,
     WithJsonSchema(
         {
             "anyOf": [
