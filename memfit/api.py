@@ -434,7 +434,7 @@ class RecommendRequest(_In):
     training: TrainingIn
     cluster: ClusterIn
     headroom_fraction: float = Field(0.05, ge=0, le=0.9, description="share of device memory kept free")
-    layout: str = Field("block", pattern="^(block|even)$", description="which layers: first k per stage, or spread")
+    layout: Literal["block", "even"] = Field("block", description="which layers: first k per stage, or spread")
     architecture_fallback: str | None = Field(
         None,
         min_length=1,

@@ -275,6 +275,13 @@ def test_an_empty_or_oversized_batch_is_422_with_the_allowed_length(client):
     assert "(allowed: a list of 1 to 1024 items)" in r.json()["detail"]
 
 
+def test_a_layout_outside_its_two_values_names_them(client):
+    # a helper's "layout": "random" read "String should match pattern '^(block|even)$' (allowed: a string)"
+    body = {"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64}, "cluster": {"gpu": "T4"}}
+    r = client.post("/recommend", json={**body, "layout": "random"})
+    assert r.status_code == 422 and r.json()["detail"] == "layout: Input should be 'block' or 'even'"
+
+
 def test_recommender_check_422_detail_names_the_field_and_the_allowed_range(client):
     # the allowed range of a recommender check (InvalidConfiguration, service/errors.py) was only in errors[]:
     # the detail read "training: data*tensor*pipeline*context parallel size = 1*16*1*1 = 16 exceeds
