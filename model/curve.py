@@ -345,14 +345,17 @@ class MemoryPredictor:
                 f"{training.sharding_group_size} ranks (no communication is run)"
             )
             experts, ranks = model.num_experts, training.sharding_group_size
-            fsdp = training.sharding in (Sharding.FSDP_FULL_SHARD, Sharding.FSDP_SHARD_GRAD_OP)
-            if fsdp and experts and experts < ranks and training.tensor_parallel_size == 1:
-                # tracer.collect.flat_partition_placement: zero2/zero3 are traced without this padding
+            fsdp2 = training.sharding not in (Sharding.ZERO1, Sharding.ZERO3)  # zero3: tracer.collect's flat partition
+            if fsdp2 and experts and experts < ranks and training.tensor_parallel_size == 1:
                 notes.append(
                     f"FSDP2 shards dim 0: the fused ({experts}, ...) expert tensors are padded to {ranks} rows over "
-                    f"{ranks} ranks, gathered at {ranks / experts:g}x their size; sharding them on another dimension "
-                    "(fully_shard's shard_placement_fn, torchtitan) or DeepSpeed's flat partition (sharding zero3) "
-                    "avoids it"
+                    f"{ranks} ranks, gathered at {ranks / experts:g}x their size; "
+                    + (
+                        "DeepSpeed's stage 2 keeps whole parameters and gathers none, so this answer is high for it"
+                        if training.sharding is Sharding.ZERO2
+                        else "sharding them on another dimension (fully_shard's shard_placement_fn, torchtitan) or "
+                        "DeepSpeed's flat partition (sharding zero3) avoids it"
+                    )
                 )
         if group == TRACED_SHARDED:  # a new user saw an 8x wider bound at micro-batch 1 than at 2, unexplained
             notes.append(

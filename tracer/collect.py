@@ -93,7 +93,7 @@ _FSDP_RESHARD = {
 
 
 def flat_partition_placement(world_size: int) -> Callable[[torch.nn.Parameter], Any]:
-    """FSDP2 ``shard_placement_fn`` for DeepSpeed's ZeRO-2/3 names: a gathered parameter is its own size.
+    """FSDP2 ``shard_placement_fn`` for DeepSpeed's ZeRO-3 (``zero3``): a gathered parameter is its own size.
 
     DeepSpeed partitions each parameter flat (``deepspeed/runtime/zero/partition_parameters.py``: every rank holds
     ``ceil(numel / world_size)`` elements, so the gathered buffer pads under ``world_size`` elements). FSDP2 shards
@@ -103,7 +103,8 @@ def flat_partition_placement(world_size: int) -> Callable[[torch.nn.Parameter], 
     with r below the world size likewise. Returned: ``Shard(0)`` where dim 0 has at least ``world_size`` rows (FSDP2
     pads under one row per rank: GPT-2's 50,257-row embedding over 64 ranks by 47 rows, 0.09 %), else the first
     other dimension that splits evenly (FSDP2 shards those only evenly), else ``Shard(0)``. ``fsdp_*`` shardings keep
-    FSDP2's own dim-0 placement.
+    FSDP2's own dim-0 placement, and ``zero2`` too: it shares ``fsdp_shard_grad_op``'s trace
+    (:func:`model.terms.training_key_fields`).
     """
     from torch.distributed.tensor import Shard
 
@@ -628,7 +629,7 @@ def prepared_model(
                 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
                 kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": _FSDP_RESHARD[training.sharding]}
-                if training.sharding in (Sharding.ZERO2, Sharding.ZERO3) and tp_mesh is None:
+                if training.sharding is Sharding.ZERO3 and tp_mesh is None:  # zero2 shares fsdp_shard_grad_op's key
                     kw["shard_placement_fn"] = flat_partition_placement(world)
                 if amp_dtype is not None:
                     kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
