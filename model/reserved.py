@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from model.allocator import GIB, AllocationStream, AllocatorSettings, ReplayResult, replay
+from model.allocator import GIB, MIB, AllocationStream, AllocatorSettings, ReplayResult, replay
 
 #: k -> the full model's allocation stream with its first k layers checkpointed, or None when none can be had
 StreamSource = Callable[[int], AllocationStream | None]
@@ -82,6 +82,8 @@ class SimulatedStep:
     runs: bool
     allowance_bytes: int
     oom_request_bytes: int | None = None
+    #: the smallest cap it runs at (:func:`running_cap_bytes`), found for the k = L step when nothing runs
+    running_cap_bytes: int | None = None
 
 
 def simulate_step(stream: AllocationStream, settings: AllocatorSettings, cap_bytes: int, k: int) -> SimulatedStep:
@@ -94,6 +96,28 @@ def simulate_step(stream: AllocationStream, settings: AllocatorSettings, cap_byt
     return SimulatedStep(
         k, free.peak_reserved_bytes, free.peak_allocated_bytes, not capped.oom, allowance, capped.oom_request_bytes
     )
+
+
+#: how close :func:`running_cap_bytes` finds the smallest cap: the caching allocator's large-segment rounding
+RUNNING_CAP_RESOLUTION_BYTES = 2 * MIB
+
+
+def running_cap_bytes(stream: AllocationStream, settings: AllocatorSettings, step: SimulatedStep) -> int:
+    """The smallest cap (bytes, within :data:`RUNNING_CAP_RESOLUTION_BYTES` above it) at which ``step`` runs: capped
+    replays bisected between its allocated peak (below it nothing runs) and its uncapped reserved peak (it runs),
+    each plus the room kept free. A capped step can run below its uncapped reserved peak: before an allocation fails,
+    the caching allocator frees its cached blocks and tries again (``c10/cuda/CUDACachingAllocator.cpp``
+    ``release_cached_blocks``), which the replay models.
+    """
+    bad = step.allocated_bytes + step.allowance_bytes - 1
+    good = max(step.reserved_bytes + step.allowance_bytes, bad + 1)
+    while good - bad > RUNNING_CAP_RESOLUTION_BYTES:
+        mid = (good + bad) // 2
+        if replay(stream, settings, mid - step.allowance_bytes).oom:
+            bad = mid
+        else:
+            good = mid
+    return good
 
 
 def search_k(runs: Callable[[int], bool], lo: int, hi: int, guess: int | None = None) -> int | None:
@@ -179,14 +203,16 @@ class ReservedFit:
 
     @property
     def shortfall_bytes(self) -> int:
-        """When nothing runs: how far the k = L step is over the cap (its reserved peak plus the allowance less
-        the cap, at least 1 byte); 0 when a k runs."""
+        """When nothing runs: how far the k = L step is over the cap, at least 1 byte; 0 when a k runs. Simulated:
+        the smallest cap the step runs at (:func:`running_cap_bytes`) less the cap; allowance: its reserved figure
+        plus the room less the cap."""
         if self.k is not None:
             return 0
         last = len(self.reserved_bytes) - 1
         step = self.steps.get(last)
         if step is not None:
-            return max(1, step.reserved_bytes + step.allowance_bytes - self.cap_bytes)
+            needed = step.running_cap_bytes or step.reserved_bytes + step.allowance_bytes
+            return max(1, needed - self.cap_bytes)
         reserved = self.reserved_bytes[last]
         return max(1, (reserved or 0) + (self.allowance_room_bytes or 0) - self.cap_bytes)
 
@@ -226,8 +252,11 @@ def simulated_fit(
     lo = next((k for k, u in enumerate(upper_bytes) if u <= cap_bytes), num)
     try:
         k = search_k(runs, lo, num - 1, guess) if lo < num else None
-        if k is None and num - 1 not in steps:
-            runs(num - 1)  # the shortfall is reported at k = L
+        # the shortfall is reported at k = L: the least memory its step runs in (it may run while its allocated
+        # bound is over the cap)
+        if k is None and not runs(num - 1):
+            last = steps[num - 1]
+            last.running_cap_bytes = running_cap_bytes(streams(num - 1), settings, last)
     except LookupError:
         return None
     reserved: list[int | None] = [None] * num
