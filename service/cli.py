@@ -970,8 +970,16 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
         )
         if rec.predicted_reserved_bytes is not None:
             how = "simulated caching allocator" if simulated else "measured allowance"
-            # the simulated test is the replayed step within the allocator's cap (model.reserved.simulate_step)
-            test = f"; fits when the replayed step runs within {gib(rec.allocator_cap_bytes or 0)}" if simulated else ""
+            # the figure is the step's uncapped reserved peak; the simulated test replays it within the allocator's cap
+            # less the room kept free (model.reserved.simulate_step): a capped step frees cached blocks and can run in
+            # less than its uncapped peak (helper 40 read "39.43, fits when ... within 36.30" as a contradiction)
+            cap, room = rec.allocator_cap_bytes or 0, rec.allocator_room_bytes or 0
+            test = (
+                f", uncapped; the fit replays the step within {gib(cap - room)}"
+                + (f": {gib(cap)} less its largest request" if room else "")
+                if simulated
+                else ""
+            )
             parts.add_row(
                 f"predicted peak reserved ({how}, {rec.allocator_settings_assumed} allocator settings{test})",
                 gib(rec.predicted_reserved_bytes),

@@ -131,6 +131,18 @@ def test_the_shortfall_is_the_least_memory_more_that_runs_every_layer_checkpoint
     assert more.fits and more.k == L
     less = _ask(recommender, job, "", cluster={"gpu_memory_bytes": GPUS[job.card] + rec.shortfall_bytes - 64 * MIB})
     assert not less.fits
+    # --explain says the reserved figure is the uncapped peak and what the fit replays the step within
+    from rich.console import Console
+
+    from service.cli import gib, render
+
+    con = Console(width=400, record=True)
+    render(rec, explain=True, console=con)
+    cap, room = rec.allocator_cap_bytes, rec.allocator_room_bytes
+    assert (
+        f"predicted peak reserved (simulated caching allocator, default allocator settings, uncapped; the fit replays "
+        f"the step within {gib(cap - room)}: {gib(cap)} less its largest request)"
+    ) in con.export_text()
 
 
 def test_composed_streams_give_the_traced_streams_answers(recommender, tmp_path, monkeypatch):
