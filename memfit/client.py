@@ -90,6 +90,23 @@ class NotFinal(ServiceError):
         self.interim, self.final_wait_s = interim, final_wait_s
 
 
+def check_url(url: Any) -> str:
+    """``url`` when it is an http(s) URL with a host and a port in [1, 65535] (if given).
+
+    Raises:
+        ValueError: naming the URL and what it must be.
+    """
+    try:
+        parsed = httpx.URL(url) if isinstance(url, str) else None
+    except httpx.InvalidURL:
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"url={url!r} must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000")
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:
+        raise ValueError(f"url={url!r}: port {parsed.port} must be in [1, 65535]")
+    return url
+
+
 #: what each item of an answer's ``pending`` means, in words (:attr:`memfit.api.Recommendation.pending`)
 PENDING_WORDS = {
     "terms": "tracing this configuration with the GPU's CUDA semantics (queued, running, or waiting for room in its "
@@ -255,12 +272,7 @@ class Client:
         transport: httpx.BaseTransport | None = None,
         final_wait_s: float = FINAL_WAIT_S,
     ):
-        try:
-            parsed = httpx.URL(url) if isinstance(url, str) else None
-        except httpx.InvalidURL:
-            parsed = None
-        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ValueError(f"url={url!r} must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000")
+        check_url(url)
         if retries < 0:
             raise ValueError(f"retries={retries} must be >= 0")
         if timeout_s <= 0:

@@ -151,6 +151,16 @@ def _seconds(text: str, zero_ok: bool = False) -> float:
     return value
 
 
+def _url(text: str) -> str:
+    """``--url``: an http(s) URL with a host (:func:`memfit.client.check_url`)."""
+    from memfit.client import check_url
+
+    try:
+        return check_url(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a short error: the error and where the flags are listed (``memfit recommend --help``),
     not argparse's usage block of every flag first (23 lines for ``recommend``, above a one-line error).
@@ -430,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     o = r.add_argument_group("answer")
-    o.add_argument("--url", help="ask the memfit service at this URL instead of the local model registry")
+    o.add_argument("--url", type=_url, help="ask the memfit service at this URL instead of the local model registry")
     o.add_argument(
         "--registry", type=Path, metavar="DIR", help="local model registry folder (default: the shipped data/models)"
     )

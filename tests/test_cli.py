@@ -906,3 +906,19 @@ def test_service_only_flags_without_url_are_refused_not_ignored(capfd, flags, na
     assert exit_.value.code == EXIT_BAD_INPUT
     err = capfd.readouterr().err
     assert f"memfit recommend: error: {named} with --url only" in err and "see `memfit recommend --help`" in err
+
+
+@pytest.mark.parametrize(
+    "url,why",
+    [
+        ("notaurl", "url='notaurl' must be an http:// or https:// URL with a host"),
+        ("http://127.0.0.1:99999", "url='http://127.0.0.1:99999': port 99999 must be in [1, 65535]"),
+    ],
+)
+def test_a_bad_url_is_bad_input_not_an_internal_error(capfd, url, why):
+    """Helper 40: ``--url notaurl`` printed "internal error: ValueError ... please report it" (exit 4), and an
+    out-of-range port was "unreachable" (exit 1)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["recommend", "--model", "gpt2", "--gpu", "L4", *BASE, "--url", url])
+    assert exit_.value.code == EXIT_BAD_INPUT
+    assert f"memfit recommend: error: argument --url: {why}" in capfd.readouterr().err

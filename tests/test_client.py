@@ -433,6 +433,8 @@ def test_a_url_without_scheme_or_host_is_refused_when_the_client_is_made():
     for url in ("127.0.0.1:8000", "localhost:8000", "http://", "ftp://memfit.test", None, 8000):
         with pytest.raises(ValueError, match=r"url=.* must be an http:// or https:// URL with a host"):
             Client(url)
+    with pytest.raises(ValueError, match=r"url='http://127.0.0.1:99999': port 99999 must be in \[1, 65535\]"):
+        Client("http://127.0.0.1:99999")
     assert Client("https://memfit.test/").url == "https://memfit.test"
 
 
