@@ -54,6 +54,7 @@ from memfit.schema import (
     default_precision,
 )
 from model.analytic import ModelStates, model_state_bytes, step_temporary_bytes_per_param
+from model.cuda_semantics import PRE_AMPERE, generation_of
 from model.frozen import trainable_params as frozen_trainable_params
 from model.offload import host_memory_bytes, offloaded
 from model.parallel import RankShare, Stage, rank_share
@@ -268,6 +269,7 @@ def resolve(
     """
     arch = resolve_architecture(model, architecture_fallback)
     gpus = gpu_count if gpu_count is not None else (cluster.gpu_count if cluster is not None else 1)
+    check_attention(training.attention, cluster.gpu if cluster is not None else None)
     if isinstance(training, TrainingIn):
         config, spec = training_config(training, arch.spec, gpus, arch.hf_config)
     else:
@@ -663,6 +665,21 @@ def tensor_parallel_sizes(spec: ModelSpec) -> list[int]:
     ``num_key_value_heads`` or is a multiple of it (grouped KV heads split, or replicated over the ranks)."""
     heads, kv = spec.num_attention_heads, spec.num_key_value_heads
     return [tp for tp in range(1, heads + 1) if heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)]
+
+
+def check_attention(attention: Attention, gpu: str | None) -> None:
+    """FlashAttention-2 runs on Ampere (sm80) and newer GPUs only (``Dao-AILab/flash-attention`` README: Ampere, Ada,
+    Hopper); transformers refuses ``flash_attention_2`` elsewhere (:data:`model.cuda_semantics.PRE_AMPERE`).
+
+    Raises:
+        InvalidConfiguration: ``training.attention`` flash on a named pre-Ampere GPU (a V100, a T4).
+    """
+    if attention is Attention.FLASH and gpu is not None and generation_of(gpu) in PRE_AMPERE:
+        raise InvalidConfiguration(
+            "training.attention",
+            f"'sdpa' or 'eager' on a {gpu} ({generation_of(gpu).value}): FlashAttention-2 needs sm80 (A100) or newer",
+            attention.value,
+        )
 
 
 def check_parallel(t: TrainingIn, spec: ModelSpec, gpu_count: int) -> int:

@@ -52,6 +52,7 @@ from model.curve import PROVISIONAL, Curve, MemoryPredictor
 from model.job import (
     Architecture,
     Job,
+    check_attention,
     check_parallel,
     known_architectures,
     model_shape,
@@ -403,6 +404,7 @@ class Recommender:
             InvalidConfiguration: the item is invalid; the field starts with ``items.<index>``.
         """
         try:
+            check_attention(item.training.attention, item.cluster.gpu if item.cluster else None)
             c, job = self._curve(
                 item.model, item.training, item.cluster.gpu_count if item.cluster else 1, item.architecture_fallback
             )

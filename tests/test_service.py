@@ -282,6 +282,20 @@ def test_a_layout_outside_its_two_values_names_them(client):
     assert r.status_code == 422 and r.json()["detail"] == "layout: Input should be 'block' or 'even'"
 
 
+@pytest.mark.parametrize("gpu", ["T4", "V100-32GB"])
+def test_flash_attention_on_a_gpu_before_ampere_is_422(client, gpu):
+    # helper 40: --attention flash on a T4 or a V100 answered as if it ran; FlashAttention-2 needs sm80
+    body = {"model": "gpt2", "training": {"micro_batch_size": 1, "seq_len": 64, "attention": "flash"}}
+    for path, extra in (("/recommend", {}), ("/predict", {"k": 0})):
+        payload = {**body, "cluster": {"gpu": gpu}, **extra}
+        r = client.post(path, json=payload if path == "/recommend" else {"items": [payload]})
+        assert r.status_code == 422, r.text
+        (e,) = r.json()["errors"]
+        assert (
+            e["field"].endswith("training.attention") and "FlashAttention-2 needs sm80 (A100) or newer" in e["allowed"]
+        )
+
+
 def test_recommender_check_422_detail_names_the_field_and_the_allowed_range(client):
     # the allowed range of a recommender check (InvalidConfiguration, service/errors.py) was only in errors[]:
     # the detail read "training: data*tensor*pipeline*context parallel size = 1*16*1*1 = 16 exceeds
