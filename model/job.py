@@ -783,10 +783,17 @@ def training_config(
     """
     quantization = t.resolved_quantization((hf_config or {}).get("quantization_config"))
     if quantization is not Quantization.NONE and t.finetune is not FineTune.LORA:
+        allowed = f"'none' unless finetune='lora' (with LoRA: one of {', '.join(q.value for q in Quantization)})"
         raise InvalidConfiguration(
             "training.quantization",
-            f"'none' unless finetune='lora' (with LoRA: one of {', '.join(q.value for q in Quantization)})",
+            allowed,
             quantization.value,
+            # not the request's: its model's bitsandbytes quantization_config (helper 40 never gave a quantization)
+            message=None
+            if t.quantization is not None
+            else f"training.quantization: {quantization.value}, read from the model's quantization_config, trains "
+            "LoRA adapters only (QLoRA): give finetune='lora' (a LoRA rank), or the model's config without "
+            "quantization_config",
         )
     dp = check_parallel(t, spec, gpu_count)
     if t.frozen_layers > spec.num_layers:

@@ -260,6 +260,10 @@ def test_service_takes_quantization_from_the_config_dict_and_refuses_contradicti
     with pytest.raises(InvalidConfiguration) as err:
         training_config(TrainingIn(micro_batch_size=1, seq_len=64), spec, 1, hf)
     assert err.value.field == "training.quantization" and "finetune='lora'" in err.value.allowed
+    # the request gave no quantization: the message says where it came from (helper 40 was told of a flag never given)
+    assert str(err.value).startswith(
+        "training.quantization: nf4_double_quant, read from the model's quantization_config"
+    )
 
 
 def test_service_answers_422_naming_the_field(tmp_path, small_registry):
