@@ -151,6 +151,16 @@ def _seconds(text: str, zero_ok: bool = False) -> float:
     return value
 
 
+def _folder(text: str) -> Path:
+    """``--registry``: an existing folder (a missing one read as "no model registered")."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a folder" + ("" if path.exists() else " (it does not exist)")
+        )
+    return path
+
+
 def _url(text: str) -> str:
     """``--url``: an http(s) URL with a host (:func:`memfit.client.check_url`)."""
     from memfit.client import check_url
@@ -442,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     o = r.add_argument_group("answer")
     o.add_argument("--url", type=_url, help="ask the memfit service at this URL instead of the local model registry")
     o.add_argument(
-        "--registry", type=Path, metavar="DIR", help="local model registry folder (default: the shipped data/models)"
+        "--registry", type=_folder, metavar="DIR", help="local model registry folder (default: the shipped data/models)"
     )
     o.add_argument(
         "--timeout-s",

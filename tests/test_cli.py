@@ -922,3 +922,11 @@ def test_a_bad_url_is_bad_input_not_an_internal_error(capfd, url, why):
         main(["recommend", "--model", "gpt2", "--gpu", "L4", *BASE, "--url", url])
     assert exit_.value.code == EXIT_BAD_INPUT
     assert f"memfit recommend: error: argument --url: {why}" in capfd.readouterr().err
+
+
+def test_a_registry_folder_that_does_not_exist_is_named(capfd, tmp_path):
+    """Helper 40: ``--registry /tmp/nonexistent`` said "no model registered (train one ...)"."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["recommend", "--model", "gpt2", "--gpu", "L4", *BASE, "--registry", str(tmp_path / "nope")])
+    assert exit_.value.code == EXIT_BAD_INPUT
+    assert f"argument --registry: '{tmp_path / 'nope'}' is not a folder (it does not exist)" in capfd.readouterr().err
