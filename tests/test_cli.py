@@ -347,7 +347,8 @@ def test_parallel_sizes_beyond_the_cluster_name_flag_field_and_allowed_range(run
 def test_a_tensor_parallel_size_the_model_cannot_split_is_refused_before_the_predictor_loads(run, tmp_path):
     # `--tensor-parallel 3` was refused after the registry, store and predictor had loaded (10 s), and it was told
     # one rule of two (the KV heads'), then the other (the query heads') on the next try. The registry given here
-    # does not exist: the request's check (service.recommender.check_request) answers before it is opened
+    # is empty: the request's check (service.recommender.check_request) answers before it is opened
+    (tmp_path / "no-registry").mkdir()
     code, out, err = run(
         "recommend",
         "--config",
@@ -369,7 +370,7 @@ def test_a_tensor_parallel_size_the_model_cannot_split_is_refused_before_the_pre
         "(a divisor of num_attention_heads=16 that divides or is a multiple of num_key_value_heads=8), "
         "got 3\n"
     )
-    # a size the model can split passes the check and reaches the registry, which does not exist (no answer)
+    # a size the model can split passes the check and reaches the registry, which holds no model (no answer)
     code, _, err = run(
         "recommend",
         "--config",
