@@ -8,7 +8,16 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    WithJsonSchema,
+    model_validator,
+)
 
 from memfit.errors import InvalidConfiguration, close_names
 from memfit.schema import (
@@ -258,7 +267,12 @@ def _optimizer_alias(value: Any) -> Any:
     return OPTIMIZER_ALIASES.get(value, value) if isinstance(value, str) else value
 
 
-OptimizerIn = Annotated[Optimizer, BeforeValidator(_optimizer_alias)]
+#: an :class:`Optimizer` or an alias; the schema lists both, so a client that validates against it sends ``adamw``
+OptimizerIn = Annotated[
+    Optimizer,
+    BeforeValidator(_optimizer_alias),
+    WithJsonSchema({"type": "string", "enum": [*(o.value for o in Optimizer), *OPTIMIZER_ALIASES]}),
+]
 
 
 class TrainingIn(_In):

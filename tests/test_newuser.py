@@ -426,6 +426,9 @@ def test_adamw_is_pytorchs_default_adamw_the_foreach_one(small_registry, capsys)
         is Optimizer.ADAMW_FOREACH
     )
     assert "adamw" not in {o.value for o in Optimizer}
+    # the request schema lists the alias, so a client that validates against /openapi.json may send it (helper 41)
+    schema = TrainingIn.model_json_schema()["properties"]["optimizer"]
+    assert schema["enum"] == [*(o.value for o in Optimizer), "adamw"] and schema["default"] == "adamw_foreach"
     answers = {}
     for name in ("adamw", "adamw_foreach"):
         code = main(
