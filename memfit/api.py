@@ -543,7 +543,11 @@ class Recommendation(BaseModel):
     )
     capacity_bytes: int
     usable_bytes: int = Field(description="capacity x (1 - headroom)")
-    shortfall_bytes: int = 0
+    shortfall_bytes: int = Field(
+        0,
+        description="when nothing fits: the usable memory missing at k = L (a card of capacity + shortfall / (1 - "
+        "headroom) runs it); 0 when a k fits",
+    )
     curve: list[CurvePointOut]
     breakdown: dict[str, int] = Field(description="parts of predicted_peak_bytes; they add up to it exactly")
     peak_phase: str | None = Field(

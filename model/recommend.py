@@ -248,7 +248,10 @@ def plan(
         usable_bytes=usable,
         overhead=overhead,
         recompute_fraction=recompute_fraction(k or 0, model.num_layers, training),
-        shortfall_bytes=0 if k is not None else max(fit.shortfall_bytes, totals[at] - usable, 1),
+        # the fit's shortfall is under the allocator's cap, clamped at 0: memory outside PyTorch beyond the usable too
+        shortfall_bytes=0
+        if k is not None
+        else max(fit.shortfall_bytes + max(outside - usable, 0), totals[at] - usable, 1),
         reserved=fit,
     )
 

@@ -862,7 +862,11 @@ def render(rec: Recommendation, *, explain: bool = False, label: str | None = No
     head.add_row("upper bound + overhead", f"{gib(rec.total_upper_bytes)} GiB")
     head.add_row("usable / capacity", f"{gib(rec.usable_bytes)} / {gib(rec.capacity_bytes)} GiB")
     if not rec.fits:
-        head.add_row("shortfall", f"{gib(rec.shortfall_bytes)} GiB")
+        # of usable memory: the card needed adds it over (1 - headroom) (helper 42 added it to the card, 3 GiB short)
+        card = rec.capacity_bytes + rec.shortfall_bytes * rec.capacity_bytes / max(rec.usable_bytes, 1)
+        head.add_row(
+            "shortfall", f"{gib(rec.shortfall_bytes)} GiB of usable memory (a card of {gib(int(card) + 1)} GiB or more)"
+        )
     if rec.parameters_per_rank is not None:
         t = rec.training or {}
         dp = int(t.get("data_parallel_size") or 1)
@@ -1132,7 +1136,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "recommend" and not a.url:
         given = [f for f, v in (("--timeout-s", a.timeout_s), ("--final-wait-s", a.final_wait_s)) if v is not None]
         if given:  # the local answer asks no service: nothing would time out or wait
-            parser.command_parser(a.command).error(f"{' and '.join(given)} apply with --url only (asking the service)")
+            verb = "apply" if len(given) > 1 else "applies"
+            parser.command_parser(a.command).error(f"{' and '.join(given)} {verb} with --url only (asking the service)")
     # bitsandbytes, imported through PEFT, warns on CPU that its optional CPU 4-bit matmul kernel package is
     # missing; memfit never runs that kernel, and the notice read as an error under the answer
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

@@ -895,7 +895,7 @@ def test_url_asks_again_while_the_answer_is_pending_and_says_so(capfd):
 @pytest.mark.parametrize(
     "flags,named",
     [
-        (["--final-wait-s", "5"], "--final-wait-s apply"),
+        (["--final-wait-s", "5"], "--final-wait-s applies"),
         (["--timeout-s", "2", "--final-wait-s", "0"], "--timeout-s and --final-wait-s apply"),
     ],
 )

@@ -138,11 +138,14 @@ def test_the_shortfall_is_the_least_memory_more_that_runs_every_layer_checkpoint
 
     con = Console(width=400, record=True)
     render(rec, explain=True, console=con)
-    cap, room = rec.allocator_cap_bytes, rec.allocator_room_bytes
+    text, cap, room = con.export_text(), rec.allocator_cap_bytes, rec.allocator_room_bytes
     assert (
         f"predicted peak reserved (simulated caching allocator, default allocator settings, uncapped; the fit replays "
         f"the step within {gib(cap - room)}: {gib(cap)} less its largest request)"
-    ) in con.export_text()
+    ) in text
+    # the shortfall is of usable memory; the card that runs it is named (helper 42 added it to the card's memory)
+    card = gib(int(rec.capacity_bytes + rec.shortfall_bytes) + 1)  # headroom 0 here: usable = capacity
+    assert f"{gib(rec.shortfall_bytes)} GiB of usable memory (a card of {card} GiB or more)" in text
 
 
 def test_composed_streams_give_the_traced_streams_answers(recommender, tmp_path, monkeypatch):
@@ -214,6 +217,14 @@ def test_a_gpu_with_nothing_left_for_pytorch_replays_and_records_nothing(recomme
     assert rec.shortfall_bytes > 0 and rec.pending == []
     (note,) = [w for w in rec.warnings if w.startswith("allocator not simulated")]
     assert "the usable 0.00 GiB leave nothing for PyTorch beside the" in note and "outside it: no k fits" in note
+    # the shortfall counts the memory outside PyTorch the card cannot hold either (helper 42: 1 MiB and 0.001 GiB
+    # cards were the same bytes short): one MiB more card, one MiB less short
+    ask = {"model": JOBS[0].model, "training": JOBS[0].training, "headroom_fraction": 0.0}
+    one, two = (
+        recommender.recommend(RecommendRequest.model_validate({**ask, "cluster": {"gpu_memory_bytes": n << 20}}))
+        for n in (1, 2)
+    )
+    assert one.shortfall_bytes - two.shortfall_bytes == 1 << 20
 
 
 @pytest.mark.parametrize(
