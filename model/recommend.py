@@ -50,8 +50,19 @@ class Plan:
     usable_bytes: int
     overhead: Overhead
     recompute_fraction: float = 0.0
-    shortfall_bytes: int = 0
     reserved: ReservedFit | None = None
+
+    @property
+    def shortfall_bytes(self) -> int:
+        """When nothing fits: the usable memory missing at k = L, at least 1 byte; 0 when a k fits. The larger of the
+        fit's shortfall (under the allocator's cap, clamped at 0: plus the memory outside PyTorch beyond the usable)
+        and the bound's over the usable. Read by the answer only: a simulated fit finds its smallest running cap
+        then (:attr:`model.reserved.ReservedFit.shortfall_bytes`), not for every alternative planned."""
+        if self.k is not None:
+            return 0
+        outside = self.overhead.cuda_context_bytes + self.overhead.nccl_bytes
+        fit = self.reserved.shortfall_bytes if self.reserved is not None else 0
+        return max(fit + max(outside - self.usable_bytes, 0), self.total_upper_bytes[-1] - self.usable_bytes, 1)
 
     @property
     def at(self) -> CurvePoint:
@@ -248,10 +259,6 @@ def plan(
         usable_bytes=usable,
         overhead=overhead,
         recompute_fraction=recompute_fraction(k or 0, model.num_layers, training),
-        # the fit's shortfall is under the allocator's cap, clamped at 0: memory outside PyTorch beyond the usable too
-        shortfall_bytes=0
-        if k is not None
-        else max(fit.shortfall_bytes + max(outside - usable, 0), totals[at] - usable, 1),
         reserved=fit,
     )
 

@@ -82,7 +82,8 @@ class SimulatedStep:
     runs: bool
     allowance_bytes: int
     oom_request_bytes: int | None = None
-    #: the smallest cap it runs at (:func:`running_cap_bytes`), found for the k = L step when nothing runs
+    #: the smallest cap it runs at (:func:`running_cap_bytes`): the k = L step's, when nothing runs and
+    #: :attr:`ReservedFit.shortfall_bytes` is read
     running_cap_bytes: int | None = None
 
 
@@ -183,6 +184,8 @@ class ReservedFit:
     steps: dict[int, SimulatedStep] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     allowance_room_bytes: int | None = None
+    #: ``simulated``: the streams replayed, for the shortfall's smallest running cap (found when first read)
+    streams: StreamSource | None = None
 
     def runs_at(self, k: int) -> bool:
         """Whether the step at k runs by this decision's test, the test that picked :attr:`k`: the smallest
@@ -211,6 +214,8 @@ class ReservedFit:
         last = len(self.reserved_bytes) - 1
         step = self.steps.get(last)
         if step is not None:
+            if step.running_cap_bytes is None and not step.runs and self.streams is not None:
+                step.running_cap_bytes = running_cap_bytes(self.streams(last), self.settings, step)
             needed = step.running_cap_bytes or step.reserved_bytes + step.allowance_bytes
             return max(1, needed - self.cap_bytes)
         reserved = self.reserved_bytes[last]
@@ -252,11 +257,8 @@ def simulated_fit(
     lo = next((k for k, u in enumerate(upper_bytes) if u <= cap_bytes), num)
     try:
         k = search_k(runs, lo, num - 1, guess) if lo < num else None
-        # the shortfall is reported at k = L: the least memory its step runs in (it may run while its allocated
-        # bound is over the cap)
-        if k is None and not runs(num - 1):
-            last = steps[num - 1]
-            last.running_cap_bytes = running_cap_bytes(streams(num - 1), settings, last)
+        if k is None and num - 1 not in steps:
+            runs(num - 1)  # the shortfall is reported at k = L (its smallest running cap: when the answer reads it)
     except LookupError:
         return None
     reserved: list[int | None] = [None] * num
@@ -267,7 +269,7 @@ def simulated_fit(
         f"fit decided by replaying the step through a model of PyTorch's caching allocator "
         f"({settings.describe()} settings) at {cap_bytes / GIB:.2f} GiB for the allocator (k visited: {visited})"
     )
-    fit = ReservedFit("simulated", settings, cap_bytes, k, reserved, steps, [first])
+    fit = ReservedFit("simulated", settings, cap_bytes, k, reserved, steps, [first], streams=streams)
     if not settings.expandable_segments:
         fit.notes.append(
             "default allocator: the step must run with its largest request "
